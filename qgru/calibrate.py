@@ -1,0 +1,92 @@
+"""calibrate() and quantize_model(): the user-facing workflow around QuantGRU."""
+from __future__ import annotations
+
+import copy
+from typing import Iterable, List, Union
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .config import QuantConfig
+from .module import QuantGRU
+from .observers import NonFiniteCalibrationError
+
+
+def _quant_grus(model: nn.Module) -> List[QuantGRU]:
+    return [m for m in model.modules() if isinstance(m, QuantGRU)]
+
+
+def _check_finite(obj, batch_index: int) -> None:
+    tensors = [obj] if isinstance(obj, torch.Tensor) else \
+        [getattr(obj, "data", None)] if hasattr(obj, "batch_sizes") else \
+        list(obj) if isinstance(obj, (tuple, list)) else []
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
+            raise NonFiniteCalibrationError(
+                f"calibration batch {batch_index} contains NaN or Inf; calibration data must be finite")
+
+
+def calibrate(model: nn.Module, batches: Iterable, progress: bool = True) -> nn.Module:
+    """Run ``model`` over ``batches`` with every QuantGRU in it observing its ranges.
+
+    A tuple or list batch is called as ``model(*batch)``, anything else as ``model(batch)``.
+    Runs in eval mode and without gradients (the previous mode is restored). Observers start fresh,
+    so calling calibrate() again recalibrates from scratch. Returns ``model``.
+    """
+    grus = _quant_grus(model)
+    if not grus:
+        raise ValueError("calibrate(): the model contains no qgru.QuantGRU "
+                         "(use qgru.quantize_model to swap its nn.GRU modules)")
+    was_training = model.training
+    model.eval()
+    for g in grus:
+        g.start_calibration()
+    seen = 0
+    try:
+        total = len(batches) if hasattr(batches, "__len__") else None
+        with torch.no_grad():
+            for i, batch in enumerate(tqdm(batches, total=total, desc="qgru calibrate",
+                                           unit="batch", disable=not progress)):
+                _check_finite(batch, i)
+                try:
+                    model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+                except NonFiniteCalibrationError as e:
+                    raise NonFiniteCalibrationError(f"calibration batch {i}: {e}") from None
+                seen += 1
+    finally:
+        for g in grus:
+            g.stop_calibration()
+        model.train(was_training)
+    if seen == 0:
+        raise ValueError("calibrate(): the batches iterable was empty; calibration needs at least one batch")
+    return model
+
+
+def quantize_model(model: nn.Module, batches: Iterable, config: Union[str, dict, QuantConfig] = "w8a8",
+                   progress: bool = True) -> nn.Module:
+    """A deep copy of ``model`` with every torch.nn.GRU replaced by a calibrated, converted QuantGRU.
+
+    ``model`` itself is left untouched. ``batches`` is iterated once (see calibrate()).
+    """
+    config = QuantConfig.load(config)
+    qmodel = copy.deepcopy(model)
+    if isinstance(qmodel, nn.GRU) and not isinstance(qmodel, QuantGRU):
+        qmodel = QuantGRU.from_float(qmodel, config)
+    else:
+        _swap(qmodel, config)
+    if not _quant_grus(qmodel):
+        raise ValueError("quantize_model(): the model contains no torch.nn.GRU to quantize")
+    calibrate(qmodel, batches, progress=progress)
+    for g in _quant_grus(qmodel):
+        if not g.is_converted:
+            g.convert()
+    return qmodel
+
+
+def _swap(module: nn.Module, config: QuantConfig) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, nn.GRU) and not isinstance(child, QuantGRU):
+            setattr(module, name, QuantGRU.from_float(child, config))
+        else:
+            _swap(child, config)

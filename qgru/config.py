@@ -1,0 +1,201 @@
+"""Quantization configs: which bit width, symmetry and granularity each tensor of the GRU gets.
+
+A config is a small TOML file (configs/w8a8.toml, w8a16.toml, w16a16.toml ship with qgru) or a dict
+of the same shape. Any tensor can be overridden::
+
+    qgru.QuantConfig.load("w8a8", overrides={"tensors": {"h": {"bits": 16}}})
+
+Unknown keys are errors, never ignored. The tensors (names as in docs/spec.md):
+
+==========  ==========================================  =======================================
+name        what it is                                  granularities allowed
+==========  ==========================================  =======================================
+x           layer input (GEMM operand)                  per_tensor (one grid for the GEMM)
+h           hidden state (GEMM operand)                 per_tensor
+W, R        weight_ih, weight_hh (symmetric, zp = 0)    per_tensor, per_group, per_channel
+Wx, Rh      W.x + b_ih, R.h + b_hh, requantized         per_tensor, per_gate, per_channel
+z_pre ...   gate pre-activations (table inputs)         per_tensor (one table per gate)
+z, r, g     sigmoid / tanh outputs (grid fixed by the   (bits only)
+            function's range)
+==========  ==========================================  =======================================
+"""
+from __future__ import annotations
+
+import copy
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Union
+
+ACTIVATIONS = ("x", "h")
+WEIGHTS = ("W", "R")
+GEMM_OUTPUTS = ("Wx", "Rh")
+PRE_ACTIVATIONS = ("z_pre", "r_pre", "g_pre")
+GATE_OUTPUTS = ("z", "r", "g")
+TENSOR_NAMES = ACTIVATIONS + WEIGHTS + GEMM_OUTPUTS + PRE_ACTIVATIONS + GATE_OUTPUTS
+
+GRANULARITIES = {
+    **{n: ("per_tensor",) for n in ACTIVATIONS + PRE_ACTIVATIONS + GATE_OUTPUTS},
+    **{n: ("per_tensor", "per_group", "per_channel") for n in WEIGHTS},
+    **{n: ("per_tensor", "per_gate", "per_channel") for n in GEMM_OUTPUTS},
+}
+SCALE_MODES = ("pow2", "multiplier")
+OBSERVER_KINDS = ("minmax", "ema", "ema_step")
+BUILTIN_CONFIGS = ("w8a8", "w8a16", "w16a16")
+
+
+def _config_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    for d in (here / "configs", here.parent / "configs"):  # installed wheel, then source checkout
+        if d.is_dir():
+            return d
+    raise FileNotFoundError("qgru's configs/ folder is missing from this installation")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """How one tensor is quantized."""
+    bits: int
+    symmetric: bool
+    granularity: str = "per_tensor"
+    group_size: int = 0  # channels per group, only for granularity "per_group"
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = {"bits": self.bits, "symmetric": self.symmetric, "granularity": self.granularity}
+        if self.granularity == "per_group":
+            d["group_size"] = self.group_size
+        return d
+
+
+@dataclass(frozen=True)
+class ObserverSpec:
+    """Which observer calibrates activations (weights always use exact per-channel min/max)."""
+    kind: str = "ema"
+    momentum: float = 0.1  # weight of the newest batch (or time step, for ema_step)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    name: str
+    scale_mode: str
+    observer: ObserverSpec
+    tensors: Mapping[str, TensorSpec] = field(default_factory=dict)
+
+    def __getitem__(self, tensor: str) -> TensorSpec:
+        return self.tensors[tensor]
+
+    @property
+    def power_of_two(self) -> bool:
+        return self.scale_mode == "pow2"
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def load(cls, config: Union[str, Path, Mapping, "QuantConfig"] = "w8a8",
+             overrides: Optional[Mapping] = None) -> "QuantConfig":
+        """A config from a built-in name, a .toml path, a dict, or a QuantConfig; then overrides."""
+        if isinstance(config, QuantConfig):
+            base, name = config.to_dict(), config.name
+        elif isinstance(config, Mapping):
+            base, name = copy.deepcopy(dict(config)), str(config.get("name", "custom"))
+        elif isinstance(config, (str, Path)):
+            path = Path(config)
+            if str(config) in BUILTIN_CONFIGS:
+                path = _config_dir() / f"{config}.toml"
+            elif path.suffix != ".toml" or not path.is_file():
+                raise ValueError(f"unknown config {config!r}: use one of {', '.join(BUILTIN_CONFIGS)} "
+                                 "or the path of a .toml file")
+            with open(path, "rb") as f:
+                base = tomllib.load(f)
+            name = base.get("name", path.stem)
+        else:
+            raise TypeError(f"config must be a name, a path, a dict or a QuantConfig, got {type(config).__name__}")
+        if overrides:
+            base = _merge(base, overrides, "config")
+        return cls.from_dict(base, default_name=name)
+
+    @classmethod
+    def from_dict(cls, d: Mapping, default_name: str = "custom") -> "QuantConfig":
+        _check_keys(d, {"name", "scale_mode", "observer", "tensors"}, "config")
+        scale_mode = d.get("scale_mode", "pow2")
+        if scale_mode not in SCALE_MODES:
+            raise ValueError(f"config: scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+        obs = dict(d.get("observer", {}))
+        _check_keys(obs, {"kind", "momentum"}, "config.observer")
+        observer = ObserverSpec(kind=obs.get("kind", "ema"), momentum=float(obs.get("momentum", 0.1)))
+        if observer.kind not in OBSERVER_KINDS:
+            raise ValueError(f"config.observer: kind must be one of {OBSERVER_KINDS}, got {observer.kind!r}")
+        if not 0.0 < observer.momentum <= 1.0:
+            raise ValueError(f"config.observer: momentum must be in (0, 1], got {observer.momentum}")
+        raw = d.get("tensors", {})
+        _check_keys(raw, set(TENSOR_NAMES), "config.tensors")
+        missing = [n for n in TENSOR_NAMES if n not in raw]
+        if missing:
+            raise ValueError(f"config.tensors: missing {', '.join(missing)}")
+        tensors = {n: _tensor_spec(n, raw[n]) for n in TENSOR_NAMES}
+        return cls(name=str(d.get("name", default_name)), scale_mode=scale_mode,
+                   observer=observer, tensors=tensors)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"name": self.name, "scale_mode": self.scale_mode,
+                "observer": {"kind": self.observer.kind, "momentum": self.observer.momentum},
+                "tensors": {n: ({"bits": s.bits} if n in GATE_OUTPUTS else s.to_dict())
+                            for n, s in self.tensors.items()}}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def _check_keys(d: Mapping, allowed: set, where: str) -> None:
+    if not isinstance(d, Mapping):
+        raise TypeError(f"{where} must be a table/dict, got {type(d).__name__}")
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                         f"allowed: {', '.join(sorted(allowed))}")
+
+
+def _merge(base: Mapping, over: Mapping, where: str) -> Dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merge(out[k], v, f"{where}.{k}")
+        else:
+            out[k] = v
+    return out
+
+
+def _tensor_spec(name: str, d: Mapping) -> TensorSpec:
+    where = f"config.tensors.{name}"
+    _check_keys(d, {"bits", "symmetric", "granularity", "group_size"}, where)
+    bits = d.get("bits")
+    max_bits = 16
+    if not isinstance(bits, int) or not 2 <= bits <= max_bits:
+        raise ValueError(f"{where}: bits must be an integer in [2, {max_bits}], got {bits!r}")
+    if name in PRE_ACTIVATIONS and bits < 4:
+        raise ValueError(f"{where}: a table input needs at least 4 bits, got {bits}")
+    granularity = d.get("granularity", "per_tensor")
+    if granularity not in GRANULARITIES[name]:
+        raise ValueError(f"{where}: granularity {granularity!r} is not supported for {name}; "
+                         f"allowed: {', '.join(GRANULARITIES[name])}")
+    if name in GATE_OUTPUTS:
+        if "symmetric" in d:
+            raise ValueError(f"{where}: the grid of a gate output is fixed by its function's range "
+                             "(sigmoid [0, 1], tanh [-1, 1]); only 'bits' can be set")
+        symmetric = name == "g"
+    elif name in WEIGHTS:
+        symmetric = d.get("symmetric", True)
+        if symmetric is not True:
+            raise ValueError(f"{where}: weights are symmetric (zero point 0) so that W.x needs no "
+                             "weight zero-point term; symmetric must be true")
+    else:
+        symmetric = d.get("symmetric", False)
+        if not isinstance(symmetric, bool):
+            raise ValueError(f"{where}: symmetric must be true or false, got {symmetric!r}")
+    group_size = d.get("group_size", 0)
+    if granularity == "per_group":
+        if not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"{where}: per_group needs a positive integer group_size, got {group_size!r}")
+    elif "group_size" in d:
+        raise ValueError(f"{where}: group_size is only meaningful with granularity 'per_group'")
+    return TensorSpec(bits=bits, symmetric=symmetric, granularity=granularity, group_size=group_size)

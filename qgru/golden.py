@@ -1,0 +1,135 @@
+"""The golden integer GRU: the one definition of qgru's arithmetic ("reference" backend).
+
+Plain PyTorch integer ops, int64 throughout so nothing can wrap; every rescale goes through
+``primitives.rounding_mul_shift`` and every intermediate is saturated to its declared width. The
+tensor-by-tensor spec (bits, scale, zero point, rounding, saturation, overflow bounds) is in
+docs/spec.md; the names here are the names used there.
+
+Gate layout follows torch.nn.GRU: the 3H channel axis is [r | z | g] (torch calls g "n").
+The formula is torch's (and haste's, and seed 001's):
+    r = sigmoid(Wx_r + Rh_r)            Wx = W x + b_ih,  Rh = R h + b_hh
+    z = sigmoid(Wx_z + Rh_z)
+    g = tanh(Wx_g + r * Rh_g)           (the reset gate multiplies R_g h + b_hg, "reset after")
+    h' = z * h + (1 - z) * g
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .primitives import int_matmul, rounding_mul_shift, saturate
+from .tables import lookup
+
+
+@dataclass
+class Rescale:
+    """A fixed-point factor: v -> round_half_up(v * multiplier / 2**shift) (per-tensor or per-channel)."""
+    multiplier: torch.Tensor  # int64, scalar or [C]
+    shift: torch.Tensor       # int64, same shape
+
+    def __call__(self, v: torch.Tensor) -> torch.Tensor:
+        return rounding_mul_shift(v, self.multiplier, self.shift)
+
+
+@dataclass
+class LayerParams:
+    """Integer parameters of one layer and direction, frozen at convert(). All tensors int64."""
+    input_size: int
+    hidden_size: int
+    bits: Dict[str, int]            # width of every tensor (config names: x, h, W, R, Wx, ...)
+    W: torch.Tensor                 # [3H, I]  q_W, symmetric
+    R: torch.Tensor                 # [3H, H]  q_R, symmetric
+    b_x: torch.Tensor               # [3H] int32-range bias of W.x, at scale S_W[c] * S_x
+    b_h: torch.Tensor               # [3H] bias of R.h, at scale S_R[c] * S_h
+    W_zp_comp: torch.Tensor         # [3H] Z_x * rowsum(q_W), precomputed once
+    R_zp_comp: torch.Tensor         # [3H] Z_h * rowsum(q_R)
+    zp: Dict[str, torch.Tensor]     # zero points: x, h (scalars), Wx, Rh ([3H]), z_pre, r_pre, g_pre, z, r, g
+    rescale: Dict[str, Rescale]     # acc_x->Wx, acc_h->Rh, Wx_r->r_pre, Rh_r->r_pre, ..., zh->h, zg->h
+    tables: Dict[str, torch.Tensor]  # "r", "z" (sigmoid), "g" (tanh) entries
+    one_z: int                      # 1.0 on z's grid, relative to its zero point
+    scale: Dict[str, torch.Tensor]  # float64 scales of x and h: used only at the float boundary
+
+    def to(self, device) -> "LayerParams":
+        def mv(v):
+            if isinstance(v, torch.Tensor):
+                return v.to(device)
+            if isinstance(v, Rescale):
+                return Rescale(v.multiplier.to(device), v.shift.to(device))
+            if isinstance(v, dict):
+                return {k: mv(x) for k, x in v.items()}
+            return v
+        return LayerParams(**{f.name: mv(getattr(self, f.name)) for f in fields(self)})
+
+
+def _gate(v: torch.Tensor, gate: int, hidden: int) -> torch.Tensor:
+    """Slice gate ``gate`` (0 = r, 1 = z, 2 = g) out of the last (3H) axis."""
+    return v[..., gate * hidden:(gate + 1) * hidden]
+
+
+def _slice(v: torch.Tensor, gate: int, hidden: int) -> torch.Tensor:
+    """Per-channel parameter slice for one gate (scalars broadcast unchanged)."""
+    return v if v.dim() == 0 else v[gate * hidden:(gate + 1) * hidden]
+
+
+def input_gemm(p: LayerParams, qx: torch.Tensor) -> torch.Tensor:
+    """Wx for all time steps at once: qx [..., I] -> q_Wx - Z_Wx [..., 3H] (seed 001, step 1-2)."""
+    lead = qx.shape[:-1]
+    acc = int_matmul(qx.reshape(-1, p.input_size), p.bits["x"], p.W.t(), p.bits["W"])
+    acc = acc - p.W_zp_comp + p.b_x
+    q = saturate(p.rescale["Wx"](acc) + p.zp["Wx"], p.bits["Wx"])
+    return (q - p.zp["Wx"]).reshape(*lead, 3 * p.hidden_size)
+
+
+def gru_step(p: LayerParams, dWx: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
+    """One time step: dWx [N, 3H] (= q_Wx - Z_Wx), qh [N, H] -> new q_h [N, H]."""
+    H = p.hidden_size
+    b, zp, rs = p.bits, p.zp, p.rescale
+    # Rh = R.h + b_hh, requantized (seed 001, step 3.1)
+    acc = int_matmul(qh, b["h"], p.R.t(), b["R"]) - p.R_zp_comp + p.b_h
+    dRh = saturate(rs["Rh"](acc) + zp["Rh"], b["Rh"]) - zp["Rh"]
+
+    def sigmoid_gate(name: str, gate: int) -> torch.Tensor:  # computeR / computeZ
+        pre = saturate(rs[f"Wx_{name}"](_gate(dWx, gate, H)) + rs[f"Rh_{name}"](_gate(dRh, gate, H))
+                       + zp[f"{name}_pre"], b[f"{name}_pre"])
+        q = lookup(pre, p.tables[name], b[f"{name}_pre"], int(zp[name]), b[name])
+        return q - zp[name]
+
+    d_r = sigmoid_gate("r", 0)
+    d_z = sigmoid_gate("z", 1)
+    # computeG: g = tanh(Wx_g + r * Rh_g); the product r * Rh_g is rescaled straight into g_pre
+    g_pre = saturate(rs["Wx_g"](_gate(dWx, 2, H)) + rs["rRh_g"](d_r * _gate(dRh, 2, H)) + zp["g_pre"],
+                     b["g_pre"])
+    d_g = lookup(g_pre, p.tables["g"], b["g_pre"], int(zp["g"]), b["g"]) - zp["g"]
+    # computeH: h' = z * h + (1 - z) * g, with 1 - z on z's own grid: one_z - d_z
+    d_one_minus_z = p.one_z - d_z
+    h_new = rs["zh"](d_z * (qh - zp["h"])) + rs["zg"](d_one_minus_z * d_g) + zp["h"]
+    return saturate(h_new, b["h"])
+
+
+def gru_direction(p: LayerParams, qx: torch.Tensor, qh0: torch.Tensor,
+                  lengths: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Run one direction over time: qx [T, N, I], qh0 [N, H] -> (q outputs [T, N, H], q h_n [N, H]).
+
+    ``lengths`` [N] (for packed input): steps t >= lengths[n] leave row n's state unchanged.
+    A reverse direction is run by the caller on sequences reversed within their lengths.
+    """
+    T = qx.shape[0]
+    dWx = input_gemm(p, qx)
+    h = qh0
+    outs = []
+    for t in range(T):
+        h_new = gru_step(p, dWx[t], h)
+        if lengths is not None:
+            h_new = torch.where((t < lengths).unsqueeze(1), h_new, h)
+        h = h_new
+        outs.append(h)
+    out = torch.stack(outs) if outs else qx.new_zeros((0,) + tuple(qh0.shape))
+    return out, h
+
+
+def requantize_input(q: torch.Tensor, from_zp: torch.Tensor, rescale: Rescale,
+                     to_zp: torch.Tensor, to_bits: int) -> torch.Tensor:
+    """Move a layer's output (one direction's h grid) onto the next layer's input grid."""
+    return saturate(rescale(q - from_zp) + to_zp, to_bits)

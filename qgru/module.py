@@ -1,0 +1,304 @@
+"""QuantGRU: a drop-in torch.nn.GRU that calibrates, converts and runs integer-only inference.
+
+Three modes, one module:
+  float       (default)  forward is torch.nn.GRU's own (same parameters, same kernels, autograd)
+  calibrating (inside qgru.calibrate) the step-by-step float reference runs with observers on
+  converted   (after convert()) forward runs the integer GRU on the selected backend
+
+Input and output stay float at the module boundary: the input and h0 are quantized on entry and
+the outputs dequantized on exit; everything in between is integer (docs/spec.md).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+
+from .backends import current_backend
+from .config import QuantConfig
+from .convert import derive_layer_params
+from .float_gru import float_direction
+from .golden import LayerParams, requantize_input
+from .observers import Observer
+from .primitives import dequantize, quantize
+
+_ACT_OBSERVED = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre")
+
+
+def reverse_within_lengths(x: torch.Tensor, lengths: Optional[torch.Tensor]) -> torch.Tensor:
+    """Reverse each sequence of a time-major [T, N, ...] tensor within its own length.
+
+    Padding positions (t >= length) stay where they are. Applying it twice is the identity.
+    """
+    if lengths is None:
+        return x.flip(0)
+    T = x.shape[0]
+    t = torch.arange(T, device=x.device).unsqueeze(1)
+    L = lengths.to(x.device).unsqueeze(0)
+    idx = torch.where(t < L, L - 1 - t, t)  # [T, N]
+    idx = idx.reshape(T, -1, *([1] * (x.dim() - 2))).expand_as(x)
+    return x.gather(0, idx)
+
+
+class QuantGRU(nn.GRU):
+    """torch.nn.GRU's signature, parameters and state_dict, plus ``config`` (see qgru.QuantConfig)."""
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
+                 batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
+                 device=None, dtype=None, config: Union[str, dict, QuantConfig] = "w8a8"):
+        super().__init__(input_size, hidden_size, num_layers=num_layers, bias=bias,
+                         batch_first=batch_first, dropout=dropout, bidirectional=bidirectional,
+                         device=device, dtype=dtype)
+        self.qconfig = QuantConfig.load(config)
+        self._observers: Optional[Dict[Tuple[int, int], Dict[str, Observer]]] = None
+        self._calibrating = False
+        self._qparams: Optional[List[List[LayerParams]]] = None
+        self._qparams_on: Dict[str, List[List[LayerParams]]] = {}
+
+    # ---- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_float(cls, gru: nn.GRU, config: Union[str, dict, QuantConfig] = "w8a8") -> "QuantGRU":
+        """A QuantGRU with a copy of ``gru``'s parameters (``gru`` itself is not modified)."""
+        if not isinstance(gru, nn.GRU):
+            raise TypeError(f"from_float expects a torch.nn.GRU, got {type(gru).__name__}")
+        p = next(gru.parameters())
+        m = cls(gru.input_size, gru.hidden_size, gru.num_layers, gru.bias, gru.batch_first,
+                gru.dropout, gru.bidirectional, device=p.device, dtype=p.dtype, config=config)
+        m.load_state_dict(gru.state_dict())
+        m.train(gru.training)
+        return m
+
+    def to_float(self) -> nn.GRU:
+        """A plain torch.nn.GRU with this module's float parameters."""
+        p = next(self.parameters())
+        g = nn.GRU(self.input_size, self.hidden_size, self.num_layers, self.bias, self.batch_first,
+                   self.dropout, self.bidirectional, device=p.device, dtype=p.dtype)
+        g.load_state_dict(self.state_dict())
+        g.train(self.training)
+        return g
+
+    @property
+    def num_directions(self) -> int:
+        return 2 if self.bidirectional else 1
+
+    @property
+    def is_converted(self) -> bool:
+        return self._qparams is not None
+
+    def extra_repr(self) -> str:
+        state = "converted" if self.is_converted else ("calibrating" if self._calibrating else "float")
+        return f"{super().extra_repr()}, config={self.qconfig.name}, {state}"
+
+    def _weights(self, layer: int, direction: int):
+        sfx = f"_l{layer}" + ("_reverse" if direction else "")
+        get = lambda n: getattr(self, n + sfx) if self.bias or not n.startswith("bias") else None
+        return get("weight_ih"), get("weight_hh"), get("bias_ih"), get("bias_hh")
+
+    # ---- calibration ------------------------------------------------------------------------
+    def start_calibration(self) -> None:
+        """Attach fresh observers; forward passes now run the float reference and record ranges."""
+        if self.is_converted:
+            raise RuntimeError("this QuantGRU is already converted; calibrate a float copy instead")
+        H3 = 3 * self.hidden_size
+        obs_spec = self.qconfig.observer
+        self._observers = {}
+        for layer in range(self.num_layers):
+            for d in range(self.num_directions):
+                obs = {}
+                for n in _ACT_OBSERVED:
+                    per_channel = self.qconfig[n].granularity in ("per_gate", "per_channel")
+                    label = f"layer {layer}{' reverse' if d else ''} {n}"
+                    obs[n] = Observer(label, obs_spec.kind, obs_spec.momentum, H3 if per_channel else 0)
+                self._observers[(layer, d)] = obs
+        self._calibrating = True
+
+    def stop_calibration(self) -> None:
+        self._calibrating = False
+
+    def convert(self) -> "QuantGRU":
+        """Freeze integer parameters from the observers; forward then runs integer-only. Returns self."""
+        if self.is_converted:
+            raise RuntimeError("this QuantGRU is already converted")
+        if self._observers is None:
+            raise RuntimeError("convert() needs calibration first: run qgru.calibrate(model, batches)")
+        for obs in self._observers.values():
+            for o in obs.values():
+                o.sync()
+        params: List[List[LayerParams]] = []
+        for layer in range(self.num_layers):
+            row = []
+            prev = [] if layer == 0 else [(p.scale["h"], p.zp["h"]) for p in params[layer - 1]]
+            for d in range(self.num_directions):
+                ranges = {n: o.range() for n, o in self._observers[(layer, d)].items()}
+                row.append(derive_layer_params(*self._weights(layer, d), ranges, self.qconfig, prev))
+            params.append(row)
+        self._set_params(params)
+        self._calibrating = False
+        self._observers = None
+        return self
+
+    def _set_params(self, params: List[List[LayerParams]]) -> None:
+        self._qparams = params
+        self._qparams_on = {"cpu": params}
+
+    def _params_on(self, device: torch.device) -> List[List[LayerParams]]:
+        key = str(device)
+        if key not in self._qparams_on:
+            self._qparams_on[key] = [[p.to(device) for p in row] for row in self._qparams]
+        return self._qparams_on[key]
+
+    def export(self):
+        """The integer parameters as a qgru.QuantParams (plain tensors and ints)."""
+        from .export import QuantParams
+        if not self.is_converted:
+            raise RuntimeError("export() needs a converted model: calibrate, then convert()")
+        return QuantParams.from_module(self)
+
+    # ---- forward ----------------------------------------------------------------------------
+    def forward(self, input, hx: Optional[torch.Tensor] = None):
+        if not self.is_converted and not self._calibrating:
+            self._check_input(input, hx)
+            return super().forward(input, hx)
+        x, lengths, hx, unbatched, packed = self._prepare(input, hx)
+        if self.is_converted:
+            out, h_n = self._forward_integer(x, hx, lengths)
+        else:
+            with torch.no_grad():
+                out, h_n = self._forward_float_reference(x, hx, lengths)
+        return self._finish(out, h_n, input, unbatched, packed)
+
+    def _check_input(self, input, hx) -> None:
+        data = input.data if isinstance(input, PackedSequence) else input
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"QuantGRU expects a Tensor or PackedSequence, got {type(input).__name__}")
+        if not data.is_floating_point():
+            raise TypeError(f"QuantGRU input must be a floating-point tensor, got {data.dtype}")
+        w = self.weight_ih_l0
+        if data.device != w.device:
+            raise ValueError(f"input is on {data.device} but the module is on {w.device}")
+        if isinstance(input, PackedSequence):
+            if data.dim() != 2:
+                raise ValueError(f"PackedSequence data must be 2-D (sum of lengths, input_size), got {tuple(data.shape)}")
+        elif data.dim() not in (2, 3):
+            raise ValueError(f"QuantGRU expects 2-D (unbatched) or 3-D input, got {data.dim()}-D "
+                             f"of shape {tuple(data.shape)}")
+        if data.shape[-1] != self.input_size:
+            raise ValueError(f"input size mismatch: expected last dimension {self.input_size}, "
+                             f"got {data.shape[-1]} (shape {tuple(data.shape)})")
+        if hx is not None:
+            if not isinstance(hx, torch.Tensor) or not hx.is_floating_point():
+                raise TypeError("h0 must be a floating-point tensor")
+            if hx.device != w.device:
+                raise ValueError(f"h0 is on {hx.device} but the module is on {w.device}")
+            batched = isinstance(input, PackedSequence) or data.dim() == 3
+            if batched:
+                n = int(input.batch_sizes[0]) if isinstance(input, PackedSequence) else \
+                    data.shape[0 if self.batch_first else 1]
+                expect = (self.num_layers * self.num_directions, n, self.hidden_size)
+            else:
+                expect = (self.num_layers * self.num_directions, self.hidden_size)
+            if tuple(hx.shape) != expect:
+                raise ValueError(f"h0 must have shape {expect}, got {tuple(hx.shape)}")
+
+    def _prepare(self, input, hx):
+        """-> time-major float x [T, N, I], lengths or None, h0 [L*D, N, H], flags."""
+        self._check_input(input, hx)
+        packed = isinstance(input, PackedSequence)
+        unbatched = False
+        lengths = None
+        if packed:
+            x, lengths = pad_packed_sequence(input, batch_first=False)
+        else:
+            x = input
+            if x.dim() == 2:
+                unbatched = True
+                x = x.unsqueeze(1)
+                hx = hx.unsqueeze(1) if hx is not None else None
+            elif self.batch_first:
+                x = x.transpose(0, 1)
+        N = x.shape[1]
+        if hx is None:
+            hx = x.new_zeros(self.num_layers * self.num_directions, N, self.hidden_size)
+        return x, lengths, hx, unbatched, packed
+
+    def _finish(self, out, h_n, input, unbatched, packed):
+        if packed:
+            idx = input.sorted_indices
+            rows = []
+            for t, bs in enumerate(input.batch_sizes.tolist()):
+                sel = torch.arange(bs) if idx is None else idx[:bs]
+                rows.append(out[t, sel.to(out.device)])
+            data = torch.cat(rows) if rows else out.new_zeros(0, out.shape[-1])
+            return PackedSequence(data, input.batch_sizes, input.sorted_indices, input.unsorted_indices), h_n
+        if unbatched:
+            return out.squeeze(1), h_n.squeeze(1)
+        if self.batch_first:
+            out = out.transpose(0, 1)
+        return out, h_n
+
+    def _run_stack(self, x, hx, lengths, direction_fn):
+        """Layers and directions; direction_fn(layer, d, layer_inputs, h0) -> (out [T,N,H], h_n)."""
+        h_n = []
+        layer_out = None
+        for layer in range(self.num_layers):
+            outs = []
+            for d in range(self.num_directions):
+                h0 = hx[layer * self.num_directions + d]
+                inp = x if layer == 0 else layer_out
+                if d == 1:
+                    inp = [reverse_within_lengths(v, lengths) for v in inp] if isinstance(inp, list) \
+                        else reverse_within_lengths(inp, lengths)
+                o, h = direction_fn(layer, d, inp, h0)
+                if d == 1:
+                    o = reverse_within_lengths(o, lengths)
+                outs.append(o)
+                h_n.append(h)
+            layer_out = outs
+        return layer_out, h_n
+
+    def _forward_float_reference(self, x, hx, lengths):
+        def run(layer, d, inp, h0):
+            inp = inp if layer == 0 else torch.cat(inp, dim=-1)
+            return float_direction(*self._weights(layer, d), inp, h0, lengths, self._observers[(layer, d)])
+
+        outs, h_n = self._run_stack(x, hx, lengths, run)
+        for obs in self._observers.values():
+            for o in obs.values():
+                o.end_call()
+        return self._pad_zero(torch.cat(outs, dim=-1), lengths), torch.stack(h_n)
+
+    def _forward_integer(self, x, hx, lengths):
+        params = self._params_on(x.device)
+        backend = current_backend()
+        if lengths is not None:
+            lengths = lengths.to(x.device)
+
+        def run(layer, d, inp, h0):
+            p = params[layer][d]
+            if layer == 0:
+                qx = quantize(inp, p.scale["x"], p.zp["x"], p.bits["x"])
+            else:  # previous layer's integer outputs, moved onto this direction's x grid
+                prev = params[layer - 1]
+                qx = torch.cat([requantize_input(q, prev[e].zp["h"], p.rescale[f"in_{e}"], p.zp["x"], p.bits["x"])
+                                for e, q in enumerate(inp)], dim=-1)
+            qh0 = quantize(h0, p.scale["h"], p.zp["h"], p.bits["h"])
+            return backend.gru_direction(p, qx, qh0, lengths)
+
+        with torch.no_grad():
+            q_outs, q_hn = self._run_stack(x, hx, lengths, run)
+        last = params[-1]
+        out = torch.cat([dequantize(q, last[d].scale["h"], last[d].zp["h"]) for d, q in enumerate(q_outs)], -1)
+        h_n = torch.stack([dequantize(q, params[i // self.num_directions][i % self.num_directions].scale["h"],
+                                      params[i // self.num_directions][i % self.num_directions].zp["h"])
+                           for i, q in enumerate(q_hn)])
+        return self._pad_zero(out.to(x.dtype), lengths), h_n.to(x.dtype)
+
+    @staticmethod
+    def _pad_zero(out, lengths):
+        """Zero the outputs at padded positions, as nn.GRU's pad_packed_sequence would show them."""
+        if lengths is None:
+            return out
+        t = torch.arange(out.shape[0], device=out.device).unsqueeze(1)
+        return out * (t < lengths.to(out.device).unsqueeze(0)).unsqueeze(-1).to(out.dtype)
