@@ -147,6 +147,12 @@ def split_int8_limbs(a: torch.Tensor, bits: int):
     raise ValueError(f"integer matmul operands are at most 16 bits, got {bits}")
 
 
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 2 and t.stride() == (t.shape[1], 1):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def _int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """int8 [M,K] @ int8 [K,N] -> int32 with torch._int_mm, exact for K < 2**17.
 
@@ -154,6 +160,9 @@ def _int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     operands are zero-padded to meet that (zeros add nothing to any dot product), never sent to a
     slower path.
     """
+    # Canonical row-major strides: torch._int_mm reads leading dimensions from strides, and a tensor
+    # with a size-1 dimension can be "contiguous" with a degenerate stride (e.g. W.t() of a [3, 1] W).
+    a, b = _row_major(a), _row_major(b)
     if a.device.type == "cpu":
         return torch._int_mm(a, b)
     m, k = a.shape
@@ -180,7 +189,7 @@ def int_matmul(a: torch.Tensor, a_bits: int, b: torch.Tensor, b_bits: int) -> to
     for la, wa, ca in split_int8_limbs(a64, a_bits):
         for lb, wb, cb in split_int8_limbs(b64, b_bits):
             # (la + ca) @ (lb + cb) = la@lb + ca * colsum(lb) + cb * rowsum(la) + ca*cb*K
-            term = _int8_mm(la.contiguous(), lb.contiguous()).to(torch.int64)
+            term = _int8_mm(la, lb).to(torch.int64)
             if ca:
                 term = term + ca * lb.to(torch.int64).sum(0, keepdim=True)
             if cb:
