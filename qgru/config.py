@@ -5,6 +5,12 @@ of the same shape. Any tensor can be overridden::
 
     qgru.QuantConfig.load("w8a8", overrides={"tensors": {"h": {"bits": 16}}})
 
+Each tensor takes ``bits``, ``symmetric``, ``granularity`` (+ ``group_size`` for per_group) and,
+for calibrated activations, ``headroom``: the calibrated range is widened by that factor before
+the grid is chosen. Wide (16-bit) tensors have resolution to spare, and widening them keeps
+inference inputs beyond the calibration extremes from saturating; the shipped configs use
+headroom 2 on every 16-bit activation and none on 8-bit ones, where resolution matters more.
+
 Unknown keys are errors, never ignored. The tensors (names as in docs/spec.md):
 
 ==========  ==========================================  =======================================
@@ -60,11 +66,14 @@ class TensorSpec:
     symmetric: bool
     granularity: str = "per_tensor"
     group_size: int = 0  # channels per group, only for granularity "per_group"
+    headroom: float = 1.0  # calibrated range is widened by this factor (activations only)
 
     def to_dict(self) -> Dict[str, Any]:
         d = {"bits": self.bits, "symmetric": self.symmetric, "granularity": self.granularity}
         if self.granularity == "per_group":
             d["group_size"] = self.group_size
+        if self.headroom != 1.0:
+            d["headroom"] = self.headroom
         return d
 
 
@@ -167,7 +176,7 @@ def _merge(base: Mapping, over: Mapping, where: str) -> Dict:
 
 def _tensor_spec(name: str, d: Mapping) -> TensorSpec:
     where = f"config.tensors.{name}"
-    _check_keys(d, {"bits", "symmetric", "granularity", "group_size"}, where)
+    _check_keys(d, {"bits", "symmetric", "granularity", "group_size", "headroom"}, where)
     bits = d.get("bits")
     max_bits = 16
     if not isinstance(bits, int) or not 2 <= bits <= max_bits:
@@ -198,4 +207,10 @@ def _tensor_spec(name: str, d: Mapping) -> TensorSpec:
             raise ValueError(f"{where}: per_group needs a positive integer group_size, got {group_size!r}")
     elif "group_size" in d:
         raise ValueError(f"{where}: group_size is only meaningful with granularity 'per_group'")
-    return TensorSpec(bits=bits, symmetric=symmetric, granularity=granularity, group_size=group_size)
+    headroom = d.get("headroom", 1.0)
+    if "headroom" in d and name in WEIGHTS + GATE_OUTPUTS:
+        raise ValueError(f"{where}: headroom applies to calibrated activations only, not to {name}")
+    if not isinstance(headroom, (int, float)) or isinstance(headroom, bool) or headroom < 1.0:
+        raise ValueError(f"{where}: headroom must be a number >= 1, got {headroom!r}")
+    return TensorSpec(bits=bits, symmetric=symmetric, granularity=granularity, group_size=group_size,
+                      headroom=float(headroom))

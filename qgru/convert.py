@@ -46,7 +46,9 @@ def activation_qparams(lo: torch.Tensor, hi: torch.Tensor, spec: TensorSpec, hid
 
     Scalars for per_tensor; for Wx/Rh with per_gate or per_channel, vectors of 3H entries (per_gate
     first reduces the per-channel ranges over each gate's H channels).
+    The observed range is first widened by the tensor's ``headroom`` factor.
     """
+    lo, hi = lo * spec.headroom, hi * spec.headroom
     if spec.granularity == "per_gate":
         lo = lo.reshape(3, hidden).amin(1).repeat_interleave(hidden)
         hi = hi.reshape(3, hidden).amax(1).repeat_interleave(hidden)
