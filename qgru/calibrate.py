@@ -6,6 +6,7 @@ from typing import Iterable, List, Union
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 from tqdm.auto import tqdm
 
 from .config import QuantConfig
@@ -18,9 +19,12 @@ def _quant_grus(model: nn.Module) -> List[QuantGRU]:
 
 
 def _check_finite(obj, batch_index: int) -> None:
-    tensors = [obj] if isinstance(obj, torch.Tensor) else \
-        [getattr(obj, "data", None)] if hasattr(obj, "batch_sizes") else \
-        list(obj) if isinstance(obj, (tuple, list)) else []
+    if isinstance(obj, PackedSequence):
+        tensors = [obj.data]
+    elif isinstance(obj, (tuple, list)):
+        tensors = [t.data if isinstance(t, PackedSequence) else t for t in obj]
+    else:
+        tensors = [obj]
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
             raise NonFiniteCalibrationError(
@@ -38,26 +42,35 @@ def calibrate(model: nn.Module, batches: Iterable, progress: bool = True) -> nn.
     if not grus:
         raise ValueError("calibrate(): the model contains no qgru.QuantGRU "
                          "(use qgru.quantize_model to swap its nn.GRU modules)")
-    was_training = model.training
-    model.eval()
-    for g in grus:
-        g.start_calibration()
+    converted = [g for g in grus if g.is_converted]
+    if converted:
+        raise RuntimeError(f"calibrate(): {len(converted)} QuantGRU(s) in the model are already converted; "
+                           "calibrate a float model (or a fresh copy) instead")
+    modes = {m: m.training for m in model.modules()}  # restored one by one, submodules included
     seen = 0
     try:
+        model.eval()
+        for g in grus:
+            g.start_calibration()
         total = len(batches) if hasattr(batches, "__len__") else None
         with torch.no_grad():
             for i, batch in enumerate(tqdm(batches, total=total, desc="qgru calibrate",
                                            unit="batch", disable=not progress)):
                 _check_finite(batch, i)
                 try:
-                    model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+                    # a PackedSequence is a namedtuple, but it is one input, not an argument list
+                    if isinstance(batch, (tuple, list)) and not isinstance(batch, PackedSequence):
+                        model(*batch)
+                    else:
+                        model(batch)
                 except NonFiniteCalibrationError as e:
                     raise NonFiniteCalibrationError(f"calibration batch {i}: {e}") from None
                 seen += 1
     finally:
         for g in grus:
             g.stop_calibration()
-        model.train(was_training)
+        for m, training in modes.items():
+            m.training = training
     if seen == 0:
         raise ValueError("calibrate(): the batches iterable was empty; calibration needs at least one batch")
     return model

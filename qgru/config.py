@@ -28,6 +28,7 @@ z, r, g     sigmoid / tanh outputs (grid fixed by the   (bits only)
 from __future__ import annotations
 
 import copy
+import math
 import json
 import tomllib
 from dataclasses import dataclass, field
@@ -210,7 +211,7 @@ def _tensor_spec(name: str, d: Mapping) -> TensorSpec:
     headroom = d.get("headroom", 1.0)
     if "headroom" in d and name in WEIGHTS + GATE_OUTPUTS:
         raise ValueError(f"{where}: headroom applies to calibrated activations only, not to {name}")
-    if not isinstance(headroom, (int, float)) or isinstance(headroom, bool) or headroom < 1.0:
+    if not isinstance(headroom, (int, float)) or isinstance(headroom, bool) or not 1.0 <= headroom < math.inf:
         raise ValueError(f"{where}: headroom must be a number >= 1, got {headroom!r}")
     return TensorSpec(bits=bits, symmetric=symmetric, granularity=granularity, group_size=group_size,
                       headroom=float(headroom))

@@ -270,6 +270,10 @@ class QuantGRU(nn.GRU):
         return self._pad_zero(torch.cat(outs, dim=-1), lengths), torch.stack(h_n)
 
     def _forward_integer(self, x, hx, lengths):
+        for name, t in (("input", x), ("h0", hx)):
+            if torch.isnan(t).any():
+                raise ValueError(f"QuantGRU {name} contains NaN, which has no quantized value "
+                                 "(out-of-range and infinite values saturate)")
         params = self._params_on(x.device)
         backend = current_backend()
         if lengths is not None:

@@ -85,10 +85,10 @@ class Observer:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
         shape = (self.channels,) if self.channels else ()
-        saw = torch.tensor([1.0 if self.min is not None else 0.0], dtype=torch.float64)
+        saw = torch.tensor(1.0 if self.min is not None else 0.0, dtype=torch.float64)  # 0-dim: keeps shapes
         lo = self.min if self.min is not None else torch.zeros(shape, dtype=torch.float64)
         hi = self.max if self.max is not None else torch.zeros(shape, dtype=torch.float64)
-        count = torch.tensor([float(self.count)], dtype=torch.float64)
+        count = torch.tensor(float(self.count), dtype=torch.float64)
         dist.all_reduce(count, op=dist.ReduceOp.SUM)
         ranks_with_data = saw.clone()
         dist.all_reduce(ranks_with_data, op=dist.ReduceOp.SUM)

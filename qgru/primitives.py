@@ -49,11 +49,15 @@ def round_half_up(v: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, bits: int) -> torch.Tensor:
     """Float -> integer: q = saturate(round_half_up(x / scale) + zero_point).
 
-    The division is done in float64. Only used where a float enters the integer model
-    (the module's input, h0, and the float weights at convert()).
+    The division is done in float64 and clamped to just beyond the integer range before the
+    conversion to int64, so that any finite or infinite input saturates to the correct end
+    (a NaN has no quantized value: callers reject it). Only used where a float enters the integer
+    model (the module's input, h0, and the float weights at convert()).
     """
-    q = round_half_up(x.double() / scale.double()) + zero_point.to(torch.int64)
-    return saturate(q, bits)
+    lo, hi = qrange(bits)
+    zp = zero_point.to(torch.int64)
+    v = (x.double() / scale.double()).clamp(lo - zp.double() - 1, hi - zp.double() + 1)
+    return saturate(round_half_up(v) + zp, bits)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:

@@ -95,6 +95,26 @@ def assert_like_gru(got, ref, tol):
         assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
 
 
+def assert_h_n_is_last_output(result, gru):
+    """nn.GRU's invariant: the last layer's h_n is its output at each sequence's last step
+    (forward direction) and at step 0 (reverse direction)."""
+    out, h_n = result
+    D, H = (2 if gru.bidirectional else 1), gru.hidden_size
+    if isinstance(out, PackedSequence):
+        out, lengths = pad_packed_sequence(out)  # [T, N, D*H]
+    else:
+        if out.dim() == 2:  # unbatched
+            out, h_n = out.unsqueeze(1), h_n.unsqueeze(1)
+        elif gru.batch_first:
+            out = out.transpose(0, 1)
+        lengths = torch.full((out.shape[1],), out.shape[0])
+    last = h_n[-D:]
+    n = torch.arange(out.shape[1])
+    assert torch.equal(out[lengths - 1, n, :H], last[0])
+    if D == 2:
+        assert torch.equal(out[0, :, H:], last[1])
+
+
 def calib_config(name):
     """A built-in config with a min/max observer: calibrating on the very inputs the test runs
     means nothing is clipped, so the measured error is pure rounding error."""
@@ -159,9 +179,7 @@ def test_from_float_rejects_non_gru():
 
 @pytest.mark.parametrize("converted", [False, True])
 def test_to_float_returns_plain_gru_with_equal_state(converted):
-    gru, m = converted_pair(2, True, True, True) if converted else (None, None)
-    if not converted:
-        m = QuantGRU.from_float(make_gru(2, True, True, True))
+    m = converted_pair(2, True, True, True)[1] if converted else QuantGRU.from_float(make_gru(2, True, True, True))
     g = m.to_float()
     assert type(g) is nn.GRU
     for attr in ("input_size", "hidden_size", "num_layers", "bias", "batch_first", "dropout", "bidirectional"):
@@ -197,6 +215,7 @@ def test_float_paths_match_nn_gru(path, num_layers, bidirectional, batch_first, 
             finally:
                 m.stop_calibration()
     assert_like_gru(got, ref, tol=1e-5)
+    assert_h_n_is_last_output(got, gru)
 
 
 def test_calibration_reference_actually_runs_qgru_float_gru(monkeypatch):
@@ -231,7 +250,9 @@ def test_integer_path_matches_nn_gru_interface_and_values(num_layers, bidirectio
     for kind, with_h0 in itertools.product(INPUT_KINDS, [False, True]):
         x, h0, _, _ = make_input(kind, gru, with_h0)
         with torch.no_grad():
-            assert_like_gru(call(m, x, h0), call(gru, x, h0), tol=INT_TOL["w8a8"])
+            got = call(m, x, h0)
+        assert_like_gru(got, call(gru, x, h0), tol=INT_TOL["w8a8"])
+        assert_h_n_is_last_output(got, gru)
 
 
 @pytest.mark.parametrize("num_layers,bidirectional,batch_first,bias",
@@ -247,8 +268,7 @@ def test_integer_path_w16a16_is_much_closer(num_layers, bidirectional, batch_fir
 
 @pytest.mark.parametrize("with_h0", [False, True], ids=["no_h0", "h0"])
 @pytest.mark.parametrize("kind", ["packed_unsorted", "packed_sorted"])
-@pytest.mark.parametrize("num_layers,bidirectional,batch_first,bias",
-                         [c for c in MODEL_GRID if c[3]] + [(2, True, True, False)])
+@pytest.mark.parametrize("num_layers,bidirectional,batch_first,bias", MODEL_GRID, ids=MODEL_IDS)
 def test_integer_packed_equals_each_sequence_alone(num_layers, bidirectional, batch_first, bias, kind, with_h0):
     gru, m = converted_pair(num_layers, bidirectional, batch_first, bias)
     x, h0, lengths, padded = make_input(kind, gru, with_h0)
@@ -263,8 +283,6 @@ def test_integer_packed_equals_each_sequence_alone(num_layers, bidirectional, ba
         o_i = o_i[0] if batch_first else o_i[:, 0]
         assert torch.equal(out_pad[i, :L], o_i), f"sequence {i} (length {L}): outputs differ"
         assert torch.equal(h_n[:, i], h_i[:, 0]), f"sequence {i} (length {L}): h_n differs"
-        # as for nn.GRU, the padding of the unpacked output is zero
-        assert torch.all(out_pad[i, L:] == 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,16 +301,12 @@ def test_integer_padding_values_do_not_affect_results(num_layers, bidirectional)
     out_b, h_b = m(pack_padded_sequence(garbage, lengths, batch_first=True, enforce_sorted=False), h0)
     assert torch.equal(out_a.data, out_b.data) and torch.equal(h_a, h_b)
 
-    # one level down: the time-major padded tensor that the integer stack itself consumes,
-    # garbage at t >= length (reversal within lengths and layer hand-off must ignore it)
-    def integer(xp):
-        o, h = m._forward_integer(xp.transpose(0, 1).contiguous(), h0, lengths)
-        return o, h
-    o_clean, h_clean = integer(padded)
-    o_garb, h_garb = integer(garbage)
-    assert torch.equal(o_clean, o_garb)
-    assert torch.equal(h_clean, h_garb)
-    assert torch.equal(o_clean.transpose(0, 1)[~pad_mask.squeeze(-1)], pad_packed_sequence(out_a, batch_first=True)[0][~pad_mask.squeeze(-1)])
+    # One level down (private API): the time-major padded tensor the integer stack consumes, with
+    # garbage at t >= length. Within-length reversal and the layer hand-off must ignore it.
+    o_clean, h_clean = m._forward_integer(padded.transpose(0, 1), h0, lengths)
+    o_garb, h_garb = m._forward_integer(garbage.transpose(0, 1), h0, lengths)
+    assert torch.equal(o_clean, o_garb) and torch.equal(h_clean, h_garb)
+    assert torch.equal(h_clean, h_a)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,6 +411,25 @@ def test_quantize_model_on_a_bare_gru():
         assert torch.equal(v, before[k]), k
     with torch.no_grad():
         assert_like_gru(q(x), gru(x), tol=INT_TOL["w16a16"])
+
+
+def test_calibrate_restores_each_submodules_training_flag():
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(INPUT, HIDDEN)
+            self.norm = nn.BatchNorm1d(HIDDEN)
+
+        def forward(self, x):
+            return self.norm(self.rnn(x)[0][-1])
+
+    torch.manual_seed(0)
+    net = Head().train()
+    net.norm.eval()  # frozen statistics
+    x = torch.randn(T, 3, INPUT)
+    q = qgru.quantize_model(net, [x], progress=False)
+    assert net.norm.training is False  # the original is untouched (a deep copy was calibrated)
+    assert q.training is True and q.norm.training is False
 
 
 def test_quantize_model_without_gru_raises():

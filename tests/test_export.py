@@ -1,0 +1,284 @@
+"""Export of converted QuantGRUs: ranges and types of the integer parameters, save/load round trip
+(bit-exact), safe loading (weights_only), and the weight quantization error."""
+from __future__ import annotations
+
+import functools
+import json
+import pickle
+import zlib
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import qgru
+from qgru.primitives import qrange
+
+INPUT_SIZE, HIDDEN = 5, 6
+
+CUSTOM = {  # exercises per_group / per_tensor weights, per_channel / per_tensor GEMM outputs, 8-bit tables
+    "base": "w8a8",
+    "overrides": {"observer": {"kind": "minmax"},
+                  "tensors": {"W": {"bits": 8, "symmetric": True, "granularity": "per_group", "group_size": 4},
+                              "R": {"bits": 6, "symmetric": True, "granularity": "per_tensor"},
+                              "Wx": {"bits": 12, "symmetric": False, "granularity": "per_channel"},
+                              "Rh": {"bits": 16, "symmetric": True, "granularity": "per_tensor"},
+                              "z_pre": {"bits": 8, "symmetric": False},
+                              "r_pre": {"bits": 10, "symmetric": False},
+                              "g_pre": {"bits": 8, "symmetric": False},
+                              "z": {"bits": 8}, "r": {"bits": 12}, "g": {"bits": 8}}},
+}
+CONFIGS = ["w8a8", "w8a16", "w16a16", "custom"]
+SCALE_MODES = ["pow2", "multiplier"]
+ARCHS = {  # (num_layers, bidirectional, bias, batch_first)
+    "1layer": (1, False, True, False),
+    "2layer_bidir_nobias": (2, True, False, False),
+    "2layer_bidir_bf": (2, True, True, True),
+    "2layer_uni_nobias_bf": (2, False, False, True),
+}
+CASES = [(c, s, a) for c in CONFIGS for s in SCALE_MODES for a in ARCHS]
+CASE_IDS = [f"{c}-{s}-{a}" for c, s, a in CASES]
+
+
+def make_config(name: str, scale_mode: str) -> qgru.QuantConfig:
+    if name == "custom":
+        over = json.loads(json.dumps(CUSTOM["overrides"]))
+        over["scale_mode"] = scale_mode
+        return qgru.QuantConfig.load(CUSTOM["base"], overrides=over)
+    return qgru.QuantConfig.load(name, overrides={"scale_mode": scale_mode})
+
+
+def make_input(batch_first: bool, T: int, N: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, N, INPUT_SIZE, generator=g) * 1.5
+    return x.transpose(0, 1).contiguous() if batch_first else x
+
+
+@functools.lru_cache(maxsize=None)
+def build(config: str, scale_mode: str, arch: str) -> qgru.QuantGRU:
+    """A calibrated and converted QuantGRU (cached: tests must not modify it)."""
+    num_layers, bidir, bias, batch_first = ARCHS[arch]
+    torch.manual_seed(zlib.crc32(f"{config}/{scale_mode}/{arch}".encode()))
+    m = qgru.QuantGRU(INPUT_SIZE, HIDDEN, num_layers, bias, batch_first, 0.0, bidir,
+                      config=make_config(config, scale_mode))
+    batches = [make_input(batch_first, 7, 3, seed) for seed in range(4)]
+    qgru.calibrate(m, batches, progress=False)
+    m.convert()
+    assert m.is_converted
+    return m
+
+
+@pytest.fixture(params=CASES, ids=CASE_IDS)
+def case(request):
+    config, scale_mode, arch = request.param
+    return build(config, scale_mode, arch), make_config(config, scale_mode)
+
+
+def layer_params(params):
+    for li, row in enumerate(params.layers):
+        for d, p in enumerate(row):
+            yield li, d, p
+
+
+def float_weights(m, li, d):
+    sfx = f"_l{li}" + ("_reverse" if d else "")
+    return getattr(m, "weight_ih" + sfx).detach().double(), getattr(m, "weight_hh" + sfx).detach().double()
+
+
+def assert_dicts_identical(a, b):
+    assert set(a) == set(b)
+    for k in a:
+        va, vb = a[k], b[k]
+        assert type(va) is type(vb), k
+        if isinstance(va, torch.Tensor):
+            assert va.dtype == vb.dtype and va.shape == vb.shape, k
+            assert torch.equal(va, vb), k
+        else:
+            assert va == vb, k
+
+
+# ---------------------------------------------------------------------------------------------
+def test_export_ranges_and_dtypes(case):
+    m, cfg = case
+    params = m.export()
+    assert isinstance(params, qgru.QuantParams)
+    ndir = 2 if m.bidirectional else 1
+    assert len(params.layers) == m.num_layers and all(len(row) == ndir for row in params.layers)
+    i32min, i32max = qrange(32)
+    for li, d, p in layer_params(params):
+        H3, I = 3 * HIDDEN, (INPUT_SIZE if li == 0 else HIDDEN * ndir)
+        for name, w, shape in (("W", p.W, (H3, I)), ("R", p.R, (H3, HIDDEN))):
+            bits = cfg[name].bits
+            assert p.bits[name] == bits
+            assert w.dtype == torch.int64 and tuple(w.shape) == shape
+            qmin, qmax = qrange(bits)
+            assert int(w.min()) >= qmin and int(w.max()) <= qmax, name
+            assert int(w.abs().max()) <= qmax  # symmetric: -2**(bits-1) is never used
+        for b in (p.b_x, p.b_h):
+            assert b.dtype == torch.int64 and tuple(b.shape) == (H3,)
+            assert int(b.min()) >= i32min and int(b.max()) <= i32max
+            if not m.bias:
+                assert not b.any()
+        for name, t in p.tables.items():
+            assert not t.is_floating_point() and t.dtype == torch.int64, name
+        assert set(p.tables) == {"r", "z", "g"}
+        expected_rescales = {"Wx", "Rh", "Wx_r", "Rh_r", "Wx_z", "Rh_z", "Wx_g", "rRh_g", "zh", "zg"}
+        if li > 0:
+            expected_rescales |= {f"in_{e}" for e in range(ndir)}
+        assert set(p.rescale) == expected_rescales
+        for name, r in p.rescale.items():
+            assert r.multiplier.dtype == torch.int64 and r.shift.dtype == torch.int64, name
+            assert r.multiplier.shape == r.shift.shape
+            assert int(r.multiplier.min()) >= 0 and int(r.multiplier.max()) < 2 ** 31, name
+            assert int(r.shift.min()) >= 1 and int(r.shift.max()) <= 62, name
+            if cfg.power_of_two:  # every multiplier is a power of two (a pure shift)
+                mm = r.multiplier[r.multiplier > 0]
+                assert torch.equal(mm & (mm - 1), torch.zeros_like(mm)), name
+        for name, z in p.zp.items():
+            bits = p.bits[name]
+            assert z.dtype == torch.int64
+            assert int(z.min()) >= qrange(bits)[0] and int(z.max()) <= qrange(bits)[1], name
+
+
+def test_to_dict_plain_values(case):
+    m, _ = case
+    d = m.export().to_dict()
+    assert isinstance(d, dict) and d
+    for k, v in d.items():
+        assert isinstance(k, str)
+        assert isinstance(v, torch.Tensor) or type(v) in (int, str), (k, type(v))
+        if isinstance(v, torch.Tensor):
+            if ".scale." in k:
+                assert v.dtype == torch.float64, k
+            else:
+                assert v.dtype == torch.int64, k
+    meta = json.loads(d["meta"])
+    assert meta["format_version"] == 1
+    assert meta["num_layers"] == m.num_layers and meta["bidirectional"] == m.bidirectional
+    assert meta["config"] == m.qconfig.to_dict()
+
+
+def test_save_load_roundtrip_identical(case, tmp_path):
+    m, _ = case
+    params = m.export()
+    path = tmp_path / "params.pt"
+    params.save(path)
+    loaded = qgru.load_params(path)
+    assert loaded.meta == params.meta
+    assert_dicts_identical(loaded.to_dict(), params.to_dict())
+    # save(load(save(p))) is stable too
+    path2 = tmp_path / "params2.pt"
+    loaded.save(path2)
+    assert_dicts_identical(qgru.load_params(path2).to_dict(), params.to_dict())
+
+
+def test_loaded_module_bit_exact(case, tmp_path):
+    m, _ = case
+    path = tmp_path / "params.pt"
+    m.export().save(path)
+    m2 = qgru.load_params(path).to_module()
+    assert m2.is_converted and m2.batch_first == m.batch_first and m2.bidirectional == m.bidirectional
+    ndir = 2 if m.bidirectional else 1
+    for seed, (T, N) in enumerate([(9, 4), (1, 1), (5, 2)]):
+        x = make_input(m.batch_first, T, N, 100 + seed)
+        o1, h1 = m(x)
+        o2, h2 = m2(x)
+        assert torch.equal(o1, o2) and torch.equal(h1, h2)
+        assert o1.abs().sum() > 0  # not a vacuous comparison of zeros
+        h0 = torch.randn(m.num_layers * ndir, N, HIDDEN, generator=torch.Generator().manual_seed(seed)) * 0.5
+        o1, h1 = m(x, h0)
+        o2, h2 = m2(x, h0)
+        assert torch.equal(o1, o2) and torch.equal(h1, h2)
+    # PackedSequence input (unsorted lengths)
+    x = make_input(m.batch_first, 8, 4, 200)
+    lengths = torch.tensor([3, 8, 1, 5])
+    packed = pack_padded_sequence(x, lengths, batch_first=m.batch_first, enforce_sorted=False)
+    (p1, h1), (p2, h2) = m(packed), m2(packed)
+    assert torch.equal(p1.data, p2.data) and torch.equal(h1, h2)
+    assert torch.equal(p1.batch_sizes, p2.batch_sizes)
+    assert torch.equal(p1.unsorted_indices, p2.unsorted_indices)
+
+
+def test_loaded_module_float_weights_are_dequantized(tmp_path):
+    m = build("w8a8", "multiplier", "2layer_bidir_bf")
+    params = m.export()
+    m2 = params.to_module()
+    for li, d, p in layer_params(params):
+        w_ih, w_hh = float_weights(m2, li, d)
+        assert torch.allclose(w_ih, p.W.double() * p.scale["W"].unsqueeze(1), rtol=1e-6, atol=1e-7)
+        assert torch.allclose(w_hh, p.R.double() * p.scale["R"].unsqueeze(1), rtol=1e-6, atol=1e-7)
+
+
+def test_saved_file_loads_with_weights_only(tmp_path):
+    m = build("w8a16", "pow2", "2layer_bidir_nobias")
+    path = tmp_path / "params.pt"
+    m.export().save(path)
+    raw = torch.load(path, weights_only=True)
+    assert isinstance(raw, dict)
+    assert_dicts_identical(raw, m.export().to_dict())
+
+
+UNPICKLED = []
+
+
+def _record_unpickle(tag):
+    UNPICKLED.append(tag)
+    return tag
+
+
+class Payload:
+    """Not on torch's weights_only allowlist; unpickling it runs _record_unpickle."""
+
+    def __reduce__(self):
+        return (_record_unpickle, ("payload ran",))
+
+
+def test_load_params_refuses_arbitrary_pickles(tmp_path):
+    m = build("w8a8", "pow2", "1layer")
+    d = m.export().to_dict()
+    d["meta"] = Payload()
+    path = tmp_path / "evil.pt"
+    torch.save(d, path)
+    UNPICKLED.clear()
+    with pytest.raises(pickle.UnpicklingError):
+        qgru.load_params(path)
+    assert UNPICKLED == []
+    # the payload is real: an unrestricted load would have run it
+    torch.load(path, weights_only=False)
+    assert UNPICKLED == ["payload ran"]
+    UNPICKLED.clear()
+    path2 = tmp_path / "evil2.pt"
+    torch.save({"meta": Payload()}, path2)
+    with pytest.raises(pickle.UnpicklingError):
+        qgru.load_params(path2)
+    assert UNPICKLED == []
+
+
+def test_load_params_rejects_other_format_version(tmp_path):
+    m = build("w8a8", "pow2", "1layer")
+    d = m.export().to_dict()
+    meta = json.loads(d["meta"])
+    meta["format_version"] = 99
+    d["meta"] = json.dumps(meta)
+    path = tmp_path / "v99.pt"
+    torch.save(d, path)
+    with pytest.raises(ValueError):
+        qgru.load_params(path)
+
+
+def test_dequantized_weights_close_to_float(case):
+    m, cfg = case
+    params = m.export()
+    for li, d, p in layer_params(params):
+        for name, q, w in zip(("W", "R"), (p.W, p.R), float_weights(m, li, d)):
+            scale = p.scale[name]
+            assert scale.dtype == torch.float64 and tuple(scale.shape) == (q.shape[0],)
+            assert (scale > 0).all()
+            err = (q.double() * scale.unsqueeze(1) - w).abs()
+            assert (err <= scale.unsqueeze(1) / 2 * (1 + 1e-9)).all(), (li, d, name, float(err.max()))
+            # the scale is tight: the largest |w| of each scale group uses (nearly) the full range
+            qmax = qrange(cfg[name].bits)[1]
+            top = int(q.abs().max())
+            assert top >= (qmax // 2 if cfg.power_of_two else qmax), (name, top, qmax)
+            if cfg[name].granularity == "per_channel" and not cfg.power_of_two:
+                assert torch.equal(q.abs().amax(1), torch.full((q.shape[0],), qmax, dtype=torch.int64))
