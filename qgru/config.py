@@ -9,7 +9,7 @@ Each tensor takes ``bits``, ``symmetric``, ``granularity`` (+ ``group_size`` for
 for calibrated activations, ``headroom``: the calibrated range is widened by that factor before
 the grid is chosen. Wide (16-bit) tensors have resolution to spare, and widening them keeps
 inference inputs beyond the calibration extremes from saturating; the shipped configs use
-headroom 2 on every 16-bit activation and none on 8-bit ones, where resolution matters more.
+headroom 1.5 on every 16-bit activation and none on 8-bit ones, where resolution matters more.
 
 Unknown keys are errors, never ignored. The tensors (names as in docs/spec.md):
 

@@ -303,18 +303,15 @@ def test_quantize_saturates_out_of_range(bits):
     assert got == [qmax, qmin, qmax, qmin, qmax, qmin]
 
 
-@pytest.mark.xfail(reason="BUG: quantize() casts float64 -> int64 before saturating; a quotient beyond "
-                          "int64 (x=1e30, +inf) wraps to INT64_MIN and saturates to qmin instead of qmax",
-                   strict=True)
 def test_quantize_saturates_huge_and_infinite():
-    scale, zp = torch.tensor(0.01, dtype=torch.float64), t64(3)
-    got = quantize(torch.tensor([1e30, float("inf"), 1e19]), scale, zp, 8).tolist()
-    assert got == [127, 127, 127]
-
-
-def test_quantize_saturates_negative_infinity():
-    scale, zp = torch.tensor(0.01, dtype=torch.float64), t64(3)
-    assert quantize(torch.tensor([-1e30, float("-inf")]), scale, zp, 8).tolist() == [-128, -128]
+    # quotients beyond int64 (1e30 / 0.01, inf) must saturate, not wrap to INT64_MIN -> qmin
+    # (regression: the float64 -> int64 cast used to happen before the saturation)
+    for zp in (3, 0, -5, 127, -128):
+        scale, z = torch.tensor(0.01, dtype=torch.float64), t64(zp)
+        x = torch.tensor([1e30, float("inf"), 1e19, 3e38, -1e30, float("-inf"), -1e19, -3e38])
+        assert quantize(x, scale, z, 8).tolist() == [127] * 4 + [-128] * 4
+    tiny = torch.tensor(2.0 ** -40, dtype=torch.float64)  # degenerate-range grid
+    assert quantize(torch.tensor([1e8, -1e8]), tiny, t64(-32768), 16).tolist() == [32767, -32768]
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8, 13, 16])
@@ -440,6 +437,27 @@ def test_int_matmul_random_shapes():
         a_bits, b_bits = rng.choice(BITS_PAIRS)
         a, b = rand_q((M, K), a_bits, g), rand_q((K, N), b_bits, g)
         assert torch.equal(int_matmul(a, a_bits, b, b_bits), a.long() @ b.long()), (M, K, N, a_bits, b_bits)
+
+
+@pytest.mark.parametrize("a_bits,b_bits", BITS_PAIRS)
+def test_int_matmul_non_contiguous_operands(a_bits, b_bits):
+    """Transposed views (golden passes W.t()), strided slices, expanded (stride 0) and 0-dim-stride rows."""
+    g = torch.Generator().manual_seed(a_bits * 7 + b_bits)
+    a_big, b_big = rand_q((9, 40), a_bits, g), rand_q((40, 12), b_bits, g)
+    views = [
+        (rand_q((5, 11), a_bits, g), rand_q((6, 11), b_bits, g).t()),       # b transposed
+        (rand_q((11, 5), a_bits, g).t(), rand_q((11, 6), b_bits, g)),       # a transposed
+        (a_big[::2, 1::3], b_big[1::3, ::5]),                               # strided slices
+        (rand_q((1, 13), a_bits, g).expand(4, 13), rand_q((13, 1), b_bits, g).expand(13, 3)),
+        (torch.full((3, 7), qrange(a_bits)[0], dtype=torch.int64).t().t(), rand_q((7, 2), b_bits, g)),
+        (rand_q((1, 1), a_bits, g).expand(1, 9), rand_q((9, 1), b_bits, g)),
+        # size-1 dimensions with "contiguous" but degenerate strides, e.g. W.t() of a [3, 1] W
+        (rand_q((1, 4), a_bits, g).t(), rand_q((3, 1), b_bits, g).t()),    # [4,1] @ [1,3]
+        (rand_q((5, 1), a_bits, g).t(), rand_q((1, 5), b_bits, g).t()),    # [1,5] @ [5,1]
+        (rand_q((6, 7), a_bits, g), rand_q((1, 7), b_bits, g).t()),        # [6,7] @ [7,1]
+    ]
+    for a, b in views:
+        assert torch.equal(int_matmul(a, a_bits, b, b_bits), a.long() @ b.long()), (a.stride(), b.stride())
 
 
 def test_int_matmul_int16_by_int8_worst_case_k4096():
