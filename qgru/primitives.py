@@ -41,9 +41,12 @@ def saturate(q: torch.Tensor, bits: int) -> torch.Tensor:
 def round_half_up(v: torch.Tensor) -> torch.Tensor:
     """The rounding rule applied to a float tensor: floor(v + 0.5), returned as int64.
 
-    Computed in float64 so that every float32 input rounds exactly as its real value would.
+    Computed in float64 as ``r = floor(v); r + (v - r >= 0.5)``, which is exact for every float64
+    (``floor(v + 0.5)`` itself would misround e.g. 0.49999999999999994, where v + 0.5 rounds up).
     """
-    return torch.floor(v.double() + 0.5).to(torch.int64)
+    v = v.double()
+    r = torch.floor(v)
+    return (r + (v - r >= 0.5).double()).to(torch.int64)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, bits: int) -> torch.Tensor:

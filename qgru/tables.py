@@ -12,7 +12,7 @@ with T[i] = round_half_up(2**F * func((qmin_in + i * 2**k - Z_in) * S_in) / S_ou
 
 * Inputs of at most ``EXACT_TABLE_MAX_BITS`` bits: k = 0, F = 0, one entry per input value:
   the table is exact (error <= 1/2 output step from rounding alone).
-* Wider inputs (16 bits): k = b_in - SEGMENT_BITS (512 segments), F = FRACTION_BITS extra
+* Wider inputs (16 bits): k = b_in - SEGMENT_BITS (1024 segments), F = FRACTION_BITS extra
   fractional bits per entry, and linear interpolation between entries. The measured maximum error
   is reported by tests/test_tables.py and docs/spec.md.
 
@@ -30,7 +30,7 @@ import torch
 from .primitives import qrange, round_half_up, rounding_shift, saturate
 
 EXACT_TABLE_MAX_BITS = 10
-SEGMENT_BITS = 9
+SEGMENT_BITS = 10
 FRACTION_BITS = 4
 
 FUNCTIONS = {"sigmoid": torch.sigmoid, "tanh": torch.tanh}

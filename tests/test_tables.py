@@ -28,18 +28,18 @@ INTERP_BOUND = {
     ("sigmoid", 8, True, (-3.0, 5.0)): 0.6,     # measured 0.528
     ("sigmoid", 8, False, (-8.0, 8.0)): 0.6,    # measured 0.532
     ("sigmoid", 8, False, (-3.0, 5.0)): 0.6,    # measured 0.531
-    ("sigmoid", 16, True, (-8.0, 8.0)): 3.6,    # measured 3.568
-    ("sigmoid", 16, True, (-3.0, 5.0)): 1.3,    # measured 1.268
-    ("sigmoid", 16, False, (-8.0, 8.0)): 1.3,   # measured 1.264
-    ("sigmoid", 16, False, (-3.0, 5.0)): 0.8,   # measured 0.709
+    ("sigmoid", 16, True, (-8.0, 8.0)): 1.3,    # measured 1.257
+    ("sigmoid", 16, True, (-3.0, 5.0)): 0.7,    # measured 0.690
+    ("sigmoid", 16, False, (-8.0, 8.0)): 0.8,   # measured 0.709
+    ("sigmoid", 16, False, (-3.0, 5.0)): 0.6,   # measured 0.571
     ("tanh", 8, True, (-8.0, 8.0)): 0.6,        # measured 0.554
     ("tanh", 8, True, (-3.0, 5.0)): 0.6,        # measured 0.530
     ("tanh", 8, False, (-8.0, 8.0)): 0.6,       # measured 0.527
     ("tanh", 8, False, (-3.0, 5.0)): 0.6,       # measured 0.531
-    ("tanh", 16, True, (-8.0, 8.0)): 12.8,      # measured 12.749
-    ("tanh", 16, True, (-3.0, 5.0)): 3.6,       # measured 3.568
-    ("tanh", 16, False, (-8.0, 8.0)): 3.6,      # measured 3.543
-    ("tanh", 16, False, (-3.0, 5.0)): 1.3,      # measured 1.259
+    ("tanh", 16, True, (-8.0, 8.0)): 3.6,       # measured 3.568
+    ("tanh", 16, True, (-3.0, 5.0)): 1.3,       # measured 1.257
+    ("tanh", 16, False, (-8.0, 8.0)): 1.3,      # measured 1.249
+    ("tanh", 16, False, (-3.0, 5.0)): 0.7,      # measured 0.696
 }
 
 
