@@ -2,7 +2,12 @@
 
 ``QuantParams.to_dict()`` is a flat dict ``{key: tensor | int | str}``; keys are
 ``l{layer}.{fwd|rev}.{field}`` (e.g. ``l0.fwd.W``, ``l1.rev.rescale.Wx.multiplier``) plus
-``meta.*`` entries for the module's arguments and the config (JSON). ``save()`` writes it with
+a ``meta`` entry (JSON) for the module's arguments and the config. Integers are stored in the
+narrowest type that holds them: weights int8 (int16 above 8 bits; below 8 bits packed several per
+int32 word as ``W.packed`` / ``R.packed``, seed 003), biases, zero points, multipliers, shifts and
+table entries int32, zero-point compensations int64; the only floats are the x and h scales (used
+where floats enter and leave the model) and the weight scales (for dequantized float weights).
+``save()`` writes it with
 torch.save and ``load_params()`` reads it back with ``torch.load(weights_only=True)``, which
 refuses anything but tensors and plain containers.
 """
@@ -16,6 +21,7 @@ from typing import Any, Dict, List, Union
 import torch
 
 from .golden import LayerParams, Rescale
+from .primitives import pack_int32, unpack_int32
 
 FORMAT_VERSION = 1
 _DIRS = ("fwd", "rev")
@@ -40,15 +46,21 @@ class QuantParams:
                 pre = f"l{li}.{_DIRS[d]}."
                 for f in fields(p):
                     v = getattr(p, f.name)
-                    if isinstance(v, dict):
+                    if f.name in ("W", "R"):
+                        bits = p.bits[f.name]
+                        if bits < 8:
+                            out[f"{pre}{f.name}.packed"] = pack_int32(v, bits)
+                        else:
+                            out[pre + f.name] = v.to(torch.int8 if bits <= 8 else torch.int16)
+                    elif isinstance(v, dict):
                         for k, x in v.items():
                             if isinstance(x, Rescale):
-                                out[f"{pre}{f.name}.{k}.multiplier"] = x.multiplier
-                                out[f"{pre}{f.name}.{k}.shift"] = x.shift
+                                out[f"{pre}{f.name}.{k}.multiplier"] = x.multiplier.to(torch.int32)
+                                out[f"{pre}{f.name}.{k}.shift"] = x.shift.to(torch.int32)
                             else:
-                                out[f"{pre}{f.name}.{k}"] = x
+                                out[f"{pre}{f.name}.{k}"] = _narrow(x)
                     else:
-                        out[pre + f.name] = v
+                        out[pre + f.name] = _narrow(v) if f.name in ("b_x", "b_h") else v
         return out
 
     @classmethod
@@ -64,8 +76,13 @@ class QuantParams:
                 pre = f"l{li}.{_DIRS[di]}."
                 kw: Dict[str, Any] = {}
                 for f in fields(LayerParams):
+                    if pre + f.name + ".packed" in d:
+                        bits = d[pre + "bits." + f.name]
+                        length = d[pre + ("input_size" if f.name == "W" else "hidden_size")]
+                        kw[f.name] = unpack_int32(d[pre + f.name + ".packed"], bits, length)
+                        continue
                     if pre + f.name in d:
-                        kw[f.name] = d[pre + f.name]
+                        kw[f.name] = _widen(d[pre + f.name])
                         continue
                     sub: Dict[str, Any] = {}
                     for key, v in d.items():
@@ -75,9 +92,9 @@ class QuantParams:
                                 name, part = rest.rsplit(".", 1)
                                 sub.setdefault(name, {})[part] = v
                             else:
-                                sub[rest] = v
+                                sub[rest] = _widen(v)
                     if f.name == "rescale":
-                        sub = {k: Rescale(v["multiplier"], v["shift"]) for k, v in sub.items()}
+                        sub = {k: Rescale(_widen(v["multiplier"]), _widen(v["shift"])) for k, v in sub.items()}
                     kw[f.name] = sub
                 row.append(LayerParams(**kw))
             layers.append(row)
@@ -103,6 +120,21 @@ class QuantParams:
                         b_hh.copy_(p.b_h.double() * p.scale["R"] * p.scale["h"])
         q._set_params([list(row) for row in self.layers])
         return q
+
+
+def _narrow(v):
+    """int64 tensors whose values fit in int32 are stored as int32 (floats and ints unchanged)."""
+    if isinstance(v, torch.Tensor) and v.dtype == torch.int64 and \
+            (v.numel() == 0 or (int(v.min()) >= -(1 << 31) and int(v.max()) < (1 << 31))):
+        return v.to(torch.int32)
+    return v
+
+
+def _widen(v):
+    """Stored integer tensors come back as int64, the golden model's working type."""
+    if isinstance(v, torch.Tensor) and not v.is_floating_point():
+        return v.to(torch.int64)
+    return v
 
 
 def load_params(path: Union[str, Path]) -> QuantParams:

@@ -242,3 +242,30 @@ def choose_qparams(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: boo
     else:
         zp = (round_half_up(qmin - lo / scale)).clamp(qmin, qmax)
     return scale, zp
+
+
+# ---------------------------------------------------------------------------------------------
+# Bit packing (seed 003): several narrow integers per int32 word
+# ---------------------------------------------------------------------------------------------
+def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack signed ``bits``-wide integers along the last dimension into int32 words.
+
+    Word j of a row holds elements j*n ... j*n + n - 1 (n = 32 // bits), element i at bit offset
+    bits * (i % n), in two's complement. The last word is zero-padded. Inverse: ``unpack_int32``.
+    """
+    n = 32 // bits
+    q = q.to(torch.int64)
+    pad = (-q.shape[-1]) % n
+    q = torch.nn.functional.pad(q, (0, pad)).reshape(*q.shape[:-1], -1, n)
+    shifts = torch.arange(n, dtype=torch.int64) * bits
+    words = ((q & ((1 << bits) - 1)) << shifts).sum(-1)
+    return torch.where(words >= (1 << 31), words - (1 << 32), words).to(torch.int32)
+
+
+def unpack_int32(words: torch.Tensor, bits: int, length: int) -> torch.Tensor:
+    """Inverse of ``pack_int32``: the first ``length`` signed values of each row, as int64."""
+    n = 32 // bits
+    shifts = torch.arange(n, dtype=torch.int64) * bits
+    u = (words.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    q = torch.where(u >= (1 << (bits - 1)), u - (1 << bits), u)
+    return q.reshape(*words.shape[:-1], -1)[..., :length]

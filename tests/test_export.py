@@ -140,6 +140,20 @@ def test_export_ranges_and_dtypes(case):
             assert int(z.min()) >= qrange(bits)[0] and int(z.max()) <= qrange(bits)[1], name
 
 
+def _expected_storage_dtype(key, config):
+    """The export's storage contract: narrow integers, floats only for boundary/weight scales."""
+    field = key.split(".", 2)[2]
+    if field.startswith("scale."):
+        return torch.float64
+    if field in ("W", "R"):
+        return torch.int8 if config[field].bits <= 8 else torch.int16
+    if field in ("W.packed", "R.packed"):
+        return torch.int32
+    if field in ("W_zp_comp", "R_zp_comp"):
+        return torch.int64
+    return torch.int32  # biases, zero points, multipliers, shifts, tables
+
+
 def test_to_dict_plain_values(case):
     m, _ = case
     d = m.export().to_dict()
@@ -148,10 +162,7 @@ def test_to_dict_plain_values(case):
         assert isinstance(k, str)
         assert isinstance(v, torch.Tensor) or type(v) in (int, str), (k, type(v))
         if isinstance(v, torch.Tensor):
-            if ".scale." in k:
-                assert v.dtype == torch.float64, k
-            else:
-                assert v.dtype == torch.int64, k
+            assert v.dtype == _expected_storage_dtype(k, m.qconfig), (k, v.dtype)
     meta = json.loads(d["meta"])
     assert meta["format_version"] == 1
     assert meta["num_layers"] == m.num_layers and meta["bidirectional"] == m.bidirectional
@@ -282,3 +293,24 @@ def test_dequantized_weights_close_to_float(case):
             assert top >= (qmax // 2 if cfg.power_of_two else qmax), (name, top, qmax)
             if cfg[name].granularity == "per_channel" and not cfg.power_of_two:
                 assert torch.equal(q.abs().amax(1), torch.full((q.shape[0],), qmax, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 7])
+def test_sub_8_bit_weights_are_packed_and_round_trip(bits, tmp_path):
+    torch.manual_seed(bits)
+    over = {"tensors": {"W": {"bits": bits}, "R": {"bits": bits}}}
+    m = qgru.QuantGRU(11, 6, config=qgru.QuantConfig.load("w8a8", overrides=over))
+    qgru.calibrate(m, [torch.randn(5, 3, 11) for _ in range(2)], progress=False)
+    m.convert()
+    d = m.export().to_dict()
+    packed = d["l0.fwd.W.packed"]
+    per_word = 32 // bits
+    assert packed.dtype == torch.int32 and packed.shape == (18, -(-11 // per_word))
+    assert "l0.fwd.W" not in d
+    path = tmp_path / "p.qgru"
+    m.export().save(path)
+    loaded = qgru.load_params(path)
+    assert torch.equal(loaded.layers[0][0].W, m._qparams[0][0].W)
+    assert torch.equal(loaded.layers[0][0].R, m._qparams[0][0].R)
+    x = torch.randn(4, 2, 11)
+    assert torch.equal(loaded.to_module()(x)[0], m(x)[0])

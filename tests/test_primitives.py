@@ -500,3 +500,26 @@ def test_int_matmul_rejects_large_k_and_wide_operands():
             int_matmul(torch.zeros(1, K, dtype=torch.int64), 8, torch.zeros(K, 1, dtype=torch.int64), 8)
     with pytest.raises(ValueError):
         int_matmul(torch.zeros(2, 3, dtype=torch.int64), 32, torch.zeros(3, 2, dtype=torch.int64), 8)
+
+
+def test_pack_int32_hand_computed():
+    from qgru.primitives import pack_int32, unpack_int32
+    # 4-bit values 1, -1, 2, -2 -> nibbles 0x1, 0xF, 0x2, 0xE from the lowest bits up
+    word = pack_int32(torch.tensor([[1, -1, 2, -2]]), 4)
+    assert word.dtype == torch.int32 and word.tolist() == [[0xE2F1]]
+    # eight 4-bit -8s fill the word: 0x88888888 as a signed int32
+    full = pack_int32(torch.full((1, 8), -8), 4)
+    assert full.tolist() == [[0x88888888 - (1 << 32)]]
+    assert unpack_int32(full, 4, 8).tolist() == [[-8] * 8]
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.integers(2, 16), rows=st.integers(1, 4), length=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_pack_unpack_round_trip(bits, rows, length, seed):
+    from qgru.primitives import pack_int32, unpack_int32
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = qrange(bits)
+    q = torch.randint(lo, hi + 1, (rows, length), generator=g)
+    words = pack_int32(q, bits)
+    assert words.shape == (rows, -(-length // (32 // bits)))
+    assert torch.equal(unpack_int32(words, bits, length), q)
