@@ -68,11 +68,6 @@ def _gate(v: torch.Tensor, gate: int, hidden: int) -> torch.Tensor:
     return v[..., gate * hidden:(gate + 1) * hidden]
 
 
-def _slice(v: torch.Tensor, gate: int, hidden: int) -> torch.Tensor:
-    """Per-channel parameter slice for one gate (scalars broadcast unchanged)."""
-    return v if v.dim() == 0 else v[gate * hidden:(gate + 1) * hidden]
-
-
 def input_gemm(p: LayerParams, qx: torch.Tensor) -> torch.Tensor:
     """Wx for all time steps at once: qx [..., I] -> q_Wx - Z_Wx [..., 3H] (seed 001, step 1-2)."""
     lead = qx.shape[:-1]

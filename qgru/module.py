@@ -131,8 +131,10 @@ class QuantGRU(nn.GRU):
             row = []
             prev = [] if layer == 0 else [(p.scale["h"], p.zp["h"]) for p in params[layer - 1]]
             for d in range(self.num_directions):
-                ranges = {n: o.range() for n, o in self._observers[(layer, d)].items()}
-                row.append(derive_layer_params(*self._weights(layer, d), ranges, self.qconfig, prev))
+                # integer parameters are derived on the CPU; _params_on() copies them to a device
+                ranges = {n: tuple(v.cpu() for v in o.range()) for n, o in self._observers[(layer, d)].items()}
+                weights = [w.detach().cpu() if w is not None else None for w in self._weights(layer, d)]
+                row.append(derive_layer_params(*weights, ranges, self.qconfig, prev))
             params.append(row)
         self._set_params(params)
         self._calibrating = False
@@ -292,12 +294,13 @@ class QuantGRU(nn.GRU):
 
         with torch.no_grad():
             q_outs, q_hn = self._run_stack(x, hx, lengths, run)
-        last = params[-1]
-        out = torch.cat([dequantize(q, last[d].scale["h"], last[d].zp["h"]) for d, q in enumerate(q_outs)], -1)
-        h_n = torch.stack([dequantize(q, params[i // self.num_directions][i % self.num_directions].scale["h"],
-                                      params[i // self.num_directions][i % self.num_directions].zp["h"])
-                           for i, q in enumerate(q_hn)])
-        return self._pad_zero(out.to(x.dtype), lengths), h_n.to(x.dtype)
+        def to_float(q, p):
+            return dequantize(q, p.scale["h"], p.zp["h"]).to(x.dtype)
+
+        flat = [p for row in params for p in row]  # h_n order: layer-major, then direction
+        out = torch.cat([to_float(q, p) for q, p in zip(q_outs, params[-1])], dim=-1)
+        h_n = torch.stack([to_float(q, p) for q, p in zip(q_hn, flat)])
+        return self._pad_zero(out, lengths), h_n
 
     @staticmethod
     def _pad_zero(out, lengths):
