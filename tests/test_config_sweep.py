@@ -2,6 +2,7 @@
 round-trip through export bit for bit. This is where unusual widths (2-bit weights, 4-bit table
 inputs, 16-bit everything) meet the overflow bounds of docs/spec.md."""
 import math
+import os
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -32,7 +33,7 @@ def configs(draw):
             "tensors": tensors}
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("QGRU_SWEEP_EXAMPLES", "80")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs(), I=st.integers(1, 9), H=st.integers(1, 7), layers=st.integers(1, 2),
        bidirectional=st.booleans(), T=st.integers(1, 6), N=st.integers(1, 3), seed=st.integers(0, 999))
 def test_any_config_runs_bounded_and_round_trips(tmp_path_factory, cfg, I, H, layers, bidirectional, T, N, seed):
