@@ -12,6 +12,7 @@ import torch
 
 from .config import QuantConfig, TensorSpec
 from .golden import LayerParams, Rescale
+from .observers import WeightObserver
 from .primitives import (choose_qparams, quantize, quantize_multipliers, qrange, round_half_up,
                          saturate)
 from .tables import build_table, output_grid
@@ -25,18 +26,10 @@ def weight_qparams(w: torch.Tensor, spec: TensorSpec, power_of_two: bool) -> Tup
     per_channel: one scale per row; per_group: rows in consecutive groups of ``group_size`` share
     one; per_tensor: one for all (the scale vector is still expanded to one entry per row).
     """
-    w = w.detach().double()
-    rows = w.shape[0]
-    amax = w.abs().amax(dim=1)
-    if spec.granularity == "per_tensor":
-        amax = amax.amax().expand(rows)
-    elif spec.granularity == "per_group":
-        g = spec.group_size
-        idx = torch.arange(rows) // g
-        group_max = torch.zeros(int(idx.max()) + 1, dtype=torch.float64).scatter_reduce(0, idx, amax, "amax")
-        amax = group_max[idx]
-    scale, _ = choose_qparams(-amax, amax, spec.bits, True, power_of_two)
-    q = quantize(w, scale.unsqueeze(1), torch.zeros(1, dtype=torch.int64), spec.bits)
+    observer = WeightObserver("weight", spec.granularity, spec.group_size)
+    observer.observe(w)
+    scale, _ = choose_qparams(*observer.range(), spec.bits, True, power_of_two)
+    q = quantize(w.detach().double(), scale.unsqueeze(1), torch.zeros(1, dtype=torch.int64), spec.bits)
     return scale, q
 
 

@@ -13,6 +13,9 @@ reverse direction sees its sequence from the end), but each direction's estimate
 the order in which that direction itself consumes the sequence, which is also the order used at
 inference. Padded positions of a PackedSequence are never observed.
 
+Weights have their own observer, ``WeightObserver``: exact per-channel (or per-group, or
+per-tensor) max |w| of the frozen float weights, read once at convert(); nothing to average.
+
 If ``torch.distributed`` is initialised, ``sync()`` reduces the statistics across ranks (min of
 mins and max of maxes for ``minmax``; the mean over ranks that saw data for the averages) so that
 calibration can be spread over processes and every rank converts to the same parameters.
@@ -114,3 +117,36 @@ class Observer:
             raise RuntimeError(f"observer {self.name!r} saw no data: run qgru.calibrate() with at "
                                "least one batch before convert()")
         return self.min, self.max
+
+
+class WeightObserver:
+    """Symmetric range of a weight matrix [rows, K] per output row, per group of rows, or per tensor.
+
+    ``range()`` returns (-amax, amax) with one entry per row (groups and the whole tensor are
+    expanded to their rows), ready for a per-row scale.
+    """
+
+    def __init__(self, name: str, granularity: str = "per_channel", group_size: int = 0):
+        self.name = name
+        self.granularity = granularity
+        self.group_size = group_size
+        self.amax: Optional[torch.Tensor] = None
+
+    def observe(self, w: torch.Tensor) -> None:
+        w = w.detach().double()
+        if not torch.isfinite(w).all():
+            raise NonFiniteCalibrationError(f"weight {self.name!r} contains NaN or Inf")
+        amax = w.abs().amax(dim=1)
+        rows = amax.shape[0]
+        if self.granularity == "per_tensor":
+            amax = amax.amax().expand(rows)
+        elif self.granularity == "per_group":
+            group = torch.arange(rows) // self.group_size
+            group_max = torch.zeros(int(group.max()) + 1, dtype=torch.float64).scatter_reduce(0, group, amax, "amax")
+            amax = group_max[group]
+        self.amax = amax
+
+    def range(self):
+        if self.amax is None:
+            raise RuntimeError(f"weight observer {self.name!r} saw no weight")
+        return -self.amax, self.amax
