@@ -664,20 +664,20 @@ class TestDistributed:
 
 
 class TestWeightObserver:
-    W = torch.tensor([[1.0, -3.0], [0.5, 0.25], [-2.0, 1.0], [0.0, 4.0], [0.1, -0.2]])
+    W = torch.tensor([[1.0, -3.0], [0.5, 0.25], [-2.0, 1.0], [0.0, 4.0], [0.125, -0.25]])
 
     def test_per_channel(self):
         from qgru.observers import WeightObserver
         o = WeightObserver("W", "per_channel")
         o.observe(self.W)
         lo, hi = o.range()
-        assert hi.tolist() == [3.0, 0.5, 2.0, 4.0, 0.2] and torch.equal(lo, -hi)
+        assert hi.tolist() == [3.0, 0.5, 2.0, 4.0, 0.25] and torch.equal(lo, -hi)
 
     def test_per_group_and_per_tensor(self):
         from qgru.observers import WeightObserver
         g = WeightObserver("W", "per_group", group_size=2)
         g.observe(self.W)
-        assert g.range()[1].tolist() == [3.0, 3.0, 4.0, 4.0, 0.2]  # groups {0,1} {2,3} {4}
+        assert g.range()[1].tolist() == [3.0, 3.0, 4.0, 4.0, 0.25]  # groups {0,1} {2,3} {4}
         t = WeightObserver("W", "per_tensor")
         t.observe(self.W)
         assert t.range()[1].tolist() == [4.0] * 5
