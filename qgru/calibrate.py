@@ -18,19 +18,6 @@ def _quant_grus(model: nn.Module) -> List[QuantGRU]:
     return [m for m in model.modules() if isinstance(m, QuantGRU)]
 
 
-def _check_finite(obj, batch_index: int) -> None:
-    if isinstance(obj, PackedSequence):
-        tensors = [obj.data]
-    elif isinstance(obj, (tuple, list)):
-        tensors = [t.data if isinstance(t, PackedSequence) else t for t in obj]
-    else:
-        tensors = [obj]
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
-            raise NonFiniteCalibrationError(
-                f"calibration batch {batch_index} contains NaN or Inf; calibration data must be finite")
-
-
 def calibrate(model: nn.Module, batches: Iterable, progress: bool = True) -> nn.Module:
     """Run ``model`` over ``batches`` with every QuantGRU in it observing its ranges.
 
@@ -56,7 +43,6 @@ def calibrate(model: nn.Module, batches: Iterable, progress: bool = True) -> nn.
         with torch.no_grad():
             for i, batch in enumerate(tqdm(batches, total=total, desc="qgru calibrate",
                                            unit="batch", disable=not progress)):
-                _check_finite(batch, i)
                 try:
                     # a PackedSequence is a namedtuple, but it is one input, not an argument list
                     if isinstance(batch, (tuple, list)) and not isinstance(batch, PackedSequence):

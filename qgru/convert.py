@@ -13,7 +13,7 @@ import torch
 from .config import QuantConfig, TensorSpec
 from .golden import LayerParams, Rescale
 from .observers import WeightObserver
-from .primitives import (choose_qparams, quantize, quantize_multipliers, qrange, round_half_up,
+from .primitives import (choose_qparams, quantize, quantize_multipliers, round_half_up,
                          saturate)
 from .tables import build_table, output_grid
 

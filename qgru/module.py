@@ -269,7 +269,7 @@ class QuantGRU(nn.GRU):
         for obs in self._observers.values():
             for o in obs.values():
                 o.end_call()
-        return self._pad_zero(torch.cat(outs, dim=-1), lengths), torch.stack(h_n)
+        return torch.cat(outs, dim=-1), torch.stack(h_n)
 
     def _forward_integer(self, x, hx, lengths):
         for name, t in (("input", x), ("h0", hx)):
@@ -300,12 +300,4 @@ class QuantGRU(nn.GRU):
         flat = [p for row in params for p in row]  # h_n order: layer-major, then direction
         out = torch.cat([to_float(q, p) for q, p in zip(q_outs, params[-1])], dim=-1)
         h_n = torch.stack([to_float(q, p) for q, p in zip(q_hn, flat)])
-        return self._pad_zero(out, lengths), h_n
-
-    @staticmethod
-    def _pad_zero(out, lengths):
-        """Zero the outputs at padded positions, as nn.GRU's pad_packed_sequence would show them."""
-        if lengths is None:
-            return out
-        t = torch.arange(out.shape[0], device=out.device).unsqueeze(1)
-        return out * (t < lengths.to(out.device).unsqueeze(0)).unsqueeze(-1).to(out.dtype)
+        return out, h_n

@@ -18,8 +18,8 @@ from typing import Tuple
 
 import torch
 
-# Largest |x| that rounding_mul_shift accepts is 2**(ACC_BITS_MAX); the multiplier then has
-# MULT_BITS_TOTAL - x_bits bits so that x * m always fits in a signed 64-bit integer.
+# An operand bounded by |x| < 2**x_bits gets a multiplier of min(MULT_BITS_MAX,
+# MULT_BITS_TOTAL - x_bits) bits, so that x * m always fits in a signed 64-bit integer.
 MULT_BITS_TOTAL = 62
 MULT_BITS_MAX = 31  # seed 002: a 31-bit multiplier, the most an int32 operand allows
 MAX_SHIFT = 62

@@ -22,7 +22,6 @@ Output grids are fixed by the function's range, not calibrated:
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

@@ -1,7 +1,6 @@
 """Random configs and shapes: every combination the config allows must run, stay bounded and
 round-trip through export bit for bit. This is where unusual widths (2-bit weights, 4-bit table
 inputs, 16-bit everything) meet the overflow bounds of docs/spec.md."""
-import math
 import os
 
 import torch
