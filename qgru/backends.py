@@ -1,40 +1,68 @@
 """Backend registry: who runs the integer GRU.
 
-``reference`` is the golden model (qgru/golden.py), always available, on any device torch runs
-on. Native backends (C++ CPU, CUDA) register here when built; each must match ``reference`` bit
-for bit. ``qgru.backends()`` reports every known backend and, for an unavailable one, why.
+* ``reference``: the golden model (qgru/golden.py), always available, on any device torch runs on.
+  It is the specification, not the fast path.
+* ``cpu``: the C++ extension (csrc/qgru_cpu.cpp), for CPU tensors.
+* ``cuda``: the CUDA extension (csrc/qgru_cuda*.cu/.cpp), for CUDA tensors.
+
+Every native backend matches ``reference`` bit for bit (tests/test_native.py). Without a forced
+backend, a converted QuantGRU runs on the native backend of its device; if that backend is
+unavailable it falls back to ``reference`` and warns once, naming the reason.
+``qgru.backends()`` reports every backend and, for an unavailable one, why (asking builds the
+extension if needed).
 """
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Optional
 
-from . import golden
+from . import golden, native
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str
-    gru_direction: Optional[Callable]  # (LayerParams, qx, qh0, lengths) -> (q outputs, q h_n)
-    why_unavailable: str = ""
+    device_type: Optional[str]  # the tensors it runs ("cpu", "cuda"), None for any
+
+    @property
+    def gru_direction(self) -> Callable:
+        """(LayerParams, qx, qh0, lengths) -> (q outputs, q h_n); raises if unavailable."""
+        if self.name == "reference":
+            return golden.gru_direction
+        why = native.why_unavailable(self.name)
+        if why:
+            raise RuntimeError(f"backend {self.name!r} is unavailable: {why}")
+        return native.gru_direction(self.name)
+
+    @property
+    def why_unavailable(self) -> str:
+        return "" if self.name == "reference" else native.why_unavailable(self.name)
 
     @property
     def available(self) -> bool:
-        return self.gru_direction is not None
+        return not self.why_unavailable
 
 
 _REGISTRY: Dict[str, Backend] = {
-    "reference": Backend("reference", golden.gru_direction),
-    "native": Backend("native", None, "the C++/CUDA extension (csrc/) is not part of this version of qgru"),
+    "reference": Backend("reference", None),
+    "cpu": Backend("cpu", "cpu"),
+    "cuda": Backend("cuda", "cuda"),
 }
 _forced = threading.local()
+_warned = set()
+_warn_lock = threading.Lock()
 
 
 def backends() -> Dict[str, Dict[str, object]]:
     """Every known backend: {"name": {"available": bool, "why": reason when unavailable}}."""
-    return {n: {"available": b.available, "why": b.why_unavailable} for n, b in _REGISTRY.items()}
+    out = {}
+    for n, b in _REGISTRY.items():
+        why = b.why_unavailable
+        out[n] = {"available": not why, "why": why}
+    return out
 
 
 @contextlib.contextmanager
@@ -43,8 +71,9 @@ def backend(name: str) -> Iterator[Backend]:
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; known: {', '.join(_REGISTRY)}")
     b = _REGISTRY[name]
-    if not b.available:
-        raise RuntimeError(f"backend {name!r} is unavailable: {b.why_unavailable}")
+    why = b.why_unavailable
+    if why:
+        raise RuntimeError(f"backend {name!r} is unavailable: {why}")
     previous = getattr(_forced, "name", None)
     _forced.name = name
     try:
@@ -53,9 +82,22 @@ def backend(name: str) -> Iterator[Backend]:
         _forced.name = previous
 
 
-def current_backend() -> Backend:
-    """The forced backend, else the best available one (today: reference)."""
+def current_backend(device_type: str = "cpu") -> Backend:
+    """The forced backend, else the native backend for ``device_type``, else reference (warned once)."""
     name = getattr(_forced, "name", None)
     if name is not None:
-        return _REGISTRY[name]
+        b = _REGISTRY[name]
+        if b.device_type not in (None, device_type):
+            raise RuntimeError(f"backend {name!r} runs {b.device_type} tensors, the input is on {device_type}")
+        return b
+    if device_type in _REGISTRY:
+        why = _REGISTRY[device_type].why_unavailable
+        if not why:
+            return _REGISTRY[device_type]
+        with _warn_lock:
+            if device_type not in _warned:
+                _warned.add(device_type)
+                warnings.warn(f"qgru: the {device_type} backend is unavailable ({why}); falling back to the "
+                              "reference backend, which is much slower. qgru.backends() lists the backends.",
+                              RuntimeWarning, stacklevel=3)
     return _REGISTRY["reference"]

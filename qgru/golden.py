@@ -126,5 +126,9 @@ def gru_direction(p: LayerParams, qx: torch.Tensor, qh0: torch.Tensor,
 
 def requantize_input(q: torch.Tensor, from_zp: torch.Tensor, rescale: Rescale,
                      to_zp: torch.Tensor, to_bits: int) -> torch.Tensor:
-    """Move a layer's output (one direction's h grid) onto the next layer's input grid."""
-    return saturate(rescale(q - from_zp) + to_zp, to_bits)
+    """Move a layer's output (one direction's h grid) onto the next layer's input grid.
+
+    ``q`` may come from any backend in any integer dtype (native backends return int32); it is
+    widened first, since a 0-dim int64 zero point would not promote an int32 tensor.
+    """
+    return saturate(rescale(q.to(torch.int64) - from_zp) + to_zp, to_bits)

@@ -277,7 +277,7 @@ class QuantGRU(nn.GRU):
                 raise ValueError(f"QuantGRU {name} contains NaN, which has no quantized value "
                                  "(out-of-range and infinite values saturate)")
         params = self._params_on(x.device)
-        backend = current_backend()
+        backend = current_backend(x.device.type)
         if lengths is not None:
             lengths = lengths.to(x.device)
 

@@ -1,0 +1,141 @@
+// The integer GRU cell, shared by the CPU and CUDA backends: seed 001's computeR / computeZ /
+// computeG / computeH, the accumulator requantization, and the exact product assembled from int8
+// GEMMs. The contract is qgru/golden.py (gru_step, input_gemm); docs/spec.md names every tensor.
+//
+// Parameters are plain structs of raw pointers and values, valid on the device that runs the code
+// (host memory for the CPU backend, device memory for CUDA). Per-tensor quantities are expanded to
+// one entry per channel when the parameters are prepared (qgru/native.py), so the code is the
+// same for every granularity.
+#pragma once
+
+#include "qgru_fixedpoint.h"
+
+namespace qgru {
+
+// ---------------------------------------------------------------------------------------------
+// Exact integer products from int8 x int8 -> int32 GEMMs
+// ---------------------------------------------------------------------------------------------
+// An operand of up to 16 bits is written as int8 limbs, v = sum_i scale_i * (limb_i + offset_i)
+// (8 bits: one limb; 16 bits: lo = (v & 255) - 128 with offset 128, hi = v >> 8). The product
+// a . w over K then expands, for every pair p = (activation limb i, weight limb j), into
+//     scale_i scale_j [ G_p + d_j rowsum(a_i) + c_i colsum(w_j) + c_i d_j K ],   G_p = a_i . w_j
+// The last two terms are constants per channel and are folded into the bias when the parameters
+// are prepared. rowsum(a_i) (needed only for 16-bit weights, d_j != 0) is read from an extra
+// "ones" output channel appended to every weight limb matrix. Each G_p is exact in int32 for
+// K < 2^17 (|G_p| <= K 2^14 < 2^31), the sum is exact in int64 (< 2^49).
+constexpr int kMaxPairs = 4;
+
+struct LimbProducts {
+  const int32_t* G[kMaxPairs];   // [rows, ld] int32 GEMM outputs, one per limb pair
+  int64_t scale[kMaxPairs];      // scale_i * scale_j
+  int64_t weight_offset[kMaxPairs];  // d_j
+  int64_t ld;                    // row stride of every G_p (padded channel count)
+  int64_t ones_col;              // the column holding rowsum(a_i), when any d_j != 0
+};
+
+// The exact product a[row] . w[c] (without bias), for NPAIRS limb pairs.
+template <int NPAIRS>
+QGRU_HD int64_t exact_product(const LimbProducts& g, int64_t row, int64_t c) {
+  int64_t acc = 0;
+  QGRU_UNROLL
+  for (int p = 0; p < NPAIRS; ++p) {
+    const int32_t* G = g.G[p] + row * g.ld;
+    int64_t term = G[c];
+    if (g.weight_offset[p] != 0) term += g.weight_offset[p] * G[g.ones_col];
+    acc += g.scale[p] * term;
+  }
+  return acc;
+}
+
+// One int8 limb of a value of `bits` bits (1 or 2 limbs, as described above).
+QGRU_HD int8_t act_limb(int64_t v, int32_t bits, int limb) {
+  if (bits <= 8) return (int8_t)v;
+  return limb == 0 ? (int8_t)((v & 255) - 128) : (int8_t)(v >> 8);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Accumulator -> Wx / Rh (seed 001 steps 2 and 3.1)
+// ---------------------------------------------------------------------------------------------
+struct AccRequant {
+  const int64_t* bias;  // [3H] b - zp_comp + the constant limb terms
+  Rescale rescale;      // [3H] S_W S_x / S_Wx (or S_R S_h / S_Rh)
+  const int64_t* zp;    // [3H] zero point of Wx / Rh
+  Range out;            // Wx / Rh bits
+};
+
+// q - Z of Wx (or Rh) at channel c from the exact product: sat(rescale(acc) + Z) - Z.
+QGRU_HD int64_t requantize_acc(const AccRequant& a, int64_t c, int64_t product) {
+  const int64_t acc = product + a.bias[c];
+  return saturate(apply(a.rescale, c, acc) + a.zp[c], a.out) - a.zp[c];
+}
+
+// ---------------------------------------------------------------------------------------------
+// The gates
+// ---------------------------------------------------------------------------------------------
+struct SigmoidGate {  // r or z
+  Rescale from_wx;    // [H] S_Wx / S_pre (the gate's slice)
+  Rescale from_rh;    // [H] S_Rh / S_pre
+  int64_t pre_zp;
+  Range pre;
+  Table table;
+};
+
+struct CellParams {
+  int64_t H;
+  AccRequant rh;      // R.h accumulator -> Rh
+  SigmoidGate r, z;
+  Rescale g_from_wx;  // [H] S_Wx_g / S_gpre
+  Rescale g_from_rrh; // [H] S_r S_Rh_g / S_gpre
+  int64_t g_pre_zp;
+  Range g_pre;
+  Table g;
+  Rescale zh;         // [1] S_z           (z * h -> h)
+  Rescale zg;         // [1] S_z S_g / S_h ((1 - z) * g -> h)
+  int64_t one_z;      // 1.0 on z's grid, relative to its zero point
+  int64_t h_zp;
+  Range h;
+};
+
+// computeR / computeZ: d = table(sat(Wx_gate + Rh_gate + Z_pre)) - Z_out.
+QGRU_HD int64_t sigmoid_gate(const SigmoidGate& s, int64_t j, int64_t d_wx, int64_t d_rh) {
+  const int64_t pre = saturate(apply(s.from_wx, j, d_wx) + apply(s.from_rh, j, d_rh) + s.pre_zp, s.pre);
+  return lookup(s.table, pre);
+}
+
+QGRU_HD int64_t computeR(const CellParams& p, int64_t j, int64_t d_wx_r, int64_t d_rh_r) {
+  return sigmoid_gate(p.r, j, d_wx_r, d_rh_r);
+}
+
+QGRU_HD int64_t computeZ(const CellParams& p, int64_t j, int64_t d_wx_z, int64_t d_rh_z) {
+  return sigmoid_gate(p.z, j, d_wx_z, d_rh_z);
+}
+
+// computeG: g = tanh(Wx_g + r * Rh_g); the product r * Rh_g is rescaled straight into g_pre.
+QGRU_HD int64_t computeG(const CellParams& p, int64_t j, int64_t d_wx_g, int64_t d_rh_g, int64_t d_r) {
+  const int64_t pre = saturate(apply(p.g_from_wx, j, d_wx_g) + apply(p.g_from_rrh, j, d_r * d_rh_g) + p.g_pre_zp,
+                               p.g_pre);
+  return lookup(p.g, pre);
+}
+
+// computeH: h' = z * h + (1 - z) * g, with 1 - z on z's own grid (one_z - d_z).
+QGRU_HD int64_t computeH(const CellParams& p, int64_t d_z, int64_t d_g, int64_t q_h) {
+  const int64_t h_new = apply(p.zh, 0, d_z * (q_h - p.h_zp)) + apply(p.zg, 0, (p.one_z - d_z) * d_g) + p.h_zp;
+  return saturate(h_new, p.h);
+}
+
+// One element (batch row n, channel j) of one time step: golden.gru_step.
+// d_wx points at the row's 3H values of Wx - Z_Wx; the R.h product comes from the limb GEMMs.
+template <int NPAIRS>
+QGRU_HD int64_t gru_cell(const CellParams& p, const LimbProducts& rh_products, int64_t n, int64_t j,
+                         const int32_t* d_wx, int64_t q_h) {
+  const int64_t H = p.H;
+  const int64_t d_rh_r = requantize_acc(p.rh, j, exact_product<NPAIRS>(rh_products, n, j));
+  const int64_t d_rh_z = requantize_acc(p.rh, H + j, exact_product<NPAIRS>(rh_products, n, H + j));
+  const int64_t d_rh_g = requantize_acc(p.rh, 2 * H + j, exact_product<NPAIRS>(rh_products, n, 2 * H + j));
+  const int64_t d_r = computeR(p, j, d_wx[j], d_rh_r);
+  const int64_t d_z = computeZ(p, j, d_wx[H + j], d_rh_z);
+  const int64_t d_g = computeG(p, j, d_wx[2 * H + j], d_rh_g, d_r);
+  return computeH(p, d_z, d_g, q_h);
+}
+
+}  // namespace qgru

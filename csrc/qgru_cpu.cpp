@@ -1,0 +1,237 @@
+// qgru C++ CPU backend: one layer and direction of the integer GRU, bit-exact with qgru/golden.py.
+//
+// GEMMs: int8 x int8 -> int32 through ATen's _int_mm (oneDNN), one per limb pair (qgru_cell.h),
+// into buffers allocated once per call. Pointwise: the shared cell functions of qgru_cell.h,
+// parallel over (batch row, channel block) with at::parallel_for, inner loop over channels
+// written for the compiler to vectorise.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "qgru_layer.h"
+
+namespace qgru {
+namespace {
+
+constexpr int64_t kInputChunkRows = 1024;  // rows of W.x per GEMM: measured fastest on oneDNN here
+constexpr int64_t kChannelBlock = 128;     // channels per parallel work item
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// Writes the int8 limbs of rows [0, rows) of src (int64 [rows, K]) into limbs[i] ([>= rows, ld]).
+void split_limbs(const int64_t* src, int64_t rows, int64_t K, int32_t bits, std::vector<at::Tensor>& limbs) {
+  const int64_t ld = limbs[0].size(1);
+  const int n_limbs = (int)limbs.size();
+  std::vector<int8_t*> dst;
+  for (auto& l : limbs) dst.push_back(l.data_ptr<int8_t>());
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int i = 0; i < n_limbs; ++i) {
+        int8_t* d = dst[i] + r * ld;
+        const int64_t* s = src + r * K;
+        for (int64_t k = 0; k < K; ++k) d[k] = act_limb(s[k], bits, i);
+      }
+  });
+}
+
+struct Gemm {  // the limb GEMMs of one product (W.x or R.h)
+  std::vector<at::Tensor> weight_limbs;  // each [M_pad, K_pad] int8
+  std::vector<int64_t> act_limb, weight_limb, scale, weight_offset;
+  int64_t P = 0;
+
+  void init(const LayerTensors& lt, const std::string& k) {
+    at::Tensor w = lt.tensor(k + "_weight_limbs");  // [L, M_pad, K_pad]
+    TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 3, "qgru: ", k, "_weight_limbs must be int8 [L, M, K]");
+    for (int64_t i = 0; i < w.size(0); ++i) weight_limbs.push_back(w[i]);
+    at::Tensor pr = lt.pairs(k);
+    P = pr.size(0);
+    TORCH_CHECK(P == 1 || P == 2 || P == 4, "qgru: unsupported number of limb pairs ", P);
+    auto a = pr.accessor<int64_t, 2>();
+    for (int64_t p = 0; p < P; ++p) {
+      act_limb.push_back(a[p][0]);
+      weight_limb.push_back(a[p][1]);
+      scale.push_back(a[p][2]);
+      weight_offset.push_back(a[p][3]);
+    }
+  }
+
+  // G[p][:rows] = act_limbs[i][:rows] @ weight_limbs[j].T, and the LimbProducts view of them.
+  LimbProducts run(const std::vector<at::Tensor>& act_limbs, std::vector<at::Tensor>& G, int64_t rows,
+                   int64_t ones_col) const {
+    LimbProducts lp{};
+    for (int64_t p = 0; p < P; ++p) {
+      at::Tensor out = G[p].narrow(0, 0, rows);
+      at::_int_mm_out(out, act_limbs[act_limb[p]].narrow(0, 0, rows), weight_limbs[weight_limb[p]].t());
+      lp.G[p] = G[p].data_ptr<int32_t>();
+      lp.scale[p] = scale[p];
+      lp.weight_offset[p] = weight_offset[p];
+    }
+    lp.ld = G[0].size(1);
+    lp.ones_col = ones_col;
+    return lp;
+  }
+};
+
+class CpuLayer {
+ public:
+  CpuLayer(TensorMap tensors, IntMap values) : lt_{std::move(tensors), std::move(values)} {
+    for (auto& kv : lt_.t) TORCH_CHECK(kv.second.device().is_cpu(), "qgru cpu backend: '", kv.first, "' is not on the CPU");
+    H_ = lt_.value("H");
+    I_ = lt_.value("I");
+    M_pad_ = lt_.value("M_pad");
+    ones_col_ = lt_.value("ones_col");
+    x_bits_ = (int32_t)lt_.value("x_bits");
+    h_bits_ = (int32_t)lt_.value("h_bits");
+    wx_.init(lt_, "x");
+    rh_.init(lt_, "h");
+    acc_x_ = lt_.acc("Wx");
+    cell_ = lt_.cell();
+  }
+
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx_in, const at::Tensor& qh0_in,
+                                             const c10::optional<at::Tensor>& lengths_in) {
+    TORCH_CHECK(qx_in.dim() == 3 && qx_in.size(2) == I_, "qgru cpu: qx must be [T, N, ", I_, "]");
+    TORCH_CHECK(qh0_in.dim() == 2 && qh0_in.size(0) == qx_in.size(1) && qh0_in.size(1) == H_,
+                "qgru cpu: qh0 must be [N, ", H_, "]");
+    const at::Tensor qx = qx_in.to(at::kLong).contiguous();
+    const int64_t T = qx.size(0), N = qx.size(1), H3 = 3 * H_;
+    at::Tensor state = qh0_in.to(at::kInt).contiguous().clone();
+    at::Tensor out = at::empty({T, N, H_}, qx.options().dtype(at::kInt));
+    if (T == 0 || N == 0) return {out, state};
+    at::Tensor lengths;
+    if (lengths_in.has_value()) {
+      lengths = lengths_in->to(at::kLong).contiguous();
+      TORCH_CHECK(lengths.numel() == N, "qgru cpu: lengths must have N entries");
+    }
+    at::Tensor dwx = input_phase(qx, T * N);
+    recurrent_phase(dwx, state, out, T, N, lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr);
+    (void)H3;
+    return {out, state};
+  }
+
+ private:
+  template <int NP>
+  void input_epilogue(const LimbProducts& lp, int32_t* dwx, int64_t rows) const {
+    const int64_t H3 = 3 * H_;
+    const AccRequant a = acc_x_;
+    at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        int32_t* o = dwx + r * H3;
+#pragma omp simd
+        for (int64_t c = 0; c < H3; ++c) o[c] = (int32_t)requantize_acc(a, c, exact_product<NP>(lp, r, c));
+      }
+    });
+  }
+
+  // Wx - Z_Wx for all T*N rows: int32 [T*N, 3H].
+  at::Tensor input_phase(const at::Tensor& qx, int64_t rows_total) const {
+    const int64_t chunk = std::min(rows_total, kInputChunkRows);
+    const int64_t K_pad = wx_.weight_limbs[0].size(1);
+    const int n_act = x_bits_ > 8 ? 2 : 1;
+    auto opts8 = qx.options().dtype(at::kChar);
+    std::vector<at::Tensor> limbs, G;
+    for (int i = 0; i < n_act; ++i) limbs.push_back(at::zeros({chunk, K_pad}, opts8));
+    for (int64_t p = 0; p < wx_.P; ++p) G.push_back(at::empty({chunk, M_pad_}, qx.options().dtype(at::kInt)));
+    at::Tensor dwx = at::empty({rows_total, 3 * H_}, qx.options().dtype(at::kInt));
+    const int64_t* src = qx.data_ptr<int64_t>();
+    for (int64_t r0 = 0; r0 < rows_total; r0 += chunk) {
+      const int64_t rows = std::min(chunk, rows_total - r0);
+      split_limbs(src + r0 * I_, rows, I_, x_bits_, limbs);
+      LimbProducts lp = wx_.run(limbs, G, rows, ones_col_);
+      int32_t* o = dwx.data_ptr<int32_t>() + r0 * 3 * H_;
+      switch (wx_.P) {
+        case 1: input_epilogue<1>(lp, o, rows); break;
+        case 2: input_epilogue<2>(lp, o, rows); break;
+        default: input_epilogue<4>(lp, o, rows); break;
+      }
+    }
+    return dwx;
+  }
+
+  template <int NP>
+  void step_pointwise(const LimbProducts& lp, const int32_t* dwx_t, int32_t* state, int32_t* out_t,
+                      std::vector<int8_t*>& h_limbs, int64_t K_pad, int64_t N, int64_t t,
+                      const int64_t* lengths) const {
+    const int64_t H = H_;
+    const int64_t blocks = (H + kChannelBlock - 1) / kChannelBlock;
+    const CellParams p = cell_;
+    const int32_t hb = h_bits_;
+    const int n_limbs = (int)h_limbs.size();
+    at::parallel_for(0, N * blocks, 1, [&](int64_t w0, int64_t w1) {
+      for (int64_t w = w0; w < w1; ++w) {
+        const int64_t n = w / blocks;
+        const int64_t j0 = (w % blocks) * kChannelBlock;
+        const int64_t j1 = std::min(H, j0 + kChannelBlock);
+        int32_t* s = state + n * H;
+        int32_t* o = out_t + n * H;
+        if (lengths != nullptr && t >= lengths[n]) {  // padding: the state is carried unchanged
+          for (int64_t j = j0; j < j1; ++j) o[j] = s[j];
+          continue;
+        }
+        const int32_t* wx = dwx_t + n * 3 * H;
+#pragma omp simd
+        for (int64_t j = j0; j < j1; ++j) {
+          const int32_t h_new = (int32_t)gru_cell<NP>(p, lp, n, j, wx, s[j]);
+          s[j] = h_new;
+          o[j] = h_new;
+        }
+        for (int i = 0; i < n_limbs; ++i) {
+          int8_t* d = h_limbs[i] + n * K_pad;
+          for (int64_t j = j0; j < j1; ++j) d[j] = act_limb(s[j], hb, i);
+        }
+      }
+    });
+  }
+
+  void recurrent_phase(const at::Tensor& dwx, at::Tensor& state, at::Tensor& out, int64_t T, int64_t N,
+                       const int64_t* lengths) const {
+    const int64_t K_pad = rh_.weight_limbs[0].size(1);
+    const int n_act = h_bits_ > 8 ? 2 : 1;
+    std::vector<at::Tensor> limbs, G;
+    for (int i = 0; i < n_act; ++i) limbs.push_back(at::zeros({N, K_pad}, dwx.options().dtype(at::kChar)));
+    for (int64_t p = 0; p < rh_.P; ++p) G.push_back(at::empty({N, M_pad_}, dwx.options()));
+    at::Tensor state64 = state.to(at::kLong);
+    split_limbs(state64.data_ptr<int64_t>(), N, H_, h_bits_, limbs);
+    std::vector<int8_t*> limb_ptrs;
+    for (auto& l : limbs) limb_ptrs.push_back(l.data_ptr<int8_t>());
+    const int32_t* dwx_p = dwx.data_ptr<int32_t>();
+    int32_t* out_p = out.data_ptr<int32_t>();
+    int32_t* s = state.data_ptr<int32_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      LimbProducts lp = rh_.run(limbs, G, N, ones_col_);
+      const int32_t* dwx_t = dwx_p + t * N * 3 * H_;
+      int32_t* out_t = out_p + t * N * H_;
+      switch (rh_.P) {
+        case 1: step_pointwise<1>(lp, dwx_t, s, out_t, limb_ptrs, K_pad, N, t, lengths); break;
+        case 2: step_pointwise<2>(lp, dwx_t, s, out_t, limb_ptrs, K_pad, N, t, lengths); break;
+        default: step_pointwise<4>(lp, dwx_t, s, out_t, limb_ptrs, K_pad, N, t, lengths); break;
+      }
+    }
+  }
+
+  LayerTensors lt_;
+  int64_t H_, I_, M_pad_, ones_col_;
+  int32_t x_bits_, h_bits_;
+  Gemm wx_, rh_;
+  AccRequant acc_x_;
+  CellParams cell_;
+};
+
+}  // namespace
+}  // namespace qgru
+
+#ifndef QGRU_TORCH_VERSION
+#error "QGRU_TORCH_VERSION must be defined by the build (qgru/native.py)"
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "qgru C++ CPU backend (bit-exact with qgru/golden.py)";
+  // The torch version this binary was compiled against: qgru refuses to load a stale binary.
+  m.attr("built_for_torch") = QGRU_TORCH_VERSION;
+  pybind11::class_<qgru::CpuLayer>(m, "Layer")
+      .def(pybind11::init<qgru::TensorMap, qgru::IntMap>())
+      .def("forward", &qgru::CpuLayer::forward, pybind11::arg("qx"), pybind11::arg("qh0"),
+           pybind11::arg("lengths") = pybind11::none(),
+           pybind11::call_guard<pybind11::gil_scoped_release>());
+}

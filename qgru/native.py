@@ -1,0 +1,309 @@
+"""The native backends: building, loading and feeding the C++/CUDA extension in csrc/.
+
+* ``cpu``  (csrc/qgru_cpu.cpp): always buildable where a C++ compiler is; runs CPU tensors.
+* ``cuda`` (csrc/qgru_cuda_kernels.cu + qgru_cuda.cpp): buildable where torch has CUDA and nvcc is
+  found; runs CUDA tensors.
+
+Both use the cell functions of csrc/qgru_cell.h and must match the golden model bit for bit.
+
+Building never breaks importing qgru: extensions are compiled on first use (or ahead of time with
+``python -m qgru build``) with ``torch.utils.cpp_extension``, into a cache folder whose name
+includes the torch version, the Python ABI, a hash of the sources and flags, and the machine;
+a failure is recorded and reported by ``qgru.backends()``. A cached binary is loaded only if the
+torch version compiled into it equals the running one; otherwise it is refused (and rebuilt).
+
+Environment: ``QGRU_BUILD_DIR`` (cache folder, default ~/.cache/qgru), ``QGRU_NO_BUILD=1``
+(never compile; use only a binary built ahead), ``TORCH_CUDA_ARCH_LIST`` (CUDA architectures,
+honoured by torch.utils.cpp_extension), ``QGRU_VERBOSE_BUILD=1`` (show compiler output).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import platform
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .golden import LayerParams
+from .primitives import qrange, split_int8_limbs
+from .tables import table_geometry
+
+_HERE = Path(__file__).resolve().parent
+_KINDS = ("cpu", "cuda")
+_SOURCES = {
+    "cpu": ["qgru_cpu.cpp"],
+    "cuda": ["qgru_cuda.cpp", "qgru_cuda_kernels.cu"],
+}
+_HEADERS = ["qgru_fixedpoint.h", "qgru_cell.h", "qgru_layer.h", "qgru_cuda.h"]
+GEMM_PAD = 16  # channel and reduction padding: int8 tensor-core GEMMs want multiples of 16
+
+
+def csrc_dir() -> Path:
+    """csrc/ of an installed wheel (qgru/csrc) or of a source checkout (../csrc)."""
+    for d in (_HERE / "csrc", _HERE.parent / "csrc"):
+        if (d / "qgru_cell.h").is_file():
+            return d
+    raise FileNotFoundError("qgru's csrc/ folder is missing from this installation")
+
+
+def _cpu_flags() -> List[str]:
+    flags = ["-O3", "-fopenmp"]
+    if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
+        flags.append("-march=native")  # the cache key includes the machine, see _machine_id()
+    return flags
+
+
+def _machine_id() -> str:
+    """CPU model and feature flags: a -march=native binary must not move to another CPU."""
+    info = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags", "Features")):
+                info += line
+                if line.startswith(("flags", "Features")):
+                    break
+    except OSError:
+        info += platform.processor()
+    return info
+
+
+def build_key(kind: str) -> str:
+    h = hashlib.sha256()
+    src = csrc_dir()
+    for name in sorted(_SOURCES[kind] + _HEADERS):
+        p = src / name
+        if p.is_file():
+            h.update(name.encode() + p.read_bytes())
+    h.update(" ".join(_cpu_flags()).encode())
+    h.update(_machine_id().encode())
+    h.update((torch.version.git_version or "").encode())
+    if kind == "cuda":
+        h.update((os.environ.get("TORCH_CUDA_ARCH_LIST", "") + str(torch.version.cuda)).encode())
+    abi = sysconfig.get_config_var("SOABI") or sys.version
+    return f"{kind}-torch{torch.__version__}-{abi}-{h.hexdigest()[:12]}".replace("+", "_")
+
+
+def build_dir(kind: str) -> Path:
+    root = Path(os.environ.get("QGRU_BUILD_DIR", Path.home() / ".cache" / "qgru"))
+    return root / build_key(kind)
+
+
+def _ext_name(kind: str) -> str:
+    return f"qgru_{kind}_ext"
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.modules: Dict[str, object] = {}
+        self.errors: Dict[str, str] = {}
+
+
+_state = _State()
+
+
+def _cuda_unavailable_reason() -> str:
+    if torch.version.cuda is None:
+        return f"the installed torch ({torch.__version__}) is a CPU-only build"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    from torch.utils.cpp_extension import CUDA_HOME
+    if CUDA_HOME is None:
+        return "nvcc (the CUDA toolkit) was not found; set CUDA_HOME"
+    return ""
+
+
+def _load_built(kind: str, path: Path):
+    """Import a built extension file, refusing one compiled against another torch."""
+    spec = importlib.util.spec_from_file_location(_ext_name(kind), path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if getattr(mod, "built_for_torch", None) != torch.__version__:
+        raise RuntimeError(f"stale binary {path} was built for torch {getattr(mod, 'built_for_torch', '?')}, "
+                           f"this is torch {torch.__version__}: rebuild with `python -m qgru build`")
+    return mod
+
+
+def _find_binary(kind: str) -> Optional[Path]:
+    d = build_dir(kind)
+    hits = sorted(d.glob(_ext_name(kind) + "*.so")) + sorted(d.glob(_ext_name(kind) + "*.pyd"))
+    return hits[0] if hits else None
+
+
+def _compile(kind: str, verbose: bool):
+    from torch.utils import cpp_extension
+    d = build_dir(kind)
+    d.mkdir(parents=True, exist_ok=True)
+    src = csrc_dir()
+    # escaped for the shell that ninja runs the compiler through
+    define = [f'-DQGRU_TORCH_VERSION=\\"{torch.__version__}\\"']
+    kw = dict(name=_ext_name(kind), sources=[str(src / s) for s in _SOURCES[kind]],
+              extra_include_paths=[str(src)], build_directory=str(d), verbose=verbose,
+              extra_cflags=_cpu_flags() + define, extra_ldflags=["-fopenmp"])
+    if kind == "cuda":
+        kw["extra_cuda_cflags"] = ["-O3"] + define
+        kw["extra_ldflags"] = ["-fopenmp", "-lcublas"]
+    print(f"qgru: compiling the {kind} backend into {d} (once; about a minute)...", file=sys.stderr, flush=True)
+    return cpp_extension.load(**kw)
+
+
+def load(kind: str, build: bool = True):
+    """The extension module for ``kind``, building it if needed; raises with the reason if it can't."""
+    if kind not in _KINDS:
+        raise ValueError(f"unknown native backend {kind!r}")
+    with _state.lock:
+        if kind in _state.modules:
+            return _state.modules[kind]
+        if kind in _state.errors:
+            raise RuntimeError(_state.errors[kind])
+        try:
+            if kind == "cuda":
+                why = _cuda_unavailable_reason()
+                if why:
+                    raise RuntimeError(why)
+            path = _find_binary(kind)
+            mod = None
+            if path is not None:
+                try:
+                    mod = _load_built(kind, path)
+                except RuntimeError as e:
+                    print(f"qgru: {e}", file=sys.stderr)
+            if mod is None:
+                if not build or os.environ.get("QGRU_NO_BUILD") == "1":
+                    raise RuntimeError(f"not built (QGRU_NO_BUILD=1 or build disabled); "
+                                       f"run `python -m qgru build` to compile it into {build_dir(kind)}")
+                try:
+                    mod = _compile(kind, verbose=os.environ.get("QGRU_VERBOSE_BUILD") == "1")
+                except Exception as e:  # noqa: BLE001 - any compiler failure becomes the reason
+                    msg = str(e).strip().splitlines()
+                    raise RuntimeError(f"building the {kind} extension failed ({msg[-1] if msg else type(e).__name__}); "
+                                       f"rerun with QGRU_VERBOSE_BUILD=1 python -m qgru build for the compiler output")
+                if getattr(mod, "built_for_torch", None) != torch.__version__:
+                    raise RuntimeError("freshly built extension reports another torch version")
+            _state.modules[kind] = mod
+            return mod
+        except RuntimeError as e:
+            _state.errors[kind] = str(e)
+            raise
+
+
+def why_unavailable(kind: str) -> str:
+    """'' when the backend loads (building it if needed), else the reason."""
+    try:
+        load(kind)
+        return ""
+    except RuntimeError as e:
+        return str(e)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters: LayerParams -> the flat tensors and values the C++ Layer takes (once per device)
+# ---------------------------------------------------------------------------------------------
+def _round_up(v: int, m: int) -> int:
+    return (v + m - 1) // m * m
+
+
+def _per_channel(v: torch.Tensor, n: int) -> torch.Tensor:
+    return v.reshape(-1).expand(n).contiguous() if v.numel() == 1 else v.reshape(n).contiguous()
+
+
+def _limb_gemm(prefix: str, weights: torch.Tensor, w_bits: int, act_bits: int, M_pad: int,
+               ones_col: int) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+    """Weight limb matrices [L, M_pad, K_pad] int8, limb pairs [P, 4], constant per-channel terms [M]."""
+    M, K = weights.shape
+    K_pad = _round_up(max(K, 1), GEMM_PAD)
+    w_limbs = split_int8_limbs(weights.to(torch.int64), w_bits)
+    any_offset = any(c for _, _, c in w_limbs)
+    act_limbs = [(1, 0)] if act_bits <= 8 else [(1, 128), (256, 0)]  # as csrc act_limb()
+    stacked = torch.zeros(len(w_limbs), M_pad, K_pad, dtype=torch.int8)
+    const = torch.zeros(M, dtype=torch.int64)
+    pairs = []
+    for j, (limb, wscale, d) in enumerate(w_limbs):
+        stacked[j, :M, :K] = limb
+        if any_offset:
+            stacked[j, ones_col, :K] = 1  # its output column is rowsum of the activation limb
+        colsum = limb.to(torch.int64).sum(1)
+        for i, (ascale, c) in enumerate(act_limbs):
+            s = ascale * wscale
+            pairs.append([i, j, s, d])
+            const += s * (c * colsum + c * d * K)
+    return {f"{prefix}_weight_limbs": stacked, f"{prefix}_pairs": torch.tensor(pairs, dtype=torch.int64)}, const
+
+
+def prepare_layer(p: LayerParams) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
+    """The C++ Layer's arguments for one layer and direction (CPU tensors; move them as needed)."""
+    H, I = p.hidden_size, p.input_size
+    H3 = 3 * H
+    b, zp, rs = p.bits, p.zp, p.rescale
+    needs_ones = b["W"] > 8 or b["R"] > 8
+    ones_col = H3
+    M_pad = _round_up(H3 + (1 if needs_ones else 0), GEMM_PAD)
+    t: Dict[str, torch.Tensor] = {}
+    v: Dict[str, int] = {"H": H, "I": I, "M_pad": M_pad, "ones_col": ones_col if needs_ones else 0,
+                         "x_bits": b["x"], "h_bits": b["h"]}
+    gx, const_x = _limb_gemm("x", p.W, b["W"], b["x"], M_pad, ones_col)
+    gh, const_h = _limb_gemm("h", p.R, b["R"], b["h"], M_pad, ones_col)
+    t.update(gx)
+    t.update(gh)
+
+    def rescale(name: str, r, n: int) -> None:
+        t[name + "_mult"] = _per_channel(r.multiplier, n).to(torch.int64)
+        t[name + "_shift"] = _per_channel(r.shift, n).to(torch.int32)
+
+    def rng(name: str, bits: int) -> None:
+        v[name + "_lo"], v[name + "_hi"] = qrange(bits)
+
+    for name, bias, comp, const in (("Wx", p.b_x, p.W_zp_comp, const_x), ("Rh", p.b_h, p.R_zp_comp, const_h)):
+        t[name + "_bias"] = (bias - comp + const).to(torch.int64).contiguous()
+        rescale(name, rs[name], H3)
+        t[name + "_zp"] = _per_channel(zp[name], H3).to(torch.int64)
+        rng(name, b[name])
+    for g in ("r", "z"):
+        rescale(f"{g}_from_wx", rs[f"Wx_{g}"], H)
+        rescale(f"{g}_from_rh", rs[f"Rh_{g}"], H)
+    rescale("g_from_wx", rs["Wx_g"], H)
+    rescale("g_from_rrh", rs["rRh_g"], H)
+    rescale("zh", rs["zh"], 1)
+    rescale("zg", rs["zg"], 1)
+    for g in ("r", "z", "g"):
+        v[f"{g}_pre_zp"] = int(zp[f"{g}_pre"])
+        rng(f"{g}_pre", b[f"{g}_pre"])
+        rng(g, b[g])
+        v[f"{g}_zp"] = int(zp[g])
+        k, frac = table_geometry(b[f"{g}_pre"])
+        v[f"{g}_table_k"], v[f"{g}_table_frac"] = k, frac
+        t[f"table_{g}"] = p.tables[g].to(torch.int64).contiguous()
+    v["one_z"] = int(p.one_z)
+    v["h_zp"] = int(zp["h"])
+    rng("h", b["h"])
+    return t, v
+
+
+class NativeLayer:
+    """One layer and direction on one native backend: the C++ Layer and the tensors it points into."""
+
+    def __init__(self, kind: str, p: LayerParams, device: torch.device) -> None:
+        mod = load(kind)
+        tensors, values = prepare_layer(p)
+        self.kind = kind
+        self.layer = mod.Layer({k: x.to(device) for k, x in tensors.items()}, values)
+
+    def __call__(self, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor]):
+        return self.layer.forward(qx, qh0, lengths)
+
+
+def gru_direction(kind: str):
+    """A backend's gru_direction(p, qx, qh0, lengths): the native Layer is made once per LayerParams."""
+    def run(p: LayerParams, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor] = None):
+        cache = p.__dict__.setdefault("_native", {})
+        key = (kind, str(qx.device))
+        if key not in cache:
+            cache[key] = NativeLayer(kind, p, qx.device)
+        return cache[key](qx, qh0, lengths)
+    return run
