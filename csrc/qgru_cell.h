@@ -30,19 +30,21 @@ struct LimbProducts {
   int64_t scale[kMaxPairs];      // scale_i * scale_j
   int64_t weight_offset[kMaxPairs];  // d_j
   int64_t ld;                    // row stride of every G_p (padded channel count)
-  int64_t ones_col;              // the column holding rowsum(a_i), when any d_j != 0
+  int64_t ones_col;              // the column holding rowsum(a_i) when any d_j != 0, else 0
 };
 
-// The exact product a[row] . w[c] (without bias), for NPAIRS limb pairs.
+// The exact product a[row] . w[c] (without bias), for NPAIRS limb pairs. One pair means 8-bit
+// operands on both sides: scale 1, offset 0, the GEMM output itself.
 template <int NPAIRS>
 QGRU_HD int64_t exact_product(const LimbProducts& g, int64_t row, int64_t c) {
+  if (NPAIRS == 1) return g.G[0][row * g.ld + c];
   int64_t acc = 0;
   QGRU_UNROLL
   for (int p = 0; p < NPAIRS; ++p) {
     const int32_t* G = g.G[p] + row * g.ld;
-    int64_t term = G[c];
-    if (g.weight_offset[p] != 0) term += g.weight_offset[p] * G[g.ones_col];
-    acc += g.scale[p] * term;
+    // Branch-free (so the CPU loop vectorises): with 8-bit weights the offset is 0 and ones_col
+    // is any valid column.
+    acc += g.scale[p] * ((int64_t)G[c] + g.weight_offset[p] * (int64_t)G[g.ones_col]);
   }
   return acc;
 }
@@ -64,9 +66,10 @@ struct AccRequant {
 };
 
 // q - Z of Wx (or Rh) at channel c from the exact product: sat(rescale(acc) + Z) - Z.
+template <bool POW2>
 QGRU_HD int64_t requantize_acc(const AccRequant& a, int64_t c, int64_t product) {
   const int64_t acc = product + a.bias[c];
-  return saturate(apply(a.rescale, c, acc) + a.zp[c], a.out) - a.zp[c];
+  return saturate(apply<POW2, true>(a.rescale, c, acc) + a.zp[c], a.out) - a.zp[c];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -97,45 +100,53 @@ struct CellParams {
 };
 
 // computeR / computeZ: d = table(sat(Wx_gate + Rh_gate + Z_pre)) - Z_out.
+template <bool POW2>
 QGRU_HD int64_t sigmoid_gate(const SigmoidGate& s, int64_t j, int64_t d_wx, int64_t d_rh) {
-  const int64_t pre = saturate(apply(s.from_wx, j, d_wx) + apply(s.from_rh, j, d_rh) + s.pre_zp, s.pre);
+  const int64_t pre =
+      saturate(apply<POW2, false>(s.from_wx, j, d_wx) + apply<POW2, false>(s.from_rh, j, d_rh) + s.pre_zp, s.pre);
   return lookup(s.table, pre);
 }
 
+template <bool POW2>
 QGRU_HD int64_t computeR(const CellParams& p, int64_t j, int64_t d_wx_r, int64_t d_rh_r) {
-  return sigmoid_gate(p.r, j, d_wx_r, d_rh_r);
+  return sigmoid_gate<POW2>(p.r, j, d_wx_r, d_rh_r);
 }
 
+template <bool POW2>
 QGRU_HD int64_t computeZ(const CellParams& p, int64_t j, int64_t d_wx_z, int64_t d_rh_z) {
-  return sigmoid_gate(p.z, j, d_wx_z, d_rh_z);
+  return sigmoid_gate<POW2>(p.z, j, d_wx_z, d_rh_z);
 }
 
 // computeG: g = tanh(Wx_g + r * Rh_g); the product r * Rh_g is rescaled straight into g_pre.
+template <bool POW2>
 QGRU_HD int64_t computeG(const CellParams& p, int64_t j, int64_t d_wx_g, int64_t d_rh_g, int64_t d_r) {
-  const int64_t pre = saturate(apply(p.g_from_wx, j, d_wx_g) + apply(p.g_from_rrh, j, d_r * d_rh_g) + p.g_pre_zp,
-                               p.g_pre);
+  const int64_t pre = saturate(
+      apply<POW2, false>(p.g_from_wx, j, d_wx_g) + apply<POW2, true>(p.g_from_rrh, j, mul32(d_r, d_rh_g)) + p.g_pre_zp,
+      p.g_pre);
   return lookup(p.g, pre);
 }
 
 // computeH: h' = z * h + (1 - z) * g, with 1 - z on z's own grid (one_z - d_z).
+template <bool POW2>
 QGRU_HD int64_t computeH(const CellParams& p, int64_t d_z, int64_t d_g, int64_t q_h) {
-  const int64_t h_new = apply(p.zh, 0, d_z * (q_h - p.h_zp)) + apply(p.zg, 0, (p.one_z - d_z) * d_g) + p.h_zp;
+  const int64_t h_new = apply<POW2, true>(p.zh, 0, mul32(d_z, q_h - p.h_zp)) +
+                        apply<POW2, true>(p.zg, 0, mul32(p.one_z - d_z, d_g)) + p.h_zp;
   return saturate(h_new, p.h);
 }
 
 // One element (batch row n, channel j) of one time step: golden.gru_step.
 // d_wx points at the row's 3H values of Wx - Z_Wx; the R.h product comes from the limb GEMMs.
-template <int NPAIRS>
+template <int NPAIRS, bool POW2>
 QGRU_HD int64_t gru_cell(const CellParams& p, const LimbProducts& rh_products, int64_t n, int64_t j,
                          const int32_t* d_wx, int64_t q_h) {
   const int64_t H = p.H;
-  const int64_t d_rh_r = requantize_acc(p.rh, j, exact_product<NPAIRS>(rh_products, n, j));
-  const int64_t d_rh_z = requantize_acc(p.rh, H + j, exact_product<NPAIRS>(rh_products, n, H + j));
-  const int64_t d_rh_g = requantize_acc(p.rh, 2 * H + j, exact_product<NPAIRS>(rh_products, n, 2 * H + j));
-  const int64_t d_r = computeR(p, j, d_wx[j], d_rh_r);
-  const int64_t d_z = computeZ(p, j, d_wx[H + j], d_rh_z);
-  const int64_t d_g = computeG(p, j, d_wx[2 * H + j], d_rh_g, d_r);
-  return computeH(p, d_z, d_g, q_h);
+  const int64_t d_rh_r = requantize_acc<POW2>(p.rh, j, exact_product<NPAIRS>(rh_products, n, j));
+  const int64_t d_rh_z = requantize_acc<POW2>(p.rh, H + j, exact_product<NPAIRS>(rh_products, n, H + j));
+  const int64_t d_rh_g = requantize_acc<POW2>(p.rh, 2 * H + j, exact_product<NPAIRS>(rh_products, n, 2 * H + j));
+  const int64_t d_r = computeR<POW2>(p, j, d_wx[j], d_rh_r);
+  const int64_t d_z = computeZ<POW2>(p, j, d_wx[H + j], d_rh_z);
+  const int64_t d_g = computeG<POW2>(p, j, d_wx[2 * H + j], d_rh_g, d_r);
+  return computeH<POW2>(p, d_z, d_g, q_h);
 }
 
 }  // namespace qgru

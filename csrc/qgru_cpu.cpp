@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "qgru_layer.h"
@@ -33,6 +34,34 @@ void split_limbs(const int64_t* src, int64_t rows, int64_t K, int32_t bits, std:
         for (int64_t k = 0; k < K; ++k) d[k] = act_limb(s[k], bits, i);
       }
   });
+}
+
+// One step of channels [j0, j1) of batch row n: state s is read and overwritten, o gets a copy.
+// A separate, never inlined function with restrict pointers and by-value parameters: inlined into
+// its caller, gcc loses sight of the copies and falls back to scalar table loads (measured 2x slower).
+#if defined(__GNUC__)
+#define QGRU_NOINLINE __attribute__((noinline))
+#else
+#define QGRU_NOINLINE
+#endif
+
+template <int NP, bool POW2>
+QGRU_NOINLINE void cell_block(const CellParams p, const LimbProducts lp, int64_t n, int64_t j0, int64_t j1,
+                const int32_t* __restrict wx, int32_t* __restrict s, int32_t* __restrict o) {
+#pragma omp simd
+  for (int64_t j = j0; j < j1; ++j) {
+    const int32_t h_new = (int32_t)gru_cell<NP, POW2>(p, lp, n, j, wx, s[j]);
+    s[j] = h_new;
+    o[j] = h_new;
+  }
+}
+
+// One row of W.x: the exact products of row r, plus bias, rescaled onto Wx (relative to Z_Wx).
+template <int NP, bool POW2>
+QGRU_NOINLINE void requantize_row(const AccRequant a, const LimbProducts lp, int64_t r, int64_t H3,
+                                  int32_t* __restrict o) {
+#pragma omp simd
+  for (int64_t c = 0; c < H3; ++c) o[c] = (int32_t)requantize_acc<POW2>(a, c, exact_product<NP>(lp, r, c));
 }
 
 struct Gemm {  // the limb GEMMs of one product (W.x or R.h)
@@ -83,6 +112,7 @@ class CpuLayer {
     ones_col_ = lt_.value("ones_col");
     x_bits_ = (int32_t)lt_.value("x_bits");
     h_bits_ = (int32_t)lt_.value("h_bits");
+    pow2_ = lt_.value("pow2") != 0;
     wx_.init(lt_, "x");
     rh_.init(lt_, "h");
     acc_x_ = lt_.acc("Wx");
@@ -111,16 +141,12 @@ class CpuLayer {
   }
 
  private:
-  template <int NP>
+  template <int NP, bool POW2>
   void input_epilogue(const LimbProducts& lp, int32_t* dwx, int64_t rows) const {
     const int64_t H3 = 3 * H_;
     const AccRequant a = acc_x_;
     at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        int32_t* o = dwx + r * H3;
-#pragma omp simd
-        for (int64_t c = 0; c < H3; ++c) o[c] = (int32_t)requantize_acc(a, c, exact_product<NP>(lp, r, c));
-      }
+      for (int64_t r = r0; r < r1; ++r) requantize_row<NP, POW2>(a, lp, r, H3, dwx + r * H3);
     });
   }
 
@@ -140,16 +166,12 @@ class CpuLayer {
       split_limbs(src + r0 * I_, rows, I_, x_bits_, limbs);
       LimbProducts lp = wx_.run(limbs, G, rows, ones_col_);
       int32_t* o = dwx.data_ptr<int32_t>() + r0 * 3 * H_;
-      switch (wx_.P) {
-        case 1: input_epilogue<1>(lp, o, rows); break;
-        case 2: input_epilogue<2>(lp, o, rows); break;
-        default: input_epilogue<4>(lp, o, rows); break;
-      }
+      dispatch(wx_.P, [&](auto np, auto pow2) { input_epilogue<np.value, pow2.value>(lp, o, rows); });
     }
     return dwx;
   }
 
-  template <int NP>
+  template <int NP, bool POW2>
   void step_pointwise(const LimbProducts& lp, const int32_t* dwx_t, int32_t* state, int32_t* out_t,
                       std::vector<int8_t*>& h_limbs, int64_t K_pad, int64_t N, int64_t t,
                       const int64_t* lengths) const {
@@ -169,13 +191,7 @@ class CpuLayer {
           for (int64_t j = j0; j < j1; ++j) o[j] = s[j];
           continue;
         }
-        const int32_t* wx = dwx_t + n * 3 * H;
-#pragma omp simd
-        for (int64_t j = j0; j < j1; ++j) {
-          const int32_t h_new = (int32_t)gru_cell<NP>(p, lp, n, j, wx, s[j]);
-          s[j] = h_new;
-          o[j] = h_new;
-        }
+        cell_block<NP, POW2>(p, lp, n, j0, j1, dwx_t + n * 3 * H, s, o);
         for (int i = 0; i < n_limbs; ++i) {
           int8_t* d = h_limbs[i] + n * K_pad;
           for (int64_t j = j0; j < j1; ++j) d[j] = act_limb(s[j], hb, i);
@@ -202,17 +218,26 @@ class CpuLayer {
       LimbProducts lp = rh_.run(limbs, G, N, ones_col_);
       const int32_t* dwx_t = dwx_p + t * N * 3 * H_;
       int32_t* out_t = out_p + t * N * H_;
-      switch (rh_.P) {
-        case 1: step_pointwise<1>(lp, dwx_t, s, out_t, limb_ptrs, K_pad, N, t, lengths); break;
-        case 2: step_pointwise<2>(lp, dwx_t, s, out_t, limb_ptrs, K_pad, N, t, lengths); break;
-        default: step_pointwise<4>(lp, dwx_t, s, out_t, limb_ptrs, K_pad, N, t, lengths); break;
-      }
+      dispatch(rh_.P, [&](auto np, auto pow2) {
+        step_pointwise<np.value, pow2.value>(lp, dwx_t, s, out_t, limb_ptrs, K_pad, N, t, lengths);
+      });
     }
+  }
+
+  // Calls f(integral_constant NP, integral_constant POW2) for this layer's limb pairs and scale mode.
+  template <typename F>
+  void dispatch(int64_t P, F&& f) const {
+    using T = std::true_type;
+    using Fl = std::false_type;
+    if (P == 1) pow2_ ? f(std::integral_constant<int, 1>{}, T{}) : f(std::integral_constant<int, 1>{}, Fl{});
+    else if (P == 2) pow2_ ? f(std::integral_constant<int, 2>{}, T{}) : f(std::integral_constant<int, 2>{}, Fl{});
+    else pow2_ ? f(std::integral_constant<int, 4>{}, T{}) : f(std::integral_constant<int, 4>{}, Fl{});
   }
 
   LayerTensors lt_;
   int64_t H_, I_, M_pad_, ones_col_;
   int32_t x_bits_, h_bits_;
+  bool pow2_;
   Gemm wx_, rh_;
   AccRequant acc_x_;
   CellParams cell_;

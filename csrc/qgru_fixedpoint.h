@@ -32,8 +32,11 @@ struct Range {
 QGRU_HD int64_t saturate(int64_t v, Range r) { return v < r.lo ? r.lo : (v > r.hi ? r.hi : v); }
 
 // round_half_up(x * m / 2^s) for 1 <= s <= 62, |x * m| < 2^62 (primitives.rounding_mul_shift).
+// Written as ((v >> (s-1)) + 1) >> 1, which equals (v + 2^(s-1)) >> s for every v: with
+// v = q 2^(s-1) + r, 0 <= r < 2^(s-1), both are floor((q + 1) / 2). This form has no per-lane
+// variable shift of a constant, so gcc vectorises it (AVX-512 vpsravq), and it cannot overflow.
 QGRU_HD int64_t rounding_mul_shift(int64_t x, int64_t m, int32_t s) {
-  return (x * m + (int64_t(1) << (s - 1))) >> s;
+  return (((x * m) >> (s - 1)) + 1) >> 1;
 }
 
 // round_half_up(v / 2^s) for s >= 0; s = 0 returns v (primitives.rounding_shift).
@@ -41,12 +44,35 @@ QGRU_HD int64_t rounding_shift(int64_t v, int32_t s) { return (v + ((int64_t(1) 
 
 // A fixed-point factor, one (multiplier, shift) per channel (per-tensor factors are expanded to
 // one entry per channel when the backend's parameters are prepared, so kernels never branch).
+// In power-of-two scale mode every multiplier is 2^mult_log2, and x * m is computed as a shift.
 struct Rescale {
   const int64_t* mult;
   const int32_t* shift;
+  const int32_t* mult_log2;  // log2(mult) when every multiplier is a power of two, else unused
 };
 
-QGRU_HD int64_t apply(Rescale r, int64_t c, int64_t v) { return rounding_mul_shift(v, r.mult[c], r.shift[c]); }
+// The product of two values that fit in int32 (every q - Z below: |q - Z| < 2^16, and every
+// multiplier: m < 2^31), as one signed 32 x 32 -> 64 multiply (vpmuldq) instead of a 64-bit one.
+QGRU_HD int64_t mul32(int64_t a, int64_t b) { return (int64_t)(int32_t)a * (int64_t)(int32_t)b; }
+
+// x * 2^k for k >= 0 without the undefined behaviour of shifting a negative value (C++17, CUDA).
+QGRU_HD int64_t shift_left(int64_t x, int64_t k) { return (int64_t)((uint64_t)x << k); }
+
+// rounding_mul_shift with the channel's factor. WIDE: the operand may exceed int32 (accumulators,
+// products of two q - Z values); otherwise |v| < 2^31. POW2: multipliers are powers of two. All
+// four variants compute the same integer (x * m is exact in int64, see rounding_mul_shift).
+template <bool POW2, bool WIDE>
+QGRU_HD int64_t apply(Rescale r, int64_t c, int64_t v) {
+  int64_t prod;
+  if (POW2) {
+    prod = shift_left(v, r.mult_log2[c]);
+  } else if (WIDE) {
+    prod = v * r.mult[c];
+  } else {
+    prod = mul32(v, r.mult[c]);
+  }
+  return ((prod >> (r.shift[c] - 1)) + 1) >> 1;
+}
 
 // A sigmoid or tanh table on a b_in-bit grid (tables.lookup): 2^(b_in - k) + 1 entries with F extra
 // fraction bits, linear interpolation inside segments of 2^k inputs (k = F = 0: exact table).
@@ -65,7 +91,8 @@ QGRU_HD int64_t lookup(const Table& t, int64_t q) {
   const int64_t i = u >> t.k;
   const int64_t f = u & ((int64_t(1) << t.k) - 1);
   const int64_t lo = t.entries[i];
-  const int64_t v = lo * (int64_t(1) << t.k) + (t.entries[i + 1] - lo) * f;
+  // |T| < 2^(b_out + F + 1) and f < 2^k: the interpolation term fits in int32.
+  const int64_t v = shift_left(lo, t.k) + mul32(t.entries[i + 1] - lo, f);
   return saturate(rounding_shift(v, t.k + t.frac) + t.out_zp, t.out) - t.out_zp;
 }
 

@@ -41,7 +41,9 @@ struct LayerTensors {
     return x.data_ptr<int32_t>();
   }
   Range range(const std::string& k) const { return Range{value(k + "_lo"), value(k + "_hi")}; }
-  Rescale rescale(const std::string& k) const { return Rescale{i64(k + "_mult"), i32(k + "_shift")}; }
+  Rescale rescale(const std::string& k) const {
+    return Rescale{i64(k + "_mult"), i32(k + "_shift"), i32(k + "_mult_log2")};
+  }
   Table table(const std::string& k) const {
     return Table{i64("table_" + k), (int32_t)value(k + "_table_k"), (int32_t)value(k + "_table_frac"),
                  value(k + "_pre_lo"), value(k + "_zp"), range(k)};

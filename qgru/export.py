@@ -103,6 +103,12 @@ class QuantParams:
     def save(self, path: Union[str, Path]) -> None:
         torch.save(self.to_dict(), str(path))
 
+    def to_c(self, path: Union[str, Path], **kw):
+        """Write one layer and direction as C99 (``path``.h and ``path``.c): see qgru.export_c.write_c
+        (keywords: layer, direction, golden_steps, seed, prefix). Returns (header path, source path)."""
+        from .export_c import write_c  # export_c imports this module
+        return write_c(self, path, **kw)
+
     def to_module(self):
         """A converted QuantGRU that runs these parameters (float weights are the dequantized ones)."""
         from .module import QuantGRU
