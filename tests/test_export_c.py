@@ -1,0 +1,292 @@
+"""C99 export (qgru/export_c.py): the generated C compiles warning-free and is bit-exact with the
+golden model.
+
+Each case is exported and compiled once (with a small harness main that reads integer inputs on
+stdin and prints what the C computes); the tests then feed it sequences of their own (random,
+and the extremes of every range) and compare every printed integer with qgru.golden run on the
+same integers, independently of the self-test's own count.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import qgru
+from qgru import export_c
+from qgru.golden import gru_direction, input_gemm, requantize_input
+from qgru.primitives import qrange
+
+CC = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler (cc, gcc or clang) on PATH")
+CFLAGS = ["-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic", "-O2"]
+
+# exact (<= 10-bit) tables, 6-bit R per tensor, per_channel Wx, per_tensor symmetric Rh, 12-bit r
+CUSTOM = {"observer": {"kind": "minmax"},
+          "tensors": {"R": {"bits": 6, "symmetric": True, "granularity": "per_tensor"},
+                      "W": {"bits": 8, "symmetric": True, "granularity": "per_group", "group_size": 4},
+                      "Wx": {"bits": 12, "symmetric": False, "granularity": "per_channel"},
+                      "Rh": {"bits": 16, "symmetric": True, "granularity": "per_tensor"},
+                      "z_pre": {"bits": 8, "symmetric": False}, "r_pre": {"bits": 10, "symmetric": False},
+                      "g_pre": {"bits": 8, "symmetric": False}, "z": {"bits": 8}, "r": {"bits": 12},
+                      "g": {"bits": 8}}}
+
+CASES = {  # id: (config, scale_mode, input, hidden, num_layers, bidirectional, layer, direction)
+    "w8a8-pow2": ("w8a8", "pow2", 5, 3, 1, False, 0, 0),
+    "w8a8-multiplier-l1-rev": ("w8a8", "multiplier", 20, 17, 2, True, 1, 1),
+    "w8a16-pow2-l1": ("w8a16", "pow2", 7, 9, 2, False, 1, 0),
+    "w8a16-multiplier-rev": ("w8a16", "multiplier", 12, 5, 1, True, 0, 1),
+    "w16a16-pow2-l1-rev": ("w16a16", "pow2", 6, 4, 2, True, 1, 1),
+    "w16a16-multiplier": ("w16a16", "multiplier", 16, 13, 1, False, 0, 0),
+    "custom-multiplier-l1": ("custom", "multiplier", 9, 6, 2, True, 1, 0),
+    "custom-pow2": ("custom", "pow2", 8, 7, 1, False, 0, 0),
+}
+
+HARNESS = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include "{stem}.h"
+
+/* stdin: T, x_q [T][I], h0 [H] (and h_prev [I] for layer > 0). stdout: the self-test count,
+ * dwx of step 0, out [T][H], h_T (and the requantized h_prev). */
+static int32_t next(void)
+{{
+    long v;
+    if (scanf("%ld", &v) != 1) exit(2);
+    return (int32_t)v;
+}}
+
+int main(void)
+{{
+    const int32_t T = next();
+    int32_t *x = malloc(sizeof(int32_t) * (size_t)(T * {P}_INPUT_SIZE + 1));
+    int32_t *out = malloc(sizeof(int32_t) * (size_t)(T * {P}_HIDDEN_SIZE + 1));
+    int32_t h[{P}_HIDDEN_SIZE], dwx[3 * {P}_HIDDEN_SIZE];
+    int32_t i;
+    for (i = 0; i < T * {P}_INPUT_SIZE; i++) x[i] = next();
+    for (i = 0; i < {P}_HIDDEN_SIZE; i++) h[i] = next();
+    printf("%d\n", {pre}_selftest());
+    {pre}_input(x, dwx);
+    for (i = 0; i < 3 * {P}_HIDDEN_SIZE; i++) printf("%ld\n", (long)dwx[i]);
+    {pre}_run(x, T, h, out);
+    for (i = 0; i < T * {P}_HIDDEN_SIZE; i++) printf("%ld\n", (long)out[i]);
+    for (i = 0; i < {P}_HIDDEN_SIZE; i++) printf("%ld\n", (long)h[i]);
+#if {layer} > 0
+    {{
+        int32_t hp[{P}_INPUT_SIZE], xq[{P}_INPUT_SIZE];
+        for (i = 0; i < {P}_INPUT_SIZE; i++) hp[i] = next();
+        {pre}_requantize_input(hp, xq);
+        for (i = 0; i < {P}_INPUT_SIZE; i++) printf("%ld\n", (long)xq[i]);
+    }}
+#endif
+    free(x);
+    free(out);
+    return 0;
+}}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def converted(case: str) -> qgru.QuantParams:
+    config, mode, I, H, layers, bidir, _, _ = CASES[case]
+    if config == "custom":
+        cfg = qgru.QuantConfig.load("w8a8", overrides={**CUSTOM, "scale_mode": mode})
+    else:
+        cfg = qgru.QuantConfig.load(config, overrides={"scale_mode": mode})
+    torch.manual_seed(len(case))
+    m = qgru.QuantGRU(I, H, num_layers=layers, bidirectional=bidir, config=cfg)
+    qgru.calibrate(m, [torch.randn(6, 3, I) * 1.5 for _ in range(3)], progress=False)
+    return m.convert().export()
+
+
+def compile_c(sources, out: Path, defines=(), extra=()):
+    cmd = [CC, *CFLAGS, *extra, *[f"-D{d}" for d in defines], *map(str, sources), "-o", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout}{r.stderr}"
+    return out
+
+
+class Built:
+    """One exported layer, compiled with the harness; ``run`` feeds it integers."""
+
+    def __init__(self, case: str, folder: Path):
+        *_, self.layer, self.direction = CASES[case]
+        self.params = converted(case)
+        self.p = self.params.layers[self.layer][self.direction]
+        self.prefix = "net_" + re.sub(r"\W", "_", case)  # an explicit prefix; the stem stays "gru"
+        P = self.prefix.upper()
+        self.h, self.c = self.params.to_c(folder / "gru", layer=self.layer, direction=self.direction,
+                                          prefix=self.prefix)
+        main = folder / "main.c"
+        main.write_text(HARNESS.format(stem="gru", P=P, pre=self.prefix, layer=self.layer))
+        self.binary = compile_c([self.c, main], folder / "harness", defines=[f"{P}_GOLDEN"])
+
+    def run(self, qx: torch.Tensor, qh0: torch.Tensor, h_prev=None):
+        ints = [qx.shape[0], *qx.reshape(-1).tolist(), *qh0.tolist()]
+        if self.layer > 0:  # the harness then reads h_prev too
+            h_prev = torch.zeros(self.p.input_size, dtype=torch.int64) if h_prev is None else h_prev
+            ints += h_prev.tolist()
+        r = subprocess.run([str(self.binary)], input=" ".join(map(str, ints)), capture_output=True,
+                           text=True, check=True)
+        vals = [int(v) for v in r.stdout.split()]
+        H, I, T = self.p.hidden_size, self.p.input_size, qx.shape[0]
+        sizes = [1, 3 * H, T * H, H] + ([I] if self.layer > 0 else [])
+        assert len(vals) == sum(sizes), r.stdout
+        chunks, at = [], 0
+        for n in sizes:
+            chunks.append(torch.tensor(vals[at:at + n], dtype=torch.int64))
+            at += n
+        return chunks  # selftest count, dwx of step 0, out, h_T[, requantized h_prev]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def built(request, tmp_path_factory):
+    if CC is None:
+        pytest.skip("no C compiler (cc, gcc or clang) on PATH")
+    return Built(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def input_sets(p, gen):
+    """Integer sequences (x [T, I], h0 [H]): random over the whole ranges, and the extremes."""
+    xlo, xhi = qrange(p.bits["x"])
+    hlo, hhi = qrange(p.bits["h"])
+    I, H = p.input_size, p.hidden_size
+    yield (torch.randint(xlo, xhi + 1, (12, I), generator=gen),
+           torch.randint(hlo, hhi + 1, (H,), generator=gen))
+    alternating = torch.tensor([xlo, xhi]).repeat(I)[:I]
+    extremes = torch.stack([torch.full((I,), xlo), torch.full((I,), xhi), alternating, alternating.flip(0),
+                            p.zp["x"].expand(I), torch.full((I,), xhi), torch.full((I,), xlo)])
+    yield extremes, torch.tensor([hlo, hhi]).repeat(H)[:H]
+    yield extremes.flip(0), torch.full((H,), hhi)
+    qx, qh0, _ = export_c.golden_vectors(p)  # the sequence embedded in the self-test
+    yield qx, qh0
+
+
+def test_c_matches_golden_bit_for_bit(built):
+    p, gen = built.p, torch.Generator().manual_seed(1)
+    for qx, qh0 in input_sets(p, gen):
+        selftest, dwx0, out, h_t, *_ = built.run(qx, qh0)
+        exp_out, exp_h = gru_direction(p, qx.unsqueeze(1), qh0.unsqueeze(0))
+        assert int(selftest) == 0
+        assert torch.equal(dwx0, input_gemm(p, qx[:1])[0])
+        assert torch.equal(out, exp_out.reshape(-1)), (out.reshape(-1, p.hidden_size), exp_out.squeeze(1))
+        assert torch.equal(h_t, exp_h[0])
+        assert len(set(exp_out.reshape(-1).tolist())) > 1  # a non-degenerate comparison
+
+
+def test_requantize_input_matches_golden(built):
+    """Layer > 0: the previous layer's outputs onto this layer's x grid (layer 0 has nothing to do)."""
+    if built.layer == 0:
+        assert "requantize_input" not in built.h.read_text()
+        return
+    p, prev = built.p, built.params.layers[built.layer - 1]
+    hp = prev[0].hidden_size
+    gen = torch.Generator().manual_seed(2)
+    hlo, hhi = qrange(prev[0].bits["h"])
+    for h_prev in (torch.randint(hlo, hhi + 1, (p.input_size,), generator=gen),
+                   torch.tensor([hlo, hhi]).repeat(p.input_size)[:p.input_size]):
+        *_, got = built.run(torch.zeros(1, p.input_size, dtype=torch.int64) + p.zp["x"],
+                            torch.zeros(p.hidden_size, dtype=torch.int64), h_prev)
+        expect = torch.cat([requantize_input(h_prev[e * hp:(e + 1) * hp], prev[e].zp["h"],
+                                             p.rescale[f"in_{e}"], p.zp["x"], p.bits["x"])
+                            for e in range(len(prev))])
+        assert torch.equal(got, expect)
+
+
+def test_golden_vectors_cover_both_saturated_ends():
+    p = converted("w8a16-pow2-l1").layers[1][0]
+    qx, qh0, out = export_c.golden_vectors(p, steps=8, seed=0)
+    lo, hi = qrange(p.bits["x"])
+    assert qx.shape == (8, p.input_size) and int(qx.min()) == lo and int(qx.max()) == hi
+    assert ((qx == lo).sum() > p.input_size // 2) and ((qx == hi).sum() > p.input_size // 2)
+    assert torch.equal(out, gru_direction(p, qx.unsqueeze(1), qh0.unsqueeze(0))[0].squeeze(1))
+    assert torch.equal(qx, export_c.golden_vectors(p, steps=8, seed=0)[0])  # deterministic
+
+
+def test_no_floating_point_in_generated_code(built):
+    for path in (built.h, built.c):
+        words = set(re.findall(r"\b(float|double|long double|_Complex)\b", path.read_text()))
+        assert not words, (path, words)
+
+
+@needs_cc
+def test_selftest_main_no_golden_build_and_ubsan(tmp_path):
+    """The stand-alone self-test main, the build without golden vectors, and (where the compiler
+    has it) an undefined-behaviour-sanitizer run: no overflow and no bad shift on any path."""
+    params = converted("custom-multiplier-l1")
+    h, c = params.to_c(tmp_path / "my-gru", layer=1, direction=1, golden_steps=5, seed=3)
+    assert (h.name, c.name) == ("my-gru.h", "my-gru.c")
+    assert "void my_gru_step(" in h.read_text() and "#define MY_GRU_HIDDEN_SIZE 6" in h.read_text()
+    compile_c([c], tmp_path / "obj.o", extra=["-c"])  # without -DMY_GRU_GOLDEN
+    exe = compile_c([c], tmp_path / "selftest", defines=["MY_GRU_GOLDEN", "MY_GRU_SELFTEST_MAIN"])
+    r = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "my_gru_selftest: 0 mismatches", r.stdout
+    ubsan = ["-fsanitize=undefined", "-fno-sanitize-recover=all"]
+    probe = subprocess.run([CC, *ubsan, "-x", "c", "-", "-o", str(tmp_path / "probe")],
+                           input="int main(void) { return 0; }", capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip("the C compiler has no -fsanitize=undefined")
+    exe = compile_c([c], tmp_path / "selftest_ubsan", defines=["MY_GRU_GOLDEN", "MY_GRU_SELFTEST_MAIN"],
+                    extra=ubsan)
+    r = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0 and not r.stderr, r.stderr
+
+
+@needs_cc
+def test_selftest_and_harness_detect_a_wrong_rounding(tmp_path):
+    """Negative control: truncating instead of rounding half up in the C makes both the self-test
+    count and the bit comparison fail, so neither check passes vacuously."""
+    b = Built("w8a16-multiplier-rev", tmp_path)
+    src = b.c.read_text()
+    rounding = "shr(v * m + ((int64_t)1 << (s - 1)), s)"
+    assert src.count(rounding) == 1
+    b.c.write_text(src.replace(rounding, "shr(v * m, s)"))
+    b.binary = compile_c([b.c, tmp_path / "main.c"], tmp_path / "harness_bad",
+                         defines=[f"{b.prefix.upper()}_GOLDEN"])
+    qx, qh0, _ = export_c.golden_vectors(b.p)
+    selftest, _, out, *_ = b.run(qx, qh0)
+    assert int(selftest) > 0
+    assert not torch.equal(out, gru_direction(b.p, qx.unsqueeze(1), qh0.unsqueeze(0))[0].reshape(-1))
+
+
+def test_cli_writes_the_same_files(tmp_path, capsys):
+    params = converted("w8a8-multiplier-l1-rev")
+    params.save(tmp_path / "p.qgru")
+    export_c.main([str(tmp_path / "p.qgru"), str(tmp_path / "cli" / "gru"), "--layer", "1", "--direction", "1"])
+    assert capsys.readouterr().out.split() == [str(tmp_path / "cli" / "gru.h"), str(tmp_path / "cli" / "gru.c")]
+    h, c = params.to_c(tmp_path / "api" / "gru.h", layer=1, direction=1)  # a .h / .c suffix is dropped
+    assert h == tmp_path / "api" / "gru.h" and c == tmp_path / "api" / "gru.c"
+    for name in ("gru.h", "gru.c"):
+        assert (tmp_path / "cli" / name).read_text() == (tmp_path / "api" / name).read_text()
+
+
+@needs_cc
+def test_readme_export_section_runs_as_written(tmp_path, monkeypatch):
+    """README's "Export to C": its Python line on a small model, then its compile-and-run line."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Export to C", 1)[1].split("\n## ", 1)[0]
+    python = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    shell = re.search(r"```bash\n(cc .*?)\n```", section, flags=re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(python, {"params": converted("w8a8-pow2")})
+    r = subprocess.run(shlex.quote(CC) + shell[2:], shell=True, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == shell.split("#")[-1].strip() == "gru_selftest: 0 mismatches"
+
+
+def test_bad_arguments(tmp_path):
+    params = converted("w8a8-pow2")
+    with pytest.raises(ValueError, match="layer 1 out of range"):
+        params.to_c(tmp_path / "gru", layer=1)
+    with pytest.raises(ValueError, match="direction 1 out of range"):
+        params.to_c(tmp_path / "gru", direction=1)
+    with pytest.raises(ValueError, match="not a C identifier"):
+        params.to_c(tmp_path / "gru", prefix="my-gru")
+    h, _ = params.to_c(tmp_path / "2nd layer")
+    assert "void qgru_2nd_layer_run(" in h.read_text()
