@@ -1,0 +1,306 @@
+#!/usr/bin/env python
+"""Speed of qgru against float nn.GRU, torch's dynamic-quant GRU and cuDNN: one run, one table per device.
+
+Every model in a scenario is timed on the same input tensor: warm-up calls, then the median of
+``--repeats`` calls (the reference backend, a Python loop over time steps at about 1 s per call,
+gets min(repeats, 3)). CPU timings use time.perf_counter, GPU timings CUDA events. Every qgru
+backend's output (and h_n) is checked bit for bit against the reference backend's on the same input.
+
+Scenarios (issue targets in brackets):
+  cpu throughput  T=100 N=64 input 256 hidden 512, --threads 2, w8a8
+                  [>= 2x faster than torch dynamic-quant (~41 ms), >= 6x faster than float nn.GRU (~150 ms)]
+  cpu streaming   N=1: a T=100 call, and T=1 calls repeated T times carrying h (`out, h = m(x_t, h)`)
+  gpu             B=64, hidden = input = 512 and 1024, T=1000, w8a8
+                  [>= 2x faster than cuDNN fp32, faster than cuDNN fp16]
+
+    python scripts/bench.py                        # cpu (+ cuda when available), writes BENCHMARKS.md
+    python scripts/bench.py --quick --no-write     # small shapes, few repeats: a smoke test
+    python scripts/bench.py --device cuda --configs w8a8,w8a16
+    python scripts/bench.py --T 50 --N 32 --hidden 256 --threads 4 --out /tmp/b.md
+
+BENCHMARKS.md keeps one section per device kind (between <!-- bench:cpu:start/end --> or
+<!-- bench:cuda:start/end --> markers): a rerun replaces its own device's section only.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import qgru
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from accuracy import dynamic_quant_gru  # noqa: E402
+
+REF_REPEATS = 3  # the reference backend's cap on --repeats
+OTHER_DEVICE_BACKEND = {"cpu": "cuda", "cuda": "cpu"}  # backends that never run on the given device
+BASELINES = {"cpu": ["float nn.GRU", "torch dynamic-quant"], "cuda": ["cuDNN fp32", "cuDNN fp16"]}
+TARGETS = {"cpu": "CPU, 2 threads, T=100 N=64 I=256 H=512, w8a8: >= 2x faster than torch dynamic-quant "
+                  "(~41 ms) and >= 6x faster than float nn.GRU (~150 ms).",
+           "cuda": "GPU, B=64, H=512 and 1024, T=1000, w8a8: >= 2x faster than cuDNN fp32 and faster "
+                   "than cuDNN fp16."}
+
+
+def timed(fn, device: str, warmup: int, repeats: int):
+    """(median ms per call, output of the first call)."""
+    out = fn()
+    for _ in range(max(warmup - 1, 0)):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), out
+
+
+def full_call(m, x):
+    return lambda: m(x)
+
+
+def step_calls(m, x):
+    """T single-step calls carrying h; returns (outputs concatenated over time, h_n)."""
+    def run():
+        h, outs = None, []
+        for t in range(x.shape[0]):
+            o, h = m(x[t:t + 1], h)
+            outs.append(o)
+        return torch.cat(outs), h
+    return run
+
+
+class Bench:
+    def __init__(self, args, device: str):
+        self.args, self.device, self.rows, self.notes = args, device, [], []
+        names = qgru.backends()
+        self.backends = []
+        for name, info in names.items():
+            if name == OTHER_DEVICE_BACKEND[device]:
+                continue
+            if info["available"]:
+                self.backends.append(name)
+            else:
+                self.notes.append(f"backend `{name}` unavailable: {info['why']}")
+        if "reference" in self.backends:  # reference first: it gives the expected outputs
+            self.backends.remove("reference")
+            self.backends.insert(0, "reference")
+
+    def add(self, scenario, model, backend, call, T, fn, expected=None, reference=False, calls=1):
+        """Time fn (which makes `calls` calls of T steps each); report per call and per step."""
+        repeats = min(self.args.repeats, REF_REPEATS) if reference else self.args.repeats
+        warmup = 1 if reference else self.args.warmup
+        try:
+            with torch.inference_mode():
+                ms, out = timed(fn, self.device, warmup, repeats)
+            ms /= calls
+        except Exception as e:  # noqa: BLE001 - a failing model is reported, the others still run
+            self.notes.append(f"{scenario} / {model} / {backend} / {call}: failed ({type(e).__name__}: {e})")
+            return None
+        exact = "ref" if reference else "—"
+        if expected is not None:
+            same = torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
+            exact = "yes" if same else "NO"
+        self.rows.append(dict(scenario=scenario, model=model, backend=backend, call=call, ms=ms,
+                              us_step=ms * 1e3 / T, exact=exact))
+        return out
+
+    def qgru_rows(self, scenario, q, cfg, call, T, make, calls=1):
+        expected = None
+        for b in self.backends:
+            with qgru.backend(b):
+                out = self.add(scenario, f"qgru {cfg}", b, call, T, make(q), expected,
+                               reference=(b == "reference"), calls=calls)
+            if b == "reference":
+                expected = out
+
+
+def quantized(gru, calib, configs):
+    return {cfg: qgru.quantize_model(gru, calib, config=cfg, progress=False) for cfg in configs}
+
+
+def bench_cpu(args, configs) -> Bench:
+    torch.set_num_threads(args.threads)
+    bench = Bench(args, "cpu")
+    T, N, I, H = args.T, args.N, args.input, args.hidden
+    torch.manual_seed(args.seed)
+    gru = torch.nn.GRU(I, H).eval()
+    calib = [torch.randn(T, N, I) for _ in range(args.calib_batches)]
+    qs = quantized(gru, calib, configs)
+    dq = dynamic_quant_gru(gru)
+    if dq is None:
+        bench.notes.append("torch dynamic-quant GRU unavailable in this torch: skipped")
+
+    x = torch.randn(T, N, I)
+    sc = f"throughput T={T} N={N} I={I} H={H}"
+    bench.add(sc, "float nn.GRU", "torch", f"T={T}", T, full_call(gru, x))
+    if dq is not None:
+        bench.add(sc, "torch dynamic-quant", "torch", f"T={T}", T, full_call(dq, x))
+    for cfg, q in qs.items():
+        bench.qgru_rows(sc, q, cfg, f"T={T}", T, lambda m: full_call(m, x))
+
+    # streaming: batch 1, the same (already calibrated) models; calibration does not depend on N
+    xs = torch.randn(T, 1, I)
+    sc = f"streaming T={T} N=1 I={I} H={H}"
+    for call, Tc, calls, make in ((f"T={T}", T, 1, full_call), (f"T=1 x{T}", 1, T, step_calls)):
+        bench.add(sc, "float nn.GRU", "torch", call, Tc, make(gru, xs), calls=calls)
+        if dq is not None:
+            bench.add(sc, "torch dynamic-quant", "torch", call, Tc, make(dq, xs), calls=calls)
+        for cfg, q in qs.items():
+            bench.qgru_rows(sc, q, cfg, call, Tc, lambda m, make=make: make(m, xs), calls=calls)
+    bench.notes.append("streaming reuses the throughput models' calibration; `T=1 xT` rows time T "
+                       "single-step calls carrying h (one timed repeat = all T calls) and report the time per call (= per step)")
+    return bench
+
+
+def bench_cuda(args, configs) -> Bench:
+    bench = Bench(args, "cuda")
+    T, N = (20, 4) if args.quick else (1000, 64)
+    for H in ((64,) if args.quick else (512, 1024)):
+        torch.manual_seed(args.seed)
+        gru = torch.nn.GRU(H, H).eval().cuda()
+        calib = [torch.randn(T, N, H, device="cuda") for _ in range(args.calib_batches)]
+        qs = quantized(gru, calib, configs)
+        x = torch.randn(T, N, H, device="cuda")
+        sc = f"T={T} B={N} I=H={H}"
+        bench.add(sc, "float nn.GRU", "cuDNN fp32", f"T={T}", T, full_call(gru, x))
+        gru16, x16 = copy.deepcopy(gru).half(), x.half()
+        bench.add(sc, "float nn.GRU", "cuDNN fp16", f"T={T}", T, full_call(gru16, x16))
+        for cfg, q in qs.items():
+            bench.qgru_rows(sc, q.cuda(), cfg, f"T={T}", T, lambda m: full_call(m, x))
+        del gru, gru16, qs
+        torch.cuda.empty_cache()
+    return bench
+
+
+def table(bench: Bench) -> str:
+    base_cols = BASELINES[bench.device]
+    base = {(r["scenario"], r["call"], r["backend"] if bench.device == "cuda" else r["model"]): r["ms"]
+            for r in bench.rows}
+    head = ["scenario", "model", "backend", "call", "ms/call", "µs/step"] + [f"x vs {b}" for b in base_cols] + ["bit-exact"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in bench.rows:
+        ratios = []
+        for b in base_cols:
+            ms = base.get((r["scenario"], r["call"], b))
+            ratios.append(f"{ms / r['ms']:.2f}x" if ms else "—")
+        cells = [r["scenario"], r["model"], r["backend"], r["call"], f"{r['ms']:.3f}", f"{r['us_step']:.1f}"] + ratios + [r["exact"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        m = re.search(r"^Model name:\s*(.+)$", out, re.M)
+        if m:
+            return m.group(1).strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or platform.machine()
+
+
+def section(bench: Bench, args) -> str:
+    d = bench.device
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    gpu = f"; GPU {torch.cuda.get_device_name()}" if d == "cuda" else ""
+    notes = list(bench.notes)
+    notes.append(f"median of {args.repeats} repeats after {args.warmup} warm-up run(s); the reference backend "
+                 f"(golden model, a Python loop over steps) gets 1 warm-up and min(repeats, {REF_REPEATS}) repeats")
+    notes.append(f"ratios are speedups (baseline time / row time, > 1 is faster), against the baseline row "
+                 f"of the same scenario and call; bit-exact compares outputs and h_n with the reference backend")
+    notes.append(f"target: {TARGETS[d]}")
+    return "\n".join([
+        f"<!-- bench:{d}:start -->",
+        f"## {'CPU' if d == 'cpu' else 'GPU'}",
+        "",
+        f"- date: {now}",
+        f"- machine: {cpu_model()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}{gpu}",
+        f"- torch {torch.__version__}, qgru {qgru.__version__}, configs {args.configs}",
+        f"- command: `{shlex.join(['python', 'scripts/bench.py', *args.argv])}`",
+        "",
+        table(bench),
+        "",
+        *[f"- {n}" for n in notes],
+        f"<!-- bench:{d}:end -->",
+    ])
+
+
+HEADER = """# qgru benchmarks
+
+Generated by `python scripts/bench.py` (see its docstring); one section per device kind, each
+replaced only by a rerun on that kind of device. Times are per call (median) and per time step.
+"""
+
+
+def write(path: str, sections: dict) -> None:
+    text = open(path, encoding="utf-8").read() if os.path.exists(path) else HEADER
+    for d, body in sections.items():
+        pat = re.compile(rf"<!-- bench:{d}:start -->.*?<!-- bench:{d}:end -->", re.S)
+        if pat.search(text):
+            text = pat.sub(lambda _: body, text, count=1)
+        else:
+            text = text.rstrip("\n") + "\n\n" + body + "\n"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda", "all"], default=None,
+                    help="default: cpu, plus cuda when available")
+    ap.add_argument("--configs", default="w8a8")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--T", type=int, default=100)
+    ap.add_argument("--N", type=int, default=64)
+    ap.add_argument("--input", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--calib-batches", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="small shapes, few repeats (smoke test)")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    ap.add_argument("--out", default="BENCHMARKS.md")
+    args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    if args.quick:
+        args.T, args.N, args.input, args.hidden, args.repeats, args.warmup = 10, 4, 32, 64, 3, 1
+
+    devices = {"cpu": ["cpu"], "cuda": ["cuda"], "all": ["cpu", "cuda"],
+               None: ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])}[args.device]
+    if "cuda" in devices and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch.cuda.is_available() is False")
+    configs = args.configs.split(",")
+
+    sections = {}
+    for d in devices:
+        t0 = time.perf_counter()
+        bench = bench_cpu(args, configs) if d == "cpu" else bench_cuda(args, configs)
+        sections[d] = section(bench, args)
+        print("\n" + sections[d] + f"\n({d} benchmark took {time.perf_counter() - t0:.0f} s)", flush=True)
+    if not args.no_write:
+        write(args.out, sections)
+        print(f"\nwrote {args.out} ({', '.join(sections)} section{'s' if len(sections) > 1 else ''})")
+
+
+if __name__ == "__main__":
+    main()
