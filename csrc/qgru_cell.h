@@ -72,6 +72,36 @@ QGRU_HD int64_t requantize_acc(const AccRequant& a, int64_t c, int64_t product) 
   return saturate(apply<POW2, true>(a.rescale, c, acc) + a.zp[c], a.out) - a.zp[c];
 }
 
+// The same result in int32 lanes (twice as many per vector), for the common case of 8-bit
+// operands (one limb pair) and power-of-two scales where the rescale is a right shift by
+// R = shift - 1 - log2(mult) with 1 <= R <= 30 and K < 2^16 (qgru/native.py checks this).
+// With bias = bias_hi 2^R + bias_lo, 0 <= bias_lo < 2^R:
+//   floor((G + bias) / 2^R) = floor((G + bias_lo) / 2^R) + bias_hi.
+// |G| <= K 2^14 <= 2^30 and |bias| <= 2^31 give |G + bias_lo| <= 2^30 + 2^R - 1 < 2^31 and
+// |v| <= (2^30 + 2^R) / 2^R + 2^31 / 2^R <= 2^29 + 1 + 2^30 < 2^31 - 1: every term fits int32.
+// Then round half up as in rounding_mul_shift: ((v >> (s-1)) + 1) >> 1 with v >> (s-1) the above.
+struct AccRequant32 {
+  const int32_t* bias_hi;
+  const int32_t* bias_lo;
+  const int32_t* rshift;  // R
+  const int32_t* zp;
+  int32_t lo, hi;
+};
+
+QGRU_HD int32_t requantize_acc32(const AccRequant32& a, int64_t c, int32_t product) {
+  const int32_t v = ((product + a.bias_lo[c]) >> a.rshift[c]) + a.bias_hi[c];
+  const int32_t q = ((v + 1) >> 1) + a.zp[c];
+  return (q < a.lo ? a.lo : (q > a.hi ? a.hi : q)) - a.zp[c];
+}
+
+// requantize_acc for the kernels' template flags: ACC32 selects the int32 form above.
+template <int NPAIRS, bool POW2, bool ACC32>
+QGRU_HD int64_t requantize_product(const AccRequant& a, const AccRequant32& a32, const LimbProducts& g,
+                                   int64_t row, int64_t c) {
+  if (ACC32) return requantize_acc32(a32, c, g.G[0][row * g.ld + c]);
+  return requantize_acc<POW2>(a, c, exact_product<NPAIRS>(g, row, c));
+}
+
 // ---------------------------------------------------------------------------------------------
 // The gates
 // ---------------------------------------------------------------------------------------------
@@ -86,6 +116,7 @@ struct SigmoidGate {  // r or z
 struct CellParams {
   int64_t H;
   AccRequant rh;      // R.h accumulator -> Rh
+  AccRequant32 rh32;  // the same in int32, valid when the kernel's ACC32 flag is set
   SigmoidGate r, z;
   Rescale g_from_wx;  // [H] S_Wx_g / S_gpre
   Rescale g_from_rrh; // [H] S_r S_Rh_g / S_gpre
@@ -136,13 +167,13 @@ QGRU_HD int64_t computeH(const CellParams& p, int64_t d_z, int64_t d_g, int64_t 
 
 // One element (batch row n, channel j) of one time step: golden.gru_step.
 // d_wx points at the row's 3H values of Wx - Z_Wx; the R.h product comes from the limb GEMMs.
-template <int NPAIRS, bool POW2>
+template <int NPAIRS, bool POW2, bool ACC32>
 QGRU_HD int64_t gru_cell(const CellParams& p, const LimbProducts& rh_products, int64_t n, int64_t j,
                          const int32_t* d_wx, int64_t q_h) {
   const int64_t H = p.H;
-  const int64_t d_rh_r = requantize_acc<POW2>(p.rh, j, exact_product<NPAIRS>(rh_products, n, j));
-  const int64_t d_rh_z = requantize_acc<POW2>(p.rh, H + j, exact_product<NPAIRS>(rh_products, n, H + j));
-  const int64_t d_rh_g = requantize_acc<POW2>(p.rh, 2 * H + j, exact_product<NPAIRS>(rh_products, n, 2 * H + j));
+  const int64_t d_rh_r = requantize_product<NPAIRS, POW2, ACC32>(p.rh, p.rh32, rh_products, n, j);
+  const int64_t d_rh_z = requantize_product<NPAIRS, POW2, ACC32>(p.rh, p.rh32, rh_products, n, H + j);
+  const int64_t d_rh_g = requantize_product<NPAIRS, POW2, ACC32>(p.rh, p.rh32, rh_products, n, 2 * H + j);
   const int64_t d_r = computeR<POW2>(p, j, d_wx[j], d_rh_r);
   const int64_t d_z = computeZ<POW2>(p, j, d_wx[H + j], d_rh_z);
   const int64_t d_g = computeG<POW2>(p, j, d_wx[2 * H + j], d_rh_g, d_r);

@@ -45,23 +45,23 @@ void split_limbs(const int64_t* src, int64_t rows, int64_t K, int32_t bits, std:
 #define QGRU_NOINLINE
 #endif
 
-template <int NP, bool POW2>
+template <int NP, bool POW2, bool ACC32>
 QGRU_NOINLINE void cell_block(const CellParams p, const LimbProducts lp, int64_t n, int64_t j0, int64_t j1,
                 const int32_t* __restrict wx, int32_t* __restrict s, int32_t* __restrict o) {
 #pragma omp simd
   for (int64_t j = j0; j < j1; ++j) {
-    const int32_t h_new = (int32_t)gru_cell<NP, POW2>(p, lp, n, j, wx, s[j]);
+    const int32_t h_new = (int32_t)gru_cell<NP, POW2, ACC32>(p, lp, n, j, wx, s[j]);
     s[j] = h_new;
     o[j] = h_new;
   }
 }
 
 // One row of W.x: the exact products of row r, plus bias, rescaled onto Wx (relative to Z_Wx).
-template <int NP, bool POW2>
-QGRU_NOINLINE void requantize_row(const AccRequant a, const LimbProducts lp, int64_t r, int64_t H3,
-                                  int32_t* __restrict o) {
+template <int NP, bool POW2, bool ACC32>
+QGRU_NOINLINE void requantize_row(const AccRequant a, const AccRequant32 a32, const LimbProducts lp, int64_t r,
+                                  int64_t H3, int32_t* __restrict o) {
 #pragma omp simd
-  for (int64_t c = 0; c < H3; ++c) o[c] = (int32_t)requantize_acc<POW2>(a, c, exact_product<NP>(lp, r, c));
+  for (int64_t c = 0; c < H3; ++c) o[c] = (int32_t)requantize_product<NP, POW2, ACC32>(a, a32, lp, r, c);
 }
 
 struct Gemm {  // the limb GEMMs of one product (W.x or R.h)
@@ -113,9 +113,11 @@ class CpuLayer {
     x_bits_ = (int32_t)lt_.value("x_bits");
     h_bits_ = (int32_t)lt_.value("h_bits");
     pow2_ = lt_.value("pow2") != 0;
+    acc32_ = lt_.value("acc32") != 0;
     wx_.init(lt_, "x");
     rh_.init(lt_, "h");
     acc_x_ = lt_.acc("Wx");
+    acc_x32_ = lt_.acc32("Wx");
     cell_ = lt_.cell();
   }
 
@@ -141,12 +143,13 @@ class CpuLayer {
   }
 
  private:
-  template <int NP, bool POW2>
+  template <int NP, bool POW2, bool ACC32>
   void input_epilogue(const LimbProducts& lp, int32_t* dwx, int64_t rows) const {
     const int64_t H3 = 3 * H_;
     const AccRequant a = acc_x_;
+    const AccRequant32 a32 = acc_x32_;
     at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) requantize_row<NP, POW2>(a, lp, r, H3, dwx + r * H3);
+      for (int64_t r = r0; r < r1; ++r) requantize_row<NP, POW2, ACC32>(a, a32, lp, r, H3, dwx + r * H3);
     });
   }
 
@@ -166,12 +169,12 @@ class CpuLayer {
       split_limbs(src + r0 * I_, rows, I_, x_bits_, limbs);
       LimbProducts lp = wx_.run(limbs, G, rows, ones_col_);
       int32_t* o = dwx.data_ptr<int32_t>() + r0 * 3 * H_;
-      dispatch(wx_.P, [&](auto np, auto pow2) { input_epilogue<np.value, pow2.value>(lp, o, rows); });
+      dispatch(wx_.P, [&](auto np, auto pow2, auto acc32) { input_epilogue<np.value, pow2.value, acc32.value>(lp, o, rows); });
     }
     return dwx;
   }
 
-  template <int NP, bool POW2>
+  template <int NP, bool POW2, bool ACC32>
   void step_pointwise(const LimbProducts& lp, const int32_t* dwx_t, int32_t* state, int32_t* out_t,
                       std::vector<int8_t*>& h_limbs, int64_t K_pad, int64_t N, int64_t t,
                       const int64_t* lengths) const {
@@ -191,7 +194,7 @@ class CpuLayer {
           for (int64_t j = j0; j < j1; ++j) o[j] = s[j];
           continue;
         }
-        cell_block<NP, POW2>(p, lp, n, j0, j1, dwx_t + n * 3 * H, s, o);
+        cell_block<NP, POW2, ACC32>(p, lp, n, j0, j1, dwx_t + n * 3 * H, s, o);
         for (int i = 0; i < n_limbs; ++i) {
           int8_t* d = h_limbs[i] + n * K_pad;
           for (int64_t j = j0; j < j1; ++j) d[j] = act_limb(s[j], hb, i);
@@ -218,28 +221,36 @@ class CpuLayer {
       LimbProducts lp = rh_.run(limbs, G, N, ones_col_);
       const int32_t* dwx_t = dwx_p + t * N * 3 * H_;
       int32_t* out_t = out_p + t * N * H_;
-      dispatch(rh_.P, [&](auto np, auto pow2) {
-        step_pointwise<np.value, pow2.value>(lp, dwx_t, s, out_t, limb_ptrs, K_pad, N, t, lengths);
+      dispatch(rh_.P, [&](auto np, auto pow2, auto acc32) {
+        step_pointwise<np.value, pow2.value, acc32.value>(lp, dwx_t, s, out_t, limb_ptrs, K_pad, N, t, lengths);
       });
     }
   }
 
-  // Calls f(integral_constant NP, integral_constant POW2) for this layer's limb pairs and scale mode.
+  // Calls f(NP, POW2, ACC32) as integral constants for this layer's limb pairs and scale mode.
   template <typename F>
   void dispatch(int64_t P, F&& f) const {
     using T = std::true_type;
     using Fl = std::false_type;
-    if (P == 1) pow2_ ? f(std::integral_constant<int, 1>{}, T{}) : f(std::integral_constant<int, 1>{}, Fl{});
-    else if (P == 2) pow2_ ? f(std::integral_constant<int, 2>{}, T{}) : f(std::integral_constant<int, 2>{}, Fl{});
-    else pow2_ ? f(std::integral_constant<int, 4>{}, T{}) : f(std::integral_constant<int, 4>{}, Fl{});
+    using One = std::integral_constant<int, 1>;
+    if (P == 1) {
+      if (acc32_) f(One{}, T{}, T{});
+      else if (pow2_) f(One{}, T{}, Fl{});
+      else f(One{}, Fl{}, Fl{});
+    } else if (P == 2) {
+      pow2_ ? f(std::integral_constant<int, 2>{}, T{}, Fl{}) : f(std::integral_constant<int, 2>{}, Fl{}, Fl{});
+    } else {
+      pow2_ ? f(std::integral_constant<int, 4>{}, T{}, Fl{}) : f(std::integral_constant<int, 4>{}, Fl{}, Fl{});
+    }
   }
 
   LayerTensors lt_;
   int64_t H_, I_, M_pad_, ones_col_;
   int32_t x_bits_, h_bits_;
-  bool pow2_;
+  bool pow2_, acc32_;
   Gemm wx_, rh_;
   AccRequant acc_x_;
+  AccRequant32 acc_x32_;
   CellParams cell_;
 };
 

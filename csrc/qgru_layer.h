@@ -51,6 +51,12 @@ struct LayerTensors {
   AccRequant acc(const std::string& k) const {  // k = "Wx" or "Rh"
     return AccRequant{i64(k + "_bias"), rescale(k), i64(k + "_zp"), range(k)};
   }
+  // The int32 form, when prepare_layer found it exact for this layer ("acc32" = 1).
+  AccRequant32 acc32(const std::string& k) const {
+    if (value("acc32") == 0) return AccRequant32{nullptr, nullptr, nullptr, nullptr, 0, 0};
+    return AccRequant32{i32(k + "_bias_hi"), i32(k + "_bias_lo"), i32(k + "_rshift"), i32(k + "_zp32"),
+                        (int32_t)value(k + "_lo"), (int32_t)value(k + "_hi")};
+  }
   SigmoidGate sigmoid(const std::string& k) const {  // k = "r" or "z"
     return SigmoidGate{rescale(k + "_from_wx"), rescale(k + "_from_rh"), value(k + "_pre_zp"), range(k + "_pre"),
                        table(k)};
@@ -59,6 +65,7 @@ struct LayerTensors {
     CellParams p;
     p.H = value("H");
     p.rh = acc("Rh");
+    p.rh32 = acc32("Rh");
     p.r = sigmoid("r");
     p.z = sigmoid("z");
     p.g_from_wx = rescale("g_from_wx");

@@ -300,10 +300,34 @@ def prepare_layer(p: LayerParams) -> Tuple[Dict[str, torch.Tensor], Dict[str, in
         t[f"table_{g}"] = p.tables[g].to(torch.int64).contiguous()
     # the shift-only kernels are used when every multiplier is a power of two (pow2 scale mode)
     v["pow2"] = int(all(bool((x >= 0).all()) for k, x in t.items() if k.endswith("_mult_log2")))
+    v["acc32"] = int(_add_acc32(t, v, b))
     v["one_z"] = int(p.one_z)
     v["h_zp"] = int(zp["h"])
     rng("h", b["h"])
     return t, v
+
+
+def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, int]) -> bool:
+    """Add the int32 accumulator requantization (csrc AccRequant32) when it is exact for this layer.
+
+    Conditions (proof in csrc/qgru_cell.h): one limb pair on both GEMMs (8-bit x, h, W, R),
+    power-of-two multipliers, R = shift - 1 - log2(mult) in [1, 30], K < 2^16.
+    """
+    if not v["pow2"] or max(bits["x"], bits["h"], bits["W"], bits["R"]) > 8 or max(v["I"], v["H"]) >= (1 << 16):
+        return False
+    parts = {}
+    for name in ("Wx", "Rh"):
+        r = t[name + "_shift"].to(torch.int64) - 1 - t[name + "_mult_log2"].to(torch.int64)
+        if bool((r < 1).any()) or bool((r > 30).any()):
+            return False
+        bias = t[name + "_bias"]
+        hi = torch.div(bias, 1 << r, rounding_mode="floor")
+        parts[name + "_bias_hi"] = hi.to(torch.int32)
+        parts[name + "_bias_lo"] = (bias - hi * (1 << r)).to(torch.int32)
+        parts[name + "_rshift"] = r.to(torch.int32)
+        parts[name + "_zp32"] = t[name + "_zp"].to(torch.int32)
+    t.update(parts)
+    return True
 
 
 class NativeLayer:

@@ -1,0 +1,63 @@
+// qgru CUDA backend, torch-free part (haste's split): kernels, cuBLAS int8 GEMMs and the forward
+// driver take plain structs of raw device pointers, a stream and a cuBLAS handle. The torch
+// binding (qgru_cuda.cpp) owns the memory, picks PyTorch's stream and handle, and captures the
+// forward in a CUDA graph. Errors are thrown as std::runtime_error with the failing call named.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "qgru_cell.h"
+
+namespace qgru {
+namespace cuda {
+
+constexpr int kPad = 16;  // rows, channels and K are padded to multiples of 16 (int8 tensor cores)
+
+struct GemmDesc {              // one product (W.x or R.h) as int8 limb GEMMs
+  const int8_t* weight_limbs;  // [n_weight_limbs, M_pad, K_pad], row-major, zero padded
+  int64_t M_pad, K_pad;
+  int P;                       // limb pairs (1, 2 or 4)
+  int act_limb[kMaxPairs];     // which activation limb / weight limb each pair multiplies
+  int weight_limb[kMaxPairs];
+  int64_t scale[kMaxPairs];
+  int64_t weight_offset[kMaxPairs];
+};
+
+struct LayerDesc {
+  int64_t H, I;
+  int32_t x_bits, h_bits;
+  int64_t ones_col;
+  bool pow2, acc32;
+  GemmDesc wx, rh;
+  AccRequant acc_x;
+  AccRequant32 acc_x32;
+  CellParams cell;
+};
+
+// Device buffers for one forward of shape (T, N); sizes from workspace_sizes(). Limb buffers must
+// be zeroed once at allocation (their padding is never written).
+struct Workspace {
+  int64_t chunk_rows;      // input rows per W.x GEMM chunk (multiple of kPad)
+  int64_t N_pad;           // batch rows of the R.h GEMM (multiple of kPad)
+  int8_t* x_limbs[2];      // [chunk_rows, wx.K_pad]
+  int32_t* Gx[kMaxPairs];  // [chunk_rows, M_pad]
+  int8_t* h_limbs[2];      // [N_pad, rh.K_pad]
+  int32_t* Gh[kMaxPairs];  // [N_pad, M_pad]
+  int32_t* dwx;            // [T * N, 3H]  Wx - Z_Wx of every step
+};
+
+struct WorkspaceSizes {    // element counts
+  int64_t chunk_rows, N_pad, x_limb, Gx, h_limb, Gh, dwx;
+};
+
+WorkspaceSizes workspace_sizes(const LayerDesc& d, int64_t T, int64_t N);
+
+// out[t] and state: int32 [N, H] (state holds q_h0 on entry and q_h_T on return).
+// qx: int64 [T, N, I] on the device. lengths: int64 [N] or nullptr.
+// Only kernel launches and cuBLAS calls on `stream`: safe to capture in a CUDA graph.
+void forward(const LayerDesc& d, const Workspace& ws, const int64_t* qx, int64_t T, int64_t N, int32_t* state,
+             int32_t* out, const int64_t* lengths, cudaStream_t stream, cublasHandle_t handle);
+
+}  // namespace cuda
+}  // namespace qgru

@@ -1,0 +1,65 @@
+"""The CUDA sources compile with nvcc, on machines without a GPU (CI): a syntax or template error
+in csrc/qgru_cuda_kernels.cu (every kernel, the shared cell header instantiated for every
+template flag, the cuBLAS calls) fails the suite here, not first on a GPU machine.
+
+Skipped without nvcc. cuBLAS headers come from CUDA_HOME, an installed nvidia-cublas wheel,
+QGRU_CUDA_HEADERS, or are fetched once (the nvidia-cublas wheel, headers only kept) into
+~/.cache/qgru/cuda-headers.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from qgru.native import csrc_dir
+
+NVCC = shutil.which("nvcc")
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found: the CUDA compile check needs the CUDA toolkit")
+CACHE = Path(os.environ.get("QGRU_BUILD_DIR", Path.home() / ".cache" / "qgru")) / "cuda-headers"
+
+
+def _include_dirs_with(header: str):
+    roots = [Path(os.environ[k]) for k in ("QGRU_CUDA_HEADERS", "CUDA_HOME") if os.environ.get(k)]
+    roots += [Path(NVCC).resolve().parent.parent, CACHE]
+    roots += [Path(p) / "nvidia" for p in sys.path if p and (Path(p) / "nvidia").is_dir()]
+    for root in roots:
+        for hit in root.rglob(header) if root.is_dir() else []:
+            return hit.parent
+    return None
+
+
+def _fetch_cublas_headers() -> Path:
+    """Download the nvidia-cublas wheel once and keep only its include/ folder."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = CACHE / "download"
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp),
+                        "nvidia-cublas"], capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        pytest.skip(f"could not fetch the cuBLAS headers (pip download nvidia-cublas): {r.stderr.strip()[-300:]}")
+    for whl in tmp.glob("*.whl"):
+        with zipfile.ZipFile(whl) as z:
+            for name in z.namelist():
+                if "/include/" in name:
+                    z.extract(name, CACHE)
+        whl.unlink()
+    found = _include_dirs_with("cublas_v2.h")
+    assert found is not None, "the nvidia-cublas wheel had no cublas_v2.h"
+    return found
+
+
+def test_cuda_kernels_compile_with_nvcc(tmp_path):
+    inc = _include_dirs_with("cublas_v2.h") or _fetch_cublas_headers()
+    src = csrc_dir() / "qgru_cuda_kernels.cu"
+    # two architectures: Ampere and Hopper (the lent GPUs), as TORCH_CUDA_ARCH_LIST would give
+    cmd = [NVCC, "-std=c++17", "-O1", "-c", str(src), "-o", str(tmp_path / "k.o"), "-I", str(csrc_dir()),
+           "-I", str(inc), "-Werror", "all-warnings",
+           "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"nvcc failed:\n{' '.join(cmd)}\n{r.stdout}\n{r.stderr}"
+    assert (tmp_path / "k.o").stat().st_size > 0
