@@ -7,13 +7,28 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <atomic>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
 #include "qgru_layer.h"
 
+#ifdef QGRU_PROFILE
+#include <chrono>
+#include <cstdio>
+#define QGRU_TIC(name) auto name = std::chrono::steady_clock::now()
+#define QGRU_TOC(acc, since) acc += std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count()
+#else
+#define QGRU_TIC(name)
+#define QGRU_TOC(acc, since)
+#endif
+
 namespace qgru {
 namespace {
+#ifdef QGRU_PROFILE
+double prof_in_gemm = 0, prof_in_epi = 0, prof_h_gemm = 0, prof_cell = 0;
+#endif
 
 constexpr int64_t kInputChunkRows = 1024;  // rows of W.x per GEMM: measured fastest on oneDNN here
 constexpr int64_t kChannelBlock = 128;     // channels per parallel work item
@@ -21,7 +36,7 @@ constexpr int64_t kChannelBlock = 128;     // channels per parallel work item
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 // Writes the int8 limbs of rows [0, rows) of src (int64 [rows, K]) into limbs[i] ([>= rows, ld]).
-void split_limbs(const int64_t* src, int64_t rows, int64_t K, int32_t bits, std::vector<at::Tensor>& limbs) {
+void split_limbs(const int32_t* src, int64_t rows, int64_t K, int32_t bits, std::vector<at::Tensor>& limbs) {
   const int64_t ld = limbs[0].size(1);
   const int n_limbs = (int)limbs.size();
   std::vector<int8_t*> dst;
@@ -30,7 +45,7 @@ void split_limbs(const int64_t* src, int64_t rows, int64_t K, int32_t bits, std:
     for (int64_t r = r0; r < r1; ++r)
       for (int i = 0; i < n_limbs; ++i) {
         int8_t* d = dst[i] + r * ld;
-        const int64_t* s = src + r * K;
+        const int32_t* s = src + r * K;
         for (int64_t k = 0; k < K; ++k) d[k] = act_limb(s[k], bits, i);
       }
   });
@@ -126,7 +141,7 @@ class CpuLayer {
     TORCH_CHECK(qx_in.dim() == 3 && qx_in.size(2) == I_, "qgru cpu: qx must be [T, N, ", I_, "]");
     TORCH_CHECK(qh0_in.dim() == 2 && qh0_in.size(0) == qx_in.size(1) && qh0_in.size(1) == H_,
                 "qgru cpu: qh0 must be [N, ", H_, "]");
-    const at::Tensor qx = qx_in.to(at::kLong).contiguous();
+    const at::Tensor qx = qx_in.to(at::kInt).contiguous();  // values fit: at most 16 bits
     const int64_t T = qx.size(0), N = qx.size(1), H3 = 3 * H_;
     at::Tensor state = qh0_in.to(at::kInt).contiguous().clone();
     at::Tensor out = at::empty({T, N, H_}, qx.options().dtype(at::kInt));
@@ -163,13 +178,17 @@ class CpuLayer {
     for (int i = 0; i < n_act; ++i) limbs.push_back(at::zeros({chunk, K_pad}, opts8));
     for (int64_t p = 0; p < wx_.P; ++p) G.push_back(at::empty({chunk, M_pad_}, qx.options().dtype(at::kInt)));
     at::Tensor dwx = at::empty({rows_total, 3 * H_}, qx.options().dtype(at::kInt));
-    const int64_t* src = qx.data_ptr<int64_t>();
+    const int32_t* src = qx.data_ptr<int32_t>();
     for (int64_t r0 = 0; r0 < rows_total; r0 += chunk) {
       const int64_t rows = std::min(chunk, rows_total - r0);
+      QGRU_TIC(t0);
       split_limbs(src + r0 * I_, rows, I_, x_bits_, limbs);
       LimbProducts lp = wx_.run(limbs, G, rows, ones_col_);
+      QGRU_TOC(prof_in_gemm, t0);
+      QGRU_TIC(t1);
       int32_t* o = dwx.data_ptr<int32_t>() + r0 * 3 * H_;
       dispatch(wx_.P, [&](auto np, auto pow2, auto acc32) { input_epilogue<np.value, pow2.value, acc32.value>(lp, o, rows); });
+      QGRU_TOC(prof_in_epi, t1);
     }
     return dwx;
   }
@@ -210,20 +229,23 @@ class CpuLayer {
     std::vector<at::Tensor> limbs, G;
     for (int i = 0; i < n_act; ++i) limbs.push_back(at::zeros({N, K_pad}, dwx.options().dtype(at::kChar)));
     for (int64_t p = 0; p < rh_.P; ++p) G.push_back(at::empty({N, M_pad_}, dwx.options()));
-    at::Tensor state64 = state.to(at::kLong);
-    split_limbs(state64.data_ptr<int64_t>(), N, H_, h_bits_, limbs);
+    split_limbs(state.data_ptr<int32_t>(), N, H_, h_bits_, limbs);
     std::vector<int8_t*> limb_ptrs;
     for (auto& l : limbs) limb_ptrs.push_back(l.data_ptr<int8_t>());
     const int32_t* dwx_p = dwx.data_ptr<int32_t>();
     int32_t* out_p = out.data_ptr<int32_t>();
     int32_t* s = state.data_ptr<int32_t>();
     for (int64_t t = 0; t < T; ++t) {
+      QGRU_TIC(t0);
       LimbProducts lp = rh_.run(limbs, G, N, ones_col_);
+      QGRU_TOC(prof_h_gemm, t0);
+      QGRU_TIC(t1);
       const int32_t* dwx_t = dwx_p + t * N * 3 * H_;
       int32_t* out_t = out_p + t * N * H_;
       dispatch(rh_.P, [&](auto np, auto pow2, auto acc32) {
         step_pointwise<np.value, pow2.value, acc32.value>(lp, dwx_t, s, out_t, limb_ptrs, K_pad, N, t, lengths);
       });
+      QGRU_TOC(prof_cell, t1);
     }
   }
 
@@ -254,6 +276,77 @@ class CpuLayer {
   CellParams cell_;
 };
 
+// ---------------------------------------------------------------------------------------------
+// The float boundary and the layer-to-layer requantization, one pass each (the golden model's
+// primitives.quantize / dequantize / golden.requantize_input, same float64 arithmetic)
+// ---------------------------------------------------------------------------------------------
+template <typename scalar_t>
+bool quantize_loop(const scalar_t* x, int32_t* q, int64_t n, double scale, int64_t zp, Range r) {
+  // clamp bounds of primitives.quantize: just beyond the integer range, so +-inf saturate
+  const double lo = (double)(r.lo - zp - 1), hi = (double)(r.hi - zp + 1);
+  std::atomic<bool> nan{false};
+  at::parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
+    bool local_nan = false;
+    for (int64_t i = b; i < e; ++i) {
+      double v = (double)x[i] / scale;
+      local_nan |= v != v;
+      v = v < lo ? lo : (v > hi ? hi : v);
+      const double f = std::floor(v);
+      const int64_t rounded = (int64_t)f + ((v - f) >= 0.5 ? 1 : 0);  // round half up, exact
+      q[i] = (int32_t)saturate(rounded + zp, r);
+    }
+    if (local_nan) nan = true;
+  });
+  return !nan;
+}
+
+// float -> int32 on (scale, zp, bits); NaN is an error (it has no quantized value).
+at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bits, const std::string& what) {
+  TORCH_CHECK(x_in.is_floating_point() && x_in.device().is_cpu(), "qgru cpu quantize: float CPU tensor expected");
+  const at::Tensor x = (x_in.scalar_type() == at::kDouble ? x_in : x_in.to(at::kFloat)).contiguous();
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kInt));
+  const Range r{-(int64_t(1) << (bits - 1)), (int64_t(1) << (bits - 1)) - 1};
+  bool ok;
+  {
+    pybind11::gil_scoped_release release;
+    ok = x.scalar_type() == at::kDouble
+             ? quantize_loop(x.data_ptr<double>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, r)
+             : quantize_loop(x.data_ptr<float>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, r);
+  }
+  TORCH_CHECK_VALUE(ok, "QuantGRU ", what, " contains NaN, which has no quantized value ",
+                    "(out-of-range and infinite values saturate)");
+  return q;
+}
+
+// int -> float32: (q - zp) * scale in float64, rounded once to float32 (as primitives.dequantize).
+at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
+  const at::Tensor q = q_in.to(at::kInt).contiguous();
+  pybind11::gil_scoped_release release;
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  const int32_t* src = q.data_ptr<int32_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, q.numel(), 4096, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dst[i] = (float)((double)((int64_t)src[i] - zp) * scale);
+  });
+  return out;
+}
+
+// golden.requantize_input: sat(rescale(q - from_zp) + to_zp, to_bits), per-tensor factor.
+at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
+                      int64_t to_bits) {
+  const at::Tensor q = q_in.to(at::kInt).contiguous();
+  pybind11::gil_scoped_release release;
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const int32_t* src = q.data_ptr<int32_t>();
+  int32_t* dst = out.data_ptr<int32_t>();
+  const Range r{-(int64_t(1) << (to_bits - 1)), (int64_t(1) << (to_bits - 1)) - 1};
+  at::parallel_for(0, q.numel(), 4096, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dst[i] = (int32_t)saturate(rounding_mul_shift((int64_t)src[i] - from_zp, mult,
+                                                                                  (int32_t)shift) + to_zp, r);
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace qgru
 
@@ -265,6 +358,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "qgru C++ CPU backend (bit-exact with qgru/golden.py)";
   // The torch version this binary was compiled against: qgru refuses to load a stale binary.
   m.attr("built_for_torch") = QGRU_TORCH_VERSION;
+#ifdef QGRU_PROFILE
+  m.def("profile", []() {
+    auto r = std::vector<double>{qgru::prof_in_gemm, qgru::prof_in_epi, qgru::prof_h_gemm, qgru::prof_cell};
+    qgru::prof_in_gemm = qgru::prof_in_epi = qgru::prof_h_gemm = qgru::prof_cell = 0;
+    return r;
+  });
+#endif
+  m.def("quantize", &qgru::quantize, "float -> int32 (primitives.quantize)");
+  m.def("dequantize", &qgru::dequantize, "int -> float (primitives.dequantize)");
+  m.def("requantize", &qgru::requantize, "golden.requantize_input, per-tensor factor");
   pybind11::class_<qgru::CpuLayer>(m, "Layer")
       .def(pybind11::init<qgru::TensorMap, qgru::IntMap>())
       .def("forward", &qgru::CpuLayer::forward, pybind11::arg("qx"), pybind11::arg("qh0"),

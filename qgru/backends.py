@@ -19,7 +19,48 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Optional
 
-from . import golden, native
+import torch
+
+from . import golden, native, primitives
+
+
+class BoundaryOps:
+    """Where floats enter and leave the integer model, and the layer-to-layer requantization.
+
+    The reference implementations (golden model primitives); a native backend may supply
+    one-pass versions that return the same integers and floats (tests/test_native.py).
+    """
+
+    def quantize(self, x: torch.Tensor, scale, zp, bits: int, what: str) -> torch.Tensor:
+        if torch.isnan(x).any():
+            raise ValueError(f"QuantGRU {what} contains NaN, which has no quantized value "
+                             "(out-of-range and infinite values saturate)")
+        return primitives.quantize(x, scale, zp, bits)
+
+    def dequantize(self, q: torch.Tensor, scale, zp) -> torch.Tensor:
+        return primitives.dequantize(q, scale, zp)
+
+    def requantize(self, q: torch.Tensor, from_zp, rescale, to_zp, bits: int) -> torch.Tensor:
+        return golden.requantize_input(q, from_zp, rescale, to_zp, bits)
+
+
+class _NativeCpuBoundaryOps(BoundaryOps):
+    def __init__(self, mod) -> None:
+        self.mod = mod
+
+    def quantize(self, x, scale, zp, bits, what):
+        return self.mod.quantize(x, float(scale), int(zp), int(bits), what)
+
+    def dequantize(self, q, scale, zp):
+        return self.mod.dequantize(q, float(scale), int(zp))
+
+    def requantize(self, q, from_zp, rescale, to_zp, bits):
+        if rescale.multiplier.numel() != 1:  # per-tensor factors only (what convert() derives)
+            return super().requantize(q, from_zp, rescale, to_zp, bits)
+        return self.mod.requantize(q, int(from_zp), int(rescale.multiplier), int(rescale.shift), int(to_zp), int(bits))
+
+
+_REFERENCE_BOUNDARY = BoundaryOps()
 
 
 @dataclass(frozen=True)
@@ -36,6 +77,12 @@ class Backend:
         if why:
             raise RuntimeError(f"backend {self.name!r} is unavailable: {why}")
         return native.gru_direction(self.name)
+
+    @property
+    def boundary(self) -> BoundaryOps:
+        if self.name == "cpu" and self.available:
+            return _NativeCpuBoundaryOps(native.load("cpu"))
+        return _REFERENCE_BOUNDARY
 
     @property
     def why_unavailable(self) -> str:

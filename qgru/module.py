@@ -20,9 +20,8 @@ from .backends import current_backend
 from .config import QuantConfig
 from .convert import derive_layer_params
 from .float_gru import float_direction
-from .golden import LayerParams, requantize_input
+from .golden import LayerParams
 from .observers import Observer
-from .primitives import dequantize, quantize
 
 _ACT_OBSERVED = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre")
 
@@ -272,30 +271,28 @@ class QuantGRU(nn.GRU):
         return torch.cat(outs, dim=-1), torch.stack(h_n)
 
     def _forward_integer(self, x, hx, lengths):
-        for name, t in (("input", x), ("h0", hx)):
-            if torch.isnan(t).any():
-                raise ValueError(f"QuantGRU {name} contains NaN, which has no quantized value "
-                                 "(out-of-range and infinite values saturate)")
         params = self._params_on(x.device)
         backend = current_backend(x.device.type)
+        ops = backend.boundary  # quantize / dequantize / requantize, golden semantics
         if lengths is not None:
             lengths = lengths.to(x.device)
 
         def run(layer, d, inp, h0):
             p = params[layer][d]
             if layer == 0:
-                qx = quantize(inp, p.scale["x"], p.zp["x"], p.bits["x"])
+                qx = ops.quantize(inp, p.scale["x"], p.zp["x"], p.bits["x"], "input")
             else:  # previous layer's integer outputs, moved onto this direction's x grid
                 prev = params[layer - 1]
-                qx = torch.cat([requantize_input(q, prev[e].zp["h"], p.rescale[f"in_{e}"], p.zp["x"], p.bits["x"])
+                qx = torch.cat([ops.requantize(q, prev[e].zp["h"], p.rescale[f"in_{e}"], p.zp["x"], p.bits["x"])
                                 for e, q in enumerate(inp)], dim=-1)
-            qh0 = quantize(h0, p.scale["h"], p.zp["h"], p.bits["h"])
+            qh0 = ops.quantize(h0, p.scale["h"], p.zp["h"], p.bits["h"], "h0")
             return backend.gru_direction(p, qx, qh0, lengths)
 
         with torch.no_grad():
             q_outs, q_hn = self._run_stack(x, hx, lengths, run)
+
         def to_float(q, p):
-            return dequantize(q, p.scale["h"], p.zp["h"]).to(x.dtype)
+            return ops.dequantize(q, p.scale["h"], p.zp["h"]).to(x.dtype)
 
         flat = [p for row in params for p in row]  # h_n order: layer-major, then direction
         out = torch.cat([to_float(q, p) for q, p in zip(q_outs, params[-1])], dim=-1)

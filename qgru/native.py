@@ -164,7 +164,18 @@ def _compile(kind: str, verbose: bool):
         kw["extra_cuda_cflags"] = ["-O3"] + define
         kw["extra_ldflags"] = ["-fopenmp", "-lcublas"]
     print(f"qgru: compiling the {kind} backend into {d} (once; about a minute)...", file=sys.stderr, flush=True)
-    return cpp_extension.load(**kw)
+    mod = cpp_extension.load(**kw)
+    _prune_stale(kind, d)
+    return mod
+
+
+def _prune_stale(kind: str, current: Path) -> None:
+    """Remove this environment's older builds of ``kind`` (same torch and ABI, other sources or flags)."""
+    import shutil
+    prefix = current.name[: current.name.rindex("-") + 1]
+    for d in current.parent.glob(prefix + "*"):
+        if d != current and d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def load(kind: str, build: bool = True):
