@@ -7,7 +7,9 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -142,7 +144,7 @@ class CpuLayer {
     TORCH_CHECK(qh0_in.dim() == 2 && qh0_in.size(0) == qx_in.size(1) && qh0_in.size(1) == H_,
                 "qgru cpu: qh0 must be [N, ", H_, "]");
     const at::Tensor qx = qx_in.to(at::kInt).contiguous();  // values fit: at most 16 bits
-    const int64_t T = qx.size(0), N = qx.size(1), H3 = 3 * H_;
+    const int64_t T = qx.size(0), N = qx.size(1);
     at::Tensor state = qh0_in.to(at::kInt).contiguous().clone();
     at::Tensor out = at::empty({T, N, H_}, qx.options().dtype(at::kInt));
     if (T == 0 || N == 0) return {out, state};
@@ -151,13 +153,51 @@ class CpuLayer {
       lengths = lengths_in->to(at::kLong).contiguous();
       TORCH_CHECK(lengths.numel() == N, "qgru cpu: lengths must have N entries");
     }
-    at::Tensor dwx = input_phase(qx, T * N);
-    recurrent_phase(dwx, state, out, T, N, lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr);
-    (void)H3;
+    const int64_t* len = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
+    std::lock_guard<std::mutex> lock(mu_);  // the workspace is shared by calls on this layer
+    // W.x is computed for a chunk of steps at a time, right before those steps run: its buffers
+    // stay small and warm in cache, and are reused across chunks and calls (fresh large buffers
+    // cost page faults that measured as much as the arithmetic)
+    const int64_t steps = std::max<int64_t>(1, std::min<int64_t>(T, kInputChunkRows / N));
+    ensure_workspace(steps * N, N);
+    split_limbs(state.data_ptr<int32_t>(), N, H_, h_bits_, ws_.h_limbs);
+    for (int64_t t0 = 0; t0 < T; t0 += steps) {
+      const int64_t tc = std::min(steps, T - t0);
+      input_chunk(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N);
+      recurrent_steps(t0, tc, N, state, out, len);
+    }
     return {out, state};
   }
 
  private:
+  struct Workspace {
+    int64_t rows = 0, N = 0;
+    std::vector<at::Tensor> x_limbs, Gx, h_limbs, Gh;
+    at::Tensor dwx;  // [rows, 3H] Wx - Z_Wx of the current chunk of steps
+  };
+
+  void ensure_workspace(int64_t rows, int64_t N) {
+    auto i8 = at::TensorOptions().dtype(at::kChar), i32 = at::TensorOptions().dtype(at::kInt);
+    if (ws_.rows < rows) {
+      ws_.x_limbs.clear();
+      ws_.Gx.clear();
+      const int n_act = x_bits_ > 8 ? 2 : 1;
+      // zeroed once: the K padding must read as 0 in every GEMM and is never written
+      for (int i = 0; i < n_act; ++i) ws_.x_limbs.push_back(at::zeros({rows, wx_.weight_limbs[0].size(1)}, i8));
+      for (int64_t p = 0; p < wx_.P; ++p) ws_.Gx.push_back(at::empty({rows, M_pad_}, i32));
+      ws_.dwx = at::empty({rows, 3 * H_}, i32);
+      ws_.rows = rows;
+    }
+    if (ws_.N < N) {
+      ws_.h_limbs.clear();
+      ws_.Gh.clear();
+      const int n_act = h_bits_ > 8 ? 2 : 1;
+      for (int i = 0; i < n_act; ++i) ws_.h_limbs.push_back(at::zeros({N, rh_.weight_limbs[0].size(1)}, i8));
+      for (int64_t p = 0; p < rh_.P; ++p) ws_.Gh.push_back(at::empty({N, M_pad_}, i32));
+      ws_.N = N;
+    }
+  }
+
   template <int NP, bool POW2, bool ACC32>
   void input_epilogue(const LimbProducts& lp, int32_t* dwx, int64_t rows) const {
     const int64_t H3 = 3 * H_;
@@ -168,29 +208,16 @@ class CpuLayer {
     });
   }
 
-  // Wx - Z_Wx for all T*N rows: int32 [T*N, 3H].
-  at::Tensor input_phase(const at::Tensor& qx, int64_t rows_total) const {
-    const int64_t chunk = std::min(rows_total, kInputChunkRows);
-    const int64_t K_pad = wx_.weight_limbs[0].size(1);
-    const int n_act = x_bits_ > 8 ? 2 : 1;
-    auto opts8 = qx.options().dtype(at::kChar);
-    std::vector<at::Tensor> limbs, G;
-    for (int i = 0; i < n_act; ++i) limbs.push_back(at::zeros({chunk, K_pad}, opts8));
-    for (int64_t p = 0; p < wx_.P; ++p) G.push_back(at::empty({chunk, M_pad_}, qx.options().dtype(at::kInt)));
-    at::Tensor dwx = at::empty({rows_total, 3 * H_}, qx.options().dtype(at::kInt));
-    const int32_t* src = qx.data_ptr<int32_t>();
-    for (int64_t r0 = 0; r0 < rows_total; r0 += chunk) {
-      const int64_t rows = std::min(chunk, rows_total - r0);
-      QGRU_TIC(t0);
-      split_limbs(src + r0 * I_, rows, I_, x_bits_, limbs);
-      LimbProducts lp = wx_.run(limbs, G, rows, ones_col_);
-      QGRU_TOC(prof_in_gemm, t0);
-      QGRU_TIC(t1);
-      int32_t* o = dwx.data_ptr<int32_t>() + r0 * 3 * H_;
-      dispatch(wx_.P, [&](auto np, auto pow2, auto acc32) { input_epilogue<np.value, pow2.value, acc32.value>(lp, o, rows); });
-      QGRU_TOC(prof_in_epi, t1);
-    }
-    return dwx;
+  // Wx - Z_Wx of `rows` input rows into ws_.dwx (seed 001 steps 1-2).
+  void input_chunk(const int32_t* src, int64_t rows) {
+    QGRU_TIC(t0);
+    split_limbs(src, rows, I_, x_bits_, ws_.x_limbs);
+    LimbProducts lp = wx_.run(ws_.x_limbs, ws_.Gx, rows, ones_col_);
+    QGRU_TOC(prof_in_gemm, t0);
+    QGRU_TIC(t1);
+    int32_t* o = ws_.dwx.data_ptr<int32_t>();
+    dispatch(wx_.P, [&](auto np, auto pow2, auto acc32) { input_epilogue<np.value, pow2.value, acc32.value>(lp, o, rows); });
+    QGRU_TOC(prof_in_epi, t1);
   }
 
   template <int NP, bool POW2, bool ACC32>
@@ -222,30 +249,23 @@ class CpuLayer {
     });
   }
 
-  void recurrent_phase(const at::Tensor& dwx, at::Tensor& state, at::Tensor& out, int64_t T, int64_t N,
-                       const int64_t* lengths) const {
+  // Steps t0 .. t0 + tc - 1, reading their Wx from ws_.dwx (seed 001 step 3).
+  void recurrent_steps(int64_t t0, int64_t tc, int64_t N, at::Tensor& state, at::Tensor& out, const int64_t* lengths) {
     const int64_t K_pad = rh_.weight_limbs[0].size(1);
-    const int n_act = h_bits_ > 8 ? 2 : 1;
-    std::vector<at::Tensor> limbs, G;
-    for (int i = 0; i < n_act; ++i) limbs.push_back(at::zeros({N, K_pad}, dwx.options().dtype(at::kChar)));
-    for (int64_t p = 0; p < rh_.P; ++p) G.push_back(at::empty({N, M_pad_}, dwx.options()));
-    split_limbs(state.data_ptr<int32_t>(), N, H_, h_bits_, limbs);
     std::vector<int8_t*> limb_ptrs;
-    for (auto& l : limbs) limb_ptrs.push_back(l.data_ptr<int8_t>());
-    const int32_t* dwx_p = dwx.data_ptr<int32_t>();
-    int32_t* out_p = out.data_ptr<int32_t>();
+    for (auto& l : ws_.h_limbs) limb_ptrs.push_back(l.data_ptr<int8_t>());
     int32_t* s = state.data_ptr<int32_t>();
-    for (int64_t t = 0; t < T; ++t) {
-      QGRU_TIC(t0);
-      LimbProducts lp = rh_.run(limbs, G, N, ones_col_);
-      QGRU_TOC(prof_h_gemm, t0);
-      QGRU_TIC(t1);
-      const int32_t* dwx_t = dwx_p + t * N * 3 * H_;
-      int32_t* out_t = out_p + t * N * H_;
+    for (int64_t t = t0; t < t0 + tc; ++t) {
+      QGRU_TIC(c0);
+      LimbProducts lp = rh_.run(ws_.h_limbs, ws_.Gh, N, ones_col_);
+      QGRU_TOC(prof_h_gemm, c0);
+      QGRU_TIC(c1);
+      const int32_t* dwx_t = ws_.dwx.data_ptr<int32_t>() + (t - t0) * N * 3 * H_;
+      int32_t* out_t = out.data_ptr<int32_t>() + t * N * H_;
       dispatch(rh_.P, [&](auto np, auto pow2, auto acc32) {
         step_pointwise<np.value, pow2.value, acc32.value>(lp, dwx_t, s, out_t, limb_ptrs, K_pad, N, t, lengths);
       });
-      QGRU_TOC(prof_cell, t1);
+      QGRU_TOC(prof_cell, c1);
     }
   }
 
@@ -267,6 +287,8 @@ class CpuLayer {
   }
 
   LayerTensors lt_;
+  std::mutex mu_;
+  Workspace ws_;
   int64_t H_, I_, M_pad_, ones_col_;
   int32_t x_bits_, h_bits_;
   bool pow2_, acc32_;

@@ -74,10 +74,12 @@ QGRU_HD int64_t apply(Rescale r, int64_t c, int64_t v) {
   return ((prod >> (r.shift[c] - 1)) + 1) >> 1;
 }
 
-// A sigmoid or tanh table on a b_in-bit grid (tables.lookup): 2^(b_in - k) + 1 entries with F extra
-// fraction bits, linear interpolation inside segments of 2^k inputs (k = F = 0: exact table).
+// A sigmoid or tanh table on a b_in-bit grid (tables.lookup): 2^(b_in - k) + 1 entries T with F
+// extra fraction bits, linear interpolation inside segments of 2^k inputs (k = F = 0: exact table).
+// Stored packed, one int64 per segment: T[i] in the low 32 bits, T[i+1] - T[i] in the high 32
+// bits (|T| < 2^(b_out + F + 1) <= 2^21), so a lookup is one load (one gather when vectorised).
 struct Table {
-  const int64_t* entries;
+  const int64_t* packed;  // [2^(b_in - k)]
   int32_t k;
   int32_t frac;
   int64_t in_min;  // qmin of the input grid
@@ -90,9 +92,11 @@ QGRU_HD int64_t lookup(const Table& t, int64_t q) {
   const int64_t u = q - t.in_min;
   const int64_t i = u >> t.k;
   const int64_t f = u & ((int64_t(1) << t.k) - 1);
-  const int64_t lo = t.entries[i];
-  // |T| < 2^(b_out + F + 1) and f < 2^k: the interpolation term fits in int32.
-  const int64_t v = shift_left(lo, t.k) + mul32(t.entries[i + 1] - lo, f);
+  const int64_t e = t.packed[i];
+  const int64_t lo = (int64_t)(int32_t)(uint32_t)(uint64_t)e;
+  const int64_t diff = e >> 32;
+  // f < 2^k and |diff| < 2^22: the interpolation term fits in int32.
+  const int64_t v = shift_left(lo, t.k) + mul32(diff, f);
   return saturate(rounding_shift(v, t.k + t.frac) + t.out_zp, t.out) - t.out_zp;
 }
 

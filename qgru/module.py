@@ -295,6 +295,7 @@ class QuantGRU(nn.GRU):
             return ops.dequantize(q, p.scale["h"], p.zp["h"]).to(x.dtype)
 
         flat = [p for row in params for p in row]  # h_n order: layer-major, then direction
-        out = torch.cat([to_float(q, p) for q, p in zip(q_outs, params[-1])], dim=-1)
+        outs = [to_float(q, p) for q, p in zip(q_outs, params[-1])]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         h_n = torch.stack([to_float(q, p) for q, p in zip(q_hn, flat)])
         return out, h_n

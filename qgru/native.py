@@ -261,6 +261,14 @@ def _limb_gemm(prefix: str, weights: torch.Tensor, w_bits: int, act_bits: int, M
     return {f"{prefix}_weight_limbs": stacked, f"{prefix}_pairs": torch.tensor(pairs, dtype=torch.int64)}, const
 
 
+def pack_table(entries: torch.Tensor) -> torch.Tensor:
+    """csrc Table layout: entry i = T[i] (low 32 bits) | (T[i+1] - T[i]) << 32, one per segment."""
+    e = entries.to(torch.int64)
+    lo, diff = e[:-1], e[1:] - e[:-1]
+    assert int(e.abs().max()) < (1 << 30), "table entries exceed the packed layout"
+    return (diff * (1 << 32) + (lo & 0xFFFFFFFF)).contiguous()
+
+
 def prepare_layer(p: LayerParams) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
     """The C++ Layer's arguments for one layer and direction (CPU tensors; move them as needed)."""
     H, I = p.hidden_size, p.input_size
@@ -308,7 +316,7 @@ def prepare_layer(p: LayerParams) -> Tuple[Dict[str, torch.Tensor], Dict[str, in
         v[f"{g}_zp"] = int(zp[g])
         k, frac = table_geometry(b[f"{g}_pre"])
         v[f"{g}_table_k"], v[f"{g}_table_frac"] = k, frac
-        t[f"table_{g}"] = p.tables[g].to(torch.int64).contiguous()
+        t[f"table_{g}"] = pack_table(p.tables[g])
     # the shift-only kernels are used when every multiplier is a power of two (pow2 scale mode)
     v["pow2"] = int(all(bool((x >= 0).all()) for k, x in t.items() if k.endswith("_mult_log2")))
     v["acc32"] = int(_add_acc32(t, v, b))

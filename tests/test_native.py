@@ -1,0 +1,771 @@
+"""The native backends (csrc/, qgru/native.py, qgru/backends.py) against the reference backend.
+
+The golden model (qgru/golden.py) is the specification: every native backend must reproduce it
+bit for bit, for every config the config loader accepts, every shape nn.GRU accepts and any
+input, including inputs far outside the calibrated range. Two levels are checked:
+
+* integers: ``native.gru_direction(kind)(p, qx, qh0, lengths)`` against ``golden.gru_direction`` on
+  random integer inputs spanning the whole x/h range (saturated extremes included), with
+  LayerParams derived from random weights and random (often extreme) calibration ranges;
+* modules: a converted QuantGRU forced onto each backend, floats compared with torch.equal.
+
+Then the registry: availability report, default selection, the warn-once fallback, forcing,
+refusing a stale binary, QGRU_NO_BUILD, and the layer preparation (weight limbs).
+
+A "cuda" case runs on CUDA tensors when ``qgru.backends()["cuda"]`` says it is available and is
+skipped with the reported reason otherwise. QGRU_NATIVE_EXAMPLES=N scales the hypothesis tests.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+
+import qgru
+from qgru import golden, native
+from qgru.config import GRANULARITIES, TENSOR_NAMES, QuantConfig
+from qgru.convert import derive_layer_params
+from qgru.primitives import qrange, quantize_multipliers, split_int8_limbs
+
+# `qgru.backends` is the function (re-exported by qgru/__init__), which hides the submodule
+backends_mod = importlib.import_module("qgru.backends")
+
+NATIVE_KINDS = ("cpu", "cuda")
+_EXAMPLES = int(os.environ.get("QGRU_NATIVE_EXAMPLES", "0")) or None
+
+
+def _examples(default: int) -> int:
+    return _EXAMPLES or default
+
+
+_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _device(kind: str) -> torch.device:
+    return torch.device("cuda" if kind == "cuda" else "cpu")
+
+
+@pytest.fixture(scope="module", params=NATIVE_KINDS)
+def kind(request):
+    """Each native backend; skipped, with the registry's reason, where it is unavailable."""
+    why = qgru.backends()[request.param]["why"]
+    if why:
+        pytest.skip(f"{request.param} backend unavailable: {why}")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def cpu_backend():
+    why = qgru.backends()["cpu"]["why"]
+    if why:
+        pytest.skip(f"cpu backend unavailable: {why}")
+    return "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs and converted modules
+# ---------------------------------------------------------------------------------------------
+@st.composite
+def config_dicts(draw):
+    """A built-in config in either scale mode, or random per-tensor overrides of every field the
+    loader accepts (bits down to its minimum, symmetry, granularity, group size, headroom)."""
+    mode = draw(st.sampled_from(["pow2", "multiplier"]))
+    name = draw(st.sampled_from(["w8a8", "w8a16", "w16a16", "random", "random"]))
+    if name != "random":
+        return QuantConfig.load(name, overrides={"scale_mode": mode}).to_dict()
+    tensors = {}
+    for n in TENSOR_NAMES:
+        spec = {"bits": draw(st.integers(4 if n.endswith("_pre") else 2, 16))}
+        if n not in ("z", "r", "g"):
+            gran = draw(st.sampled_from(GRANULARITIES[n]))
+            spec["granularity"] = gran
+            if gran == "per_group":
+                spec["group_size"] = draw(st.sampled_from([1, 2, 3, 5, 7, 16, 64]))
+        if n in ("x", "h", "Wx", "Rh", "z_pre", "r_pre", "g_pre"):
+            spec["symmetric"] = draw(st.booleans())
+            spec["headroom"] = draw(st.sampled_from([1.0, 1.5, 4.0]))
+        tensors[n] = spec
+    return {"name": "random", "scale_mode": mode,
+            "observer": {"kind": draw(st.sampled_from(["minmax", "ema", "ema_step"])), "momentum": 0.5},
+            "tensors": tensors}
+
+
+@functools.lru_cache(maxsize=64)
+def _converted(cfg_json: str, I: int, H: int, layers: int = 1, bidirectional: bool = False,
+               batch_first: bool = False, seed: int = 0) -> qgru.QuantGRU:
+    """A calibrated, converted QuantGRU (cached: conversion is the slow part of these tests)."""
+    torch.manual_seed(seed)
+    m = qgru.QuantGRU(I, H, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first,
+                      config=json.loads(cfg_json))
+    qgru.calibrate(m, [torch.randn(5, 3, I) for _ in range(2)], progress=False)
+    return m.convert()
+
+
+def _cfg(name: str, **overrides) -> str:
+    return QuantConfig.load(name, overrides=overrides or None).to_json()
+
+
+def _to(v, device):
+    if v is None:
+        return None
+    return v.to(device)  # Tensor and PackedSequence alike
+
+
+def _run(m: qgru.QuantGRU, backend: str, device: torch.device, x, h0=None):
+    """m(x, h0) with ``backend`` forced and everything on ``device``; results back on the CPU."""
+    m.to(device)
+    try:
+        with qgru.backend(backend):
+            out, h_n = m(_to(x, device), _to(h0, device))
+    finally:
+        m.to("cpu")
+    return _to(out, "cpu"), h_n.cpu()
+
+
+def _assert_same(a, b):
+    (out_a, h_a), (out_b, h_b) = a, b
+    if isinstance(out_a, PackedSequence):
+        assert isinstance(out_b, PackedSequence)
+        assert torch.equal(out_a.batch_sizes, out_b.batch_sizes)
+        for f in ("sorted_indices", "unsorted_indices"):
+            ia, ib = getattr(out_a, f), getattr(out_b, f)
+            assert (ia is None and ib is None) or torch.equal(ia, ib)
+        out_a, out_b = out_a.data, out_b.data
+    assert out_a.shape == out_b.shape and h_a.shape == h_b.shape
+    bad = (out_a != out_b).nonzero()
+    assert torch.equal(out_a, out_b), f"outputs differ at {bad[:5].tolist()} ({len(bad)} elements)"
+    assert torch.equal(h_a, h_b), f"h_n differs at {(h_a != h_b).nonzero()[:5].tolist()}"
+
+
+def _forget_native(m: qgru.QuantGRU) -> None:
+    """Drop the native Layers cached on m's LayerParams (native.gru_direction makes them on use)."""
+    for rows in m._qparams_on.values():
+        for row in rows:
+            for p in row:
+                p.__dict__.pop("_native", None)
+
+
+def _assert_native_ran(m: qgru.QuantGRU, kind: str) -> None:
+    """Guard against a vacuous comparison: after _forget_native(m), running on ``kind`` must have
+    made a native Layer for every layer and direction."""
+    dev_type = _device(kind).type
+    rows = [row for key, rs in m._qparams_on.items() if key.startswith(dev_type) for row in rs]
+    assert rows and all(any(k[0] == kind for k in p.__dict__.get("_native", {})) for row in rows for p in row), \
+        f"the {kind} backend was not used"
+
+
+def _far_inputs(x: torch.Tensor, scale: float, inf: bool, gen: torch.Generator) -> torch.Tensor:
+    """x scaled (1000x lands far outside the calibrated range) and optionally with +-inf entries."""
+    x = x * scale
+    if inf and x.numel():
+        mask = torch.rand(x.shape, generator=gen) < 0.15
+        sign = torch.where(torch.rand(x.shape, generator=gen) < 0.5, -1.0, 1.0)
+        x = torch.where(mask, sign * float("inf"), x)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# 1a. Integer level: native gru_direction == golden gru_direction, any params, any integers
+# ---------------------------------------------------------------------------------------------
+@st.composite
+def ranges_for(draw, H: int, config: QuantConfig):
+    """Observer ranges as convert() receives them: from tiny to huge, straddling or one-sided."""
+    def one():
+        mag = 2.0 ** draw(st.integers(-8, 8))
+        shape = draw(st.sampled_from(["both", "both", "pos", "neg", "skew"]))
+        lo, hi = {"both": (-mag, mag), "pos": (0.0, mag), "neg": (-mag, 0.0), "skew": (-mag / 37, mag)}[shape]
+        return lo, hi
+
+    out = {}
+    for n in ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre"):
+        lo, hi = one()
+        if n in ("Wx", "Rh") and config[n].granularity != "per_tensor":
+            g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 16)))
+            spread = 0.01 + 0.99 * torch.rand(3 * H, generator=g, dtype=torch.float64)  # per channel
+            out[n] = (lo * spread, hi * spread)
+        else:
+            out[n] = (torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64))
+    return out
+
+
+def _random_layer(config: QuantConfig, I: int, H: int, ranges, w_exp: int, b_exp: Optional[int],
+                  zero_row: bool, seed: int) -> golden.LayerParams:
+    """Weights ~ 2^w_exp, biases ~ 2^b_exp (None: no bias); a large b_exp saturates the int32 biases."""
+    g = torch.Generator().manual_seed(seed)
+    w_ih = torch.randn(3 * H, I, generator=g) * 2.0 ** w_exp
+    w_hh = torch.randn(3 * H, H, generator=g) * 2.0 ** w_exp
+    if zero_row:  # an all-zero weight row (scale from the minimum range)
+        w_ih[0] = 0
+        w_hh[-1] = 0
+    b_ih = torch.randn(3 * H, generator=g) * 2.0 ** b_exp if b_exp is not None else None
+    b_hh = torch.randn(3 * H, generator=g) * 2.0 ** b_exp if b_exp is not None else None
+    return derive_layer_params(w_ih, w_hh, b_ih, b_hh, ranges, config)
+
+
+def _random_ints(shape, bits: int, gen: torch.Generator) -> torch.Tensor:
+    """Uniform over the whole ``bits`` range, with about a third of the entries at either extreme."""
+    lo, hi = qrange(bits)
+    q = torch.randint(lo, hi + 1, shape, generator=gen, dtype=torch.int64)
+    u = torch.rand(shape, generator=gen)
+    return torch.where(u < 0.17, lo, torch.where(u < 0.34, hi, q))
+
+
+def _check_integer(kind: str, p: golden.LayerParams, T: int, N: int, with_lengths: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    qx = _random_ints((T, N, p.input_size), p.bits["x"], gen)
+    qh0 = _random_ints((N, p.hidden_size), p.bits["h"], gen)
+    lengths = torch.randint(0, T + 1, (N,), generator=gen) if with_lengths else None
+    want_out, want_h = golden.gru_direction(p, qx, qh0, lengths)
+    dev = _device(kind)
+    pd = p if kind == "cpu" else p.to(dev)
+    got_out, got_h = native.gru_direction(kind)(pd, qx.to(dev), qh0.to(dev), _to(lengths, dev))
+    assert got_out.dtype == torch.int32 and got_h.dtype == torch.int32
+    assert got_out.shape == (T, N, p.hidden_size) and got_h.shape == (N, p.hidden_size)
+    got_out, got_h = got_out.cpu().long(), got_h.cpu().long()
+    bad = (got_out != want_out).nonzero()
+    assert torch.equal(got_out, want_out), (
+        f"outputs differ at [t, n, j] {bad[:5].tolist()} ({len(bad)} of {want_out.numel()}): "
+        f"got {got_out[tuple(bad[0])].item()} want {want_out[tuple(bad[0])].item()}")
+    assert torch.equal(got_h, want_h)
+
+
+@settings(max_examples=_examples(400), **_SETTINGS)
+@given(data=st.data(), cfg=config_dicts(), I=st.integers(1, 40) | st.sampled_from([64, 100, 257]),
+       H=st.integers(1, 40) | st.sampled_from([63, 64, 65, 129]),
+       T=st.integers(0, 7), N=st.integers(1, 5), w_exp=st.integers(-6, 3),
+       b_exp=st.none() | st.integers(-6, 3) | st.integers(4, 40), zero_row=st.booleans(),
+       with_lengths=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_integer_bit_exact_random_params(kind, data, cfg, I, H, T, N, w_exp, b_exp, zero_row,
+                                         with_lengths, seed):
+    """Random weights and calibration ranges (so multipliers, shifts and zero points take extreme
+    values) and integer inputs over the whole x/h range: the native result equals golden exactly."""
+    config = QuantConfig.from_dict(cfg)
+    ranges = data.draw(ranges_for(H, config))
+    try:
+        p = _random_layer(config, I, H, ranges, w_exp, b_exp, zero_row, seed)
+    except ValueError as e:  # convert() refuses grids 2**30 finer than their inputs: not a layer
+        assert "too large to represent" in str(e)
+        reject()
+    _check_integer(kind, p, T, N, with_lengths, seed)
+
+
+@pytest.mark.parametrize("cfg", ["w8a8", "w8a16", "w16a16"])
+@pytest.mark.parametrize("mode", ["pow2", "multiplier"])
+@pytest.mark.parametrize("I,H", [(1, 1), (100, 129), (17, 48)])
+def test_integer_bit_exact_sizes(kind, cfg, mode, I, H):
+    """Sizes around the padding multiples (GEMM_PAD = 16, vector widths) and a longer sequence;
+    the same native Layer is reused for several (T, N) to catch state kept between calls."""
+    config = QuantConfig.load(cfg, overrides={"scale_mode": mode})
+    one = lambda lo, hi: (torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64))
+    per = lambda lo, hi: (torch.full((3 * H,), lo, dtype=torch.float64), torch.full((3 * H,), hi, dtype=torch.float64))
+    ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-4, 5), "Rh": per(-3, 2),
+              "r_pre": one(-6, 6), "z_pre": one(-6, 6), "g_pre": one(-5, 7)}
+    p = _random_layer(config, I, H, ranges, w_exp=-2, b_exp=-2, zero_row=False, seed=I * 1000 + H)
+    for T, N, lengths in ((30, 3, True), (1, 1, False), (0, 2, False), (5, 7, True), (3, 1, False)):
+        _check_integer(kind, p, T, N, lengths, seed=T * 10 + N)
+
+
+@pytest.mark.parametrize("cfg,mode,K", [("w8a8", "pow2", 65535), ("w8a8", "multiplier", 65535),
+                                         ("w8a16", "pow2", 4096), ("w16a16", "multiplier", 4096)])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_integer_worst_case_accumulators(kind, cfg, mode, K, sign):
+    """The largest accumulators convert() allows: K input channels of full-scale weights, x at the
+    end of its grid far from the zero point, b_x saturated at the int32 limit, and Wx / Rh grids
+    from 4x the accumulator's step (rescale = a right shift by 2) to very coarse. With 8-bit
+    operands and pow2 scales the kernels may use int32 accumulators (csrc AccRequant32, right
+    shift R >= 1): an overflow there shows as a wrapped, opposite-end Wx."""
+    config = QuantConfig.load(cfg, overrides={"scale_mode": mode, "tensors": {
+        "Wx": {"headroom": 1.0}, "Rh": {"headroom": 1.0}}})
+    H = 2
+    w_bits, x_bits, h_bits = config["W"].bits, config["x"].bits, config["h"].bits
+    w = (2 ** (w_bits - 1) - 1) * 2.0 ** -(w_bits - 1)  # a full-scale weight on a pow2 grid
+    w_ih = torch.full((3 * H, K), sign * w)
+    w_hh = torch.full((3 * H, H), w)
+    b_ih = torch.full((3 * H,), sign * 1e12)              # b_x saturates at the int32 limit
+    one = lambda lo, hi: (torch.tensor(float(lo), dtype=torch.float64), torch.tensor(float(hi), dtype=torch.float64))
+    per = lambda lo, hi: (torch.full((3 * H,), float(lo), dtype=torch.float64),
+                          torch.full((3 * H,), float(hi), dtype=torch.float64))
+    # x all positive: Z_x at the bottom of the grid, so q_x = max is 2^bits - 1 steps from it
+    base = {"x": one(0.0, (2 ** x_bits - 1) * 2.0 ** -x_bits), "h": one(-1, 1), "Wx": per(-1, 1),
+            "Rh": per(-1, 1), "r_pre": one(-8, 8), "z_pre": one(-8, 8), "g_pre": one(-8, 8)}
+    p0 = derive_layer_params(w_ih, w_hh, b_ih, None, base, config)
+    acc_x = float(p0.scale["W"][0] * p0.scale["x"])  # the accumulators' steps
+    acc_h = float(p0.scale["R"][0] * p0.scale["h"])
+    lo, hi = qrange(x_bits)
+    qx = torch.stack([torch.full((3, K), hi), torch.full((3, K), lo), torch.randint(lo, hi + 1, (3, K))], dim=1)
+    h_lo, h_hi = qrange(h_bits)
+    qh0 = torch.tensor([[h_hi, h_lo], [0, 0], [h_lo, h_hi]])
+    for k in (2, 3, 9, 20, 33):  # S_Wx = 2^k acc_x (16-bit Wx: range +-32767 steps)
+        wx = acc_x * 2.0 ** k * 32767
+        pre = max(8.0, 2 * wx)  # gate grids follow, so that Wx -> pre-activation stays representable
+        ranges = dict(base, Wx=per(-wx, wx), Rh=per(-acc_h * 4 * 32767, acc_h * 4 * 32767),
+                      r_pre=one(-pre, pre), z_pre=one(-pre, pre), g_pre=one(-pre, pre))
+        p = derive_layer_params(w_ih, w_hh, b_ih, None, ranges, config)
+        assert int(p.zp["x"]) == lo and int(p.W.abs().max()) == 2 ** (w_bits - 1) - 1
+        assert int(p.b_x.abs().max()) >= 2 ** 31 - 1
+        want = golden.gru_direction(p, qx, qh0)
+        dev = _device(kind)
+        got = native.gru_direction(kind)(p if kind == "cpu" else p.to(dev), qx.to(dev), qh0.to(dev), None)
+        assert torch.equal(got[0].cpu().long(), want[0]), (k, got[0].cpu().tolist(), want[0].tolist())
+        assert torch.equal(got[1].cpu().long(), want[1])
+
+
+def test_integer_bit_exact_across_thread_counts(cpu_backend):
+    """The CPU kernels split work across threads: 1 thread and the default give the same integers
+    (a partitioning bug would show as a mismatch with golden under one of them)."""
+    config = QuantConfig.load("w8a16", overrides={"scale_mode": "multiplier"})
+    p = _converted(config.to_json(), 23, 37)._qparams[0][0]
+    before = torch.get_num_threads()
+    try:
+        for n in (1, max(2, before)):
+            torch.set_num_threads(n)
+            _check_integer("cpu", p, T=9, N=6, with_lengths=True, seed=n)
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1b. Module level: a converted QuantGRU on each native backend == on the reference backend
+# ---------------------------------------------------------------------------------------------
+@settings(max_examples=_examples(300), **_SETTINGS)
+@given(cfg=config_dicts(), I=st.integers(1, 40), H=st.integers(1, 40), layers=st.integers(1, 2),
+       bidirectional=st.booleans(), batch_first=st.booleans(),
+       form=st.sampled_from(["batched", "batched", "packed", "unbatched"]),
+       T=st.integers(0, 6), N=st.integers(1, 4), with_h0=st.booleans(),
+       scale=st.sampled_from([1.0, 3.0, 1000.0]), inf=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_module_bit_exact(kind, cfg, I, H, layers, bidirectional, batch_first, form, T, N, with_h0,
+                          scale, inf, seed):
+    m = _converted(json.dumps(cfg, sort_keys=True), I, H, layers, bidirectional, batch_first, seed % 4)
+    D = 2 if bidirectional else 1
+    gen = torch.Generator().manual_seed(seed)
+    h0 = None
+    if form == "packed":
+        T = max(T, 1)  # a PackedSequence has at least one step
+        lengths = torch.randint(1, T + 1, (N,), generator=gen)
+        lengths[torch.randint(0, N, (1,), generator=gen)] = T
+        x = torch.randn((N, T, I) if batch_first else (T, N, I), generator=gen)
+        x = pack_padded_sequence(_far_inputs(x, scale, inf, gen), lengths, batch_first=batch_first,
+                                 enforce_sorted=False)
+        if with_h0:
+            h0 = torch.randn(layers * D, N, H, generator=gen)
+    elif form == "unbatched":
+        x = _far_inputs(torch.randn(T, I, generator=gen), scale, inf, gen)
+        if with_h0:
+            h0 = torch.randn(layers * D, H, generator=gen)
+    else:
+        x = _far_inputs(torch.randn((N, T, I) if batch_first else (T, N, I), generator=gen), scale, inf, gen)
+        if with_h0:
+            h0 = torch.randn(layers * D, N, H, generator=gen)
+    if h0 is not None:
+        h0 = _far_inputs(h0, scale, inf, gen)  # h0 may be outside the h grid too: it saturates
+    want = _run(m, "reference", torch.device("cpu"), x, h0)
+    fresh = seed % 2 == 0  # else reuse the Layers made by earlier examples on this cached module
+    if fresh:
+        _forget_native(m)
+    got = _run(m, kind, _device(kind), x, h0)
+    _assert_same(got, want)
+    if fresh:
+        _assert_native_ran(m, kind)
+
+
+@pytest.mark.parametrize("cfg", ["w8a8", "w8a16", "w16a16"])
+@pytest.mark.parametrize("mode", ["pow2", "multiplier"])
+def test_module_bit_exact_large_bidirectional(kind, cfg, mode):
+    """hidden 129 and input 100 (no multiple of 4 or 16), two bidirectional layers, batch_first,
+    packed with unequal lengths, h0 given, and saturating inputs."""
+    m = _converted(_cfg(cfg, scale_mode=mode), 100, 129, 2, True, True, 1)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 9, 100, generator=gen)
+    h0 = torch.randn(4, 5, 129, generator=gen)
+    packed = pack_padded_sequence(x * 1000, torch.tensor([9, 3, 1, 9, 6]), batch_first=True, enforce_sorted=False)
+    _forget_native(m)
+    for args in ((x, h0), (x * 1000, None), (packed, h0)):
+        _assert_same(_run(m, kind, _device(kind), *args), _run(m, "reference", torch.device("cpu"), *args))
+    _assert_native_ran(m, kind)
+
+
+@pytest.mark.parametrize("T", [0, 1])
+@pytest.mark.parametrize("unbatched", [False, True])
+def test_module_bit_exact_degenerate_lengths(kind, T, unbatched):
+    """T = 0 (the reference returns an empty output and h_n = h0 requantized) and T = 1."""
+    m = _converted(_cfg("w8a16"), 6, 5, 2, True, False, 0)
+    x = torch.randn(T, 6) if unbatched else torch.randn(T, 1, 6)
+    h0 = torch.randn(4, 5) if unbatched else torch.randn(4, 1, 5)
+    for h in (None, h0):
+        want = _run(m, "reference", torch.device("cpu"), x, h)
+        assert want[0].shape[0] == T
+        _assert_same(_run(m, kind, _device(kind), x, h), want)
+
+
+def test_module_infinite_inputs_saturate_identically(kind):
+    """All-+inf, all--inf and mixed inputs (and h0): saturated at the grid ends, same on both."""
+    m = _converted(_cfg("w8a8", scale_mode="multiplier"), 7, 11, 1, True, False, 2)
+    inf = float("inf")
+    for x in (torch.full((4, 2, 7), inf), torch.full((4, 2, 7), -inf),
+              torch.tensor([inf, -inf]).repeat(14).reshape(4, 1, 7).expand(4, 2, 7).contiguous()):
+        for h0 in (None, torch.full((2, 2, 11), -inf), torch.full((2, 2, 11), inf)):
+            _assert_same(_run(m, kind, _device(kind), x, h0), _run(m, "reference", torch.device("cpu"), x, h0))
+
+
+@pytest.mark.parametrize("form", ["batched", "packed", "unbatched"])
+def test_module_bit_exact_float64(kind, form):
+    """A float64 QuantGRU: the boundary (quantize / dequantize) takes and returns float64."""
+    torch.manual_seed(5)
+    m = qgru.QuantGRU(6, 9, num_layers=2, bidirectional=True, batch_first=True, config="w8a16",
+                      dtype=torch.float64)
+    qgru.calibrate(m, [torch.randn(3, 5, 6, dtype=torch.float64) for _ in range(2)], progress=False)
+    m.convert()
+    x = torch.randn(3, 7, 6, dtype=torch.float64) * 4
+    h0 = torch.randn(4, 3, 9, dtype=torch.float64)
+    if form == "packed":
+        x = pack_padded_sequence(x, torch.tensor([2, 7, 5]), batch_first=True, enforce_sorted=False)
+    elif form == "unbatched":
+        x, h0 = x[0], h0[:, 0]
+    want = _run(m, "reference", torch.device("cpu"), x, h0)
+    got = _run(m, kind, _device(kind), x, h0)
+    _assert_same(got, want)
+    assert (got[0].data if form == "packed" else got[0]).dtype == torch.float64
+
+
+@pytest.mark.parametrize("where", ["input", "h0"])
+def test_nan_is_an_error_on_every_backend(kind, where):
+    """NaN has no quantized value: every backend raises the reference's ValueError, naming it."""
+    m = _converted(_cfg("w8a8"), 4, 6, 2, True, False, 0)
+    x, h0 = torch.randn(3, 2, 4), torch.zeros(4, 2, 6)
+    (x if where == "input" else h0)[-1, 1, 2] = float("nan")  # h0: the last layer and direction
+    for b in ("reference", kind):
+        with pytest.raises(ValueError, match=f"{where} contains NaN"):
+            _run(m, b, _device(b), x, h0)
+
+
+# The float boundary and the layer-to-layer requantization (Backend.boundary): a native backend's
+# one-pass versions against the golden primitives, on floats chosen to hit every rounding case.
+def _boundary_floats(n: int, scale: float, zp: int, bits: int, dtype, gen: torch.Generator) -> torch.Tensor:
+    lo, hi = qrange(bits)
+    k = torch.randint(lo - zp - 3, hi - zp + 4, (n,), generator=gen).double()
+    kinds = torch.randint(0, 6, (n,), generator=gen)
+    v = torch.where(kinds == 0, (k + 0.5) * scale,                      # exact ties (round half up)
+        torch.where(kinds == 1, (k + 0.5) * scale * (1 - 2 ** -52),     # just below a tie
+        torch.where(kinds == 2, k * scale,                              # on the grid
+        torch.where(kinds == 3, torch.randn(n, generator=gen, dtype=torch.float64) * scale * 2.0 ** bits,
+        torch.where(kinds == 4, torch.randn(n, generator=gen, dtype=torch.float64) * 1e30,
+                    (torch.rand(n, generator=gen, dtype=torch.float64) - 0.5) * scale * 4)))))
+    v = v.to(dtype)
+    special = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 1e-45, -1e-45, 3e38, -3e38,
+                            (lo - zp - 1) * scale, (hi - zp + 1) * scale, (lo - zp - 0.5) * scale,
+                            (hi - zp + 0.5) * scale], dtype=torch.float64).to(dtype)
+    return torch.cat([v, special])
+
+
+@settings(max_examples=_examples(150), **_SETTINGS)
+@given(bits=st.integers(2, 16), pow2=st.booleans(), exp=st.integers(-24, 6), mant=st.floats(1.0, 2.0),
+       zp_frac=st.floats(0.0, 1.0), dtype=st.sampled_from([torch.float32, torch.float64]),
+       shape=st.sampled_from([(0,), (1,), (7, 3), (2, 5, 33)]), seed=st.integers(0, 2 ** 16))
+def test_boundary_ops_match_reference(kind, bits, pow2, exp, mant, zp_frac, dtype, shape, seed):
+    ref = backends_mod.BoundaryOps()
+    ops = backends_mod._REGISTRY[kind].boundary
+    if kind == "cpu":  # the cpu backend has one-pass C++ versions: comparing reference with itself proves nothing
+        assert type(ops) is not backends_mod.BoundaryOps
+    dev = _device(kind)
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = qrange(bits)
+    scale = torch.tensor(2.0 ** exp * (1.0 if pow2 else mant), dtype=torch.float64)
+    zp = torch.tensor(int(lo + round(zp_frac * (hi - lo))))
+    x = _boundary_floats(2000, float(scale), int(zp), bits, dtype, gen)
+    for xs in (x, x[: int(torch.tensor(shape).prod())].reshape(shape)):
+        want = ref.quantize(xs, scale, zp, bits, "input")
+        got = ops.quantize(xs.to(dev), scale, zp, bits, "input").cpu()
+        bad = (got.long() != want).nonzero()
+        assert torch.equal(got.long(), want), (
+            f"quantize differs for x = {xs.reshape(-1)[bad[:3].reshape(-1)].tolist() if xs.dim() == 1 else bad[:3].tolist()}")
+    # a non-contiguous view (batch_first inputs are transposed before quantize)
+    xt = x[:1998].reshape(999, 2).t()
+    assert torch.equal(ops.quantize(xt.to(dev), scale, zp, bits, "input").cpu().long(),
+                       ref.quantize(xt, scale, zp, bits, "input"))
+    # dequantize every integer of the range (sampled for 16 bits)
+    q = torch.arange(lo, hi + 1) if bits <= 12 else torch.randint(lo, hi + 1, (5000,), generator=gen)
+    q = torch.cat([q, torch.tensor([lo, hi])]).to(torch.int32)
+    got = ops.dequantize(q.to(dev), scale, zp).cpu()
+    want = ref.dequantize(q, scale, zp)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    # requantize: a previous layer's h grid (bits) onto an x grid (to_bits), per-tensor factor
+    to_bits = 2 + seed % 15
+    to_lo, to_hi = qrange(to_bits)
+    to_zp = torch.tensor(int(to_lo + (seed % 7) * (to_hi - to_lo) // 6))
+    real = torch.tensor(2.0 ** ((seed % 17) - 8) * (1.0 if pow2 else mant), dtype=torch.float64)
+    m_, s_ = quantize_multipliers(real, bits + 1, pow2)
+    r = golden.Rescale(m_, s_)
+    got = ops.requantize(q.to(dev), zp, r, to_zp, to_bits).cpu()
+    want = ref.requantize(q, zp, r, to_zp, to_bits)
+    assert torch.equal(got.long(), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2-5. The registry: report, default selection, fallback, forcing
+# ---------------------------------------------------------------------------------------------
+def test_backends_report():
+    """reference always; cpu here (a compiler is present); cuda only with a CUDA torch and device."""
+    rep = qgru.backends()
+    assert set(rep) == {"reference", "cpu", "cuda"}
+    assert rep["reference"] == {"available": True, "why": ""}
+    assert rep["cpu"] == {"available": True, "why": ""}, rep["cpu"]
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        assert rep["cuda"]["available"] is False
+        assert isinstance(rep["cuda"]["why"], str) and rep["cuda"]["why"].strip()
+    if torch.version.cuda is None:
+        assert "CPU-only" in rep["cuda"]["why"]
+
+
+def test_default_backend_is_native_cpu(cpu_backend, monkeypatch):
+    """Without a forced backend a converted model on CPU tensors runs the cpu backend."""
+    assert backends_mod.current_backend("cpu").name == "cpu"
+    calls = []
+    real = native.gru_direction
+
+    def spy(kind):
+        calls.append(kind)
+        return real(kind)
+
+    monkeypatch.setattr(native, "gru_direction", spy)
+    m = _converted(_cfg("w8a8"), 4, 6, 2, True, False, 3)
+    x = torch.randn(3, 2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback warning either
+        got = m(x)
+    assert calls and set(calls) == {"cpu"}, calls
+    _assert_same(got, _run(m, "reference", torch.device("cpu"), x))
+
+
+def test_fallback_warns_once_and_matches_reference(monkeypatch):
+    """cpu made unavailable: the model falls back to reference, warning once with the reason."""
+    reason = "the compiler is on strike (test)"
+    real_why = native.why_unavailable
+    monkeypatch.setattr(native, "why_unavailable", lambda k: reason if k == "cpu" else real_why(k))
+    monkeypatch.setattr(backends_mod, "_warned", set())
+    assert qgru.backends()["cpu"] == {"available": False, "why": reason}
+
+    def no_native(kind):
+        raise AssertionError(f"native backend {kind!r} used although unavailable")
+
+    monkeypatch.setattr(native, "gru_direction", no_native)
+    m = _converted(_cfg("w8a16"), 5, 7, 1, False, False, 0)
+    x = torch.randn(4, 3, 5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # "once" must come from qgru, not from the warnings filter
+        first = m(x)
+        second = m(x)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1, msgs
+    assert reason in msgs[0] and "reference" in msgs[0]
+    with qgru.backend("reference"):
+        want = m(x)
+    _assert_same(first, want)
+    _assert_same(second, want)
+
+
+def test_forcing_backends(monkeypatch):
+    """Forcing an unavailable backend is an error naming the reason; forcing cpu on CPU tensors is fine."""
+    why_cuda = qgru.backends()["cuda"]["why"]
+    if why_cuda:
+        with pytest.raises(RuntimeError) as e:
+            with qgru.backend("cuda"):
+                pass
+        assert why_cuda in str(e.value) and "cuda" in str(e.value)
+    with pytest.raises(ValueError, match="unknown backend"):
+        with qgru.backend("tpu"):
+            pass
+    m = _converted(_cfg("w8a8"), 4, 6, 1, False, False, 0)
+    x = torch.randn(3, 2, 4)
+    if not qgru.backends()["cpu"]["why"]:
+        with qgru.backend("cpu") as b:
+            assert b.name == "cpu" and backends_mod.current_backend("cpu").name == "cpu"
+            got = m(x)
+        _assert_same(got, _run(m, "reference", torch.device("cpu"), x))
+        if torch.cuda.is_available():  # a CPU backend refuses CUDA tensors
+            with pytest.raises(RuntimeError, match="cpu"):
+                _run(m, "cpu", torch.device("cuda"), x)
+    assert getattr(backends_mod._forced, "name", None) is None  # restored on leaving the block
+    # a native backend made unavailable: forcing it fails with the reason, nothing stays forced
+    monkeypatch.setattr(native, "why_unavailable", lambda k: "gone (test)")
+    monkeypatch.setattr(backends_mod, "_warned", set())
+    with pytest.raises(RuntimeError, match=r"gone \(test\)"):
+        with qgru.backend("cpu"):
+            pass
+    assert getattr(backends_mod._forced, "name", None) is None
+    with pytest.warns(RuntimeWarning, match=r"gone \(test\)"):
+        assert backends_mod.current_backend("cpu").name == "reference"
+
+
+def test_forced_backend_is_thread_local(cpu_backend):
+    """qgru.backend() forces the backend for the calling thread only."""
+    import threading
+    seen = []
+    with qgru.backend("reference"):
+        t = threading.Thread(target=lambda: seen.append(backends_mod.current_backend("cpu").name))
+        t.start()
+        t.join()
+        assert backends_mod.current_backend("cpu").name == "reference"
+    assert seen == ["cpu"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 6-7. Binaries: stale ones refused, QGRU_NO_BUILD
+# ---------------------------------------------------------------------------------------------
+def test_stale_binary_is_refused(cpu_backend, monkeypatch):
+    path = Path(native.load("cpu").__file__)
+    # control: under the torch it was built for, the same file loads
+    ok = native._load_built("cpu", path)
+    assert ok.built_for_torch == torch.__version__ and hasattr(ok, "Layer")
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    with pytest.raises(RuntimeError, match="stale") as e:
+        native._load_built("cpu", path)
+    msg = str(e.value)
+    assert "python -m qgru build" in msg and "0.0.0" in msg and str(path) in msg
+
+
+def test_load_skips_stale_binary_in_build_dir(cpu_backend, monkeypatch, tmp_path, capsys):
+    """load(): a binary for another torch in the build folder is not used; without building
+    allowed the backend is then unavailable, with the rebuild command as the reason."""
+    real = Path(native.load("cpu").__file__)
+    monkeypatch.setenv("QGRU_BUILD_DIR", str(tmp_path))
+    monkeypatch.setattr(torch, "__version__", "0.0.0")  # the real binary says 2.x: stale here
+    d = native.build_dir("cpu")
+    d.mkdir(parents=True)
+    (d / real.name).write_bytes(real.read_bytes())
+    monkeypatch.setattr(native, "_state", native._State())  # forget the loaded module
+    with pytest.raises(RuntimeError, match="python -m qgru build"):
+        native.load("cpu", build=False)
+    assert "stale" in capsys.readouterr().err
+
+
+def test_no_build_env_falls_back_in_subprocess(tmp_path):
+    """QGRU_NO_BUILD=1 and an empty build folder: cpu is unavailable (reason names the build
+    command), nothing is compiled, and a converted model still runs on reference, warning once."""
+    code = textwrap.dedent(r"""
+        import os, warnings, torch, qgru
+        rep = qgru.backends()["cpu"]
+        assert rep["available"] is False, rep
+        assert "python -m qgru build" in rep["why"], rep
+        torch.manual_seed(0)
+        m = qgru.QuantGRU(5, 7, config="w8a8")
+        qgru.calibrate(m, [torch.randn(4, 2, 5)], progress=False)
+        m.convert()
+        x = torch.randn(4, 2, 5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out, h = m(x)
+            m(x)
+        msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(msgs) == 1 and "reference" in msgs[0] and "python -m qgru build" in msgs[0], msgs
+        with qgru.backend("reference"):
+            ref, href = m(x)
+        assert torch.equal(out, ref) and torch.equal(h, href)
+        root = os.environ["QGRU_BUILD_DIR"]
+        built = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+        assert not built, built
+        print("SUBPROCESS-OK")
+    """)
+    env = dict(os.environ, QGRU_NO_BUILD="1", QGRU_BUILD_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "SUBPROCESS-OK" in r.stdout, r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Layer preparation: the int8 weight limbs and the constant terms
+# ---------------------------------------------------------------------------------------------
+def _act_limbs(q: torch.Tensor, bits: int):
+    """(int8 limb, scale, offset) of the activations, as csrc act_limb() splits them."""
+    return [(l.to(torch.int64), s, c) for l, s, c in split_int8_limbs(q, bits)]
+
+
+@pytest.mark.parametrize("w_bits,a_bits", [(8, 8), (8, 16), (16, 8), (16, 16), (4, 12), (12, 4)])
+def test_prepare_layer_limbs_reconstruct_weights(w_bits, a_bits):
+    H, I = 13, 21
+    config = QuantConfig.load("w8a8", overrides={"tensors": {
+        "W": {"bits": w_bits}, "R": {"bits": w_bits}, "x": {"bits": a_bits}, "h": {"bits": a_bits}}})
+    p = _converted(config.to_json(), I, H)._qparams[0][0]
+    t, v = native.prepare_layer(p)
+    gen = torch.Generator().manual_seed(w_bits * 100 + a_bits)
+    for pre, Wq, K, bias_name, comp, b in (("x", p.W, I, "Wx", p.W_zp_comp, p.b_x),
+                                           ("h", p.R, H, "Rh", p.R_zp_comp, p.b_h)):
+        limbs = t[f"{pre}_weight_limbs"]
+        pairs = t[f"{pre}_pairs"]
+        assert limbs.dtype == torch.int8 and limbs.dim() == 3
+        L, M_pad, K_pad = limbs.shape
+        assert M_pad == v["M_pad"] and M_pad % native.GEMM_PAD == 0 and M_pad >= 3 * H
+        assert K_pad % native.GEMM_PAD == 0 and K_pad >= K
+        assert L == (1 if w_bits <= 8 else 2)
+        # the weights, from the pairs of activation limb 0 (scale 1): sum of scale * (limb + offset)
+        a0 = [(j, s, d) for i, j, s, d in pairs.tolist() if i == 0]
+        assert len(a0) == L
+        rebuilt = sum(s * (limbs[j, :3 * H, :K].to(torch.int64) + d) for j, s, d in a0)
+        assert torch.equal(rebuilt, Wq)
+        # padding is zero (except the ones row that sums the activation limb for the offsets)
+        pad = limbs.clone()
+        pad[:, :3 * H, :K] = 0
+        if v["ones_col"]:
+            assert torch.all(pad[:, v["ones_col"], :K] == 1)
+            pad[:, v["ones_col"], :K] = 0
+        assert not pad.any()
+        # the full GEMM identity the kernels rely on, for activations over the whole range:
+        # W q + b - Z rowsum(W) == sum_pairs s * (G_p + d * G_p[ones]) + bias (constants folded in)
+        q = _random_ints((6, K), a_bits, gen)
+        acts = _act_limbs(q, a_bits)
+        assert [(s, c) for _, s, c in acts] == ([(1, 0)] if a_bits <= 8 else [(1, 128), (256, 0)])
+        acc = torch.zeros(6, 3 * H, dtype=torch.int64)
+        for i, j, s, d in pairs.tolist():
+            a = torch.zeros(6, K_pad, dtype=torch.int64)
+            a[:, :K] = acts[i][0]
+            G = a @ limbs[j].to(torch.int64).t()
+            acc += s * G[:, :3 * H]
+            if d:
+                acc += s * d * G[:, v["ones_col"]:v["ones_col"] + 1]
+        acc += t[f"{bias_name}_bias"]
+        assert torch.equal(acc, q @ Wq.t() + b - comp)
+
+
+def _unpack_table(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of the csrc Table layout (csrc/qgru_fixedpoint.h): one int64 per segment i holding
+    T[i] in the low 32 bits (two's complement) and T[i+1] - T[i] in the high 32 bits."""
+    lo = ((packed & 0xFFFFFFFF) ^ (1 << 31)) - (1 << 31)
+    diff = packed >> 32  # arithmetic shift: the signed high half
+    return torch.cat([lo, lo[-1:] + diff[-1:]])
+
+
+@pytest.mark.parametrize("overrides", [
+    {"scale_mode": "multiplier"},                                              # 16-bit tables, interpolated
+    {"tensors": {"r_pre": {"bits": 4}, "z_pre": {"bits": 8}, "g_pre": {"bits": 11},
+                 "r": {"bits": 2}, "z": {"bits": 16}, "g": {"bits": 5}}},       # exact and small tables
+])
+def test_prepare_layer_rescales_and_tables(overrides):
+    """The flattened rescale, zero-point and table tensors carry golden's values per channel
+    (the tables in the kernels' packed layout: entry and slope per segment)."""
+    p = _converted(_cfg("w8a16", **overrides), 9, 10)._qparams[0][0]
+    t, v = native.prepare_layer(p)
+    H = p.hidden_size
+    for name, r, n in (("Wx", p.rescale["Wx"], 3 * H), ("r_from_wx", p.rescale["Wx_r"], H),
+                       ("g_from_rrh", p.rescale["rRh_g"], H), ("zg", p.rescale["zg"], 1)):
+        assert torch.equal(t[name + "_mult"], r.multiplier.reshape(-1).expand(n).to(torch.int64))
+        assert torch.equal(t[name + "_shift"].long(), r.shift.reshape(-1).expand(n).long())
+    for g in ("r", "z", "g"):
+        table = p.tables[g].to(torch.int64)
+        if g == "g":
+            assert bool((table < 0).any())  # the tanh table exercises negative entries and slopes
+        assert torch.equal(_unpack_table(t[f"table_{g}"]), table)
+        assert v[f"{g}_zp"] == int(p.zp[g])
+    assert v["h_zp"] == int(p.zp["h"]) and v["one_z"] == p.one_z
+    # the shift-only kernels exactly when every multiplier is a power of two
+    assert v["pow2"] == (0 if overrides.get("scale_mode") == "multiplier" else 1)
