@@ -34,6 +34,7 @@ double prof_in_gemm = 0, prof_in_epi = 0, prof_h_gemm = 0, prof_cell = 0;
 
 constexpr int64_t kInputChunkRows = 1024;  // rows of W.x per GEMM: measured fastest on oneDNN here
 constexpr int64_t kChannelBlock = 128;     // channels per parallel work item
+constexpr int64_t kMinParallelWork = 4096; // cell elements per thread, at least
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
@@ -81,6 +82,21 @@ QGRU_NOINLINE void requantize_row(const AccRequant a, const AccRequant32 a32, co
   for (int64_t c = 0; c < H3; ++c) o[c] = (int32_t)requantize_product<NP, POW2, ACC32>(a, a32, lp, r, c);
 }
 
+// out[c] = a . w[c] for channels [c0, c1): int8 x int8 -> int32, exact (|sum| < K 2^14 < 2^31).
+// For a few rows (streaming, batch 1) this beats oneDNN's int8 GEMM, which is tuned for big M.
+QGRU_NOINLINE void dot_channels(const int8_t* __restrict a, const int8_t* __restrict w, int64_t K, int64_t c0,
+                                int64_t c1, int32_t* __restrict out) {
+  for (int64_t c = c0; c < c1; ++c) {
+    const int8_t* __restrict wc = w + c * K;
+    int32_t acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t k = 0; k < K; ++k) acc += (int32_t)a[k] * (int32_t)wc[k];
+    out[c] = acc;
+  }
+}
+
+constexpr int64_t kSmallRows = 4;  // up to this many rows, dot_channels instead of oneDNN
+
 struct Gemm {  // the limb GEMMs of one product (W.x or R.h)
   std::vector<at::Tensor> weight_limbs;  // each [M_pad, K_pad] int8
   std::vector<int64_t> act_limb, weight_limb, scale, weight_offset;
@@ -108,7 +124,19 @@ struct Gemm {  // the limb GEMMs of one product (W.x or R.h)
     LimbProducts lp{};
     for (int64_t p = 0; p < P; ++p) {
       at::Tensor out = G[p].narrow(0, 0, rows);
-      at::_int_mm_out(out, act_limbs[act_limb[p]].narrow(0, 0, rows), weight_limbs[weight_limb[p]].t());
+      if (rows <= kSmallRows) {
+        const at::Tensor& a = act_limbs[act_limb[p]];
+        const at::Tensor& w = weight_limbs[weight_limb[p]];
+        const int64_t K = w.size(1), M = w.size(0), ld = G[p].size(1);
+        const int8_t* ap = a.data_ptr<int8_t>();
+        const int8_t* wp = w.data_ptr<int8_t>();
+        int32_t* op = G[p].data_ptr<int32_t>();
+        at::parallel_for(0, M, std::max<int64_t>(16, kMinParallelWork * 4 / std::max<int64_t>(K, 1)), [&](int64_t c0, int64_t c1) {
+          for (int64_t r = 0; r < rows; ++r) dot_channels(ap + r * a.size(1), wp, K, c0, c1, op + r * ld);
+        });
+      } else {
+        at::_int_mm_out(out, act_limbs[act_limb[p]].narrow(0, 0, rows), weight_limbs[weight_limb[p]].t());
+      }
       lp.G[p] = G[p].data_ptr<int32_t>();
       lp.scale[p] = scale[p];
       lp.weight_offset[p] = weight_offset[p];
@@ -229,7 +257,9 @@ class CpuLayer {
     const CellParams p = cell_;
     const int32_t hb = h_bits_;
     const int n_limbs = (int)h_limbs.size();
-    at::parallel_for(0, N * blocks, 1, [&](int64_t w0, int64_t w1) {
+    // at least kMinParallelWork elements per thread: below that a fork/join costs more than it saves
+    const int64_t grain = std::max<int64_t>(1, kMinParallelWork / kChannelBlock);
+    at::parallel_for(0, N * blocks, grain, [&](int64_t w0, int64_t w1) {
       for (int64_t w = w0; w < w1; ++w) {
         const int64_t n = w / blocks;
         const int64_t j0 = (w % blocks) * kChannelBlock;
