@@ -9,6 +9,7 @@
 
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 
 #include "qgru_cuda.h"
 #include "qgru_layer.h"
@@ -87,6 +88,7 @@ class CudaLayer {
     TORCH_CHECK(qh0.dim() == 2 && qh0.size(0) == qx.size(1) && qh0.size(1) == d_.H, "qgru cuda: qh0 must be [N, ",
                 d_.H, "]");
     c10::cuda::CUDAGuard guard(device_);
+    std::lock_guard<std::mutex> lock(mu_);  // the plan's buffers serve one call at a time
     const int64_t T = qx.size(0), N = qx.size(1);
     if (T == 0 || N == 0)
       return {at::empty({T, N, d_.H}, qx.options().dtype(at::kInt)), qh0.to(at::kInt).clone()};
@@ -177,6 +179,7 @@ class CudaLayer {
   cuda::LayerDesc d_{};
   at::Device device_{at::kCUDA};
   bool use_graph_ = true;
+  std::mutex mu_;
   std::unique_ptr<Plan> plan_;
 };
 

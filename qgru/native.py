@@ -354,7 +354,7 @@ class NativeLayer:
 
     def __init__(self, kind: str, p: LayerParams, device: torch.device) -> None:
         mod = load(kind)
-        tensors, values = prepare_layer(p)
+        tensors, values = prepare_layer(p.to("cpu"))  # prepared on the host, then moved once
         self.kind = kind
         self.layer = mod.Layer({k: x.to(device) for k, x in tensors.items()}, values)
 

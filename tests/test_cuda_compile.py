@@ -63,3 +63,29 @@ def test_cuda_kernels_compile_with_nvcc(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"nvcc failed:\n{' '.join(cmd)}\n{r.stdout}\n{r.stderr}"
     assert (tmp_path / "k.o").stat().st_size > 0
+
+
+def test_cuda_binding_type_checks_against_torch(tmp_path):
+    """The torch binding (qgru_cuda.cpp) against torch's CUDA headers, syntax and types only.
+
+    Runs where cuBLAS, cuSPARSE and cuSOLVER headers are all found (a CUDA toolkit or the nvidia
+    wheels; nothing is downloaded for this one). A CPU-only torch wheel lacks the one CMake-generated
+    header c10/cuda/impl/cuda_cmake_macros.h; a stand-in with its single define is written to tmp.
+    """
+    import torch
+    from torch.utils.cpp_extension import include_paths
+    incs = [_include_dirs_with(h) for h in ("cublas_v2.h", "cusparse.h", "cusolverDn.h", "cuda_runtime.h")]
+    if any(i is None for i in incs):
+        pytest.skip("cuBLAS/cuSPARSE/cuSOLVER headers not all found; the binding check needs a full CUDA toolkit")
+    stub = tmp_path / "stub" / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    import sysconfig
+    cmd = [os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
+           "-DTORCH_EXTENSION_NAME=x", "-DTORCH_API_INCLUDE_EXTENSION_H", '-DQGRU_TORCH_VERSION="x"',
+           "-I", str(csrc_dir()), "-I", sysconfig.get_paths()["include"]]
+    for d in include_paths() + [str(i) for i in incs] + [str(tmp_path / "stub")]:
+        cmd += ["-isystem", d]
+    cmd.append(str(csrc_dir() / "qgru_cuda.cpp"))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-4000:]}"
