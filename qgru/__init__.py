@@ -1,6 +1,7 @@
 """qgru: a quantized, integer-only drop-in replacement for torch.nn.GRU."""
 from .backends import backend, backends
 from .calibrate import calibrate, quantize_model
+from .compare import CompareReport, compare
 from .config import QuantConfig, TensorSpec
 from .export import QuantParams, load_params
 from .module import QuantGRU
@@ -8,4 +9,5 @@ from .observers import NonFiniteCalibrationError
 
 __version__ = "0.1.0"
 __all__ = ["QuantGRU", "QuantConfig", "TensorSpec", "QuantParams", "calibrate", "quantize_model",
-           "load_params", "backends", "backend", "NonFiniteCalibrationError", "__version__"]
+           "load_params", "backends", "backend", "NonFiniteCalibrationError", "compare",
+           "CompareReport", "__version__"]

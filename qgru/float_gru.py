@@ -6,7 +6,7 @@ torch.nn.GRU to float32 rounding (tests/test_dropin.py).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -16,8 +16,14 @@ from .observers import Observer
 def float_direction(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[torch.Tensor],
                     b_hh: Optional[torch.Tensor], x: torch.Tensor, h0: torch.Tensor,
                     lengths: Optional[torch.Tensor] = None,
-                    observers: Optional[Dict[str, Observer]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One direction over time: x [T, N, I], h0 [N, H] -> (outputs [T, N, H], h_n [N, H])."""
+                    observers: Optional[Dict[str, Observer]] = None,
+                    trace: Optional[Dict[str, List[torch.Tensor]]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One direction over time: x [T, N, I], h0 [N, H] -> (outputs [T, N, H], h_n [N, H]).
+
+    ``trace`` (optional, for qgru.compare): a dict to which every step appends its float Wx, Rh,
+    r_pre, r, z_pre, z, g_pre, g and h (the new state, before any padding mask): the same names
+    as golden.gru_step's trace. Tracing changes no result.
+    """
     H = w_hh.shape[1]
     Wx = x @ w_ih.t()
     if b_ih is not None:
@@ -42,6 +48,10 @@ def float_direction(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[torch
         g_pre = Wx[t, :, 2 * H:] + r * Rh[:, 2 * H:]
         g = torch.tanh(g_pre)
         h_new = (1 - z) * g + z * h
+        if trace is not None:
+            for name, v in (("Wx", Wx[t]), ("Rh", Rh), ("r_pre", r_pre), ("r", r), ("z_pre", z_pre),
+                            ("z", z), ("g_pre", g_pre), ("g", g), ("h", h_new)):
+                trace.setdefault(name, []).append(v)
         if obs:
             see("x", x[t], valid)
             see("h", h, valid)

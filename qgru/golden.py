@@ -15,7 +15,7 @@ The formula is torch's (and haste's, and seed 001's):
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -77,18 +77,36 @@ def input_gemm(p: LayerParams, qx: torch.Tensor) -> torch.Tensor:
     return (q - p.zp["Wx"]).reshape(*lead, 3 * p.hidden_size)
 
 
-def gru_step(p: LayerParams, dWx: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
-    """One time step: dWx [N, 3H] (= q_Wx - Z_Wx), qh [N, H] -> new q_h [N, H]."""
+Trace = Dict[str, List[torch.Tensor]]  # tensor name -> one entry per time step (qgru.compare)
+
+
+def _record(trace: Optional[Trace], name: str, v: torch.Tensor) -> None:
+    if trace is not None:
+        trace.setdefault(name, []).append(v)
+
+
+def gru_step(p: LayerParams, dWx: torch.Tensor, qh: torch.Tensor,
+             trace: Optional[Trace] = None) -> torch.Tensor:
+    """One time step: dWx [N, 3H] (= q_Wx - Z_Wx), qh [N, H] -> new q_h [N, H].
+
+    ``trace`` (optional, for qgru.compare): a dict to which the step appends its stored integers
+    q_Rh, q_r_pre, q_r, q_z_pre, q_z, q_g_pre, q_g and q_h (the new state, before any padding
+    mask). Tracing changes no result.
+    """
     H = p.hidden_size
     b, zp, rs = p.bits, p.zp, p.rescale
     # Rh = R.h + b_hh, requantized (seed 001, step 3.1)
     acc = int_matmul(qh, b["h"], p.R.t(), b["R"]) - p.R_zp_comp + p.b_h
-    dRh = saturate(rs["Rh"](acc) + zp["Rh"], b["Rh"]) - zp["Rh"]
+    qRh = saturate(rs["Rh"](acc) + zp["Rh"], b["Rh"])
+    _record(trace, "Rh", qRh)
+    dRh = qRh - zp["Rh"]
 
     def sigmoid_gate(name: str, gate: int) -> torch.Tensor:  # computeR / computeZ
         pre = saturate(rs[f"Wx_{name}"](_gate(dWx, gate, H)) + rs[f"Rh_{name}"](_gate(dRh, gate, H))
                        + zp[f"{name}_pre"], b[f"{name}_pre"])
         q = lookup(pre, p.tables[name], b[f"{name}_pre"], int(zp[name]), b[name])
+        _record(trace, f"{name}_pre", pre)
+        _record(trace, name, q)
         return q - zp[name]
 
     d_r = sigmoid_gate("r", 0)
@@ -96,26 +114,35 @@ def gru_step(p: LayerParams, dWx: torch.Tensor, qh: torch.Tensor) -> torch.Tenso
     # computeG: g = tanh(Wx_g + r * Rh_g); the product r * Rh_g is rescaled straight into g_pre
     g_pre = saturate(rs["Wx_g"](_gate(dWx, 2, H)) + rs["rRh_g"](d_r * _gate(dRh, 2, H)) + zp["g_pre"],
                      b["g_pre"])
-    d_g = lookup(g_pre, p.tables["g"], b["g_pre"], int(zp["g"]), b["g"]) - zp["g"]
+    q_g = lookup(g_pre, p.tables["g"], b["g_pre"], int(zp["g"]), b["g"])
+    _record(trace, "g_pre", g_pre)
+    _record(trace, "g", q_g)
+    d_g = q_g - zp["g"]
     # computeH: h' = z * h + (1 - z) * g, with 1 - z on z's own grid: one_z - d_z
     d_one_minus_z = p.one_z - d_z
     h_new = rs["zh"](d_z * (qh - zp["h"])) + rs["zg"](d_one_minus_z * d_g) + zp["h"]
-    return saturate(h_new, b["h"])
+    h_new = saturate(h_new, b["h"])
+    _record(trace, "h", h_new)
+    return h_new
 
 
 def gru_direction(p: LayerParams, qx: torch.Tensor, qh0: torch.Tensor,
-                  lengths: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                  lengths: Optional[torch.Tensor] = None,
+                  trace: Optional[Trace] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Run one direction over time: qx [T, N, I], qh0 [N, H] -> (q outputs [T, N, H], q h_n [N, H]).
 
     ``lengths`` [N] (for packed input): steps t >= lengths[n] leave row n's state unchanged.
     A reverse direction is run by the caller on sequences reversed within their lengths.
+    ``trace`` (optional, for qgru.compare): a dict that receives, per step, q_Wx and everything
+    gru_step records. Tracing changes no result.
     """
     T = qx.shape[0]
     dWx = input_gemm(p, qx)
     h = qh0
     outs = []
     for t in range(T):
-        h_new = gru_step(p, dWx[t], h)
+        _record(trace, "Wx", dWx[t] + p.zp["Wx"])
+        h_new = gru_step(p, dWx[t], h, trace)
         if lengths is not None:
             h_new = torch.where((t < lengths).unsqueeze(1), h_new, h)
         h = h_new

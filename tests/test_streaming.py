@@ -1,0 +1,140 @@
+"""Streaming: a converted QuantGRU run chunk by chunk, h_n passed back as h0, is bit-exact.
+
+Why it holds. Between two calls the state leaves the integer model and comes back:
+``h_n = dequantize(q) = float32(float64((q - Z) * S))`` and the next call's
+``q' = quantize(h_n) = saturate(round_half_up(float64(h_n) / S) + Z)``. With a = q - Z we have
+|a| <= 2^16 - 1 < 2^16 (q and Z both lie in a signed range of at most 16 bits), and
+
+    float64(h_n) / S = a (1 + e1)(1 + e2)(1 + e3),  |e1|, |e3| <= 2^-53 (float64 product, quotient),
+                                                    |e2| <= 2^-24 (the float32 rounding),
+
+so |float64(h_n) / S - a| < 2^16 * (2^-24 + 2^-51) < 2^-8 + 2^-35 < 1/2: rounding half up returns a
+exactly, the clamp in quantize (to [qmin - Z - 1, qmax - Z + 1]) and the final saturation leave
+a + Z = q alone, and q' = q. (In pow2 mode e1 = e2 = e3 = 0: a has at most 16 significant bits and
+S is a power of two, so every step is exact.) The float32 bound assumes (q - Z) S is a normal
+float32, which holds for every grid choose_qparams makes (S >= 1e-8 / 65535, far above 2^-126).
+Everything else the next call computes depends only on q and the integer parameters, so a
+sequence cut anywhere gives the same integers as the uncut sequence. docs/spec.md has the same
+argument; ``test_state_round_trip_every_q`` checks it for every q of 8- and 16-bit grids.
+
+A bidirectional GRU cannot stream: its reverse direction starts at the *end* of the sequence,
+which a chunk does not have yet. Models with float16/bfloat16 state are not covered (a 16-bit
+state does not fit their mantissa); float32 and float64 are.
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import math
+
+import pytest
+import torch
+
+import qgru
+from qgru.primitives import choose_qparams, dequantize, qrange, quantize
+
+backends_mod = importlib.import_module("qgru.backends")
+
+T, N, I, H = 23, 3, 5, 6
+CONFIGS = ("w8a8", "w8a16", "w16a16")
+MODES = ("pow2", "multiplier")
+CHUNKS = (1, 7, T)
+
+
+def _cpu_available() -> bool:
+    return qgru.backends()["cpu"]["available"]
+
+
+def _backend_or_skip(name: str):
+    if name != "reference" and not _cpu_available():
+        pytest.skip(f"cpu backend unavailable: {qgru.backends()['cpu']['why']}")
+    return qgru.backend(name)
+
+
+_MODELS = {}
+
+
+def _model(config: str, mode: str, layers: int, batch_first: bool) -> qgru.QuantGRU:
+    key = (config, mode, layers, batch_first)
+    if key not in _MODELS:
+        torch.manual_seed(hash(key) % 1000)
+        cfg = qgru.QuantConfig.load(config, overrides={"scale_mode": mode})
+        m = qgru.QuantGRU(I, H, num_layers=layers, batch_first=batch_first, config=cfg)
+        shape = (N, T, I) if batch_first else (T, N, I)
+        qgru.calibrate(m, [torch.randn(shape) for _ in range(3)], progress=False)
+        _MODELS[key] = m.convert()
+    return _MODELS[key]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("config,mode,layers,batch_first",
+                         list(itertools.product(CONFIGS, MODES, (1, 2), (False, True))))
+def test_chunks_equal_whole_sequence(backend, config, mode, layers, batch_first):
+    m = _model(config, mode, layers, batch_first)
+    gen = torch.Generator().manual_seed(7)
+    time_dim = 1 if batch_first else 0
+    shape = (N, T, I) if batch_first else (T, N, I)
+    x = 1.5 * torch.randn(shape, generator=gen)  # wider than calibration: x saturates too
+    h0 = 0.5 * torch.randn(layers, N, H, generator=gen)
+    with _backend_or_skip(backend):
+        for start in (None, h0):
+            whole, h_whole = m(x, start)
+            for chunk in CHUNKS:
+                outs, h = [], start
+                for piece in x.split(chunk, dim=time_dim):
+                    out, h = m(piece, h)
+                    outs.append(out)
+                assert torch.equal(torch.cat(outs, dim=time_dim), whole), (chunk, start is None)
+                assert torch.equal(h, h_whole), (chunk, start is None)
+
+
+def _grids(bits: int, power_of_two: bool):
+    """(scale, zero point) pairs: random ranges over many magnitudes, and the extreme zero points."""
+    gen = torch.Generator().manual_seed(bits * 2 + power_of_two)
+    ranges = [(0.0, 1.0), (-1.0, 0.0), (-1.0, 1.0), (-1e-8, 0.0), (0.0, 1e-8), (-3e4, 1.0),
+              (-0.37, 0.91), (-math.pi, math.e)]
+    for _ in range(16):
+        mag = 10 ** (torch.rand(2, generator=gen, dtype=torch.float64) * 10 - 6)
+        ranges.append((-float(mag[0]) * float(torch.rand(1, generator=gen)), float(mag[1])))
+    qmin, qmax = qrange(bits)
+    for lo, hi in ranges:
+        for symmetric in (False, True):
+            s, z = choose_qparams(torch.tensor(lo), torch.tensor(hi), bits, symmetric, power_of_two)
+            yield s, z
+        # the same scale with the extreme zero points: |q - Z| up to 2^bits - 1
+        for z in (qmin, qmax):
+            yield s, torch.tensor(z)
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("mode", MODES)
+def test_state_round_trip_every_q(bits, mode):
+    """quantize(dequantize(q)) == q for every q of the grid, on golden's and the cpu backend's ops."""
+    lo, hi = qrange(bits)
+    q = torch.arange(lo, hi + 1, dtype=torch.int64)
+    grids = list(_grids(bits, mode == "pow2"))
+    assert {lo, hi} <= {int(z) for _, z in grids}  # the widest |q - Z| (2^bits - 1) is covered
+    # golden primitives, every grid at once: rows are grids, columns every q
+    S = torch.stack([s for s, _ in grids]).reshape(-1, 1)
+    Z = torch.stack([z for _, z in grids]).reshape(-1, 1)
+    v = dequantize(q.expand(len(grids), -1), S, Z)
+    assert v.dtype == torch.float32
+    back = quantize(v, S, Z, bits)
+    bad = (back != q).nonzero()
+    assert bad.numel() == 0, [(float(S[i]), int(Z[i]), int(q[j])) for i, j in bad[:3].tolist()]
+    # the cpu backend's one-pass boundary ops (what the module runs by default)
+    if _cpu_available():
+        ops = backends_mod._REGISTRY["cpu"].boundary
+        for s, z in grids:
+            v = ops.dequantize(q, s, z)
+            assert v.dtype == torch.float32
+            assert torch.equal(ops.quantize(v, s, z, bits, "h0").to(torch.int64), q), (float(s), int(z))
+
+
+def test_round_trip_bound_is_tight_enough():
+    """The proof's margin: (1 + e1)(1 + e2)(1 + e3) - 1 <= 2^-24 + 2^-51, times 2^16, is far below 1/2."""
+    from fractions import Fraction as F
+    worst = (1 + F(1, 2 ** 53)) ** 2 * (1 + F(1, 2 ** 24)) - 1
+    assert worst <= F(1, 2 ** 24) + F(1, 2 ** 51)
+    assert (2 ** 16 - 1) * (F(1, 2 ** 24) + F(1, 2 ** 51)) < F(1, 2 ** 8) + F(1, 2 ** 35) < F(1, 2)
+    assert torch.finfo(torch.float32).eps == 2 ** -23  # unit roundoff 2^-24
