@@ -1,5 +1,9 @@
-"""Command line: ``python -m qgru build [--kind cpu|cuda|all]`` compiles the native backends ahead
-of time (into the cache folder qgru/native.py describes) and prints what ``qgru.backends()`` says."""
+"""Command line.
+
+* ``python -m qgru demo [--out DIR] [--configs ...]``: quantize a GRU trained on a real data set
+  (shipped with qgru) with every config and print the accuracy/SQNR table (qgru/demo.py).
+* ``python -m qgru build [--kind cpu|cuda|all]`` compiles the native backends ahead of time (into
+  the cache folder qgru/native.py describes) and prints what ``qgru.backends()`` says."""
 from __future__ import annotations
 
 import argparse
@@ -24,12 +28,25 @@ def _build(args) -> int:
     return 1 if failed else 0
 
 
+def _demo(args) -> int:
+    from . import demo
+    return demo.main(args)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qgru", description="qgru command line")
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="compile the C++/CUDA backends ahead of time")
     b.add_argument("--kind", choices=["cpu", "cuda", "all"], default="all")
     b.set_defaults(func=_build)
+    d = sub.add_parser("demo", help="float vs torch dynamic-quant vs every qgru config on a real data set, one table",
+                       description="Quantize every nn.GRU of a small model trained on the Japanese Vowels data "
+                                   "set (shipped with qgru, no network) with each config, calibrate on the "
+                                   "training split, evaluate the test split and print one table; writes the "
+                                   "exported integer models, C source of layer 0, errors.csv and a plot to --out.")
+    from .demo import add_arguments
+    add_arguments(d)
+    d.set_defaults(func=_demo)
     args = ap.parse_args(argv)
     return args.func(args)
 

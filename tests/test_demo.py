@@ -1,0 +1,193 @@
+"""`python -m qgru demo`: the shipped data set and model, the full demo end to end (table, accuracy,
+SQNR ordering, exported files bit-exact, plot or its note), and the demo on a user's own model."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import math
+import re
+import sys
+
+import pytest
+import torch
+
+import qgru
+from qgru import demo
+from qgru.__main__ import main as cli_main
+
+CONFIGS = ("w8a8", "w8a16", "w16a16")
+MODES = ("pow2", "multiplier")
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def _args(*argv):
+    ap = argparse.ArgumentParser()
+    demo.add_arguments(ap)
+    return ap.parse_args(list(argv))
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """The full default demo (every config and scale mode), run once in-process: (result, stdout, out)."""
+    out = tmp_path_factory.mktemp("demo")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        result = demo.run_cli(_args("--out", str(out), "--no-progress"))
+    return result, buf.getvalue(), out
+
+
+# ---- the shipped data ----------------------------------------------------------------------------
+def test_dataset_is_small_real_and_licensed():
+    assert demo.DATASET.stat().st_size < 2 * 1024 * 1024
+    assert demo.CHECKPOINT.stat().st_size < 1024 * 1024
+    text = (demo.DATA_DIR / "README.md").read_text()
+    assert "License" in text and "CC BY 4.0" in text
+    assert "10.24432/C5NS47" in text and "Kudo" in text  # source and citation
+    data = demo.load_dataset()
+    (xtr, ytr), (xte, yte) = data["train"], data["test"]
+    assert (len(xtr), len(xte)) == (270, 370)
+    assert all(x.dtype == torch.float32 and x.shape[1] == 12 for x in xtr + xte)
+    lengths = [len(x) for x in xtr + xte]
+    assert min(lengths) == 7 and max(lengths) == 29  # variable lengths, as in the original
+    assert torch.equal(torch.bincount(ytr), torch.full((9,), 30))  # 30 utterances per speaker
+    assert torch.bincount(yte).tolist() == [31, 35, 88, 44, 29, 24, 40, 50, 29]
+
+
+def test_checkpoint_is_a_multilayer_bidirectional_gru():
+    model, ckpt = demo.load_checkpoint()
+    assert model.gru.num_layers >= 2 and model.gru.bidirectional
+    assert 95.0 <= ckpt["test_accuracy"] <= 100.0
+
+
+# ---- the full demo -------------------------------------------------------------------------------
+def test_table_rows(full):
+    result, text, _ = full
+    names = [r.name for r in result.rows]
+    expect = ["float"] + [f"qgru {c} ({m})" for c in CONFIGS for m in MODES]
+    assert [n for n in names if n != "torch dynamic-quant int8"] == expect
+    if "torch dynamic-quant int8" not in names:  # absent only where torch no longer ships it, with a note
+        assert any("dynamic-quant" in n for n in result.notes)
+        assert "dynamic-quant" in text
+    for n in names:
+        assert re.search(rf"^\| {re.escape(n)} +\|", text, flags=re.M), n
+    for col in ("accuracy (%)", "output SQNR (dB)", "layer 0 SQNR (dB)", "layer 1 SQNR (dB)"):
+        assert col in text
+    assert "done in" in text
+
+
+def test_accuracy(full):
+    result, _, _ = full
+    _, ckpt = demo.load_checkpoint()
+    fl = result.row("float")
+    assert fl.accuracy == pytest.approx(ckpt["test_accuracy"], abs=1e-9)
+    assert 95.0 <= fl.accuracy <= 100.0
+    margin = {"w16a16": 1.0, "w8a16": 2.0, "w8a8": 3.0}  # percentage points below float, at most
+    for c in CONFIGS:
+        for m in MODES:
+            r = result.row(f"qgru {c} ({m})")
+            assert r.accuracy >= fl.accuracy - margin[c], (r.name, r.accuracy)
+            assert r.agreement >= 100.0 - 2 * margin[c]
+
+
+def test_sqnr_ordering(full):
+    result, _, _ = full
+    assert result.row("float").sqnr == math.inf
+    for m in MODES:
+        s = {c: result.row(f"qgru {c} ({m})") for c in CONFIGS}
+        assert s["w16a16"].sqnr > s["w8a16"].sqnr > s["w8a8"].sqnr > 30.0, m
+        for layer in (0, 1):
+            key = ("gru", layer)
+            assert s["w16a16"].layer_sqnr[key] > s["w8a16"].layer_sqnr[key] > s["w8a8"].layer_sqnr[key], (m, layer)
+
+
+def test_exported_files_reproduce_the_quantized_gru_bit_for_bit(full):
+    result, _, out = full
+    xte = demo.load_dataset()["test"][0]
+    packed = demo.batches(xte, size=len(xte))[0]
+    for c in CONFIGS:
+        for m in MODES:
+            qmodel = result.models[f"qgru {c} ({m})"]
+            x = torch.nn.utils.rnn.PackedSequence((packed.data - qmodel.mean) / qmodel.std, packed.batch_sizes,
+                                                  packed.sorted_indices, packed.unsorted_indices)
+            loaded = qgru.load_params(out / f"{c}-{m}.qgru").to_module()
+            with qgru.backend(result.backend), torch.no_grad():
+                want, want_h = qmodel.gru(x)
+                got, got_h = loaded(x)
+            assert torch.equal(got.data, want.data) and torch.equal(got_h, want_h), (c, m)
+
+
+def test_other_outputs(full):
+    result, text, out = full
+    assert (out / "table.md").read_text().strip() in text
+    first = CONFIGS[0] + "-" + MODES[0]
+    assert (out / "c" / first / "gru.h").is_file() and (out / "c" / first / "gru.c").is_file()
+    rows = (out / "errors.csv").read_text().splitlines()
+    assert rows[0] == "model,gru,layer,t,sqnr_db,sequences" and len(rows) > 100
+    assert str(out) in text
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib (the [plot] extra) is not installed")
+def test_plot_written(full):
+    result, _, out = full
+    png = out / "error_per_layer.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not any("matplotlib" in n for n in result.notes)
+
+
+# ---- the command line, without matplotlib, and on a user's own model -------------------------------
+def test_cli_without_matplotlib(tmp_path, monkeypatch, capsys):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    rc = cli_main(["demo", "--out", str(tmp_path), "--configs", "w8a8", "--scale-modes", "pow2", "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "note: matplotlib is not installed" in text and "qgru[plot]" in text
+    assert not (tmp_path / "error_per_layer.png").exists()
+    assert (tmp_path / "w8a8-pow2.qgru").is_file() and (tmp_path / "errors.csv").is_file()
+    assert re.search(r"^\| qgru w8a8 \(pow2\) +\|", text, flags=re.M)
+
+
+def test_cli_on_a_user_model(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = torch.nn.GRU(4, 8, num_layers=2, batch_first=True)  # any module that contains an nn.GRU
+    torch.save(model, tmp_path / "model.pt")
+    torch.save({"calib": [torch.randn(3, 6, 4) for _ in range(2)], "test": [torch.randn(2, 5, 4)]},
+               tmp_path / "data.pt")
+    rc = cli_main(["demo", "--model", str(tmp_path / "model.pt"), "--data", str(tmp_path / "data.pt"),
+                   "--out", str(tmp_path / "out"), "--configs", "w8a16", "--scale-modes", "multiplier",
+                   "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert re.search(r"^\| qgru w8a16 \(multiplier\) +\|", text, flags=re.M)
+    assert "accuracy" not in text.split("| model")[1].splitlines()[0]  # no targets: no accuracy column
+    params = qgru.load_params(tmp_path / "out" / "w8a16-multiplier.qgru")
+    assert params.meta["num_layers"] == 2 and params.meta["batch_first"]
+
+
+def test_run_api_with_targets():
+    """run() on a classifier with the first GRU inside a submodule, targets given."""
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = torch.nn.Sequential()
+            self.enc.rnn = torch.nn.GRU(3, 6, bidirectional=True)
+            self.fc = torch.nn.Linear(12, 4)
+
+        def forward(self, x):
+            out, _ = self.enc.rnn(x)
+            return self.fc(out[-1])
+
+    net = Net().eval()
+    calib = [torch.randn(7, 5, 3) for _ in range(3)]
+    test = [torch.randn(7, 9, 3)]
+    with torch.no_grad():
+        targets = [net(test[0]).argmax(-1)]
+    r = demo.run(net, calib, test, targets, configs=["w16a16"], scale_modes=["pow2"], progress=False, log=None)
+    assert r.row("float").accuracy == 100.0
+    q = r.row("qgru w16a16 (pow2)")
+    assert q.accuracy >= 75.0 and q.sqnr > 50.0 and set(q.layer_sqnr) == {("enc.rnn", 0)}
