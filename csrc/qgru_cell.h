@@ -8,6 +8,8 @@
 // same for every granularity.
 #pragma once
 
+#include <type_traits>
+
 #include "qgru_fixedpoint.h"
 
 namespace qgru {
@@ -178,6 +180,27 @@ QGRU_HD int64_t gru_cell(const CellParams& p, const LimbProducts& rh_products, i
   const int64_t d_z = computeZ<POW2>(p, j, d_wx[H + j], d_rh_z);
   const int64_t d_g = computeG<POW2>(p, j, d_wx[2 * H + j], d_rh_g, d_r);
   return computeH<POW2>(p, d_z, d_g, q_h);
+}
+
+// Calls f(NPAIRS, POW2, ACC32), as std::integral_constant values, with the kernel template flags
+// of a layer: its limb-pair count, power-of-two multipliers, and the int32 accumulator path (which
+// prepare_layer only enables with one pair and pow2). Host code; both backends dispatch with it.
+template <typename F>
+inline void dispatch_kernel(int64_t pairs, bool pow2, bool acc32, F&& f) {
+  using T = std::true_type;
+  using Fl = std::false_type;
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  using Four = std::integral_constant<int, 4>;
+  if (pairs == 1) {
+    if (acc32) f(One{}, T{}, T{});
+    else if (pow2) f(One{}, T{}, Fl{});
+    else f(One{}, Fl{}, Fl{});
+  } else if (pairs == 2) {
+    pow2 ? f(Two{}, T{}, Fl{}) : f(Two{}, Fl{}, Fl{});
+  } else {
+    pow2 ? f(Four{}, T{}, Fl{}) : f(Four{}, Fl{}, Fl{});
+  }
 }
 
 }  // namespace qgru

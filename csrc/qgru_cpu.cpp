@@ -312,21 +312,9 @@ class CpuLayer {
     }
   }
 
-  // Calls f(NP, POW2, ACC32) as integral constants for this layer's limb pairs and scale mode.
   template <typename F>
   void dispatch(int64_t P, F&& f) const {
-    using T = std::true_type;
-    using Fl = std::false_type;
-    using One = std::integral_constant<int, 1>;
-    if (P == 1) {
-      if (acc32_) f(One{}, T{}, T{});
-      else if (pow2_) f(One{}, T{}, Fl{});
-      else f(One{}, Fl{}, Fl{});
-    } else if (P == 2) {
-      pow2_ ? f(std::integral_constant<int, 2>{}, T{}, Fl{}) : f(std::integral_constant<int, 2>{}, Fl{}, Fl{});
-    } else {
-      pow2_ ? f(std::integral_constant<int, 4>{}, T{}, Fl{}) : f(std::integral_constant<int, 4>{}, Fl{}, Fl{});
-    }
+    dispatch_kernel(P, pow2_, acc32_, std::forward<F>(f));
   }
 
   LayerTensors lt_;

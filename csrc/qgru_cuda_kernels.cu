@@ -114,24 +114,6 @@ LimbProducts run_gemms(const GemmDesc& g, int8_t* const act_limbs[2], int32_t* c
   return lp;
 }
 
-template <typename F>
-void dispatch(const LayerDesc& d, int P, F&& f) {
-  using T = std::true_type;
-  using Fl = std::false_type;
-  using One = std::integral_constant<int, 1>;
-  using Two = std::integral_constant<int, 2>;
-  using Four = std::integral_constant<int, 4>;
-  if (P == 1) {
-    if (d.acc32) f(One{}, T{}, T{});
-    else if (d.pow2) f(One{}, T{}, Fl{});
-    else f(One{}, Fl{}, Fl{});
-  } else if (P == 2) {
-    d.pow2 ? f(Two{}, T{}, Fl{}) : f(Two{}, Fl{}, Fl{});
-  } else {
-    d.pow2 ? f(Four{}, T{}, Fl{}) : f(Four{}, Fl{}, Fl{});
-  }
-}
-
 }  // namespace
 
 WorkspaceSizes workspace_sizes(const LayerDesc& d, int64_t T, int64_t N) {
@@ -161,7 +143,7 @@ void forward(const LayerDesc& d, const Workspace& ws, const int64_t* qx, int64_t
     check(cudaGetLastError(), "split_limbs_kernel launch");
     // rows padded to kPad: the extra rows hold stale limbs, their outputs are never read
     const LimbProducts lp = run_gemms(d.wx, ws.x_limbs, ws.Gx, round_up(rows, kPad), d.ones_col, handle);
-    dispatch(d, d.wx.P, [&](auto np, auto pow2, auto acc32) {
+    dispatch_kernel(d.wx.P, d.pow2, d.acc32, [&](auto np, auto pow2, auto acc32) {
       input_epilogue_kernel<decltype(np)::value, decltype(pow2)::value, decltype(acc32)::value>
           <<<blocks_for(rows * H3), kThreads, 0, stream>>>(d.acc_x, d.acc_x32, lp, rows, H3, ws.dwx + r0 * H3);
     });
@@ -173,7 +155,7 @@ void forward(const LayerDesc& d, const Workspace& ws, const int64_t* qx, int64_t
   check(cudaGetLastError(), "state_limbs_kernel launch");
   for (int64_t t = 0; t < T; ++t) {
     const LimbProducts lp = run_gemms(d.rh, ws.h_limbs, ws.Gh, ws.N_pad, d.ones_col, handle);
-    dispatch(d, d.rh.P, [&](auto np, auto pow2, auto acc32) {
+    dispatch_kernel(d.rh.P, d.pow2, d.acc32, [&](auto np, auto pow2, auto acc32) {
       cell_kernel<decltype(np)::value, decltype(pow2)::value, decltype(acc32)::value>
           <<<blocks_for(N * H), kThreads, 0, stream>>>(d.cell, lp, N, t, ws.dwx + t * N * H3, state, out + t * N * H,
                                                        lengths, d.h_bits, ws.h_limbs[0],

@@ -38,6 +38,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_sequence, pad_packed_sequence
 
 from .calibrate import quantize_model
+from .compare import sqnr_db
 from .config import QuantConfig
 from .export import QuantParams
 from .module import QuantGRU
@@ -171,12 +172,6 @@ def _time_major(out, batch_first: bool) -> Tuple[torch.Tensor, Optional[torch.Te
     return (out.transpose(0, 1) if batch_first else out), None
 
 
-def sqnr_db(signal: float, noise: float) -> float:
-    if noise == 0:
-        return math.inf
-    if signal == 0:
-        return -math.inf
-    return 10 * math.log10(signal / noise)
 
 
 def _first_layers_float(gru: nn.GRU, k: int) -> nn.GRU:
