@@ -115,8 +115,72 @@ struct SigmoidGate {  // r or z
   Table table;
 };
 
+// ---------------------------------------------------------------------------------------------
+// The int32 cell: the same step in int32 lanes, for layers where prepare_layer proved every
+// intermediate fits (the ACC32 flag: 8-bit x/h/W/R, power-of-two multipliers, and the shift
+// bounds below). In pow2 mode a rescale with multiplier 2^L and shift s is
+//   ((v << L) >> (s - 1) + 1) >> 1 = ((v << lsh) >> rsh + 1) >> 1,  R = s - 1 - L,
+// with rsh = max(R, 0), lsh = max(-R, 0) (for R < 0 both sides equal v << (-R - 1)).
+// Bounds (checked in qgru/native.py, _add_acc32): |q - Z| < 2^16 and lsh <= 14 keep (v << lsh)
+// < 2^30; the r * Rh_g product (< 2^32) is never formed: with d_r = 256 a1 + a0 (d_r >= 0, the
+// sigmoid's zero point is qmin), floor(d_r d / 2^R) = floor((a1 d + floor(a0 d / 2^8)) / 2^(R-8))
+// for R >= 8, all terms < 2^25; z * h < 2^(b_z + b_h) <= 2^24; (1 - z) * g lies in
+// [-2^(b_z + b_g - 1), 2^b_z (2^(b_g - 1) - 1)], inside int32 for b_z, b_g <= 16; table terms
+// < 2^29.
+struct Shift32 {
+  const int32_t* lsh;
+  const int32_t* rsh;
+};
+
+QGRU_HD int32_t apply32(Shift32 s, int64_t c, int32_t v) {
+  return (((int32_t)((uint32_t)v << s.lsh[c]) >> s.rsh[c]) + 1) >> 1;
+}
+
+struct Table32 {  // tables.lookup with the entries split into int32 arrays
+  const int32_t* lo;    // T[i]
+  const int32_t* diff;  // T[i+1] - T[i]
+  int32_t k, frac, in_min, out_zp, out_lo, out_hi;
+};
+
+QGRU_HD int32_t lookup32(const Table32& t, int32_t q) {
+  const int32_t u = q - t.in_min;
+  const int32_t i = u >> t.k;
+  const int32_t f = u & ((1 << t.k) - 1);
+  const int32_t v = (int32_t)((uint32_t)t.lo[i] << t.k) + t.diff[i] * f;
+  const int32_t s = t.k + t.frac;
+  const int32_t o = ((v + ((1 << s) >> 1)) >> s) + t.out_zp;
+  return (o < t.out_lo ? t.out_lo : (o > t.out_hi ? t.out_hi : o)) - t.out_zp;
+}
+
+struct Cell32 {
+  Shift32 r_wx, r_rh, z_wx, z_rh, g_wx;  // [H] each
+  const int32_t* g_rrh_rsh;              // [H] R of r * Rh_g -> g_pre (>= 8, lsh = 0)
+  int32_t zh_rsh, zg_rsh;                // R of z * h and (1 - z) * g -> h (>= 0, lsh = 0)
+  int32_t r_pre_zp, r_pre_lo, r_pre_hi, z_pre_zp, z_pre_lo, z_pre_hi, g_pre_zp, g_pre_lo, g_pre_hi;
+  Table32 r, z, g;
+  int32_t one_z, h_zp, h_lo, h_hi;
+};
+
+QGRU_HD int32_t clamp32(int32_t v, int32_t lo, int32_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+QGRU_HD int32_t gru_cell32(const Cell32& p, int64_t j, int32_t d_wx_r, int32_t d_wx_z, int32_t d_wx_g,
+                           int32_t d_rh_r, int32_t d_rh_z, int32_t d_rh_g, int32_t q_h) {
+  const int32_t r_pre = clamp32(apply32(p.r_wx, j, d_wx_r) + apply32(p.r_rh, j, d_rh_r) + p.r_pre_zp, p.r_pre_lo, p.r_pre_hi);
+  const int32_t d_r = lookup32(p.r, r_pre);
+  const int32_t z_pre = clamp32(apply32(p.z_wx, j, d_wx_z) + apply32(p.z_rh, j, d_rh_z) + p.z_pre_zp, p.z_pre_lo, p.z_pre_hi);
+  const int32_t d_z = lookup32(p.z, z_pre);
+  const int32_t a1 = d_r >> 8, a0 = d_r & 255;
+  const int32_t rrh = (((a1 * d_rh_g + ((a0 * d_rh_g) >> 8)) >> (p.g_rrh_rsh[j] - 8)) + 1) >> 1;
+  const int32_t g_pre = clamp32(apply32(p.g_wx, j, d_wx_g) + rrh + p.g_pre_zp, p.g_pre_lo, p.g_pre_hi);
+  const int32_t d_g = lookup32(p.g, g_pre);
+  const int32_t zh = (((d_z * (q_h - p.h_zp)) >> p.zh_rsh) + 1) >> 1;
+  const int32_t zg = ((((p.one_z - d_z) * d_g) >> p.zg_rsh) + 1) >> 1;
+  return clamp32(zh + zg + p.h_zp, p.h_lo, p.h_hi);
+}
+
 struct CellParams {
   int64_t H;
+  Cell32 c32;         // the int32 form, valid when the kernel's ACC32 flag is set
   AccRequant rh;      // R.h accumulator -> Rh
   AccRequant32 rh32;  // the same in int32, valid when the kernel's ACC32 flag is set
   SigmoidGate r, z;
@@ -173,6 +237,12 @@ template <int NPAIRS, bool POW2, bool ACC32>
 QGRU_HD int64_t gru_cell(const CellParams& p, const LimbProducts& rh_products, int64_t n, int64_t j,
                          const int32_t* d_wx, int64_t q_h) {
   const int64_t H = p.H;
+  if (ACC32) {
+    const int32_t* G = rh_products.G[0] + n * rh_products.ld;
+    return gru_cell32(p.c32, j, d_wx[j], d_wx[H + j], d_wx[2 * H + j], requantize_acc32(p.rh32, j, G[j]),
+                      requantize_acc32(p.rh32, H + j, G[H + j]), requantize_acc32(p.rh32, 2 * H + j, G[2 * H + j]),
+                      (int32_t)q_h);
+  }
   const int64_t d_rh_r = requantize_product<NPAIRS, POW2, ACC32>(p.rh, p.rh32, rh_products, n, j);
   const int64_t d_rh_z = requantize_product<NPAIRS, POW2, ACC32>(p.rh, p.rh32, rh_products, n, H + j);
   const int64_t d_rh_g = requantize_product<NPAIRS, POW2, ACC32>(p.rh, p.rh32, rh_products, n, 2 * H + j);

@@ -326,15 +326,43 @@ def prepare_layer(p: LayerParams) -> Tuple[Dict[str, torch.Tensor], Dict[str, in
     return t, v
 
 
-def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, int]) -> bool:
-    """Add the int32 accumulator requantization (csrc AccRequant32) when it is exact for this layer.
+def _net_shift(t: Dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """R = shift - 1 - log2(mult) of a power-of-two rescale (int64): the rescale is v >> R, rounded."""
+    return t[name + "_shift"].to(torch.int64) - 1 - t[name + "_mult_log2"].to(torch.int64)
 
-    Conditions (proof in csrc/qgru_cell.h): one limb pair on both GEMMs (8-bit x, h, W, R),
-    power-of-two multipliers, R = shift - 1 - log2(mult) in [1, 30], K < 2^16.
+
+def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, int]) -> bool:
+    """Add the int32 forms (csrc AccRequant32 and Cell32) when they are exact for this layer.
+
+    Conditions (proofs in csrc/qgru_cell.h): one limb pair on both GEMMs (8-bit x, h, W, R),
+    power-of-two multipliers; accumulators: R in [1, 30], K < 2^16; cell: left shifts <= 14 for
+    the pre-activation rescales, R >= 8 for r * Rh_g, R >= 0 for z * h and (1 - z) * g.
     """
     if not v["pow2"] or max(bits["x"], bits["h"], bits["W"], bits["R"]) > 8 or max(v["I"], v["H"]) >= (1 << 16):
         return False
     parts = {}
+    for name in ("r_from_wx", "r_from_rh", "z_from_wx", "z_from_rh", "g_from_wx"):
+        r = _net_shift(t, name)
+        if bool((r < -14).any()):
+            return False
+        parts[name + "_lsh"] = (-r).clamp(min=0).to(torch.int32)
+        # shifting a value below 2^31 right by 31 or more gives 0 or -1, the same after rounding
+        # as the exact result: clamped, so no int32 shift reaches the undefined 32
+        parts[name + "_rsh"] = r.clamp(min=0, max=31).to(torch.int32)
+    r = _net_shift(t, "g_from_rrh")
+    if bool((r < 8).any()):
+        return False
+    parts["g_from_rrh_rsh"] = r.clamp(max=39).to(torch.int32)  # shifts by R - 8 <= 31
+    for name in ("zh", "zg"):
+        r = _net_shift(t, name)
+        if bool((r < 0).any()):
+            return False
+        v[name + "_rsh"] = int(r.reshape(-1)[0].clamp(max=31))
+    for g in ("r", "z", "g"):
+        packed = t[f"table_{g}"]
+        parts[f"table32_lo_{g}"] = (packed & 0xFFFFFFFF).to(torch.int64).where(
+            (packed & 0xFFFFFFFF) < (1 << 31), (packed & 0xFFFFFFFF) - (1 << 32)).to(torch.int32)
+        parts[f"table32_diff_{g}"] = (packed >> 32).to(torch.int32)
     for name in ("Wx", "Rh"):
         r = t[name + "_shift"].to(torch.int64) - 1 - t[name + "_mult_log2"].to(torch.int64)
         if bool((r < 1).any()) or bool((r > 30).any()):
