@@ -1,6 +1,6 @@
 // qgru CUDA backend, torch-free: int8 limb GEMMs on cuBLAS, the shared cell (qgru_cell.h) as
 // kernels, and the forward driver. Built by qgru/native.py with torch.utils.cpp_extension; CI
-// compiles this file with nvcc on machines without a GPU (scripts/check_cuda.sh).
+// compiles this file with nvcc on machines without a GPU (tests/test_cuda_compile.py).
 #include <stdexcept>
 #include <string>
 #include <type_traits>
