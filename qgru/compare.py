@@ -434,16 +434,13 @@ class _Comparer:
 
         def run_int(layer, d, inp_, h0_):
             p = params[layer][d]
+            qx, qh0 = q._integer_inputs(_BOUNDARY, params, layer, d, inp_, h0_)
             if layer == 0:
-                qx = _BOUNDARY.quantize(inp_, p.scale["x"], p.zp["x"], p.bits["x"], "input")
                 x_own = inp_.double()
             else:
                 prev = params[layer - 1]
-                qx = torch.cat([golden.requantize_input(v, prev[e].zp["h"], p.rescale[f"in_{e}"], p.zp["x"], p.bits["x"])
-                                for e, v in enumerate(inp_)], dim=-1)
                 x_own = torch.cat([(v - prev[e].zp["h"]).double() * prev[e].scale["h"]
                                    for e, v in enumerate(inp_)], dim=-1)
-            qh0 = _BOUNDARY.quantize(h0_, p.scale["h"], p.zp["h"], p.bits["h"], "h0")
             tr: Dict[str, Any] = {}
             out, hn = golden.gru_direction(p, qx, qh0, lengths, trace=tr)
             tr.update(qx=qx, x_own=x_own, qh0=qh0, out=out, hn=hn)

@@ -270,6 +270,19 @@ class QuantGRU(nn.GRU):
                 o.end_call()
         return torch.cat(outs, dim=-1), torch.stack(h_n)
 
+    @staticmethod
+    def _integer_inputs(ops, params, layer: int, d: int, inp, h0):
+        """(q_x, q_h0) of one layer and direction: the float input quantized (layer 0) or the previous
+        layer's integer outputs (one tensor per direction) moved onto this direction's x grid."""
+        p = params[layer][d]
+        if layer == 0:
+            qx = ops.quantize(inp, p.scale["x"], p.zp["x"], p.bits["x"], "input")
+        else:
+            prev = params[layer - 1]
+            qx = torch.cat([ops.requantize(q, prev[e].zp["h"], p.rescale[f"in_{e}"], p.zp["x"], p.bits["x"])
+                            for e, q in enumerate(inp)], dim=-1)
+        return qx, ops.quantize(h0, p.scale["h"], p.zp["h"], p.bits["h"], "h0")
+
     def _forward_integer(self, x, hx, lengths):
         params = self._params_on(x.device)
         backend = current_backend(x.device.type)
@@ -278,15 +291,8 @@ class QuantGRU(nn.GRU):
             lengths = lengths.to(x.device)
 
         def run(layer, d, inp, h0):
-            p = params[layer][d]
-            if layer == 0:
-                qx = ops.quantize(inp, p.scale["x"], p.zp["x"], p.bits["x"], "input")
-            else:  # previous layer's integer outputs, moved onto this direction's x grid
-                prev = params[layer - 1]
-                qx = torch.cat([ops.requantize(q, prev[e].zp["h"], p.rescale[f"in_{e}"], p.zp["x"], p.bits["x"])
-                                for e, q in enumerate(inp)], dim=-1)
-            qh0 = ops.quantize(h0, p.scale["h"], p.zp["h"], p.bits["h"], "h0")
-            return backend.gru_direction(p, qx, qh0, lengths)
+            qx, qh0 = self._integer_inputs(ops, params, layer, d, inp, h0)
+            return backend.gru_direction(params[layer][d], qx, qh0, lengths)
 
         with torch.no_grad():
             q_outs, q_hn = self._run_stack(x, hx, lengths, run)

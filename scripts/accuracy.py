@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import platform
 import time
-import warnings
 
 import torch
 
 import qgru
+from qgru.demo import dynamic_quant
 
 
 def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -31,15 +31,11 @@ def cosine(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 
 def dynamic_quant_gru(gru: torch.nn.GRU):
-    """torch's dynamic-quant GRU (int8 weights, float gates), or None where torch no longer ships it."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from torch.ao.quantization import quantize_dynamic
-            return quantize_dynamic(torch.nn.Sequential(gru), {torch.nn.GRU}, dtype=torch.qint8)[0]
-    except Exception as e:  # noqa: BLE001 - report any reason it is unavailable
-        print(f"note: torch dynamic-quant GRU unavailable ({e})")
-        return None
+    """torch's dynamic-quant GRU (qgru.demo.dynamic_quant), or None with a note where torch lacks it."""
+    dq, why = dynamic_quant(gru)
+    if dq is None:
+        print(f"note: {why}")
+    return dq
 
 
 def main(argv=None) -> None:

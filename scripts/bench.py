@@ -225,8 +225,8 @@ def section(bench: Bench, args) -> str:
     notes = list(bench.notes)
     notes.append(f"median of {args.repeats} repeats after {args.warmup} warm-up run(s); the reference backend "
                  f"(golden model, a Python loop over steps) gets 1 warm-up and min(repeats, {REF_REPEATS}) repeats")
-    notes.append(f"ratios are speedups (baseline time / row time, > 1 is faster), against the baseline row "
-                 f"of the same scenario and call; bit-exact compares outputs and h_n with the reference backend")
+    notes.append("ratios are speedups (baseline time / row time, > 1 is faster), against the baseline row "
+                 "of the same scenario and call; bit-exact compares outputs and h_n with the reference backend")
     notes.append(f"target: {TARGETS[d]}")
     return "\n".join([
         f"<!-- bench:{d}:start -->",

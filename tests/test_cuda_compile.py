@@ -72,7 +72,6 @@ def test_cuda_binding_type_checks_against_torch(tmp_path):
     wheels; nothing is downloaded for this one). A CPU-only torch wheel lacks the one CMake-generated
     header c10/cuda/impl/cuda_cmake_macros.h; a stand-in with its single define is written to tmp.
     """
-    import torch
     from torch.utils.cpp_extension import include_paths
     incs = [_include_dirs_with(h) for h in ("cublas_v2.h", "cusparse.h", "cusolverDn.h", "cuda_runtime.h")]
     if any(i is None for i in incs):
