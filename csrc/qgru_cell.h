@@ -231,17 +231,33 @@ QGRU_HD int64_t computeH(const CellParams& p, int64_t d_z, int64_t d_g, int64_t 
   return saturate(h_new, p.h);
 }
 
+// One element (batch row n, channel j) of one time step from its three raw R.h accumulators,
+// when R.h is one int8 x int8 GEMM (one limb pair: h and R of at most 8 bits), so the accumulator
+// is the exact product: golden.gru_step. d_wx: the three gates' Wx - Z_Wx at channel j.
+template <bool POW2, bool ACC32>
+QGRU_HD int64_t gru_cell_acc(const CellParams& p, int64_t j, int32_t acc_r, int32_t acc_z, int32_t acc_g,
+                             int32_t d_wx_r, int32_t d_wx_z, int32_t d_wx_g, int64_t q_h) {
+  const int64_t H = p.H;
+  if (ACC32) {
+    return gru_cell32(p.c32, j, d_wx_r, d_wx_z, d_wx_g, requantize_acc32(p.rh32, j, acc_r),
+                      requantize_acc32(p.rh32, H + j, acc_z), requantize_acc32(p.rh32, 2 * H + j, acc_g),
+                      (int32_t)q_h);
+  }
+  const int64_t d_r = computeR<POW2>(p, j, d_wx_r, requantize_acc<POW2>(p.rh, j, acc_r));
+  const int64_t d_z = computeZ<POW2>(p, j, d_wx_z, requantize_acc<POW2>(p.rh, H + j, acc_z));
+  const int64_t d_g = computeG<POW2>(p, j, d_wx_g, requantize_acc<POW2>(p.rh, 2 * H + j, acc_g), d_r);
+  return computeH<POW2>(p, d_z, d_g, q_h);
+}
+
 // One element (batch row n, channel j) of one time step: golden.gru_step.
 // d_wx points at the row's 3H values of Wx - Z_Wx; the R.h product comes from the limb GEMMs.
 template <int NPAIRS, bool POW2, bool ACC32>
 QGRU_HD int64_t gru_cell(const CellParams& p, const LimbProducts& rh_products, int64_t n, int64_t j,
                          const int32_t* d_wx, int64_t q_h) {
   const int64_t H = p.H;
-  if (ACC32) {
+  if (NPAIRS == 1) {
     const int32_t* G = rh_products.G[0] + n * rh_products.ld;
-    return gru_cell32(p.c32, j, d_wx[j], d_wx[H + j], d_wx[2 * H + j], requantize_acc32(p.rh32, j, G[j]),
-                      requantize_acc32(p.rh32, H + j, G[H + j]), requantize_acc32(p.rh32, 2 * H + j, G[2 * H + j]),
-                      (int32_t)q_h);
+    return gru_cell_acc<POW2, ACC32>(p, j, G[j], G[H + j], G[2 * H + j], d_wx[j], d_wx[H + j], d_wx[2 * H + j], q_h);
   }
   const int64_t d_rh_r = requantize_product<NPAIRS, POW2, ACC32>(p.rh, p.rh32, rh_products, n, j);
   const int64_t d_rh_z = requantize_product<NPAIRS, POW2, ACC32>(p.rh, p.rh32, rh_products, n, H + j);

@@ -1,9 +1,12 @@
 // qgru C++ CPU backend: one layer and direction of the integer GRU, bit-exact with qgru/golden.py.
 //
-// GEMMs: int8 x int8 -> int32 through ATen's _int_mm (oneDNN), one per limb pair (qgru_cell.h),
-// into buffers allocated once per call. Pointwise: the shared cell functions of qgru_cell.h,
-// parallel over (batch row, channel block) with at::parallel_for, inner loop over channels
-// written for the compiler to vectorise.
+// GEMMs: int8 x int8 -> int32, one per limb pair (qgru_cell.h), on AMX tiles with weights packed
+// once (qgru_amx.h) where the CPU and the kernel allow it, else through ATen's _int_mm (oneDNN)
+// and, for a few rows, a VNNI dot loop. Pointwise: the shared cell functions of qgru_cell.h,
+// parallel with at::parallel_for, inner loop over channels written for the compiler to vectorise.
+// With AMX and one limb pair (h and R of at most 8 bits) each step is one fused pass: a task
+// computes the three gates' R.h tiles for 16 hidden units and 16 batch rows and runs the cell on
+// them while they are in L1.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -14,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "qgru_amx.h"
 #include "qgru_layer.h"
 
 #ifdef QGRU_PROFILE
@@ -33,6 +37,8 @@ double prof_in_gemm = 0, prof_in_epi = 0, prof_h_gemm = 0, prof_cell = 0;
 #endif
 
 constexpr int64_t kInputChunkRows = 1024;  // rows of W.x per GEMM: measured fastest on oneDNN here
+constexpr int64_t kFusedWidth = 128;  // hidden units per fused task: measured best of 16, 64, 128, 256 (H = 512)
+constexpr int64_t kAmxChunkBytes = 1 << 20;  // W.x output per chunk on AMX: stays in L2 for its epilogue
 constexpr int64_t kChannelBlock = 128;     // channels per parallel work item
 constexpr int64_t kMinParallelWork = 4096; // cell elements per thread, at least
 
@@ -74,6 +80,50 @@ QGRU_NOINLINE void cell_block(const CellParams p, const LimbProducts lp, int64_t
   }
 }
 
+// The fused path's cells for channels [j0, j0 + nj) of one batch row, from the three gates' R.h
+// accumulators of that row (acc_r, acc_z, acc_g, indexed from j0). wx: the row's 3H Wx - Z_Wx;
+// s / o: the row's state and output; h_out: the row's int8 h for the next step. One row per call,
+// in the shape of cell_block.
+template <bool POW2, bool ACC32>
+QGRU_NOINLINE void cell_row(const CellParams p, int64_t j0, int64_t nj, const int32_t* __restrict acc_r,
+                            const int32_t* __restrict acc_z, const int32_t* __restrict acc_g,
+                            const int32_t* __restrict wx, int32_t* __restrict s, int32_t* __restrict o,
+                            int8_t* __restrict h_out) {
+  const int64_t H = p.H;
+#pragma omp simd
+  for (int64_t c = 0; c < nj; ++c) {
+    const int64_t j = j0 + c;
+    const int32_t h_new =
+        (int32_t)gru_cell_acc<POW2, ACC32>(p, j, acc_r[c], acc_z[c], acc_g[c], wx[j], wx[H + j], wx[2 * H + j], s[j]);
+    s[j] = h_new;
+    o[j] = h_new;
+  }
+  // A loop of its own: an int8 store in the loop above makes gcc pick 64 lanes (one zmm of int8),
+  // more than a row's 16 channels, and run every cell in the scalar remainder (measured 8x slower).
+  for (int64_t j = j0; j < j0 + nj; ++j) h_out[j] = (int8_t)s[j];  // h <= 8 bits: its one int8 limb
+}
+
+// The fused path's cells of one task: rows x nj elements (batch rows n0 + r, channels j0 + c) from
+// the three gates' R.h tiles acc ([3][16][kFusedWidth] int32). Rows past their sequence length carry their
+// state. Pointers are at row n0; wx, s, o have row strides 3H, H, H; h_in / h_out, the int8 h of
+// this step and the next, stride lda.
+template <bool POW2, bool ACC32>
+void cell_tile(const CellParams& p, int64_t j0, int64_t nj, int64_t rows, const uint8_t* active, const int32_t* acc,
+               const int32_t* wx, int32_t* s, int32_t* o, const int8_t* h_in, int8_t* h_out, int64_t lda) {
+  const int64_t H = p.H;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (active[r]) {
+      const int32_t* a = acc + r * kFusedWidth;
+      cell_row<POW2, ACC32>(p, j0, nj, a, a + amx::kTile * kFusedWidth, a + 2 * amx::kTile * kFusedWidth, wx + r * 3 * H, s + r * H, o + r * H, h_out + r * lda);
+    } else {
+      for (int64_t c = j0; c < j0 + nj; ++c) {
+        o[r * H + c] = s[r * H + c];
+        h_out[r * lda + c] = h_in[r * lda + c];
+      }
+    }
+  }
+}
+
 // One row of W.x: the exact products of row r, plus bias, rescaled onto Wx (relative to Z_Wx).
 template <int NP, bool POW2, bool ACC32>
 QGRU_NOINLINE void requantize_row(const AccRequant a, const AccRequant32 a32, const LimbProducts lp, int64_t r,
@@ -103,15 +153,28 @@ constexpr int64_t kSmallRows = 4;  // up to this many rows, dot_channels instead
 struct Gemm {  // the limb GEMMs of one product (W.x or R.h)
   std::vector<at::Tensor> weight_limbs;  // each [M_pad, K_pad] int8
   std::vector<at::Tensor> weight_colsum; // each [M_pad] int32: sum over K, for dot_channels
+  std::vector<at::Tensor> packed;        // AMX only: each weight limb as B tiles (qgru_amx.h)
   std::vector<int64_t> act_limb, weight_limb, scale, weight_offset;
   int64_t P = 0;
+  bool amx = false;
+  int64_t KT = 0, MT = 0;  // AMX: K slices of 64, column tiles of 16
 
-  void init(const LayerTensors& lt, const std::string& k) {
+  void init(const LayerTensors& lt, const std::string& k, bool use_amx) {
     at::Tensor w = lt.tensor(k + "_weight_limbs");  // [L, M_pad, K_pad]
     TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 3, "qgru: ", k, "_weight_limbs must be int8 [L, M, K]");
+    amx = use_amx;
+    const int64_t M = w.size(1), K = w.size(2);
+    KT = amx::tiles(K, amx::kTileK);
+    MT = amx::tiles(M, amx::kTile);
     for (int64_t i = 0; i < w.size(0); ++i) {
       weight_limbs.push_back(w[i]);
       weight_colsum.push_back(w[i].to(at::kInt).sum(1, false, at::kInt).contiguous());
+      if (amx) {
+        at::Tensor pk = at::empty({MT * KT * amx::kTileBytes}, w.options());
+        amx::pack_b(w[i].data_ptr<int8_t>(), K, K, MT, [M](int64_t m) { return m < M ? m : int64_t(-1); },
+                    pk.data_ptr<int8_t>());
+        packed.push_back(pk);
+      }
     }
 
     at::Tensor pr = lt.pairs(k);
@@ -126,13 +189,20 @@ struct Gemm {  // the limb GEMMs of one product (W.x or R.h)
     }
   }
 
+  // Row stride of the activation limb buffers: AMX reads whole 64-byte K slices.
+  int64_t act_ld() const { return amx ? KT * amx::kTileK : weight_limbs[0].size(1); }
+  // Rows of the activation and output buffers for `rows` rows: AMX reads and writes whole tiles.
+  int64_t buffer_rows(int64_t rows) const { return amx ? amx::tiles(rows, amx::kTile) * amx::kTile : rows; }
+
   // G[p][:rows] = act_limbs[i][:rows] @ weight_limbs[j].T, and the LimbProducts view of them.
   LimbProducts run(const std::vector<at::Tensor>& act_limbs, std::vector<at::Tensor>& G, int64_t rows,
                    int64_t ones_col) const {
     LimbProducts lp{};
     for (int64_t p = 0; p < P; ++p) {
       at::Tensor out = G[p].narrow(0, 0, rows);
-      if (rows <= kSmallRows && weight_limbs[0].size(1) < (int64_t(1) << 16)) {  // dot_channels' bound
+      if (amx) {
+        run_amx(act_limbs[act_limb[p]], packed[weight_limb[p]], G[p], rows);
+      } else if (rows <= kSmallRows && weight_limbs[0].size(1) < (int64_t(1) << 16)) {  // dot_channels' bound
         const at::Tensor& a = act_limbs[act_limb[p]];
         const at::Tensor& w = weight_limbs[weight_limb[p]];
         const int64_t K = w.size(1), M = w.size(0), ld = G[p].size(1);
@@ -158,6 +228,31 @@ struct Gemm {  // the limb GEMMs of one product (W.x or R.h)
     lp.ones_col = ones_col;
     return lp;
   }
+
+ private:
+  // Tasks of (2 column tiles) x (up to 8 row tiles), column-major so that a thread's consecutive
+  // tasks share their B tiles.
+  void run_amx(const at::Tensor& a, const at::Tensor& b, at::Tensor& c, int64_t rows) const {
+#if QGRU_HAVE_AMX
+    const int64_t RT = amx::tiles(rows, amx::kTile), RG = amx::tiles(RT, 8), MB = amx::tiles(MT, 2);
+    const int8_t* A = a.data_ptr<int8_t>();
+    const int8_t* B = b.data_ptr<int8_t>();
+    int32_t* C = c.data_ptr<int32_t>();
+    const int64_t lda = a.size(1), ldc = c.size(1);
+    const int64_t macs = 2 * amx::kTile * std::min<int64_t>(RT, 8) * amx::kTile * KT * amx::kTileK;
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 21) / macs);  // >= ~1 us of work per thread
+    at::parallel_for(0, MB * RG, grain, [&](int64_t i0, int64_t i1) {
+      amx::configure();
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t mb = i / RG, rg = i % RG;
+        amx::gemm(A, lda, rg * 8, std::min(RT, rg * 8 + 8), B, KT, 2 * mb, std::min(MT, 2 * mb + 2), C, ldc);
+      }
+    });
+#else
+    (void)a, (void)b, (void)c, (void)rows;
+    TORCH_CHECK(false, "qgru cpu: this binary has no AMX kernels");
+#endif
+  }
 };
 
 class CpuLayer {
@@ -172,12 +267,20 @@ class CpuLayer {
     h_bits_ = (int32_t)lt_.value("h_bits");
     pow2_ = lt_.value("pow2") != 0;
     acc32_ = lt_.value("acc32") != 0;
-    wx_.init(lt_, "x");
-    rh_.init(lt_, "h");
+    // "cpu_amx" = 0 asks for the oneDNN path even where AMX is available (tests, comparisons)
+    const auto want_amx = lt_.v.find("cpu_amx");
+    amx_ = amx::available() && (want_amx == lt_.v.end() || want_amx->second != 0);
+    wx_.init(lt_, "x", amx_);
+    rh_.init(lt_, "h", amx_);
     acc_x_ = lt_.acc("Wx");
     acc_x32_ = lt_.acc32("Wx");
     cell_ = lt_.cell();
+    fused_ = amx_ && rh_.P == 1;
+    if (fused_) pack_gate_blocks();
   }
+
+  // "amx-fused" (one pass per step), "amx" (AMX GEMMs, separate cell pass) or "onednn".
+  std::string gemm_path() const { return fused_ ? "amx-fused" : (amx_ ? "amx" : "onednn"); }
 
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx_in, const at::Tensor& qh0_in,
                                              const c10::optional<at::Tensor>& lengths_in) {
@@ -199,13 +302,23 @@ class CpuLayer {
     // W.x is computed for a chunk of steps at a time, right before those steps run: its buffers
     // stay small and warm in cache, and are reused across chunks and calls (fresh large buffers
     // cost page faults that measured as much as the arithmetic)
-    const int64_t steps = std::max<int64_t>(1, std::min<int64_t>(T, kInputChunkRows / N));
+    const int64_t chunk_rows = amx_ ? kAmxChunkBytes / (4 * M_pad_ * wx_.P) : kInputChunkRows;
+    const int64_t steps = std::max<int64_t>(1, std::min<int64_t>(T, chunk_rows / N));
     ensure_workspace(steps * N, N);
-    split_limbs(state.data_ptr<int32_t>(), N, H_, h_bits_, ws_.h_limbs);
+    split_limbs(state.data_ptr<int32_t>(), N, H_, h_bits_, fused_ ? ws_.h_fused[0] : ws_.h_limbs);
+    ws_.cur = 0;
     for (int64_t t0 = 0; t0 < T; t0 += steps) {
       const int64_t tc = std::min(steps, T - t0);
       input_chunk(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N);
-      recurrent_steps(t0, tc, N, state, out, len);
+      if (fused_) {
+        QGRU_TIC(c0);
+        dispatch(1, [&](auto, auto pow2, auto acc32) {
+          fused_steps<pow2.value, acc32.value>(t0, tc, N, state.data_ptr<int32_t>(), out, len);
+        });
+        QGRU_TOC(prof_cell, c0);
+      } else {
+        recurrent_steps(t0, tc, N, state, out, len);
+      }
     }
     return {out, state};
   }
@@ -214,6 +327,8 @@ class CpuLayer {
   struct Workspace {
     int64_t rows = 0, N = 0;
     std::vector<at::Tensor> x_limbs, Gx, h_limbs, Gh;
+    std::vector<at::Tensor> h_fused[2];  // fused path: h as int8, read by step t, written for t + 1
+    int cur = 0;                         // which h_fused the next step reads
     at::Tensor dwx;  // [rows, 3H] Wx - Z_Wx of the current chunk of steps
   };
 
@@ -223,9 +338,10 @@ class CpuLayer {
       ws_.x_limbs.clear();
       ws_.Gx.clear();
       const int n_act = x_bits_ > 8 ? 2 : 1;
+      const int64_t br = wx_.buffer_rows(rows);
       // zeroed once: the K padding must read as 0 in every GEMM and is never written
-      for (int i = 0; i < n_act; ++i) ws_.x_limbs.push_back(at::zeros({rows, wx_.weight_limbs[0].size(1)}, i8));
-      for (int64_t p = 0; p < wx_.P; ++p) ws_.Gx.push_back(at::empty({rows, M_pad_}, i32));
+      for (int i = 0; i < n_act; ++i) ws_.x_limbs.push_back(at::zeros({br, wx_.act_ld()}, i8));
+      for (int64_t p = 0; p < wx_.P; ++p) ws_.Gx.push_back(at::empty({br, M_pad_}, i32));
       ws_.dwx = at::empty({rows, 3 * H_}, i32);
       ws_.rows = rows;
     }
@@ -233,10 +349,66 @@ class CpuLayer {
       ws_.h_limbs.clear();
       ws_.Gh.clear();
       const int n_act = h_bits_ > 8 ? 2 : 1;
-      for (int i = 0; i < n_act; ++i) ws_.h_limbs.push_back(at::zeros({N, rh_.weight_limbs[0].size(1)}, i8));
-      for (int64_t p = 0; p < rh_.P; ++p) ws_.Gh.push_back(at::empty({N, M_pad_}, i32));
+      const int64_t br = rh_.buffer_rows(N);
+      if (fused_) {
+        for (auto& b : ws_.h_fused) b = {at::zeros({br, rh_.act_ld()}, i8)};
+      } else {
+        for (int i = 0; i < n_act; ++i) ws_.h_limbs.push_back(at::zeros({br, rh_.act_ld()}, i8));
+        for (int64_t p = 0; p < rh_.P; ++p) ws_.Gh.push_back(at::empty({br, M_pad_}, i32));
+      }
       ws_.N = N;
     }
+  }
+
+  // R as B tiles grouped per block of 16 hidden units: the block's r, z and g column tiles
+  // (channels j, H + j, 2H + j) one after the other, so one task gets all three gates of its units.
+  void pack_gate_blocks() {
+    const at::Tensor& w = rh_.weight_limbs[0];
+    const int64_t H = H_, HB = amx::tiles(H, amx::kTile);
+    gate_blocks_ = at::empty({3 * HB * rh_.KT * amx::kTileBytes}, w.options());
+    amx::pack_b(w.data_ptr<int8_t>(), w.size(1), w.size(1), 3 * HB, [H](int64_t m) {
+      const int64_t tile = m / amx::kTile, j = (tile / 3) * amx::kTile + m % amx::kTile;
+      return j < H ? (tile % 3) * H + j : int64_t(-1);
+    }, gate_blocks_.data_ptr<int8_t>());
+  }
+
+  // Steps t0 .. t0 + tc - 1 on the fused path: per step one parallel pass over tasks (block of
+  // kFusedWidth hidden units, tile of 16 batch rows), each computing its R.h tiles and then the
+  // cell on them while they are in L1.
+  template <bool POW2, bool ACC32>
+  void fused_steps(int64_t t0, int64_t tc, int64_t N, int32_t* state, at::Tensor& out, const int64_t* lengths) {
+#if QGRU_HAVE_AMX
+    constexpr int64_t W = kFusedWidth, T16 = amx::kTile;
+    const int64_t H = H_, HB = amx::tiles(H, W), RT = amx::tiles(N, T16), KT = rh_.KT;
+    const int64_t lda = ws_.h_fused[0][0].size(1);
+    const int8_t* blocks = gate_blocks_.data_ptr<int8_t>();
+    const int64_t block_bytes = 3 * KT * amx::kTileBytes;  // one block of 16 units in gate_blocks_
+    const CellParams p = cell_;
+    for (int64_t t = t0; t < t0 + tc; ++t) {
+      const int8_t* h_in = ws_.h_fused[ws_.cur][0].data_ptr<int8_t>();
+      int8_t* h_out = ws_.h_fused[1 - ws_.cur][0].data_ptr<int8_t>();
+      const int32_t* dwx_t = ws_.dwx.data_ptr<int32_t>() + (t - t0) * N * 3 * H;
+      int32_t* out_t = out.data_ptr<int32_t>() + t * N * H;
+      at::parallel_for(0, HB * RT, 1, [&](int64_t i0, int64_t i1) {
+        amx::configure();
+        alignas(64) int32_t acc[3 * T16 * W];  // [gate][row][unit]
+        uint8_t active[T16];
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t b = i / RT, n0 = (i % RT) * T16;
+          const int64_t rows = std::min(T16, N - n0), j0 = b * W, nj = std::min(W, H - j0);
+          for (int64_t q = 0; q * T16 < nj; ++q)
+            amx::gate_tiles(h_in + n0 * lda, lda, blocks + (j0 / T16 + q) * block_bytes, KT, acc + q * T16, W, T16 * W);
+          for (int64_t r = 0; r < rows; ++r) active[r] = lengths == nullptr || t < lengths[n0 + r];
+          cell_tile<POW2, ACC32>(p, j0, nj, rows, active, acc, dwx_t + n0 * 3 * H, state + n0 * H, out_t + n0 * H,
+                                 h_in + n0 * lda, h_out + n0 * lda, lda);
+        }
+      });
+      ws_.cur = 1 - ws_.cur;
+    }
+#else
+    (void)t0, (void)tc, (void)N, (void)state, (void)out, (void)lengths;
+    TORCH_CHECK(false, "qgru cpu: this binary has no AMX kernels");
+#endif
   }
 
   template <int NP, bool POW2, bool ACC32>
@@ -294,7 +466,7 @@ class CpuLayer {
 
   // Steps t0 .. t0 + tc - 1, reading their Wx from ws_.dwx (seed 001 step 3).
   void recurrent_steps(int64_t t0, int64_t tc, int64_t N, at::Tensor& state, at::Tensor& out, const int64_t* lengths) {
-    const int64_t K_pad = rh_.weight_limbs[0].size(1);
+    const int64_t K_pad = ws_.h_limbs[0].size(1);  // the limb buffers' row stride
     std::vector<int8_t*> limb_ptrs;
     for (auto& l : ws_.h_limbs) limb_ptrs.push_back(l.data_ptr<int8_t>());
     int32_t* s = state.data_ptr<int32_t>();
@@ -319,6 +491,8 @@ class CpuLayer {
 
   LayerTensors lt_;
   std::mutex mu_;
+  bool amx_ = false, fused_ = false;
+  at::Tensor gate_blocks_;  // fused path: R packed by pack_gate_blocks
   Workspace ws_;
   int64_t H_, I_, M_pad_, ones_col_;
   int32_t x_bits_, h_bits_;
@@ -418,11 +592,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return r;
   });
 #endif
+  m.def("amx_available", &qgru::amx::available, "AMX int8 kernels compiled in and granted by the OS");
   m.def("quantize", &qgru::quantize, "float -> int32 (primitives.quantize)");
   m.def("dequantize", &qgru::dequantize, "int -> float (primitives.dequantize)");
   m.def("requantize", &qgru::requantize, "golden.requantize_input, per-tensor factor");
   pybind11::class_<qgru::CpuLayer>(m, "Layer")
       .def(pybind11::init<qgru::TensorMap, qgru::IntMap>())
+      .def_property_readonly("gemm", &qgru::CpuLayer::gemm_path)
       .def("forward", &qgru::CpuLayer::forward, pybind11::arg("qx"), pybind11::arg("qh0"),
            pybind11::arg("lengths") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>());

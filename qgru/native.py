@@ -40,7 +40,7 @@ _SOURCES = {
     "cpu": ["qgru_cpu.cpp"],
     "cuda": ["qgru_cuda.cpp", "qgru_cuda_kernels.cu"],
 }
-_HEADERS = ["qgru_fixedpoint.h", "qgru_cell.h", "qgru_layer.h", "qgru_cuda.h"]
+_HEADERS = ["qgru_amx.h", "qgru_fixedpoint.h", "qgru_cell.h", "qgru_layer.h", "qgru_cuda.h"]
 GEMM_PAD = 16  # channel and reduction padding: int8 tensor-core GEMMs want multiples of 16
 
 
@@ -377,25 +377,37 @@ def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, in
     return True
 
 
-class NativeLayer:
-    """One layer and direction on one native backend: the C++ Layer and the tensors it points into."""
+def cpu_amx_enabled() -> bool:
+    """Whether new CPU layers may use the AMX kernels (where the CPU has them): QGRU_CPU_AMX=0 says no."""
+    return os.environ.get("QGRU_CPU_AMX", "1") != "0"
 
-    def __init__(self, kind: str, p: LayerParams, device: torch.device) -> None:
+
+class NativeLayer:
+    """One layer and direction on one native backend: the C++ Layer and the tensors it points into.
+
+    ``amx`` (CPU only): None follows QGRU_CPU_AMX; False forces the oneDNN GEMM path even where the
+    CPU has AMX. ``gemm`` says which path the CPU layer took ("amx-fused", "amx" or "onednn")."""
+
+    def __init__(self, kind: str, p: LayerParams, device: torch.device, amx: Optional[bool] = None) -> None:
         mod = load(kind)
         tensors, values = prepare_layer(p.to("cpu"))  # prepared on the host, then moved once
+        if kind == "cpu":
+            values["cpu_amx"] = int(cpu_amx_enabled() if amx is None else amx)
         self.kind = kind
         self.layer = mod.Layer({k: x.to(device) for k, x in tensors.items()}, values)
+        self.gemm = getattr(self.layer, "gemm", "cublas")
 
     def __call__(self, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor]):
         return self.layer.forward(qx, qh0, lengths)
 
 
-def gru_direction(kind: str):
-    """A backend's gru_direction(p, qx, qh0, lengths): the native Layer is made once per LayerParams."""
+def gru_direction(kind: str, amx: Optional[bool] = None):
+    """A backend's gru_direction(p, qx, qh0, lengths): the native Layer is made once per LayerParams
+    (``amx``: see NativeLayer)."""
     def run(p: LayerParams, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor] = None):
         cache = p.__dict__.setdefault("_native", {})
-        key = (kind, str(qx.device))
+        key = (kind, str(qx.device), cpu_amx_enabled() if amx is None else amx)
         if key not in cache:
-            cache[key] = NativeLayer(kind, p, qx.device)
+            cache[key] = NativeLayer(kind, p, qx.device, amx)
         return cache[key](qx, qh0, lengths)
     return run

@@ -58,13 +58,42 @@ def _device(kind: str) -> torch.device:
     return torch.device("cuda" if kind == "cuda" else "cpu")
 
 
-@pytest.fixture(scope="module", params=NATIVE_KINDS)
+def _backend(kind: str) -> str:
+    """The registry's backend name of a test kind ("cpu:onednn" is the cpu backend)."""
+    return kind.split(":")[0]
+
+
+@pytest.fixture(scope="module", params=NATIVE_KINDS + ("cpu:onednn",))
 def kind(request):
-    """Each native backend; skipped, with the registry's reason, where it is unavailable."""
-    why = qgru.backends()[request.param]["why"]
+    """Each native backend; skipped, with the registry's reason, where it is unavailable.
+
+    "cpu:onednn" is the cpu backend with its AMX kernels turned off (QGRU_CPU_AMX=0): on an AMX
+    machine "cpu" runs the AMX GEMMs and the fused step, so both CPU paths are proven here."""
+    name = _backend(request.param)
+    why = qgru.backends()[name]["why"]
     if why:
-        pytest.skip(f"{request.param} backend unavailable: {why}")
-    return request.param
+        pytest.skip(f"{name} backend unavailable: {why}")
+    if request.param != "cpu:onednn":
+        yield request.param
+        return
+    before = os.environ.get("QGRU_CPU_AMX")
+    os.environ["QGRU_CPU_AMX"] = "0"
+    try:
+        yield request.param
+    finally:
+        if before is None:
+            os.environ.pop("QGRU_CPU_AMX")
+        else:
+            os.environ["QGRU_CPU_AMX"] = before
+
+
+def _expected_gemms(kind: str):
+    """The CPU GEMM paths a Layer of this test kind may report (NativeLayer.gemm)."""
+    if kind == "cuda":
+        return {"cublas"}
+    if kind == "cpu:onednn" or not native.cpu_amx_enabled() or not native.load("cpu").amx_available():
+        return {"onednn"}
+    return {"amx", "amx-fused"}
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +154,10 @@ def _to(v, device):
 
 
 def _run(m: qgru.QuantGRU, backend: str, device: torch.device, x, h0=None):
-    """m(x, h0) with ``backend`` forced and everything on ``device``; results back on the CPU."""
+    """m(x, h0) with ``backend`` (a test kind) forced and everything on ``device``; results back on the CPU."""
     m.to(device)
     try:
-        with qgru.backend(backend):
+        with qgru.backend(_backend(backend)):
             out, h_n = m(_to(x, device), _to(h0, device))
     finally:
         m.to("cpu")
@@ -163,8 +192,10 @@ def _assert_native_ran(m: qgru.QuantGRU, kind: str) -> None:
     made a native Layer for every layer and direction."""
     dev_type = _device(kind).type
     rows = [row for key, rs in m._qparams_on.items() if key.startswith(dev_type) for row in rs]
-    assert rows and all(any(k[0] == kind for k in p.__dict__.get("_native", {})) for row in rows for p in row), \
+    assert rows and all(any(k[0] == _backend(kind) for k in p.__dict__.get("_native", {})) for row in rows for p in row), \
         f"the {kind} backend was not used"
+    gemms = {layer.gemm for row in rows for p in row for layer in p.__dict__["_native"].values()}
+    assert gemms <= _expected_gemms(kind), gemms
 
 
 def _far_inputs(x: torch.Tensor, scale: float, inf: bool, gen: torch.Generator) -> torch.Tensor:
@@ -230,8 +261,9 @@ def _check_integer(kind: str, p: golden.LayerParams, T: int, N: int, with_length
     lengths = torch.randint(0, T + 1, (N,), generator=gen) if with_lengths else None
     want_out, want_h = golden.gru_direction(p, qx, qh0, lengths)
     dev = _device(kind)
-    pd = p if kind == "cpu" else p.to(dev)
-    got_out, got_h = native.gru_direction(kind)(pd, qx.to(dev), qh0.to(dev), _to(lengths, dev))
+    pd = p if dev.type == "cpu" else p.to(dev)
+    got_out, got_h = native.gru_direction(_backend(kind))(pd, qx.to(dev), qh0.to(dev), _to(lengths, dev))
+    assert {layer.gemm for layer in pd.__dict__["_native"].values()} <= _expected_gemms(kind)
     assert got_out.dtype == torch.int32 and got_h.dtype == torch.int32
     assert got_out.shape == (T, N, p.hidden_size) and got_h.shape == (N, p.hidden_size)
     got_out, got_h = got_out.cpu().long(), got_h.cpu().long()
@@ -274,7 +306,8 @@ def test_integer_bit_exact_sizes(kind, cfg, mode, I, H):
     ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-4, 5), "Rh": per(-3, 2),
               "r_pre": one(-6, 6), "z_pre": one(-6, 6), "g_pre": one(-5, 7)}
     p = _random_layer(config, I, H, ranges, w_exp=-2, b_exp=-2, zero_row=False, seed=I * 1000 + H)
-    for T, N, lengths in ((30, 3, True), (1, 1, False), (0, 2, False), (5, 7, True), (3, 1, False)):
+    # N = 37: three 16-row tiles, the last partial; T = 30 x 37 rows of W.x: more than one chunk
+    for T, N, lengths in ((30, 3, True), (1, 1, False), (0, 2, False), (5, 7, True), (3, 1, False), (30, 37, True)):
         _check_integer(kind, p, T, N, lengths, seed=T * 10 + N)
 
 
@@ -318,7 +351,7 @@ def test_integer_worst_case_accumulators(kind, cfg, mode, K, sign):
         assert int(p.b_x.abs().max()) >= 2 ** 31 - 1
         want = golden.gru_direction(p, qx, qh0)
         dev = _device(kind)
-        got = native.gru_direction(kind)(p if kind == "cpu" else p.to(dev), qx.to(dev), qh0.to(dev), None)
+        got = native.gru_direction(_backend(kind))(p if dev.type == "cpu" else p.to(dev), qx.to(dev), qh0.to(dev), None)
         assert torch.equal(got[0].cpu().long(), want[0]), (k, got[0].cpu().tolist(), want[0].tolist())
         assert torch.equal(got[1].cpu().long(), want[1])
 
@@ -476,7 +509,7 @@ def _boundary_floats(n: int, scale: float, zp: int, bits: int, dtype, gen: torch
        shape=st.sampled_from([(0,), (1,), (7, 3), (2, 5, 33)]), seed=st.integers(0, 2 ** 16))
 def test_boundary_ops_match_reference(kind, bits, pow2, exp, mant, zp_frac, dtype, shape, seed):
     ref = backends_mod.BoundaryOps()
-    ops = backends_mod._REGISTRY[kind].boundary
+    ops = backends_mod._REGISTRY[_backend(kind)].boundary
     if kind == "cpu":  # the cpu backend has one-pass C++ versions: comparing reference with itself proves nothing
         assert type(ops) is not backends_mod.BoundaryOps
     dev = _device(kind)
