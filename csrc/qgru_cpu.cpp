@@ -11,6 +11,9 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <atomic>
 #include <mutex>
 #include <cmath>
@@ -507,22 +510,62 @@ class CpuLayer {
 // The float boundary and the layer-to-layer requantization, one pass each (the golden model's
 // primitives.quantize / dequantize / golden.requantize_input, same float64 arithmetic)
 // ---------------------------------------------------------------------------------------------
+// primitives.quantize of one element: round_half_up(x / scale) + zp, saturated; NaN gives 0 and
+// sets *nan. x / scale is one float64 division, as in the golden model.
+inline int32_t quantize_one(double x, double scale, int64_t zp, Range r, double lo, double hi, bool* nan) {
+  double v = x / scale;
+  if (v != v) {
+    *nan = true;
+    v = 0.0;
+  }
+  v = v < lo ? lo : (v > hi ? hi : v);
+  const double f = std::floor(v);
+  const int64_t rounded = (int64_t)f + ((v - f) >= 0.5 ? 1 : 0);  // round half up, exact
+  return (int32_t)saturate(rounded + zp, r);
+}
+
+// The same over a block. gcc (12) leaves this loop scalar whatever its form (measured 2 ns per
+// element, 3 ms per call of the benchmark's input), so AVX-512 is written out: the same float64
+// operations, 8 lanes at a time, each IEEE-exact, so the results are identical.
 template <typename scalar_t>
-bool quantize_loop(const scalar_t* x, int32_t* q, int64_t n, double scale, int64_t zp, Range r) {
+bool quantize_block(const scalar_t* x, int32_t* q, int64_t n, double scale, int64_t zp, Range r) {
   // clamp bounds of primitives.quantize: just beyond the integer range, so +-inf saturate
   const double lo = (double)(r.lo - zp - 1), hi = (double)(r.hi - zp + 1);
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  const __m512d vscale = _mm512_set1_pd(scale), vlo = _mm512_set1_pd(lo), vhi = _mm512_set1_pd(hi);
+  const __m512d half = _mm512_set1_pd(0.5);
+  const __m512i vzp = _mm512_set1_epi64(zp), one = _mm512_set1_epi64(1);
+  const __m512i qlo = _mm512_set1_epi64(r.lo), qhi = _mm512_set1_epi64(r.hi);
+  __mmask8 any_nan = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m512d xv;
+    if (std::is_same<scalar_t, float>::value) xv = _mm512_cvtps_pd(_mm256_loadu_ps((const float*)(x + i)));
+    else xv = _mm512_loadu_pd((const double*)(x + i));
+    __m512d v = _mm512_div_pd(xv, vscale);
+    const __mmask8 is_nan = _mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q);
+    any_nan |= is_nan;
+    v = _mm512_mask_mov_pd(v, is_nan, _mm512_setzero_pd());
+    v = _mm512_min_pd(_mm512_max_pd(v, vlo), vhi);
+    const __m512d f = _mm512_roundscale_pd(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __mmask8 up = _mm512_cmp_pd_mask(_mm512_sub_pd(v, f), half, _CMP_GE_OQ);
+    __m512i k = _mm512_add_epi64(_mm512_cvttpd_epi64(f), vzp);
+    k = _mm512_mask_add_epi64(k, up, k, one);
+    k = _mm512_min_epi64(_mm512_max_epi64(k, qlo), qhi);
+    _mm256_storeu_si256((__m256i*)(q + i), _mm512_cvtepi64_epi32(k));
+  }
+  nan = any_nan != 0;
+#endif
+  for (; i < n; ++i) q[i] = quantize_one((double)x[i], scale, zp, r, lo, hi, &nan);
+  return !nan;
+}
+
+template <typename scalar_t>
+bool quantize_loop(const scalar_t* x, int32_t* q, int64_t n, double scale, int64_t zp, Range r) {
   std::atomic<bool> nan{false};
   at::parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
-    bool local_nan = false;
-    for (int64_t i = b; i < e; ++i) {
-      double v = (double)x[i] / scale;
-      local_nan |= v != v;
-      v = v < lo ? lo : (v > hi ? hi : v);
-      const double f = std::floor(v);
-      const int64_t rounded = (int64_t)f + ((v - f) >= 0.5 ? 1 : 0);  // round half up, exact
-      q[i] = (int32_t)saturate(rounded + zp, r);
-    }
-    if (local_nan) nan = true;
+    if (!quantize_block(x + b, q + b, e - b, scale, zp, r)) nan = true;
   });
   return !nan;
 }
