@@ -136,9 +136,8 @@ QGRU_HD int32_t apply32(Shift32 s, int64_t c, int32_t v) {
   return (((int32_t)((uint32_t)v << s.lsh[c]) >> s.rsh[c]) + 1) >> 1;
 }
 
-struct Table32 {  // tables.lookup with the entries split into int32 arrays
-  const int32_t* lo;    // T[i]
-  const int32_t* diff;  // T[i+1] - T[i]
+struct Table32 {  // tables.lookup in int32 lanes, on the packed entries of Table
+  const int64_t* packed;  // T[i] in the low 32 bits, T[i+1] - T[i] in the high 32 bits
   int32_t k, frac, in_min, out_zp, out_lo, out_hi;
 };
 
@@ -146,7 +145,9 @@ QGRU_HD int32_t lookup32(const Table32& t, int32_t q) {
   const int32_t u = q - t.in_min;
   const int32_t i = u >> t.k;
   const int32_t f = u & ((1 << t.k) - 1);
-  const int32_t v = (int32_t)((uint32_t)t.lo[i] << t.k) + t.diff[i] * f;
+  const int64_t e = t.packed[i];  // one load (one 64-bit gather lane) for both halves
+  const int32_t lo = (int32_t)e, diff = (int32_t)(e >> 32);
+  const int32_t v = (int32_t)((uint32_t)lo << t.k) + diff * f;
   const int32_t s = t.k + t.frac;
   const int32_t o = ((v + ((1 << s) >> 1)) >> s) + t.out_zp;
   return (o < t.out_lo ? t.out_lo : (o > t.out_hi ? t.out_hi : o)) - t.out_zp;

@@ -63,7 +63,7 @@ struct LayerTensors {
   }
   Shift32 shift32(const std::string& k) const { return Shift32{i32(k + "_lsh"), i32(k + "_rsh")}; }
   Table32 table32(const std::string& k) const {
-    return Table32{i32("table32_lo_" + k), i32("table32_diff_" + k), (int32_t)value(k + "_table_k"),
+    return Table32{i64("table_" + k), (int32_t)value(k + "_table_k"),
                    (int32_t)value(k + "_table_frac"), (int32_t)value(k + "_pre_lo"), (int32_t)value(k + "_zp"),
                    (int32_t)value(k + "_lo"), (int32_t)value(k + "_hi")};
   }

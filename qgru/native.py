@@ -358,11 +358,6 @@ def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, in
         if bool((r < 0).any()):
             return False
         v[name + "_rsh"] = int(r.reshape(-1)[0].clamp(max=31))
-    for g in ("r", "z", "g"):
-        packed = t[f"table_{g}"]
-        parts[f"table32_lo_{g}"] = (packed & 0xFFFFFFFF).to(torch.int64).where(
-            (packed & 0xFFFFFFFF) < (1 << 31), (packed & 0xFFFFFFFF) - (1 << 32)).to(torch.int32)
-        parts[f"table32_diff_{g}"] = (packed >> 32).to(torch.int32)
     for name in ("Wx", "Rh"):
         r = t[name + "_shift"].to(torch.int64) - 1 - t[name + "_mult_log2"].to(torch.int64)
         if bool((r < 1).any()) or bool((r > 30).any()):
