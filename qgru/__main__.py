@@ -24,7 +24,8 @@ def _build(args) -> int:
         else:
             print(f"{kind}: built and loaded ({native.build_dir(kind)})")
     for name, info in backends().items():
-        print(f"  backend {name:9s} {'available' if info['available'] else 'unavailable: ' + info['why']}")
+        state = 'available' if info['available'] else 'unavailable: ' + info['why']
+        print(f"  backend {name:9s} {state}" + (f" ({info['detail']})" if info.get("detail") else ""))
     return 1 if failed else 0
 
 

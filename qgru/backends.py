@@ -104,11 +104,14 @@ _warn_lock = threading.Lock()
 
 
 def backends() -> Dict[str, Dict[str, object]]:
-    """Every known backend: {"name": {"available": bool, "why": reason when unavailable}}."""
+    """Every known backend: {"name": {"available": bool, "why": reason when unavailable}}; the
+    available cpu backend also says which GEMMs it runs ("detail")."""
     out = {}
     for n, b in _REGISTRY.items():
         why = b.why_unavailable
         out[n] = {"available": not why, "why": why}
+        if n == "cpu" and not why:
+            out[n]["detail"] = native.cpu_gemm_detail()
     return out
 
 

@@ -377,6 +377,15 @@ def cpu_amx_enabled() -> bool:
     return os.environ.get("QGRU_CPU_AMX", "1") != "0"
 
 
+def cpu_gemm_detail() -> str:
+    """Which GEMMs new CPU layers use, and why (the cpu entry of qgru.backends())."""
+    if not load("cpu").amx_available():
+        return "oneDNN int8 GEMMs (this CPU or kernel offers no AMX)"
+    if not cpu_amx_enabled():
+        return "oneDNN int8 GEMMs (AMX turned off by QGRU_CPU_AMX=0)"
+    return "AMX int8 GEMMs; one fused pass per step where h and R have at most 8 bits"
+
+
 class NativeLayer:
     """One layer and direction on one native backend: the C++ Layer and the tensors it points into.
 

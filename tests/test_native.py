@@ -356,6 +356,20 @@ def test_integer_worst_case_accumulators(kind, cfg, mode, K, sign):
         assert torch.equal(got[1].cpu().long(), want[1])
 
 
+def test_cpu_gemm_path_follows_amx_switch(cpu_backend, monkeypatch):
+    """QGRU_CPU_AMX=0 (or amx=False) selects oneDNN; otherwise an AMX machine runs the fused step
+    for 8-bit h and R and the AMX GEMMs for wider h; qgru.backends() reports the same."""
+    amx = native.load("cpu").amx_available()
+    p8 = _converted(_cfg("w8a8"), 5, 20)._qparams[0][0]
+    p16 = _converted(_cfg("w8a16"), 5, 20)._qparams[0][0]
+    assert native.NativeLayer("cpu", p8, torch.device("cpu"), amx=False).gemm == "onednn"
+    assert native.NativeLayer("cpu", p8, torch.device("cpu")).gemm == ("amx-fused" if amx else "onednn")
+    assert native.NativeLayer("cpu", p16, torch.device("cpu")).gemm == ("amx" if amx else "onednn")
+    monkeypatch.setenv("QGRU_CPU_AMX", "0")
+    assert native.NativeLayer("cpu", p8, torch.device("cpu")).gemm == "onednn"
+    assert "oneDNN" in qgru.backends()["cpu"]["detail"]
+
+
 def test_integer_bit_exact_across_thread_counts(cpu_backend):
     """The CPU kernels split work across threads: 1 thread and the default give the same integers
     (a partitioning bug would show as a mismatch with golden under one of them)."""
@@ -554,7 +568,8 @@ def test_backends_report():
     rep = qgru.backends()
     assert set(rep) == {"reference", "cpu", "cuda"}
     assert rep["reference"] == {"available": True, "why": ""}
-    assert rep["cpu"] == {"available": True, "why": ""}, rep["cpu"]
+    assert rep["cpu"]["available"] is True and rep["cpu"]["why"] == "", rep["cpu"]
+    assert ("AMX" in rep["cpu"]["detail"]) == native.load("cpu").amx_available()
     if torch.version.cuda is None or not torch.cuda.is_available():
         assert rep["cuda"]["available"] is False
         assert isinstance(rep["cuda"]["why"], str) and rep["cuda"]["why"].strip()
