@@ -228,6 +228,8 @@ def section(bench: Bench, args) -> str:
     notes.append("ratios are speedups (baseline time / row time, > 1 is faster), against the baseline row "
                  "of the same scenario and call; bit-exact compares outputs and h_n with the reference backend")
     notes.append(f"target: {TARGETS[d]}")
+    if d == "cpu" and qgru.backends()["cpu"]["available"]:
+        notes.append(f"qgru cpu backend: {qgru.backends()['cpu']['detail']}")
     return "\n".join([
         f"<!-- bench:{d}:start -->",
         f"## {'CPU' if d == 'cpu' else 'GPU'}",
