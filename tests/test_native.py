@@ -359,6 +359,7 @@ def test_integer_worst_case_accumulators(kind, cfg, mode, K, sign):
 def test_cpu_gemm_path_follows_amx_switch(cpu_backend, monkeypatch):
     """QGRU_CPU_AMX=0 (or amx=False) selects oneDNN; otherwise an AMX machine runs the fused step
     for 8-bit h and R and the AMX GEMMs for wider h; qgru.backends() reports the same."""
+    monkeypatch.delenv("QGRU_CPU_AMX", raising=False)  # the cpu:onednn fixture may have set it
     amx = native.load("cpu").amx_available()
     p8 = _converted(_cfg("w8a8"), 5, 20)._qparams[0][0]
     p16 = _converted(_cfg("w8a16"), 5, 20)._qparams[0][0]
