@@ -5,8 +5,8 @@
 // and, for a few rows, a VNNI dot loop. Pointwise: the shared cell functions of qgru_cell.h,
 // parallel with at::parallel_for, inner loop over channels written for the compiler to vectorise.
 // With AMX and one limb pair (h and R of at most 8 bits) each step is one fused pass: a task
-// computes the three gates' R.h tiles for 16 hidden units and 16 batch rows and runs the cell on
-// them while they are in L1.
+// computes the three gates' R.h tiles for kFusedWidth hidden units and 16 batch rows and runs the
+// cell on them while they are in cache.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -270,9 +270,8 @@ class CpuLayer {
     h_bits_ = (int32_t)lt_.value("h_bits");
     pow2_ = lt_.value("pow2") != 0;
     acc32_ = lt_.value("acc32") != 0;
-    // "cpu_amx" = 0 asks for the oneDNN path even where AMX is available (tests, comparisons)
-    const auto want_amx = lt_.v.find("cpu_amx");
-    amx_ = amx::available() && (want_amx == lt_.v.end() || want_amx->second != 0);
+    // "cpu_amx" = 0 (QGRU_CPU_AMX=0, qgru/native.py) asks for oneDNN even where AMX is available
+    amx_ = amx::available() && lt_.value("cpu_amx") != 0;
     wx_.init(lt_, "x", amx_);
     rh_.init(lt_, "h", amx_);
     acc_x_ = lt_.acc("Wx");
@@ -315,7 +314,7 @@ class CpuLayer {
       input_chunk(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N);
       if (fused_) {
         QGRU_TIC(c0);
-        dispatch(1, [&](auto, auto pow2, auto acc32) {
+        dispatch(rh_.P, [&](auto, auto pow2, auto acc32) {  // P = 1 here: the flags are pow2, acc32
           fused_steps<pow2.value, acc32.value>(t0, tc, N, state.data_ptr<int32_t>(), out, len);
         });
         QGRU_TOC(prof_cell, c0);
