@@ -391,11 +391,15 @@ class CpuLayer {
       int8_t* h_out = ws_.h_fused[1 - ws_.cur][0].data_ptr<int8_t>();
       const int32_t* dwx_t = ws_.dwx.data_ptr<int32_t>() + (t - t0) * N * 3 * H;
       int32_t* out_t = out.data_ptr<int32_t>() + t * N * H;
-      at::parallel_for(0, HB * RT, 1, [&](int64_t i0, int64_t i1) {
+      // tasks handed out one at a time, not in fixed halves: on a shared 2-core VM the threads' speeds
+      // differ from step to step, and fixed halves left one waiting (measured ~10% of the step time)
+      std::atomic<int64_t> next{0};
+      const int64_t n_tasks = HB * RT;
+      at::parallel_for(0, std::min<int64_t>(n_tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
         amx::configure();
         alignas(64) int32_t acc[3 * T16 * W];  // [gate][row][unit]
         uint8_t active[T16];
-        for (int64_t i = i0; i < i1; ++i) {
+        for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_tasks;) {
           const int64_t b = i / RT, n0 = (i % RT) * T16;
           const int64_t rows = std::min(T16, N - n0), j0 = b * W, nj = std::min(W, H - j0);
           for (int64_t q = 0; q * T16 < nj; ++q)
