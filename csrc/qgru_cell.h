@@ -96,11 +96,19 @@ QGRU_HD int32_t requantize_acc32(const AccRequant32& a, int64_t c, int32_t produ
   return (q < a.lo ? a.lo : (q > a.hi ? a.hi : q)) - a.zp[c];
 }
 
-// requantize_acc for the kernels' template flags: ACC32 selects the int32 form above.
+// requantize_acc of a one-pair product (8-bit operands: the GEMM output is the exact product) for
+// the kernels' template flags: ACC32 selects the int32 form above.
+template <bool POW2, bool ACC32>
+QGRU_HD int64_t requantize_one(const AccRequant& a, const AccRequant32& a32, int64_t c, int32_t product) {
+  if (ACC32) return requantize_acc32(a32, c, product);
+  return requantize_acc<POW2>(a, c, product);
+}
+
+// requantize_acc of the limb products at (row, c), for the kernels' template flags.
 template <int NPAIRS, bool POW2, bool ACC32>
 QGRU_HD int64_t requantize_product(const AccRequant& a, const AccRequant32& a32, const LimbProducts& g,
                                    int64_t row, int64_t c) {
-  if (ACC32) return requantize_acc32(a32, c, g.G[0][row * g.ld + c]);
+  if (NPAIRS == 1) return requantize_one<POW2, ACC32>(a, a32, c, g.G[0][row * g.ld + c]);
   return requantize_acc<POW2>(a, c, exact_product<NPAIRS>(g, row, c));
 }
 

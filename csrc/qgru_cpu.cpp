@@ -4,9 +4,9 @@
 // once (qgru_amx.h) where the CPU and the kernel allow it, else through ATen's _int_mm (oneDNN)
 // and, for a few rows, a VNNI dot loop. Pointwise: the shared cell functions of qgru_cell.h,
 // parallel with at::parallel_for, inner loop over channels written for the compiler to vectorise.
-// With AMX and one limb pair (h and R of at most 8 bits) each step is one fused pass: a task
-// computes the three gates' R.h tiles for kFusedWidth hidden units and 16 batch rows and runs the
-// cell on them while they are in cache.
+// With AMX and one limb pair on both GEMMs (x, h, W and R of at most 8 bits) each step is one
+// fused pass: a task computes the three gates' W.x and R.h tiles for kFusedWidth hidden units and
+// 16 batch rows and runs the cell on them while they are in cache; no W.x is ever written out.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -42,6 +42,7 @@ double prof_in_gemm = 0, prof_in_epi = 0, prof_h_gemm = 0, prof_cell = 0;
 constexpr int64_t kInputChunkRows = 1024;  // rows of W.x per GEMM: measured fastest on oneDNN here
 constexpr int64_t kFusedWidth = 128;  // hidden units per fused task: measured best of 16, 64, 128, 256 (H = 512)
 constexpr int64_t kAmxChunkBytes = 1 << 20;  // W.x output per chunk on AMX: stays in L2 for its epilogue
+constexpr int64_t kFusedChunkBytes = 1 << 17;  // fused path: x's int8 rows per chunk, converted right before use
 constexpr int64_t kChannelBlock = 128;     // channels per parallel work item
 constexpr int64_t kMinParallelWork = 4096; // cell elements per thread, at least
 
@@ -83,21 +84,23 @@ QGRU_NOINLINE void cell_block(const CellParams p, const LimbProducts lp, int64_t
   }
 }
 
-// The fused path's cells for channels [j0, j0 + nj) of one batch row, from the three gates' R.h
-// accumulators of that row (acc_r, acc_z, acc_g, indexed from j0). wx: the row's 3H Wx - Z_Wx;
-// s / o: the row's state and output; h_out: the row's int8 h for the next step. One row per call,
-// in the shape of cell_block.
+// The fused path's cells for channels [j0, j0 + nj) of one batch row, from the row's W.x and R.h
+// accumulators of the three gates (gate q's at x[q * gs] and h[q * gs], indexed from j0);
+// wx / wx32: the W.x requantization; s / o: the row's state and output; h_out: the row's int8 h
+// for the next step. One row per call, in the shape of cell_block.
 template <bool POW2, bool ACC32>
-QGRU_NOINLINE void cell_row(const CellParams p, int64_t j0, int64_t nj, const int32_t* __restrict acc_r,
-                            const int32_t* __restrict acc_z, const int32_t* __restrict acc_g,
-                            const int32_t* __restrict wx, int32_t* __restrict s, int32_t* __restrict o,
-                            int8_t* __restrict h_out) {
+QGRU_NOINLINE void cell_row(const CellParams p, const AccRequant wx, const AccRequant32 wx32, int64_t j0,
+                            int64_t nj, const int32_t* __restrict x, const int32_t* __restrict h, int64_t gs,
+                            int32_t* __restrict s, int32_t* __restrict o, int8_t* __restrict h_out) {
   const int64_t H = p.H;
 #pragma omp simd
   for (int64_t c = 0; c < nj; ++c) {
     const int64_t j = j0 + c;
+    const int32_t d_wx_r = (int32_t)requantize_one<POW2, ACC32>(wx, wx32, j, x[c]);
+    const int32_t d_wx_z = (int32_t)requantize_one<POW2, ACC32>(wx, wx32, H + j, x[gs + c]);
+    const int32_t d_wx_g = (int32_t)requantize_one<POW2, ACC32>(wx, wx32, 2 * H + j, x[2 * gs + c]);
     const int32_t h_new =
-        (int32_t)gru_cell_acc<POW2, ACC32>(p, j, acc_r[c], acc_z[c], acc_g[c], wx[j], wx[H + j], wx[2 * H + j], s[j]);
+        (int32_t)gru_cell_acc<POW2, ACC32>(p, j, h[c], h[gs + c], h[2 * gs + c], d_wx_r, d_wx_z, d_wx_g, s[j]);
     s[j] = h_new;
     o[j] = h_new;
   }
@@ -107,17 +110,19 @@ QGRU_NOINLINE void cell_row(const CellParams p, int64_t j0, int64_t nj, const in
 }
 
 // The fused path's cells of one task: rows x nj elements (batch rows n0 + r, channels j0 + c) from
-// the three gates' R.h tiles acc ([3][16][kFusedWidth] int32). Rows past their sequence length carry their
-// state. Pointers are at row n0; wx, s, o have row strides 3H, H, H; h_in / h_out, the int8 h of
-// this step and the next, stride lda.
+// the three gates' W.x and R.h tiles acc_x, acc_h ([3][16][kFusedWidth] int32). Rows past their
+// sequence length carry their state. Pointers are at row n0; s, o have row stride H; h_in / h_out,
+// the int8 h of this step and the next, stride lda.
 template <bool POW2, bool ACC32>
-void cell_tile(const CellParams& p, int64_t j0, int64_t nj, int64_t rows, const uint8_t* active, const int32_t* acc,
-               const int32_t* wx, int32_t* s, int32_t* o, const int8_t* h_in, int8_t* h_out, int64_t lda) {
+void cell_tile(const CellParams& p, const AccRequant& wx, const AccRequant32& wx32, int64_t j0, int64_t nj,
+               int64_t rows, const uint8_t* active, const int32_t* acc_x, const int32_t* acc_h, int32_t* s,
+               int32_t* o, const int8_t* h_in, int8_t* h_out, int64_t lda) {
   const int64_t H = p.H;
+  constexpr int64_t gs = amx::kTile * kFusedWidth;  // from one gate's tile rows to the next's
   for (int64_t r = 0; r < rows; ++r) {
     if (active[r]) {
-      const int32_t* a = acc + r * kFusedWidth;
-      cell_row<POW2, ACC32>(p, j0, nj, a, a + amx::kTile * kFusedWidth, a + 2 * amx::kTile * kFusedWidth, wx + r * 3 * H, s + r * H, o + r * H, h_out + r * lda);
+      cell_row<POW2, ACC32>(p, wx, wx32, j0, nj, acc_x + r * kFusedWidth, acc_h + r * kFusedWidth, gs, s + r * H,
+                            o + r * H, h_out + r * lda);
     } else {
       for (int64_t c = j0; c < j0 + nj; ++c) {
         o[r * H + c] = s[r * H + c];
@@ -277,8 +282,11 @@ class CpuLayer {
     acc_x_ = lt_.acc("Wx");
     acc_x32_ = lt_.acc32("Wx");
     cell_ = lt_.cell();
-    fused_ = amx_ && rh_.P == 1;
-    if (fused_) pack_gate_blocks();
+    fused_ = amx_ && rh_.P == 1 && wx_.P == 1;
+    if (fused_) {
+      gate_blocks_x_ = pack_gate_blocks(wx_);
+      gate_blocks_h_ = pack_gate_blocks(rh_);
+    }
   }
 
   // "amx-fused" (one pass per step), "amx" (AMX GEMMs, separate cell pass) or "onednn".
@@ -304,14 +312,20 @@ class CpuLayer {
     // W.x is computed for a chunk of steps at a time, right before those steps run: its buffers
     // stay small and warm in cache, and are reused across chunks and calls (fresh large buffers
     // cost page faults that measured as much as the arithmetic)
-    const int64_t chunk_rows = amx_ ? kAmxChunkBytes / (4 * M_pad_ * wx_.P) : kInputChunkRows;
+    // (fused: only x's int8 rows are kept per chunk, W.x is computed inside the steps)
+    const int64_t chunk_rows = fused_ ? kFusedChunkBytes / wx_.act_ld()
+                                      : (amx_ ? kAmxChunkBytes / (4 * M_pad_ * wx_.P) : kInputChunkRows);
     const int64_t steps = std::max<int64_t>(1, std::min<int64_t>(T, chunk_rows / N));
     ensure_workspace(steps * N, N);
     split_limbs(state.data_ptr<int32_t>(), N, H_, h_bits_, fused_ ? ws_.h_fused[0] : ws_.h_limbs);
     ws_.cur = 0;
     for (int64_t t0 = 0; t0 < T; t0 += steps) {
       const int64_t tc = std::min(steps, T - t0);
-      input_chunk(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N);
+      if (fused_) {
+        split_limbs(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N, I_, x_bits_, ws_.x_limbs);
+      } else {
+        input_chunk(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N);
+      }
       if (fused_) {
         QGRU_TIC(c0);
         dispatch(rh_.P, [&](auto, auto pow2, auto acc32) {  // P = 1 here: the flags are pow2, acc32
@@ -340,11 +354,14 @@ class CpuLayer {
       ws_.x_limbs.clear();
       ws_.Gx.clear();
       const int n_act = x_bits_ > 8 ? 2 : 1;
-      const int64_t br = wx_.buffer_rows(rows);
+      // fused: a step's last row tile may reach 15 rows past the chunk's rows
+      const int64_t br = fused_ ? rows + amx::kTile : wx_.buffer_rows(rows);
       // zeroed once: the K padding must read as 0 in every GEMM and is never written
       for (int i = 0; i < n_act; ++i) ws_.x_limbs.push_back(at::zeros({br, wx_.act_ld()}, i8));
-      for (int64_t p = 0; p < wx_.P; ++p) ws_.Gx.push_back(at::empty({br, M_pad_}, i32));
-      ws_.dwx = at::empty({rows, 3 * H_}, i32);
+      if (!fused_) {
+        for (int64_t p = 0; p < wx_.P; ++p) ws_.Gx.push_back(at::empty({br, M_pad_}, i32));
+        ws_.dwx = at::empty({rows, 3 * H_}, i32);
+      }
       ws_.rows = rows;
     }
     if (ws_.N < N) {
@@ -362,34 +379,40 @@ class CpuLayer {
     }
   }
 
-  // R as B tiles grouped per block of 16 hidden units: the block's r, z and g column tiles
-  // (channels j, H + j, 2H + j) one after the other, so one task gets all three gates of its units.
-  void pack_gate_blocks() {
-    const at::Tensor& w = rh_.weight_limbs[0];
+  // W or R (the one int8 limb of g) as B tiles grouped per block of 16 hidden units: the block's
+  // r, z and g column tiles (channels j, H + j, 2H + j) one after the other, so one task gets all
+  // three gates of its units.
+  at::Tensor pack_gate_blocks(const Gemm& g) const {
+    const at::Tensor& w = g.weight_limbs[0];
     const int64_t H = H_, HB = amx::tiles(H, amx::kTile);
-    gate_blocks_ = at::empty({3 * HB * rh_.KT * amx::kTileBytes}, w.options());
+    at::Tensor blocks = at::empty({3 * HB * g.KT * amx::kTileBytes}, w.options());
     amx::pack_b(w.data_ptr<int8_t>(), w.size(1), w.size(1), 3 * HB, [H](int64_t m) {
       const int64_t tile = m / amx::kTile, j = (tile / 3) * amx::kTile + m % amx::kTile;
       return j < H ? (tile % 3) * H + j : int64_t(-1);
-    }, gate_blocks_.data_ptr<int8_t>());
+    }, blocks.data_ptr<int8_t>());
+    return blocks;
   }
 
-  // Steps t0 .. t0 + tc - 1 on the fused path: per step one parallel pass over tasks (block of
-  // kFusedWidth hidden units, tile of 16 batch rows), each computing its R.h tiles and then the
-  // cell on them while they are in L1.
+  // Steps t0 .. t0 + tc - 1 on the fused path, x's int8 rows of the chunk in ws_.x_limbs: per step
+  // one parallel pass over tasks (block of kFusedWidth hidden units, tile of 16 batch rows), each
+  // computing its W.x and R.h tiles and then the cell on them while they are in L1.
   template <bool POW2, bool ACC32>
   void fused_steps(int64_t t0, int64_t tc, int64_t N, int32_t* state, at::Tensor& out, const int64_t* lengths) {
 #if QGRU_HAVE_AMX
     constexpr int64_t W = kFusedWidth, T16 = amx::kTile;
-    const int64_t H = H_, HB = amx::tiles(H, W), RT = amx::tiles(N, T16), KT = rh_.KT;
-    const int64_t lda = ws_.h_fused[0][0].size(1);
-    const int8_t* blocks = gate_blocks_.data_ptr<int8_t>();
-    const int64_t block_bytes = 3 * KT * amx::kTileBytes;  // one block of 16 units in gate_blocks_
+    const int64_t H = H_, HB = amx::tiles(H, W), RT = amx::tiles(N, T16);
+    const int64_t lda = ws_.h_fused[0][0].size(1), ldx = ws_.x_limbs[0].size(1);
+    const int8_t* blocks_x = gate_blocks_x_.data_ptr<int8_t>();
+    const int8_t* blocks_h = gate_blocks_h_.data_ptr<int8_t>();
+    // one block of 16 units in gate_blocks_x_ / gate_blocks_h_
+    const int64_t bytes_x = 3 * wx_.KT * amx::kTileBytes, bytes_h = 3 * rh_.KT * amx::kTileBytes;
     const CellParams p = cell_;
+    const AccRequant wx = acc_x_;
+    const AccRequant32 wx32 = acc_x32_;
     for (int64_t t = t0; t < t0 + tc; ++t) {
       const int8_t* h_in = ws_.h_fused[ws_.cur][0].data_ptr<int8_t>();
       int8_t* h_out = ws_.h_fused[1 - ws_.cur][0].data_ptr<int8_t>();
-      const int32_t* dwx_t = ws_.dwx.data_ptr<int32_t>() + (t - t0) * N * 3 * H;
+      const int8_t* x_t = ws_.x_limbs[0].data_ptr<int8_t>() + (t - t0) * N * ldx;
       int32_t* out_t = out.data_ptr<int32_t>() + t * N * H;
       // tasks handed out one at a time, not in fixed halves: on a shared 2-core VM the threads' speeds
       // differ from step to step, and fixed halves left one waiting (measured ~10% of the step time)
@@ -397,15 +420,18 @@ class CpuLayer {
       const int64_t n_tasks = HB * RT;
       at::parallel_for(0, std::min<int64_t>(n_tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
         amx::configure();
-        alignas(64) int32_t acc[3 * T16 * W];  // [gate][row][unit]
+        alignas(64) int32_t acc_x[3 * T16 * W], acc_h[3 * T16 * W];  // [gate][row][unit]
         uint8_t active[T16];
         for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_tasks;) {
           const int64_t b = i / RT, n0 = (i % RT) * T16;
           const int64_t rows = std::min(T16, N - n0), j0 = b * W, nj = std::min(W, H - j0);
-          for (int64_t q = 0; q * T16 < nj; ++q)
-            amx::gate_tiles(h_in + n0 * lda, lda, blocks + (j0 / T16 + q) * block_bytes, KT, acc + q * T16, W, T16 * W);
+          for (int64_t q = 0; q * T16 < nj; ++q) {
+            const int64_t ub = j0 / T16 + q;  // the block of 16 units
+            amx::gate_tiles(x_t + n0 * ldx, ldx, blocks_x + ub * bytes_x, wx_.KT, acc_x + q * T16, W, T16 * W);
+            amx::gate_tiles(h_in + n0 * lda, lda, blocks_h + ub * bytes_h, rh_.KT, acc_h + q * T16, W, T16 * W);
+          }
           for (int64_t r = 0; r < rows; ++r) active[r] = lengths == nullptr || t < lengths[n0 + r];
-          cell_tile<POW2, ACC32>(p, j0, nj, rows, active, acc, dwx_t + n0 * 3 * H, state + n0 * H, out_t + n0 * H,
+          cell_tile<POW2, ACC32>(p, wx, wx32, j0, nj, rows, active, acc_x, acc_h, state + n0 * H, out_t + n0 * H,
                                  h_in + n0 * lda, h_out + n0 * lda, lda);
         }
       });
@@ -498,7 +524,7 @@ class CpuLayer {
   LayerTensors lt_;
   std::mutex mu_;
   bool amx_ = false, fused_ = false;
-  at::Tensor gate_blocks_;  // fused path: R packed by pack_gate_blocks
+  at::Tensor gate_blocks_x_, gate_blocks_h_;  // fused path: W and R packed by pack_gate_blocks
   Workspace ws_;
   int64_t H_, I_, M_pad_, ones_col_;
   int32_t x_bits_, h_bits_;

@@ -87,13 +87,14 @@ def kind(request):
             os.environ["QGRU_CPU_AMX"] = before
 
 
-def _expected_gemms(kind: str):
-    """The CPU GEMM paths a Layer of this test kind may report (NativeLayer.gemm)."""
+def _expected_gemm(kind: str, bits) -> str:
+    """The GEMM path (NativeLayer.gemm) a Layer of this test kind must take for these bit widths:
+    on an AMX machine the fused step needs one int8 limb on both GEMMs (x, h, W, R <= 8 bits)."""
     if kind == "cuda":
-        return {"cublas"}
+        return "cublas"
     if kind == "cpu:onednn" or not native.cpu_amx_enabled() or not native.load("cpu").amx_available():
-        return {"onednn"}
-    return {"amx", "amx-fused"}
+        return "onednn"
+    return "amx-fused" if max(bits[k] for k in ("x", "h", "W", "R")) <= 8 else "amx"
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +195,10 @@ def _assert_native_ran(m: qgru.QuantGRU, kind: str) -> None:
     rows = [row for key, rs in m._qparams_on.items() if key.startswith(dev_type) for row in rs]
     assert rows and all(any(k[0] == _backend(kind) for k in p.__dict__.get("_native", {})) for row in rows for p in row), \
         f"the {kind} backend was not used"
-    gemms = {layer.gemm for row in rows for p in row for layer in p.__dict__["_native"].values()}
-    assert gemms <= _expected_gemms(kind), gemms
+    for p in (p for row in rows for p in row):
+        for key, layer in p.__dict__["_native"].items():
+            if key[0] == _backend(kind):
+                assert layer.gemm == _expected_gemm(kind, p.bits), (layer.gemm, p.bits)
 
 
 def _far_inputs(x: torch.Tensor, scale: float, inf: bool, gen: torch.Generator) -> torch.Tensor:
@@ -263,7 +266,7 @@ def _check_integer(kind: str, p: golden.LayerParams, T: int, N: int, with_length
     dev = _device(kind)
     pd = p if dev.type == "cpu" else p.to(dev)
     got_out, got_h = native.gru_direction(_backend(kind))(pd, qx.to(dev), qh0.to(dev), _to(lengths, dev))
-    assert {layer.gemm for layer in pd.__dict__["_native"].values()} <= _expected_gemms(kind)
+    assert {layer.gemm for layer in pd.__dict__["_native"].values()} == {_expected_gemm(kind, p.bits)}
     assert got_out.dtype == torch.int32 and got_h.dtype == torch.int32
     assert got_out.shape == (T, N, p.hidden_size) and got_h.shape == (N, p.hidden_size)
     got_out, got_h = got_out.cpu().long(), got_h.cpu().long()
@@ -306,7 +309,7 @@ def test_integer_bit_exact_sizes(kind, cfg, mode, I, H):
     ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-4, 5), "Rh": per(-3, 2),
               "r_pre": one(-6, 6), "z_pre": one(-6, 6), "g_pre": one(-5, 7)}
     p = _random_layer(config, I, H, ranges, w_exp=-2, b_exp=-2, zero_row=False, seed=I * 1000 + H)
-    # N = 37: three 16-row tiles, the last partial; T = 30 x 37 rows of W.x: more than one chunk
+    # N = 37: three 16-row tiles, the last partial; T = 30 x 37 rows of x: more than one chunk of steps
     for T, N, lengths in ((30, 3, True), (1, 1, False), (0, 2, False), (5, 7, True), (3, 1, False), (30, 37, True)):
         _check_integer(kind, p, T, N, lengths, seed=T * 10 + N)
 
@@ -358,14 +361,17 @@ def test_integer_worst_case_accumulators(kind, cfg, mode, K, sign):
 
 def test_cpu_gemm_path_follows_amx_switch(cpu_backend, monkeypatch):
     """QGRU_CPU_AMX=0 (or amx=False) selects oneDNN; otherwise an AMX machine runs the fused step
-    for 8-bit h and R and the AMX GEMMs for wider h; qgru.backends() reports the same."""
+    when x, h, W and R have 8 bits and the AMX GEMMs when any is wider; qgru.backends() reports
+    the same."""
     monkeypatch.delenv("QGRU_CPU_AMX", raising=False)  # the cpu:onednn fixture may have set it
     amx = native.load("cpu").amx_available()
     p8 = _converted(_cfg("w8a8"), 5, 20)._qparams[0][0]
     p16 = _converted(_cfg("w8a16"), 5, 20)._qparams[0][0]
+    p_x16 = _converted(_cfg("w8a8", tensors={"x": {"bits": 16}}), 5, 20)._qparams[0][0]
     assert native.NativeLayer("cpu", p8, torch.device("cpu"), amx=False).gemm == "onednn"
     assert native.NativeLayer("cpu", p8, torch.device("cpu")).gemm == ("amx-fused" if amx else "onednn")
     assert native.NativeLayer("cpu", p16, torch.device("cpu")).gemm == ("amx" if amx else "onednn")
+    assert native.NativeLayer("cpu", p_x16, torch.device("cpu")).gemm == ("amx" if amx else "onednn")
     monkeypatch.setenv("QGRU_CPU_AMX", "0")
     assert native.NativeLayer("cpu", p8, torch.device("cpu")).gemm == "onednn"
     assert "oneDNN" in qgru.backends()["cpu"]["detail"]
