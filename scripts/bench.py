@@ -2,8 +2,12 @@
 """Speed of qgru against float nn.GRU, torch's dynamic-quant GRU and cuDNN: one run, one table per device.
 
 Every model in a scenario is timed on the same input tensor: warm-up calls, then the median of
-``--repeats`` calls (the reference backend, a Python loop over time steps at about 1 s per call,
-gets min(repeats, 3)). CPU timings use time.perf_counter, GPU timings CUDA events. Every qgru
+``--repeats`` calls. The models of a scenario take their repeats in turns (ROUNDS rounds; in each,
+every model makes one untimed call, then its share of the timed calls back to back), so that a
+shared machine's speed drifting during the run shifts them alike and their ratios hold, while each
+model still runs warm, as a model serving a stream of calls does. The
+reference backend (a Python loop over time steps at about 1 s per call) is timed on its own, with
+min(repeats, 3) repeats. CPU timings use time.perf_counter, GPU timings CUDA events. Every qgru
 backend's output (and h_n) is checked bit for bit against the reference backend's on the same input.
 
 Scenarios (issue targets in brackets):
@@ -43,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from accuracy import dynamic_quant_gru  # noqa: E402
 
 REF_REPEATS = 3  # the reference backend's cap on --repeats
+ROUNDS = 5  # turns the models of a scenario take at their repeats (timed_together)
 OTHER_DEVICE_BACKEND = {"cpu": "cuda", "cuda": "cpu"}  # backends that never run on the given device
 BASELINES = {"cpu": ["float nn.GRU", "torch dynamic-quant"], "cuda": ["cuDNN fp32", "cuDNN fp16"]}
 TARGETS = {"cpu": "CPU, 2 threads, T=100 N=64 I=256 H=512, w8a8: >= 2x faster than torch dynamic-quant "
@@ -51,26 +56,45 @@ TARGETS = {"cpu": "CPU, 2 threads, T=100 N=64 I=256 H=512, w8a8: >= 2x faster th
                    "than cuDNN fp16."}
 
 
-def timed(fn, device: str, warmup: int, repeats: int):
-    """(median ms per call, output of the first call)."""
-    out = fn()
-    for _ in range(max(warmup - 1, 0)):
+def time_once(fn, device: str) -> float:
+    """Milliseconds of one fn() call."""
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
         fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def timed_together(fns, device: str, warmup: int, repeats: int):
+    """([median ms per call of each fn], [output of each fn's first call]): every fn is warmed up,
+    then the repeats are split into up to ROUNDS rounds; in a round each fn in turn makes one
+    untimed call (its caches refilled after the others ran) and then its timed calls."""
+    outs = [fn() for fn in fns]
+    for _ in range(max(warmup - 1, 0)):
+        for fn in fns:
             fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
+    rounds = max(1, min(ROUNDS, repeats))
+    times = [[] for _ in fns]
+    for k in range(rounds):
+        n = repeats // rounds + (1 if k < repeats % rounds else 0)
+        for t, fn in zip(times, fns):
             fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), out
+            t.extend(time_once(fn, device) for _ in range(n))
+    return [statistics.median(t) for t in times], outs
+
+
+def in_backend(name: str, fn):
+    """fn run with qgru's backend forced to ``name`` (timing happens after the caller's block)."""
+    def run():
+        with qgru.backend(name):
+            return fn()
+    return run
 
 
 def full_call(m, x):
@@ -90,7 +114,7 @@ def step_calls(m, x):
 
 class Bench:
     def __init__(self, args, device: str):
-        self.args, self.device, self.rows, self.notes = args, device, [], []
+        self.args, self.device, self.rows, self.notes, self.pending = args, device, [], [], []
         names = qgru.backends()
         self.backends = []
         for name, info in names.items():
@@ -105,30 +129,49 @@ class Bench:
             self.backends.insert(0, "reference")
 
     def add(self, scenario, model, backend, call, T, fn, expected=None, reference=False, calls=1):
-        """Time fn (which makes `calls` calls of T steps each); report per call and per step."""
-        repeats = min(self.args.repeats, REF_REPEATS) if reference else self.args.repeats
-        warmup = 1 if reference else self.args.warmup
-        try:
-            with torch.inference_mode():
-                ms, out = timed(fn, self.device, warmup, repeats)
-            ms /= calls
-        except Exception as e:  # noqa: BLE001 - a failing model is reported, the others still run
-            self.notes.append(f"{scenario} / {model} / {backend} / {call}: failed ({type(e).__name__}: {e})")
+        """Queue fn (which makes `calls` calls of T steps each) for the next flush(), which times
+        the queued models together and reports per call and per step. reference=True times fn now,
+        on its own, and returns its output (None if it failed)."""
+        row = dict(scenario=scenario, model=model, backend=backend, call=call, ms=None, T=T, calls=calls,
+                   fn=fn, expected=expected, exact="ref" if reference else "—")
+        self.rows.append(row)
+        if not reference:
+            self.pending.append(row)
             return None
-        exact = "ref" if reference else "—"
-        if expected is not None:
-            same = torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
-            exact = "yes" if same else "NO"
-        self.rows.append(dict(scenario=scenario, model=model, backend=backend, call=call, ms=ms,
-                              us_step=ms * 1e3 / T, exact=exact))
-        return out
+        self._run([row], warmup=1, repeats=min(self.args.repeats, REF_REPEATS))
+        return row.get("out")
+
+    def flush(self):
+        """Time the queued models together (timed_together)."""
+        rows, self.pending = self.pending, []
+        self._run(rows, self.args.warmup, self.args.repeats)
+
+    def _run(self, rows, warmup, repeats):
+        ok = []
+        with torch.inference_mode():
+            for r in rows:  # a failing model is reported and dropped, the others still run
+                try:
+                    r["fn"]()
+                    ok.append(r)
+                except Exception as e:  # noqa: BLE001
+                    self.notes.append(f"{r['scenario']} / {r['model']} / {r['backend']} / {r['call']}: failed "
+                                      f"({type(e).__name__}: {e})")
+                    self.rows.remove(r)
+            if not ok:
+                return
+            times, outs = timed_together([r["fn"] for r in ok], self.device, warmup, repeats)
+        for r, ms, out in zip(ok, times, outs):
+            r["ms"], r["out"] = ms / r["calls"], out
+            r["us_step"] = r["ms"] * 1e3 / r["T"]
+            if r["expected"] is not None:
+                same = torch.equal(out[0], r["expected"][0]) and torch.equal(out[1], r["expected"][1])
+                r["exact"] = "yes" if same else "NO"
 
     def qgru_rows(self, scenario, q, cfg, call, T, make, calls=1):
         expected = None
         for b in self.backends:
-            with qgru.backend(b):
-                out = self.add(scenario, f"qgru {cfg}", b, call, T, make(q), expected,
-                               reference=(b == "reference"), calls=calls)
+            out = self.add(scenario, f"qgru {cfg}", b, call, T, in_backend(b, make(q)), expected,
+                           reference=(b == "reference"), calls=calls)
             if b == "reference":
                 expected = out
 
@@ -156,6 +199,7 @@ def bench_cpu(args, configs) -> Bench:
         bench.add(sc, "torch dynamic-quant", "torch", f"T={T}", T, full_call(dq, x))
     for cfg, q in qs.items():
         bench.qgru_rows(sc, q, cfg, f"T={T}", T, lambda m: full_call(m, x))
+    bench.flush()
 
     # streaming: batch 1, the same (already calibrated) models; calibration does not depend on N
     xs = torch.randn(T, 1, I)
@@ -166,6 +210,7 @@ def bench_cpu(args, configs) -> Bench:
             bench.add(sc, "torch dynamic-quant", "torch", call, Tc, make(dq, xs), calls=calls)
         for cfg, q in qs.items():
             bench.qgru_rows(sc, q, cfg, call, Tc, lambda m, make=make: make(m, xs), calls=calls)
+        bench.flush()
     bench.notes.append("streaming reuses the throughput models' calibration; `T=1 xT` rows time T "
                        "single-step calls carrying h (one timed repeat = all T calls) and report the time per call (= per step)")
     return bench
@@ -186,6 +231,7 @@ def bench_cuda(args, configs) -> Bench:
         bench.add(sc, "float nn.GRU", "cuDNN fp16", f"T={T}", T, full_call(gru16, x16))
         for cfg, q in qs.items():
             bench.qgru_rows(sc, q.cuda(), cfg, f"T={T}", T, lambda m: full_call(m, x))
+        bench.flush()
         del gru, gru16, qs
         torch.cuda.empty_cache()
     return bench
@@ -223,8 +269,9 @@ def section(bench: Bench, args) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     gpu = f"; GPU {torch.cuda.get_device_name()}" if d == "cuda" else ""
     notes = list(bench.notes)
-    notes.append(f"median of {args.repeats} repeats after {args.warmup} warm-up run(s); the reference backend "
-                 f"(golden model, a Python loop over steps) gets 1 warm-up and min(repeats, {REF_REPEATS}) repeats")
+    notes.append(f"median of {args.repeats} repeats after {args.warmup} warm-up run(s), the models of a scenario "
+                 f"taking their repeats in {ROUNDS} turns; the reference backend (golden model, a Python loop over steps) "
+                 f"is timed alone: 1 warm-up and min(repeats, {REF_REPEATS}) repeats")
     notes.append("ratios are speedups (baseline time / row time, > 1 is faster), against the baseline row "
                  "of the same scenario and call; bit-exact compares outputs and h_n with the reference backend")
     notes.append(f"target: {TARGETS[d]}")
