@@ -383,7 +383,7 @@ def cpu_gemm_detail() -> str:
         return "oneDNN int8 GEMMs (this CPU or kernel offers no AMX)"
     if not cpu_amx_enabled():
         return "oneDNN int8 GEMMs (AMX turned off by QGRU_CPU_AMX=0)"
-    return "AMX int8 GEMMs; one fused pass per step where h and R have at most 8 bits"
+    return "AMX int8 GEMMs; one fused pass per step (W.x, R.h and the cell) where x, h, W and R have at most 8 bits"
 
 
 class NativeLayer:
