@@ -84,21 +84,23 @@ QGRU_NOINLINE void cell_block(const CellParams p, const LimbProducts lp, int64_t
   }
 }
 
-// The fused path's cells for channels [j0, j0 + nj) of one batch row, from the row's W.x and R.h
-// accumulators of the three gates (gate q's at x[q * gs] and h[q * gs], indexed from j0);
-// wx / wx32: the W.x requantization; s / o: the row's state and output; h_out: the row's int8 h
-// for the next step. One row per call, in the shape of cell_block.
-template <bool POW2, bool ACC32>
+// The fused path's cells for channels [j0, j0 + nj) of one batch row, from the row's R.h
+// accumulators of the three gates (gate q's at h[q * gs], indexed from j0) and its W.x: with XACC
+// the W.x accumulators (x[q * xs], requantized here with wx / wx32), else Wx - Z_Wx itself. s / o:
+// the row's state and output; h_out: the row's int8 h for the next step. One row per call, in the
+// shape of cell_block.
+template <bool POW2, bool ACC32, bool XACC>
 QGRU_NOINLINE void cell_row(const CellParams p, const AccRequant wx, const AccRequant32 wx32, int64_t j0,
-                            int64_t nj, const int32_t* __restrict x, const int32_t* __restrict h, int64_t gs,
-                            int32_t* __restrict s, int32_t* __restrict o, int8_t* __restrict h_out) {
+                            int64_t nj, const int32_t* __restrict x, int64_t xs, const int32_t* __restrict h,
+                            int64_t gs, int32_t* __restrict s, int32_t* __restrict o, int8_t* __restrict h_out) {
   const int64_t H = p.H;
 #pragma omp simd
   for (int64_t c = 0; c < nj; ++c) {
     const int64_t j = j0 + c;
-    const int32_t d_wx_r = (int32_t)requantize_one<POW2, ACC32>(wx, wx32, j, x[c]);
-    const int32_t d_wx_z = (int32_t)requantize_one<POW2, ACC32>(wx, wx32, H + j, x[gs + c]);
-    const int32_t d_wx_g = (int32_t)requantize_one<POW2, ACC32>(wx, wx32, 2 * H + j, x[2 * gs + c]);
+    const int32_t d_wx_r = XACC ? (int32_t)requantize_one<POW2, ACC32>(wx, wx32, j, x[c]) : x[c];
+    const int32_t d_wx_z = XACC ? (int32_t)requantize_one<POW2, ACC32>(wx, wx32, H + j, x[xs + c]) : x[xs + c];
+    const int32_t d_wx_g =
+        XACC ? (int32_t)requantize_one<POW2, ACC32>(wx, wx32, 2 * H + j, x[2 * xs + c]) : x[2 * xs + c];
     const int32_t h_new =
         (int32_t)gru_cell_acc<POW2, ACC32>(p, j, h[c], h[gs + c], h[2 * gs + c], d_wx_r, d_wx_z, d_wx_g, s[j]);
     s[j] = h_new;
@@ -110,19 +112,21 @@ QGRU_NOINLINE void cell_row(const CellParams p, const AccRequant wx, const AccRe
 }
 
 // The fused path's cells of one task: rows x nj elements (batch rows n0 + r, channels j0 + c) from
-// the three gates' W.x and R.h tiles acc_x, acc_h ([3][16][kFusedWidth] int32). Rows past their
-// sequence length carry their state. Pointers are at row n0; s, o have row stride H; h_in / h_out,
-// the int8 h of this step and the next, stride lda.
-template <bool POW2, bool ACC32>
+// the three gates' R.h tiles acc_h ([3][16][kFusedWidth] int32) and their W.x: with XACC the W.x
+// tiles x (same layout), else the rows' Wx - Z_Wx x ([rows, 3H]). Rows past their sequence length
+// carry their state. Pointers are at row n0; s, o have row stride H; h_in / h_out, the int8 h of
+// this step and the next, stride lda.
+template <bool POW2, bool ACC32, bool XACC>
 void cell_tile(const CellParams& p, const AccRequant& wx, const AccRequant32& wx32, int64_t j0, int64_t nj,
-               int64_t rows, const uint8_t* active, const int32_t* acc_x, const int32_t* acc_h, int32_t* s,
+               int64_t rows, const uint8_t* active, const int32_t* x, const int32_t* acc_h, int32_t* s,
                int32_t* o, const int8_t* h_in, int8_t* h_out, int64_t lda) {
   const int64_t H = p.H;
   constexpr int64_t gs = amx::kTile * kFusedWidth;  // from one gate's tile rows to the next's
   for (int64_t r = 0; r < rows; ++r) {
     if (active[r]) {
-      cell_row<POW2, ACC32>(p, wx, wx32, j0, nj, acc_x + r * kFusedWidth, acc_h + r * kFusedWidth, gs, s + r * H,
-                            o + r * H, h_out + r * lda);
+      const int32_t* xr = XACC ? x + r * kFusedWidth : x + r * 3 * H + j0;
+      cell_row<POW2, ACC32, XACC>(p, wx, wx32, j0, nj, xr, XACC ? gs : H, acc_h + r * kFusedWidth, gs, s + r * H,
+                                  o + r * H, h_out + r * lda);
     } else {
       for (int64_t c = j0; c < j0 + nj; ++c) {
         o[r * H + c] = s[r * H + c];
@@ -311,17 +315,19 @@ class CpuLayer {
     std::lock_guard<std::mutex> lock(mu_);  // the workspace is shared by calls on this layer
     // W.x is computed for a chunk of steps at a time, right before those steps run: its buffers
     // stay small and warm in cache, and are reused across chunks and calls (fresh large buffers
-    // cost page faults that measured as much as the arithmetic)
-    // (fused: only x's int8 rows are kept per chunk, W.x is computed inside the steps)
-    const int64_t chunk_rows = fused_ ? kFusedChunkBytes / wx_.act_ld()
-                                      : (amx_ ? kAmxChunkBytes / (4 * M_pad_ * wx_.P) : kInputChunkRows);
+    // cost page faults that measured as much as the arithmetic). The fused path computes W.x
+    // inside the steps (only x's int8 rows are kept per chunk) once a step fills a 16-row tile;
+    // for fewer rows a tile would be mostly padding, and W.x of the chunk's steps is one GEMM.
+    const bool wx_in_step = fused_ && N >= amx::kTile;
+    const int64_t chunk_rows = wx_in_step ? kFusedChunkBytes / wx_.act_ld()
+                                          : (amx_ ? kAmxChunkBytes / (4 * M_pad_ * wx_.P) : kInputChunkRows);
     const int64_t steps = std::max<int64_t>(1, std::min<int64_t>(T, chunk_rows / N));
-    ensure_workspace(steps * N, N);
+    ensure_workspace(steps * N, N, !wx_in_step);
     split_limbs(state.data_ptr<int32_t>(), N, H_, h_bits_, fused_ ? ws_.h_fused[0] : ws_.h_limbs);
     ws_.cur = 0;
     for (int64_t t0 = 0; t0 < T; t0 += steps) {
       const int64_t tc = std::min(steps, T - t0);
-      if (fused_) {
+      if (wx_in_step) {
         split_limbs(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N, I_, x_bits_, ws_.x_limbs);
       } else {
         input_chunk(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N);
@@ -329,7 +335,8 @@ class CpuLayer {
       if (fused_) {
         QGRU_TIC(c0);
         dispatch(rh_.P, [&](auto, auto pow2, auto acc32) {  // P = 1 here: the flags are pow2, acc32
-          fused_steps<pow2.value, acc32.value>(t0, tc, N, state.data_ptr<int32_t>(), out, len);
+          if (wx_in_step) fused_steps<pow2.value, acc32.value, true>(t0, tc, N, state.data_ptr<int32_t>(), out, len);
+          else fused_steps<pow2.value, acc32.value, false>(t0, tc, N, state.data_ptr<int32_t>(), out, len);
         });
         QGRU_TOC(prof_cell, c0);
       } else {
@@ -348,21 +355,25 @@ class CpuLayer {
     at::Tensor dwx;  // [rows, 3H] Wx - Z_Wx of the current chunk of steps
   };
 
-  void ensure_workspace(int64_t rows, int64_t N) {
+  // Buffers for chunks of `rows` rows of x and batches of N rows; with_wx: also W.x's (GEMM output
+  // and Wx - Z_Wx), which the fused path with W.x inside the steps does without.
+  void ensure_workspace(int64_t rows, int64_t N, bool with_wx) {
     auto i8 = at::TensorOptions().dtype(at::kChar), i32 = at::TensorOptions().dtype(at::kInt);
     if (ws_.rows < rows) {
       ws_.x_limbs.clear();
       ws_.Gx.clear();
+      ws_.dwx = at::Tensor();
       const int n_act = x_bits_ > 8 ? 2 : 1;
-      // fused: a step's last row tile may reach 15 rows past the chunk's rows
-      const int64_t br = fused_ ? rows + amx::kTile : wx_.buffer_rows(rows);
+      // AMX reads whole 16-row tiles; on the fused path a step's last row tile may reach up to 15
+      // rows past the chunk's rows
+      const int64_t br = rows + amx::kTile;
       // zeroed once: the K padding must read as 0 in every GEMM and is never written
       for (int i = 0; i < n_act; ++i) ws_.x_limbs.push_back(at::zeros({br, wx_.act_ld()}, i8));
-      if (!fused_) {
-        for (int64_t p = 0; p < wx_.P; ++p) ws_.Gx.push_back(at::empty({br, M_pad_}, i32));
-        ws_.dwx = at::empty({rows, 3 * H_}, i32);
-      }
       ws_.rows = rows;
+    }
+    if (with_wx && !ws_.dwx.defined()) {
+      for (int64_t p = 0; p < wx_.P; ++p) ws_.Gx.push_back(at::empty({ws_.x_limbs[0].size(0), M_pad_}, i32));
+      ws_.dwx = at::empty({ws_.rows, 3 * H_}, i32);
     }
     if (ws_.N < N) {
       ws_.h_limbs.clear();
@@ -393,10 +404,11 @@ class CpuLayer {
     return blocks;
   }
 
-  // Steps t0 .. t0 + tc - 1 on the fused path, x's int8 rows of the chunk in ws_.x_limbs: per step
-  // one parallel pass over tasks (block of kFusedWidth hidden units, tile of 16 batch rows), each
-  // computing its W.x and R.h tiles and then the cell on them while they are in L1.
-  template <bool POW2, bool ACC32>
+  // Steps t0 .. t0 + tc - 1 on the fused path: per step one parallel pass over tasks (block of
+  // kFusedWidth hidden units, tile of 16 batch rows), each computing its R.h tiles, with XACC its
+  // W.x tiles too (from x's int8 rows of the chunk in ws_.x_limbs; else Wx - Z_Wx is read from
+  // ws_.dwx), and then the cell on them while they are in L1.
+  template <bool POW2, bool ACC32, bool XACC>
   void fused_steps(int64_t t0, int64_t tc, int64_t N, int32_t* state, at::Tensor& out, const int64_t* lengths) {
 #if QGRU_HAVE_AMX
     constexpr int64_t W = kFusedWidth, T16 = amx::kTile;
@@ -413,6 +425,7 @@ class CpuLayer {
       const int8_t* h_in = ws_.h_fused[ws_.cur][0].data_ptr<int8_t>();
       int8_t* h_out = ws_.h_fused[1 - ws_.cur][0].data_ptr<int8_t>();
       const int8_t* x_t = ws_.x_limbs[0].data_ptr<int8_t>() + (t - t0) * N * ldx;
+      const int32_t* dwx_t = XACC ? nullptr : ws_.dwx.data_ptr<int32_t>() + (t - t0) * N * 3 * H;
       int32_t* out_t = out.data_ptr<int32_t>() + t * N * H;
       // tasks handed out one at a time, not in fixed halves: on a shared 2-core VM the threads' speeds
       // differ from step to step, and fixed halves left one waiting (measured ~10% of the step time)
@@ -427,12 +440,13 @@ class CpuLayer {
           const int64_t rows = std::min(T16, N - n0), j0 = b * W, nj = std::min(W, H - j0);
           for (int64_t q = 0; q * T16 < nj; ++q) {
             const int64_t ub = j0 / T16 + q;  // the block of 16 units
-            amx::gate_tiles(x_t + n0 * ldx, ldx, blocks_x + ub * bytes_x, wx_.KT, acc_x + q * T16, W, T16 * W);
+            if (XACC)
+              amx::gate_tiles(x_t + n0 * ldx, ldx, blocks_x + ub * bytes_x, wx_.KT, acc_x + q * T16, W, T16 * W);
             amx::gate_tiles(h_in + n0 * lda, lda, blocks_h + ub * bytes_h, rh_.KT, acc_h + q * T16, W, T16 * W);
           }
           for (int64_t r = 0; r < rows; ++r) active[r] = lengths == nullptr || t < lengths[n0 + r];
-          cell_tile<POW2, ACC32>(p, wx, wx32, j0, nj, rows, active, acc_x, acc_h, state + n0 * H, out_t + n0 * H,
-                                 h_in + n0 * lda, h_out + n0 * lda, lda);
+          cell_tile<POW2, ACC32, XACC>(p, wx, wx32, j0, nj, rows, active, XACC ? acc_x : dwx_t + n0 * 3 * H, acc_h,
+                                       state + n0 * H, out_t + n0 * H, h_in + n0 * lda, h_out + n0 * lda, lda);
         }
       });
       ws_.cur = 1 - ws_.cur;
