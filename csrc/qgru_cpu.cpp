@@ -6,7 +6,8 @@
 // parallel with at::parallel_for, inner loop over channels written for the compiler to vectorise.
 // With AMX and one limb pair on both GEMMs (x, h, W and R of at most 8 bits) each step is one
 // fused pass: a task computes the three gates' W.x and R.h tiles for kFusedWidth hidden units and
-// 16 batch rows and runs the cell on them while they are in cache; no W.x is ever written out.
+// 16 batch rows and runs the cell on them while they are in cache; no W.x is written out (below
+// 16 batch rows, where a W.x tile would be mostly padding, W.x is one GEMM per chunk of steps).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
