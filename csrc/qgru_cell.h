@@ -90,25 +90,25 @@ struct AccRequant32 {
   int32_t lo, hi;
 };
 
+QGRU_HD int32_t clamp32(int32_t v, int32_t lo, int32_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+// The int32 requantization of one accumulator from its channel's four values.
+QGRU_HD int32_t requant32(int32_t product, int32_t bias_hi, int32_t bias_lo, int32_t rshift, int32_t zp, int32_t lo,
+                          int32_t hi) {
+  const int32_t v = ((product + bias_lo) >> rshift) + bias_hi;
+  return clamp32(((v + 1) >> 1) + zp, lo, hi) - zp;
+}
+
 QGRU_HD int32_t requantize_acc32(const AccRequant32& a, int64_t c, int32_t product) {
-  const int32_t v = ((product + a.bias_lo[c]) >> a.rshift[c]) + a.bias_hi[c];
-  const int32_t q = ((v + 1) >> 1) + a.zp[c];
-  return (q < a.lo ? a.lo : (q > a.hi ? a.hi : q)) - a.zp[c];
+  return requant32(product, a.bias_hi[c], a.bias_lo[c], a.rshift[c], a.zp[c], a.lo, a.hi);
 }
 
-// requantize_acc of a one-pair product (8-bit operands: the GEMM output is the exact product) for
-// the kernels' template flags: ACC32 selects the int32 form above.
-template <bool POW2, bool ACC32>
-QGRU_HD int64_t requantize_one(const AccRequant& a, const AccRequant32& a32, int64_t c, int32_t product) {
-  if (ACC32) return requantize_acc32(a32, c, product);
-  return requantize_acc<POW2>(a, c, product);
-}
-
-// requantize_acc of the limb products at (row, c), for the kernels' template flags.
+// requantize_acc of the limb products at (row, c), for the kernels' template flags (ACC32, set
+// only with one limb pair: the int32 form above).
 template <int NPAIRS, bool POW2, bool ACC32>
 QGRU_HD int64_t requantize_product(const AccRequant& a, const AccRequant32& a32, const LimbProducts& g,
                                    int64_t row, int64_t c) {
-  if (NPAIRS == 1) return requantize_one<POW2, ACC32>(a, a32, c, g.G[0][row * g.ld + c]);
+  if (ACC32) return requantize_acc32(a32, c, g.G[0][row * g.ld + c]);
   return requantize_acc<POW2>(a, c, exact_product<NPAIRS>(g, row, c));
 }
 
@@ -135,13 +135,44 @@ struct SigmoidGate {  // r or z
 // for R >= 8, all terms < 2^25; z * h < 2^(b_z + b_h) <= 2^24; (1 - z) * g lies in
 // [-2^(b_z + b_g - 1), 2^b_z (2^(b_g - 1) - 1)], inside int32 for b_z, b_g <= 16; table terms
 // < 2^29.
-struct Shift32 {
-  const int32_t* lsh;
-  const int32_t* rsh;
+//
+// Every per-channel value the int32 cell reads (the rescales' shifts and the int32 requantization
+// of Wx and Rh, 35 in all) lives in one channel-blocked array, [ceil(H / 128)][field][128]
+// (qgru/native.py, CELL32_FIELDS, in the order of Cell32Field). A CPU loop over the channels of
+// one block then reads every field at a constant offset from one pointer. As 35 separate arrays
+// they took 35 base registers, which gcc kept on the stack and reloaded in every iteration
+// (~130 of the loop's ~470 instructions; the cell ran ~10% slower).
+constexpr int64_t kCell32Block = 128;
+enum Cell32Field : int {
+  kRWxLsh, kRWxRsh, kRRhLsh, kRRhRsh,  // lsh, rsh of r's rescales from Wx_r and from Rh_r
+  kZWxLsh, kZWxRsh, kZRhLsh, kZRhRsh,  // the same for z: kRWxLsh + 4 gate, gate 0 r, 1 z
+  kGWxLsh, kGWxRsh,
+  kGRRhRsh,         // R of r * Rh_g -> g_pre (>= 8; no left shift)
+  kRhRequant = 11,  // Rh of gate q (0 r, 1 z, 2 g): kRhRequant + 4 q + {0 bias_hi, 1 bias_lo, 2 R, 3 zp}
+  kWxRequant = 23,  // the same for Wx
+  kCell32Fields = 35
 };
 
-QGRU_HD int32_t apply32(Shift32 s, int64_t c, int32_t v) {
-  return (((int32_t)((uint32_t)v << s.lsh[c]) >> s.rsh[c]) + 1) >> 1;
+struct Channel32 {  // one channel's fields: field f at at[f * kCell32Block]
+  const int32_t* at;
+};
+
+QGRU_HD int32_t field(Channel32 c, int f) { return c.at[f * kCell32Block]; }
+
+// Channel j of the blocked array.
+QGRU_HD Channel32 channel32(const int32_t* blocked, int64_t j) {
+  return Channel32{blocked + (j / kCell32Block) * (kCell32Fields * kCell32Block) + j % kCell32Block};
+}
+
+// The int32 requantization of gate q's accumulator (group kRhRequant or kWxRequant).
+QGRU_HD int32_t requant32_at(Channel32 c, int group, int q, int32_t product, int32_t lo, int32_t hi) {
+  const int f = group + 4 * q;
+  return requant32(product, field(c, f), field(c, f + 1), field(c, f + 2), field(c, f + 3), lo, hi);
+}
+
+// The pow2 rescale whose shifts are fields lsh_field (lsh) and lsh_field + 1 (rsh).
+QGRU_HD int32_t apply32(Channel32 c, int lsh_field, int32_t v) {
+  return (((int32_t)((uint32_t)v << field(c, lsh_field)) >> field(c, lsh_field + 1)) + 1) >> 1;
 }
 
 struct Table32 {  // tables.lookup in int32 lanes, on the packed entries of Table
@@ -162,36 +193,52 @@ QGRU_HD int32_t lookup32(const Table32& t, int32_t q) {
 }
 
 struct Cell32 {
-  Shift32 r_wx, r_rh, z_wx, z_rh, g_wx;  // [H] each
-  const int32_t* g_rrh_rsh;              // [H] R of r * Rh_g -> g_pre (>= 8, lsh = 0)
-  int32_t zh_rsh, zg_rsh;                // R of z * h and (1 - z) * g -> h (>= 0, lsh = 0)
-  int32_t r_pre_zp, r_pre_lo, r_pre_hi, z_pre_zp, z_pre_lo, z_pre_hi, g_pre_zp, g_pre_lo, g_pre_hi;
-  Table32 r, z, g;
+  const int32_t* channels;  // [ceil(H / 128)][kCell32Fields][128], see Cell32Field
+  int32_t zh_rsh, zg_rsh;   // R of z * h and (1 - z) * g -> h (>= 0, lsh = 0)
+  int32_t pre_zp[3], pre_lo[3], pre_hi[3];  // r_pre, z_pre, g_pre
+  Table32 table[3];                         // r, z, g
   int32_t one_z, h_zp, h_lo, h_hi;
+  int32_t wx_lo, wx_hi, rh_lo, rh_hi;  // ranges of Wx and Rh
 };
 
-QGRU_HD int32_t clamp32(int32_t v, int32_t lo, int32_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+// computeR (gate 0) or computeZ (gate 1) in int32 from the gate's raw R.h accumulator and
+// Wx - Z_Wx: the gate's output relative to its zero point.
+QGRU_HD int32_t sigmoid_gate32(const Cell32& p, Channel32 ch, int gate, int32_t acc_rh, int32_t d_wx) {
+  const int32_t d_rh = requant32_at(ch, kRhRequant, gate, acc_rh, p.rh_lo, p.rh_hi);
+  const int f = kRWxLsh + 4 * gate;
+  const int32_t pre = clamp32(apply32(ch, f, d_wx) + apply32(ch, f + 2, d_rh) + p.pre_zp[gate], p.pre_lo[gate],
+                              p.pre_hi[gate]);
+  return lookup32(p.table[gate], pre);
+}
 
-QGRU_HD int32_t gru_cell32(const Cell32& p, int64_t j, int32_t d_wx_r, int32_t d_wx_z, int32_t d_wx_g,
-                           int32_t d_rh_r, int32_t d_rh_z, int32_t d_rh_g, int32_t q_h) {
-  const int32_t r_pre = clamp32(apply32(p.r_wx, j, d_wx_r) + apply32(p.r_rh, j, d_rh_r) + p.r_pre_zp, p.r_pre_lo, p.r_pre_hi);
-  const int32_t d_r = lookup32(p.r, r_pre);
-  const int32_t z_pre = clamp32(apply32(p.z_wx, j, d_wx_z) + apply32(p.z_rh, j, d_rh_z) + p.z_pre_zp, p.z_pre_lo, p.z_pre_hi);
-  const int32_t d_z = lookup32(p.z, z_pre);
+// computeG and computeH in int32: the new state from g's raw R.h accumulator, Wx_g - Z, the gates
+// r and z (sigmoid_gate32) and the state h.
+QGRU_HD int32_t candidate_state32(const Cell32& p, Channel32 ch, int32_t acc_rh_g, int32_t d_wx_g, int32_t d_r,
+                                  int32_t d_z, int32_t q_h) {
+  const int32_t d_rh_g = requant32_at(ch, kRhRequant, 2, acc_rh_g, p.rh_lo, p.rh_hi);
   const int32_t a1 = d_r >> 8, a0 = d_r & 255;
-  const int32_t rrh = (((a1 * d_rh_g + ((a0 * d_rh_g) >> 8)) >> (p.g_rrh_rsh[j] - 8)) + 1) >> 1;
-  const int32_t g_pre = clamp32(apply32(p.g_wx, j, d_wx_g) + rrh + p.g_pre_zp, p.g_pre_lo, p.g_pre_hi);
-  const int32_t d_g = lookup32(p.g, g_pre);
+  const int32_t rrh = (((a1 * d_rh_g + ((a0 * d_rh_g) >> 8)) >> (field(ch, kGRRhRsh) - 8)) + 1) >> 1;
+  const int32_t g_pre = clamp32(apply32(ch, kGWxLsh, d_wx_g) + rrh + p.pre_zp[2], p.pre_lo[2], p.pre_hi[2]);
+  const int32_t d_g = lookup32(p.table[2], g_pre);
   const int32_t zh = (((d_z * (q_h - p.h_zp)) >> p.zh_rsh) + 1) >> 1;
   const int32_t zg = ((((p.one_z - d_z) * d_g) >> p.zg_rsh) + 1) >> 1;
   return clamp32(zh + zg + p.h_zp, p.h_lo, p.h_hi);
+}
+
+// One element of one step from the three gates' int32 R.h accumulators and Wx - Z_Wx: the int32
+// form of gru_cell_acc. (The CPU's fused loop calls the two halves in two loops: a loop with one
+// table gather in its dependency chain instead of two overlaps more iterations, ~15% faster.)
+QGRU_HD int32_t gru_cell32(const Cell32& p, Channel32 ch, int32_t acc_r, int32_t acc_z, int32_t acc_g, int32_t d_wx_r,
+                           int32_t d_wx_z, int32_t d_wx_g, int32_t q_h) {
+  const int32_t d_r = sigmoid_gate32(p, ch, 0, acc_r, d_wx_r);
+  const int32_t d_z = sigmoid_gate32(p, ch, 1, acc_z, d_wx_z);
+  return candidate_state32(p, ch, acc_g, d_wx_g, d_r, d_z, q_h);
 }
 
 struct CellParams {
   int64_t H;
   Cell32 c32;         // the int32 form, valid when the kernel's ACC32 flag is set
   AccRequant rh;      // R.h accumulator -> Rh
-  AccRequant32 rh32;  // the same in int32, valid when the kernel's ACC32 flag is set
   SigmoidGate r, z;
   Rescale g_from_wx;  // [H] S_Wx_g / S_gpre
   Rescale g_from_rrh; // [H] S_r S_Rh_g / S_gpre
@@ -240,18 +287,22 @@ QGRU_HD int64_t computeH(const CellParams& p, int64_t d_z, int64_t d_g, int64_t 
   return saturate(h_new, p.h);
 }
 
+// Channel j's fields of the int32 cell when the kernel runs it (ACC32), else none. Vectorised CPU
+// loops over a block of 16 channels build the Channel32 from the block's pointer instead.
+template <bool ACC32>
+QGRU_HD Channel32 cell32_channel(const CellParams& p, int64_t j) {
+  return ACC32 ? channel32(p.c32.channels, j) : Channel32{nullptr};
+}
+
 // One element (batch row n, channel j) of one time step from its three raw R.h accumulators,
 // when R.h is one int8 x int8 GEMM (one limb pair: h and R of at most 8 bits), so the accumulator
-// is the exact product: golden.gru_step. d_wx: the three gates' Wx - Z_Wx at channel j.
+// is the exact product: golden.gru_step. d_wx: the three gates' Wx - Z_Wx at channel j; ch: channel
+// j's int32 fields (cell32_channel), read only with ACC32.
 template <bool POW2, bool ACC32>
-QGRU_HD int64_t gru_cell_acc(const CellParams& p, int64_t j, int32_t acc_r, int32_t acc_z, int32_t acc_g,
-                             int32_t d_wx_r, int32_t d_wx_z, int32_t d_wx_g, int64_t q_h) {
+QGRU_HD int64_t gru_cell_acc(const CellParams& p, int64_t j, Channel32 ch, int32_t acc_r, int32_t acc_z,
+                             int32_t acc_g, int32_t d_wx_r, int32_t d_wx_z, int32_t d_wx_g, int64_t q_h) {
+  if (ACC32) return gru_cell32(p.c32, ch, acc_r, acc_z, acc_g, d_wx_r, d_wx_z, d_wx_g, (int32_t)q_h);
   const int64_t H = p.H;
-  if (ACC32) {
-    return gru_cell32(p.c32, j, d_wx_r, d_wx_z, d_wx_g, requantize_acc32(p.rh32, j, acc_r),
-                      requantize_acc32(p.rh32, H + j, acc_z), requantize_acc32(p.rh32, 2 * H + j, acc_g),
-                      (int32_t)q_h);
-  }
   const int64_t d_r = computeR<POW2>(p, j, d_wx_r, requantize_acc<POW2>(p.rh, j, acc_r));
   const int64_t d_z = computeZ<POW2>(p, j, d_wx_z, requantize_acc<POW2>(p.rh, H + j, acc_z));
   const int64_t d_g = computeG<POW2>(p, j, d_wx_g, requantize_acc<POW2>(p.rh, 2 * H + j, acc_g), d_r);
@@ -261,16 +312,18 @@ QGRU_HD int64_t gru_cell_acc(const CellParams& p, int64_t j, int32_t acc_r, int3
 // One element (batch row n, channel j) of one time step: golden.gru_step.
 // d_wx points at the row's 3H values of Wx - Z_Wx; the R.h product comes from the limb GEMMs.
 template <int NPAIRS, bool POW2, bool ACC32>
-QGRU_HD int64_t gru_cell(const CellParams& p, const LimbProducts& rh_products, int64_t n, int64_t j,
+QGRU_HD int64_t gru_cell(const CellParams& p, const LimbProducts& rh_products, int64_t n, int64_t j, Channel32 ch,
                          const int32_t* d_wx, int64_t q_h) {
   const int64_t H = p.H;
   if (NPAIRS == 1) {
     const int32_t* G = rh_products.G[0] + n * rh_products.ld;
-    return gru_cell_acc<POW2, ACC32>(p, j, G[j], G[H + j], G[2 * H + j], d_wx[j], d_wx[H + j], d_wx[2 * H + j], q_h);
+    return gru_cell_acc<POW2, ACC32>(p, j, ch, G[j], G[H + j], G[2 * H + j], d_wx[j], d_wx[H + j], d_wx[2 * H + j],
+                                     q_h);
   }
-  const int64_t d_rh_r = requantize_product<NPAIRS, POW2, ACC32>(p.rh, p.rh32, rh_products, n, j);
-  const int64_t d_rh_z = requantize_product<NPAIRS, POW2, ACC32>(p.rh, p.rh32, rh_products, n, H + j);
-  const int64_t d_rh_g = requantize_product<NPAIRS, POW2, ACC32>(p.rh, p.rh32, rh_products, n, 2 * H + j);
+  // two or more limb pairs: never the int32 form (prepare_layer enables it with one pair only)
+  const int64_t d_rh_r = requantize_acc<POW2>(p.rh, j, exact_product<NPAIRS>(rh_products, n, j));
+  const int64_t d_rh_z = requantize_acc<POW2>(p.rh, H + j, exact_product<NPAIRS>(rh_products, n, H + j));
+  const int64_t d_rh_g = requantize_acc<POW2>(p.rh, 2 * H + j, exact_product<NPAIRS>(rh_products, n, 2 * H + j));
   const int64_t d_r = computeR<POW2>(p, j, d_wx[j], d_rh_r);
   const int64_t d_z = computeZ<POW2>(p, j, d_wx[H + j], d_rh_z);
   const int64_t d_g = computeG<POW2>(p, j, d_wx[2 * H + j], d_rh_g, d_r);

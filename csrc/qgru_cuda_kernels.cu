@@ -90,7 +90,7 @@ __global__ void cell_kernel(CellParams p, LimbProducts lp, int64_t N, int64_t t,
       out_t[idx] = q_h;
       continue;
     }
-    const int32_t h_new = (int32_t)gru_cell<NP, POW2, ACC32>(p, lp, n, j, dwx_t + n * 3 * H, q_h);
+    const int32_t h_new = (int32_t)gru_cell<NP, POW2, ACC32>(p, lp, n, j, cell32_channel<ACC32>(p, j), dwx_t + n * 3 * H, q_h);
     state[idx] = h_new;
     out_t[idx] = h_new;
     h_lo[n * ld + j] = act_limb(h_new, h_bits, 0);

@@ -61,7 +61,6 @@ struct LayerTensors {
     return SigmoidGate{rescale(k + "_from_wx"), rescale(k + "_from_rh"), value(k + "_pre_zp"), range(k + "_pre"),
                        table(k)};
   }
-  Shift32 shift32(const std::string& k) const { return Shift32{i32(k + "_lsh"), i32(k + "_rsh")}; }
   Table32 table32(const std::string& k) const {
     return Table32{i64("table_" + k), (int32_t)value(k + "_table_k"),
                    (int32_t)value(k + "_table_frac"), (int32_t)value(k + "_pre_lo"), (int32_t)value(k + "_zp"),
@@ -71,30 +70,30 @@ struct LayerTensors {
   Cell32 cell32() const {
     Cell32 c{};
     if (value("acc32") == 0) return c;
-    c.r_wx = shift32("r_from_wx");
-    c.r_rh = shift32("r_from_rh");
-    c.z_wx = shift32("z_from_wx");
-    c.z_rh = shift32("z_from_rh");
-    c.g_wx = shift32("g_from_wx");
-    c.g_rrh_rsh = i32("g_from_rrh_rsh");
+    const at::Tensor& ch = tensor("c32_channels");
+    TORCH_CHECK(ch.dim() == 3 && ch.size(0) == (value("H") + kCell32Block - 1) / kCell32Block &&
+                    ch.size(1) == kCell32Fields && ch.size(2) == kCell32Block,
+                "qgru native layer: c32_channels must be [ceil(H/", kCell32Block, "), ", kCell32Fields, ", ",
+                kCell32Block, "], got ", ch.sizes());
+    c.channels = i32("c32_channels");
     c.zh_rsh = (int32_t)value("zh_rsh");
     c.zg_rsh = (int32_t)value("zg_rsh");
-    c.r_pre_zp = (int32_t)value("r_pre_zp");
-    c.r_pre_lo = (int32_t)value("r_pre_lo");
-    c.r_pre_hi = (int32_t)value("r_pre_hi");
-    c.z_pre_zp = (int32_t)value("z_pre_zp");
-    c.z_pre_lo = (int32_t)value("z_pre_lo");
-    c.z_pre_hi = (int32_t)value("z_pre_hi");
-    c.g_pre_zp = (int32_t)value("g_pre_zp");
-    c.g_pre_lo = (int32_t)value("g_pre_lo");
-    c.g_pre_hi = (int32_t)value("g_pre_hi");
-    c.r = table32("r");
-    c.z = table32("z");
-    c.g = table32("g");
+    const char* gates[3] = {"r", "z", "g"};
+    for (int q = 0; q < 3; ++q) {
+      const std::string g = gates[q];
+      c.pre_zp[q] = (int32_t)value(g + "_pre_zp");
+      c.pre_lo[q] = (int32_t)value(g + "_pre_lo");
+      c.pre_hi[q] = (int32_t)value(g + "_pre_hi");
+      c.table[q] = table32(g);
+    }
     c.one_z = (int32_t)value("one_z");
     c.h_zp = (int32_t)value("h_zp");
     c.h_lo = (int32_t)value("h_lo");
     c.h_hi = (int32_t)value("h_hi");
+    c.wx_lo = (int32_t)value("Wx_lo");
+    c.wx_hi = (int32_t)value("Wx_hi");
+    c.rh_lo = (int32_t)value("Rh_lo");
+    c.rh_hi = (int32_t)value("Rh_hi");
     return c;
   }
   CellParams cell() const {
@@ -102,7 +101,6 @@ struct LayerTensors {
     p.H = value("H");
     p.c32 = cell32();
     p.rh = acc("Rh");
-    p.rh32 = acc32("Rh");
     p.r = sigmoid("r");
     p.z = sigmoid("z");
     p.g_from_wx = rescale("g_from_wx");

@@ -368,8 +368,35 @@ def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, in
         parts[name + "_bias_lo"] = (bias - hi * (1 << r)).to(torch.int32)
         parts[name + "_rshift"] = r.to(torch.int32)
         parts[name + "_zp32"] = t[name + "_zp"].to(torch.int32)
-    t.update(parts)
+    t["c32_channels"] = _channel_blocks(parts, v["H"])
+    # the W.x requantization pass of the unfused paths reads Wx's int32 form over all 3H channels
+    t.update({k: x for k, x in parts.items() if k.startswith("Wx_")})
     return True
+
+
+# The fields of csrc Cell32's channel-blocked array, in the order of csrc/qgru_cell.h's
+# Cell32Field; "{name}:{q}" is gate q's slice (channels q H .. q H + H - 1) of a [3H] tensor.
+CELL32_FIELDS = (
+    "r_from_wx_lsh", "r_from_wx_rsh", "r_from_rh_lsh", "r_from_rh_rsh", "z_from_wx_lsh", "z_from_wx_rsh",
+    "z_from_rh_lsh", "z_from_rh_rsh", "g_from_wx_lsh", "g_from_wx_rsh", "g_from_rrh_rsh",
+    *(f"{acc}_{f}:{q}" for acc in ("Rh", "Wx") for q in range(3) for f in ("bias_hi", "bias_lo", "rshift", "zp32")),
+)
+CELL32_BLOCK = 128  # csrc kCell32Block
+
+
+def _channel_blocks(parts: Dict[str, torch.Tensor], H: int) -> torch.Tensor:
+    """int32 [ceil(H / 128), len(CELL32_FIELDS), 128]: field f of channel j at [j // 128, f, j % 128]
+    (the padding channels are 0; no kernel reads them)."""
+    rows = []
+    for name in CELL32_FIELDS:
+        key, _, q = name.partition(":")
+        x = parts[key]
+        rows.append(x[int(q) * H:(int(q) + 1) * H] if q else x)
+    fields = torch.stack(rows)  # [F, H]
+    blocks = -(-H // CELL32_BLOCK)
+    padded = torch.zeros(len(CELL32_FIELDS), blocks * CELL32_BLOCK, dtype=torch.int32)
+    padded[:, :H] = fields
+    return padded.reshape(len(CELL32_FIELDS), blocks, CELL32_BLOCK).permute(1, 0, 2).contiguous()
 
 
 def cpu_amx_enabled() -> bool:
