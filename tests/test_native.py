@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import qgru
-from qgru import golden, native
+from qgru import golden, native, primitives
 from qgru.config import GRANULARITIES, TENSOR_NAMES, QuantConfig
 from qgru.convert import derive_layer_params
 from qgru.primitives import qrange, quantize_multipliers, split_int8_limbs
@@ -389,6 +389,39 @@ def test_integer_bit_exact_across_thread_counts(cpu_backend):
             _check_integer("cpu", p, T=9, N=6, with_lengths=True, seed=n)
     finally:
         torch.set_num_threads(before)
+
+
+def test_cpu_buffers_reused_only_when_dropped(cpu_backend):
+    """The CPU layer's output and the boundary's quantized input reuse their memory across calls,
+    but only once the caller has let go: a held result (or a view of it) is never overwritten by
+    the next call, and a dropped one is reused (no fresh pages per call)."""
+    p = _converted(_cfg("w8a8"), 7, 20)._qparams[0][0]
+    layer = native.NativeLayer("cpu", p, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(5)
+    qh0 = _random_ints((3, 20), 8, gen).int()
+    xs = [_random_ints((4, 3, 7), 8, gen).int() for _ in range(3)]
+    want = [golden.gru_direction(p, x.long(), qh0.long())[0] for x in xs]
+    out0, _ = layer(xs[0], qh0, None)
+    view1 = layer(xs[1], qh0, None)[0][1:]  # only a view of the second output is held
+    out2, _ = layer(xs[2], qh0, None)
+    assert out0.data_ptr() != out2.data_ptr() and view1.data_ptr() != out2.data_ptr()
+    assert torch.equal(out0.long(), want[0]) and torch.equal(view1.long(), want[1][1:])
+    assert torch.equal(out2.long(), want[2])
+    ptr = out2.data_ptr()
+    del out0, view1, out2
+    out3, _ = layer(xs[0], qh0, None)
+    assert out3.data_ptr() == ptr and torch.equal(out3.long(), want[0])
+
+    mod = native.load("cpu")
+    f = [torch.randn(2, 9, generator=gen) for _ in range(2)]
+    q0 = mod.quantize(f[0], 0.01, 3, 8, "input")
+    q1 = mod.quantize(f[1], 0.01, 3, 8, "input")
+    assert q0.data_ptr() != q1.data_ptr()
+    ref = [primitives.quantize(v, torch.tensor(0.01, dtype=torch.float64), torch.tensor(3), 8) for v in f]
+    assert torch.equal(q0.long(), ref[0]) and torch.equal(q1.long(), ref[1])
+    ptr = q1.data_ptr()
+    del q1
+    assert mod.quantize(f[0], 0.01, 3, 8, "input").data_ptr() == ptr
 
 
 # ---------------------------------------------------------------------------------------------
