@@ -48,6 +48,7 @@ constexpr int64_t kAmxChunkBytes = 1 << 20;  // W.x output per chunk on AMX: sta
 constexpr int64_t kFusedChunkBytes = 1 << 17;  // fused path: x's int8 rows per chunk, converted right before use
 constexpr int64_t kChannelBlock = 128;     // channels per parallel work item
 constexpr int64_t kMinParallelWork = 4096; // cell elements per thread, at least
+constexpr int kQuantizeBuffers = 4;         // quantize outputs reused per thread (reuse_or_empty)
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
@@ -671,8 +672,15 @@ bool quantize_loop(const scalar_t* x, int32_t* q, int64_t n, double scale, int64
 at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bits, const std::string& what) {
   TORCH_CHECK(x_in.is_floating_point() && x_in.device().is_cpu(), "qgru cpu quantize: float CPU tensor expected");
   const at::Tensor x = (x_in.scalar_type() == at::kDouble ? x_in : x_in.to(at::kFloat)).contiguous();
-  thread_local at::Tensor cache;  // per calling thread: no other thread can see it being reused
-  at::Tensor q = reuse_or_empty(cache, x.sizes());
+  // per calling thread (no other thread sees a buffer being reused), a few shapes: a module call
+  // quantizes its input and then h0 while still holding the input's result
+  thread_local at::Tensor cache[kQuantizeBuffers];
+  at::Tensor* slot = &cache[0];
+  for (auto& c : cache) {
+    if (c.defined() && c.sizes() == x.sizes() && c.storage().use_count() == 1) { slot = &c; break; }
+    if (!c.defined() || c.storage().use_count() == 1) slot = &c;  // free: may be replaced
+  }
+  at::Tensor q = reuse_or_empty(*slot, x.sizes());
   const Range r{-(int64_t(1) << (bits - 1)), (int64_t(1) << (bits - 1)) - 1};
   bool ok;
   {

@@ -422,6 +422,13 @@ def test_cpu_buffers_reused_only_when_dropped(cpu_backend):
     ptr = q1.data_ptr()
     del q1
     assert mod.quantize(f[0], 0.01, 3, 8, "input").data_ptr() == ptr
+    # a module call's pattern: the input, then h0 while the input's result is held; both reused
+    x, h = torch.randn(4, 3, 7, generator=gen), torch.randn(3, 20, generator=gen)
+    qx, qh = mod.quantize(x, 0.01, 3, 8, "input"), mod.quantize(h, 0.01, 3, 8, "h0")
+    ptrs = (qx.data_ptr(), qh.data_ptr())
+    del qx, qh
+    qx, qh = mod.quantize(x, 0.01, 3, 8, "input"), mod.quantize(h, 0.01, 3, 8, "h0")
+    assert (qx.data_ptr(), qh.data_ptr()) == ptrs
 
 
 # ---------------------------------------------------------------------------------------------
