@@ -141,7 +141,7 @@ struct SigmoidGate {  // r or z
 // (qgru/native.py, CELL32_FIELDS, in the order of Cell32Field). A CPU loop over the channels of
 // one block then reads every field at a constant offset from one pointer. As 35 separate arrays
 // they took 35 base registers, which gcc kept on the stack and reloaded in every iteration
-// (~130 of the loop's ~470 instructions; the cell ran ~10% slower).
+// (~130 of the loop's ~470 instructions; the cell ran ~8% slower).
 constexpr int64_t kCell32Block = 128;
 enum Cell32Field : int {
   kRWxLsh, kRWxRsh, kRRhLsh, kRRhRsh,  // lsh, rsh of r's rescales from Wx_r and from Rh_r
@@ -288,7 +288,8 @@ QGRU_HD int64_t computeH(const CellParams& p, int64_t d_z, int64_t d_g, int64_t 
 }
 
 // Channel j's fields of the int32 cell when the kernel runs it (ACC32), else none. Vectorised CPU
-// loops over a block of 16 channels build the Channel32 from the block's pointer instead.
+// loops over the channels of one 128-channel block take its first channel's pointer and step from
+// it (qgru_cpu.cpp), so that every field is at a constant offset.
 template <bool ACC32>
 QGRU_HD Channel32 cell32_channel(const CellParams& p, int64_t j) {
   return ACC32 ? channel32(p.c32.channels, j) : Channel32{nullptr};

@@ -91,19 +91,12 @@ void split_limbs(const int32_t* src, int64_t rows, int64_t K, int32_t bits, std:
 #define QGRU_NOINLINE
 #endif
 
-// The int32 cell's per-channel fields (qgru_cell.h, Cell32Field) of channel j0 + c are at
-// fields + c for a loop over channels inside one block of kCell32Block, j0 a multiple of it: one
-// pointer, every field at a constant offset (null without ACC32).
-template <bool ACC32>
-const int32_t* cell32_fields(const CellParams& p, int64_t j0) {
-  return ACC32 ? channel32(p.c32.channels, j0).at : nullptr;
-}
-
 template <int NP, bool POW2, bool ACC32>
 QGRU_NOINLINE void cell_block(const CellParams p, const LimbProducts lp, int64_t n, int64_t j0, int64_t j1,
                 const int32_t* __restrict wx, int32_t* __restrict s, int32_t* __restrict o) {
   static_assert(kChannelBlock == kCell32Block, "a channel block must be one block of the int32 fields");
-  const int32_t* fields = cell32_fields<ACC32>(p, j0);
+  // channel j's int32 fields are at fields + (j - j0): one pointer, every field at a fixed offset
+  const int32_t* fields = cell32_channel<ACC32>(p, j0).at;
 #pragma omp simd
   for (int64_t j = j0; j < j1; ++j) {
     const Channel32 ch{ACC32 ? fields + (j - j0) : nullptr};
@@ -127,7 +120,7 @@ QGRU_NOINLINE void cell_row(const CellParams p, const AccRequant wx, int64_t j0,
     // gru_cell32 in two loops, r and z first, then g and h: with one table gather in each loop's
     // dependency chain instead of two, more iterations overlap (measured ~15% faster)
     const Cell32& c32 = p.c32;
-    const int32_t* fields = cell32_fields<ACC32>(p, j0);
+    const int32_t* fields = cell32_channel<ACC32>(p, j0).at;  // channel j0 + c's at fields + c
     const auto d_wx = [&](Channel32 ch, int q, int32_t v) {
       return XACC ? requant32_at(ch, kWxRequant, q, v, c32.wx_lo, c32.wx_hi) : v;
     };
