@@ -106,79 +106,97 @@ QGRU_NOINLINE void cell_block(const CellParams p, const LimbProducts lp, int64_t
   }
 }
 
-// The fused path's cells for channels [j0, j0 + nj) of one batch row (j0 a multiple of
-// kCell32Block, nj <= kFusedWidth), from the row's R.h accumulators of the three gates (gate q's
-// at h[q * gs], indexed from j0) and its W.x: with XACC the W.x accumulators (x[q * xs],
-// requantized here), else Wx - Z_Wx itself. s / o: the row's state and output; h_out: the row's
-// int8 h for the next step. One row per call, in the shape of cell_block.
+// The fused path's cells of one task: rows x nj elements (batch rows n0 + r, channels j0 + c; j0
+// a multiple of kCell32Block, nj <= kFusedWidth) from the three gates' R.h tiles acc_h
+// ([3][16][kFusedWidth] int32, gate q's at acc_h + q gs) and their W.x: with XACC the W.x tiles x
+// (same layout, requantized here), else the rows' Wx - Z_Wx x ([rows, 3H]). Rows past their
+// sequence length carry their state. Pointers are at row n0; s, o have row stride H; h_in / h_out,
+// the int8 h of this step and the next, stride lda.
+// All rows in one call, the row loops around the channel loops: per row calls of the same loops
+// paid their start-up (setup, pipeline fill) for every 128 elements; measured ~15% of the cell.
 template <bool POW2, bool ACC32, bool XACC>
-QGRU_NOINLINE void cell_row(const CellParams p, const AccRequant wx, int64_t j0, int64_t nj,
-                            const int32_t* __restrict x, int64_t xs, const int32_t* __restrict h, int64_t gs,
-                            int32_t* __restrict s, int32_t* __restrict o, int8_t* __restrict h_out) {
+QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t j0, int64_t nj, int64_t rows,
+                             const uint8_t* __restrict active, const int32_t* __restrict x,
+                             const int32_t* __restrict acc_h, int32_t* __restrict s, int32_t* __restrict o,
+                             const int8_t* __restrict h_in, int8_t* __restrict h_out, int64_t lda) {
   static_assert(kFusedWidth == kCell32Block, "a fused task's channels must be one block of the int32 fields");
+  constexpr int64_t W = kFusedWidth, gs = amx::kTile * W;  // gs: from one gate's tile rows to the next's
+  const int64_t H = p.H;
+  // gate q of row r, channel c: W.x at x[r * xr + q * xs + c], R.h at acc_h[r * W + q * gs + c]
+  const int64_t xs = XACC ? gs : H, xr = XACC ? W : 3 * H;
+  if (!XACC) x += j0;
   if constexpr (ACC32) {
     // gru_cell32 in two loops, r and z first, then g and h: with one table gather in each loop's
     // dependency chain instead of two, more iterations overlap (measured ~15% faster)
-    const Cell32& c32 = p.c32;
+    const Cell32 c32 = p.c32;
     const int32_t* fields = cell32_channel<ACC32>(p, j0).at;  // channel j0 + c's at fields + c
     const auto d_wx = [&](Channel32 ch, int q, int32_t v) {
       return XACC ? requant32_at(ch, kWxRequant, q, v, c32.wx_lo, c32.wx_hi) : v;
     };
-    alignas(64) int32_t d_r[kFusedWidth], d_z[kFusedWidth];
+    alignas(64) int32_t d_r[amx::kTile * W], d_z[amx::kTile * W];
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!active[r]) continue;
+      const int32_t* xx = x + r * xr;
+      const int32_t* hh = acc_h + r * W;
+      int32_t* dr = d_r + r * W;
+      int32_t* dz = d_z + r * W;
 #pragma omp simd
-    for (int64_t c = 0; c < nj; ++c) {
-      const Channel32 ch{fields + c};
-      d_r[c] = sigmoid_gate32(c32, ch, 0, h[c], d_wx(ch, 0, x[c]));
-      d_z[c] = sigmoid_gate32(c32, ch, 1, h[gs + c], d_wx(ch, 1, x[xs + c]));
+      for (int64_t c = 0; c < nj; ++c) {
+        const Channel32 ch{fields + c};
+        dr[c] = sigmoid_gate32(c32, ch, 0, hh[c], d_wx(ch, 0, xx[c]));
+        dz[c] = sigmoid_gate32(c32, ch, 1, hh[gs + c], d_wx(ch, 1, xx[xs + c]));
+      }
     }
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!active[r]) continue;
+      const int32_t* xx = x + r * xr;
+      const int32_t* hh = acc_h + r * W;
+      const int32_t* dr = d_r + r * W;
+      const int32_t* dz = d_z + r * W;
+      int32_t* sr = s + r * H + j0;
+      int32_t* orow = o + r * H + j0;
 #pragma omp simd
-    for (int64_t c = 0; c < nj; ++c) {
-      const Channel32 ch{fields + c};
-      const int64_t j = j0 + c;
-      const int32_t h_new = candidate_state32(c32, ch, h[2 * gs + c], d_wx(ch, 2, x[2 * xs + c]), d_r[c], d_z[c], s[j]);
-      s[j] = h_new;
-      o[j] = h_new;
+      for (int64_t c = 0; c < nj; ++c) {
+        const Channel32 ch{fields + c};
+        const int32_t h_new = candidate_state32(c32, ch, hh[2 * gs + c], d_wx(ch, 2, xx[2 * xs + c]), dr[c], dz[c], sr[c]);
+        sr[c] = h_new;
+        orow[c] = h_new;
+      }
     }
   } else {
-    const int64_t H = p.H;
     const auto d_wx = [&](int q, int64_t j, int32_t v) {
       return XACC ? (int32_t)requantize_acc<POW2>(wx, q * H + j, v) : v;
     };
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!active[r]) continue;
+      const int32_t* xx = x + r * xr;
+      const int32_t* hh = acc_h + r * W;
+      int32_t* sr = s + r * H + j0;
+      int32_t* orow = o + r * H + j0;
 #pragma omp simd
-    for (int64_t c = 0; c < nj; ++c) {
-      const int64_t j = j0 + c;
-      const int32_t h_new = (int32_t)gru_cell_acc<POW2, false>(p, j, Channel32{nullptr}, h[c], h[gs + c], h[2 * gs + c],
-                                                               d_wx(0, j, x[c]), d_wx(1, j, x[xs + c]),
-                                                               d_wx(2, j, x[2 * xs + c]), s[j]);
-      s[j] = h_new;
-      o[j] = h_new;
+      for (int64_t c = 0; c < nj; ++c) {
+        const int64_t j = j0 + c;
+        const int32_t h_new = (int32_t)gru_cell_acc<POW2, false>(p, j, Channel32{nullptr}, hh[c], hh[gs + c],
+                                                                 hh[2 * gs + c], d_wx(0, j, xx[c]),
+                                                                 d_wx(1, j, xx[xs + c]), d_wx(2, j, xx[2 * xs + c]), sr[c]);
+        sr[c] = h_new;
+        orow[c] = h_new;
+      }
     }
   }
-  // A loop of its own: an int8 store in the loops above makes gcc pick 64 lanes (one zmm of int8),
-  // more than a row's 16 channels, and run every cell in the scalar remainder (measured 8x slower).
-  for (int64_t j = j0; j < j0 + nj; ++j) h_out[j] = (int8_t)s[j];  // h <= 8 bits: its one int8 limb
-}
-
-// The fused path's cells of one task: rows x nj elements (batch rows n0 + r, channels j0 + c) from
-// the three gates' R.h tiles acc_h ([3][16][kFusedWidth] int32) and their W.x: with XACC the W.x
-// tiles x (same layout), else the rows' Wx - Z_Wx x ([rows, 3H]). Rows past their sequence length
-// carry their state. Pointers are at row n0; s, o have row stride H; h_in / h_out, the int8 h of
-// this step and the next, stride lda.
-template <bool POW2, bool ACC32, bool XACC>
-void cell_tile(const CellParams& p, const AccRequant& wx, int64_t j0, int64_t nj,
-               int64_t rows, const uint8_t* active, const int32_t* x, const int32_t* acc_h, int32_t* s,
-               int32_t* o, const int8_t* h_in, int8_t* h_out, int64_t lda) {
-  const int64_t H = p.H;
-  constexpr int64_t gs = amx::kTile * kFusedWidth;  // from one gate's tile rows to the next's
+  // Loops of their own: an int8 store in the loops above makes gcc pick 64 lanes (one zmm of
+  // int8), more than a row's 16 channels, and run every cell in the scalar remainder (measured 8x
+  // slower).
   for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* sr = s + r * H;
+    int8_t* ho = h_out + r * lda;
     if (active[r]) {
-      const int32_t* xr = XACC ? x + r * kFusedWidth : x + r * 3 * H + j0;
-      cell_row<POW2, ACC32, XACC>(p, wx, j0, nj, xr, XACC ? gs : H, acc_h + r * kFusedWidth, gs, s + r * H,
-                                  o + r * H, h_out + r * lda);
+      for (int64_t j = j0; j < j0 + nj; ++j) ho[j] = (int8_t)sr[j];  // h <= 8 bits: its one int8 limb
     } else {
-      for (int64_t c = j0; c < j0 + nj; ++c) {
-        o[r * H + c] = s[r * H + c];
-        h_out[r * lda + c] = h_in[r * lda + c];
+      const int8_t* hi = h_in + r * lda;
+      for (int64_t j = j0; j < j0 + nj; ++j) {
+        o[r * H + j] = sr[j];
+        ho[j] = hi[j];
       }
     }
   }
