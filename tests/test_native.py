@@ -377,16 +377,19 @@ def test_cpu_gemm_path_follows_amx_switch(cpu_backend, monkeypatch):
     assert "oneDNN" in qgru.backends()["cpu"]["detail"]
 
 
-def test_integer_bit_exact_across_thread_counts(cpu_backend):
-    """The CPU kernels split work across threads: 1 thread and the default give the same integers
-    (a partitioning bug would show as a mismatch with golden under one of them)."""
-    config = QuantConfig.load("w8a16", overrides={"scale_mode": "multiplier"})
+@pytest.mark.parametrize("cfg,N", [("w8a16", 6), ("w8a8", 37)])
+def test_integer_bit_exact_across_thread_counts(cpu_backend, cfg, N):
+    """The CPU kernels split work across threads: 1 thread, the default and more threads than cores
+    give golden's integers (a partitioning bug would show as a mismatch under one of them). w8a8
+    with N >= 16 runs the fused step, whose threads wait for each other between steps: with more
+    threads than cores they must still all make progress."""
+    config = QuantConfig.load(cfg, overrides={"scale_mode": "multiplier"} if cfg == "w8a16" else None)
     p = _converted(config.to_json(), 23, 37)._qparams[0][0]
     before = torch.get_num_threads()
     try:
-        for n in (1, max(2, before)):
+        for n in (1, max(2, before), 2 * (os.cpu_count() or 1) + 1):
             torch.set_num_threads(n)
-            _check_integer("cpu", p, T=9, N=6, with_lengths=True, seed=n)
+            _check_integer("cpu", p, T=9, N=N, with_lengths=True, seed=n)
     finally:
         torch.set_num_threads(before)
 
