@@ -8,6 +8,8 @@
 // fused pass: a task computes the three gates' W.x and R.h tiles for kFusedWidth hidden units and
 // 16 batch rows and runs the cell on them while they are in cache; no W.x is written out (below
 // 16 batch rows, where a W.x tile would be mostly padding, W.x is one GEMM per chunk of steps).
+// The steps of a chunk share one parallel region; threads wait between steps on a count of
+// finished tasks (StepCounters).
 // Large per-call buffers (the layer's output, the quantized input) reuse their memory from call
 // to call once the caller has dropped the previous result (reuse_or_empty).
 #include <ATen/Parallel.h>
