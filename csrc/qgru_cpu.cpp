@@ -64,7 +64,7 @@ struct StepCounters {
       }
     }
   }
-  static constexpr int kSpinsBeforeYield = 256;  // ~10-40 us of pause instructions
+  static constexpr int kSpinsBeforeYield = 256;  // 256 pauses: ~1-20 us, by the CPU's pause latency
 };
 
 constexpr int64_t kInputChunkRows = 1024;  // rows of W.x per GEMM: measured fastest on oneDNN here
@@ -157,6 +157,8 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
   // gate q of row r, channel c: W.x at x[r * xr + q * xs + c], R.h at acc_h[r * W + q * gs + c]
   const int64_t xs = XACC ? gs : H, xr = XACC ? W : 3 * H;
   if (!XACC) x += j0;
+  s += j0;  // row r's state and output channel c: s[r * H + c], o[r * H + c]
+  o += j0;
   if constexpr (ACC32) {
     // gru_cell32 in two loops, r and z first, then g and h: with one table gather in each loop's
     // dependency chain instead of two, more iterations overlap (measured ~15% faster)
@@ -165,34 +167,27 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
     const auto d_wx = [&](Channel32 ch, int q, int32_t v) {
       return XACC ? requant32_at(ch, kWxRequant, q, v, c32.wx_lo, c32.wx_hi) : v;
     };
-    alignas(64) int32_t d_r[amx::kTile * W], d_z[amx::kTile * W];
+    alignas(64) int32_t d_r[amx::kTile * W], d_z[amx::kTile * W];  // row r's at [r * W]
     for (int64_t r = 0; r < rows; ++r) {
       if (!active[r]) continue;
-      const int32_t* xx = x + r * xr;
-      const int32_t* hh = acc_h + r * W;
-      int32_t* dr = d_r + r * W;
-      int32_t* dz = d_z + r * W;
+      const int64_t rx = r * xr, rh = r * W;
 #pragma omp simd
       for (int64_t c = 0; c < nj; ++c) {
         const Channel32 ch{fields + c};
-        dr[c] = sigmoid_gate32(c32, ch, 0, hh[c], d_wx(ch, 0, xx[c]));
-        dz[c] = sigmoid_gate32(c32, ch, 1, hh[gs + c], d_wx(ch, 1, xx[xs + c]));
+        d_r[rh + c] = sigmoid_gate32(c32, ch, 0, acc_h[rh + c], d_wx(ch, 0, x[rx + c]));
+        d_z[rh + c] = sigmoid_gate32(c32, ch, 1, acc_h[rh + gs + c], d_wx(ch, 1, x[rx + xs + c]));
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
       if (!active[r]) continue;
-      const int32_t* xx = x + r * xr;
-      const int32_t* hh = acc_h + r * W;
-      const int32_t* dr = d_r + r * W;
-      const int32_t* dz = d_z + r * W;
-      int32_t* sr = s + r * H + j0;
-      int32_t* orow = o + r * H + j0;
+      const int64_t rx = r * xr, rh = r * W, rs = r * H;
 #pragma omp simd
       for (int64_t c = 0; c < nj; ++c) {
         const Channel32 ch{fields + c};
-        const int32_t h_new = candidate_state32(c32, ch, hh[2 * gs + c], d_wx(ch, 2, xx[2 * xs + c]), dr[c], dz[c], sr[c]);
-        sr[c] = h_new;
-        orow[c] = h_new;
+        const int32_t h_new = candidate_state32(c32, ch, acc_h[rh + 2 * gs + c], d_wx(ch, 2, x[rx + 2 * xs + c]),
+                                                d_r[rh + c], d_z[rh + c], s[rs + c]);
+        s[rs + c] = h_new;
+        o[rs + c] = h_new;
       }
     }
   } else {
@@ -201,34 +196,31 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
     };
     for (int64_t r = 0; r < rows; ++r) {
       if (!active[r]) continue;
-      const int32_t* xx = x + r * xr;
-      const int32_t* hh = acc_h + r * W;
-      int32_t* sr = s + r * H + j0;
-      int32_t* orow = o + r * H + j0;
+      const int64_t rx = r * xr, rh = r * W, rs = r * H;
 #pragma omp simd
       for (int64_t c = 0; c < nj; ++c) {
         const int64_t j = j0 + c;
-        const int32_t h_new = (int32_t)gru_cell_acc<POW2, false>(p, j, Channel32{nullptr}, hh[c], hh[gs + c],
-                                                                 hh[2 * gs + c], d_wx(0, j, xx[c]),
-                                                                 d_wx(1, j, xx[xs + c]), d_wx(2, j, xx[2 * xs + c]), sr[c]);
-        sr[c] = h_new;
-        orow[c] = h_new;
+        const int32_t h_new = (int32_t)gru_cell_acc<POW2, false>(
+            p, j, Channel32{nullptr}, acc_h[rh + c], acc_h[rh + gs + c], acc_h[rh + 2 * gs + c],
+            d_wx(0, j, x[rx + c]), d_wx(1, j, x[rx + xs + c]), d_wx(2, j, x[rx + 2 * xs + c]), s[rs + c]);
+        s[rs + c] = h_new;
+        o[rs + c] = h_new;
       }
     }
   }
   // Loops of their own: an int8 store in the loops above makes gcc pick 64 lanes (one zmm of
   // int8), more than a row's 16 channels, and run every cell in the scalar remainder (measured 8x
-  // slower).
+  // slower). Inactive rows (past their length) carry h and the state into this step's output.
+  h_in += j0;
+  h_out += j0;
   for (int64_t r = 0; r < rows; ++r) {
-    const int32_t* sr = s + r * H;
-    int8_t* ho = h_out + r * lda;
+    const int64_t rs = r * H, ra = r * lda;
     if (active[r]) {
-      for (int64_t j = j0; j < j0 + nj; ++j) ho[j] = (int8_t)sr[j];  // h <= 8 bits: its one int8 limb
+      for (int64_t c = 0; c < nj; ++c) h_out[ra + c] = (int8_t)s[rs + c];  // h <= 8 bits: its one int8 limb
     } else {
-      const int8_t* hi = h_in + r * lda;
-      for (int64_t j = j0; j < j0 + nj; ++j) {
-        o[r * H + j] = sr[j];
-        ho[j] = hi[j];
+      for (int64_t c = 0; c < nj; ++c) {
+        o[rs + c] = s[rs + c];
+        h_out[ra + c] = h_in[ra + c];
       }
     }
   }
