@@ -13,6 +13,7 @@
 #include "qgru_fixedpoint.h"
 
 namespace qgru {
+QGRU_ISA_BEGIN
 
 // ---------------------------------------------------------------------------------------------
 // Exact integer products from int8 x int8 -> int32 GEMMs
@@ -27,6 +28,7 @@ namespace qgru {
 // K < 2^17 (|G_p| <= K 2^14 < 2^31), the sum is exact in int64 (< 2^49).
 constexpr int kMaxPairs = 4;
 
+QGRU_ISA_END
 struct LimbProducts {
   const int32_t* G[kMaxPairs];   // [rows, ld] int32 GEMM outputs, one per limb pair
   int64_t scale[kMaxPairs];      // scale_i * scale_j
@@ -34,6 +36,7 @@ struct LimbProducts {
   int64_t ld;                    // row stride of every G_p (padded channel count)
   int64_t ones_col;              // the column holding rowsum(a_i) when any d_j != 0, else 0
 };
+QGRU_ISA_BEGIN
 
 // The exact product a[row] . w[c] (without bias), for NPAIRS limb pairs. One pair means 8-bit
 // operands on both sides: scale 1, offset 0, the GEMM output itself.
@@ -57,6 +60,7 @@ QGRU_HD int8_t act_limb(int64_t v, int32_t bits, int limb) {
   return limb == 0 ? (int8_t)((v & 255) - 128) : (int8_t)(v >> 8);
 }
 
+QGRU_ISA_END
 // ---------------------------------------------------------------------------------------------
 // Accumulator -> Wx / Rh (seed 001 steps 2 and 3.1)
 // ---------------------------------------------------------------------------------------------
@@ -66,6 +70,7 @@ struct AccRequant {
   const int64_t* zp;    // [3H] zero point of Wx / Rh
   Range out;            // Wx / Rh bits
 };
+QGRU_ISA_BEGIN
 
 // q - Z of Wx (or Rh) at channel c from the exact product: sat(rescale(acc) + Z) - Z.
 template <bool POW2>
@@ -74,6 +79,7 @@ QGRU_HD int64_t requantize_acc(const AccRequant& a, int64_t c, int64_t product) 
   return saturate(apply<POW2, true>(a.rescale, c, acc) + a.zp[c], a.out) - a.zp[c];
 }
 
+QGRU_ISA_END
 // The same result in int32 lanes (twice as many per vector), for the common case of 8-bit
 // operands (one limb pair) and power-of-two scales where the rescale is a right shift by
 // R = shift - 1 - log2(mult) with 1 <= R <= 30 and K < 2^16 (qgru/native.py checks this).
@@ -89,6 +95,7 @@ struct AccRequant32 {
   const int32_t* zp;
   int32_t lo, hi;
 };
+QGRU_ISA_BEGIN
 
 QGRU_HD int32_t clamp32(int32_t v, int32_t lo, int32_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
@@ -112,6 +119,7 @@ QGRU_HD int64_t requantize_product(const AccRequant& a, const AccRequant32& a32,
   return requantize_acc<POW2>(a, c, exact_product<NPAIRS>(g, row, c));
 }
 
+QGRU_ISA_END
 // ---------------------------------------------------------------------------------------------
 // The gates
 // ---------------------------------------------------------------------------------------------
@@ -122,6 +130,7 @@ struct SigmoidGate {  // r or z
   Range pre;
   Table table;
 };
+QGRU_ISA_BEGIN
 
 // ---------------------------------------------------------------------------------------------
 // The int32 cell: the same step in int32 lanes, for layers where prepare_layer proved every
@@ -143,6 +152,7 @@ struct SigmoidGate {  // r or z
 // they took 35 base registers, which gcc kept on the stack and reloaded in every iteration
 // (~130 of the loop's ~470 instructions; the cell ran ~8% slower).
 constexpr int64_t kCell32Block = 128;
+QGRU_ISA_END
 enum Cell32Field : int {
   kRWxLsh, kRWxRsh, kRRhLsh, kRRhRsh,  // lsh, rsh of r's rescales from Wx_r and from Rh_r
   kZWxLsh, kZWxRsh, kZRhLsh, kZRhRsh,  // the same for z: kRWxLsh + 4 gate, gate 0 r, 1 z
@@ -156,6 +166,7 @@ enum Cell32Field : int {
 struct Channel32 {  // one channel's fields: field f at at[f * kCell32Block]
   const int32_t* at;
 };
+QGRU_ISA_BEGIN
 
 QGRU_HD int32_t field(Channel32 c, int f) { return c.at[f * kCell32Block]; }
 
@@ -175,10 +186,12 @@ QGRU_HD int32_t apply32(Channel32 c, int lsh_field, int32_t v) {
   return (((int32_t)((uint32_t)v << field(c, lsh_field)) >> field(c, lsh_field + 1)) + 1) >> 1;
 }
 
+QGRU_ISA_END
 struct Table32 {  // tables.lookup in int32 lanes, on the packed entries of Table
   const int64_t* packed;  // T[i] in the low 32 bits, T[i+1] - T[i] in the high 32 bits
   int32_t k, frac, in_min, out_zp, out_lo, out_hi;
 };
+QGRU_ISA_BEGIN
 
 QGRU_HD int32_t lookup32(const Table32& t, int32_t q) {
   const int32_t u = q - t.in_min;
@@ -192,6 +205,7 @@ QGRU_HD int32_t lookup32(const Table32& t, int32_t q) {
   return (o < t.out_lo ? t.out_lo : (o > t.out_hi ? t.out_hi : o)) - t.out_zp;
 }
 
+QGRU_ISA_END
 struct Cell32 {
   const int32_t* channels;  // [ceil(H / 128)][kCell32Fields][128], see Cell32Field
   int32_t zh_rsh, zg_rsh;   // R of z * h and (1 - z) * g -> h (>= 0, lsh = 0)
@@ -200,6 +214,7 @@ struct Cell32 {
   int32_t one_z, h_zp, h_lo, h_hi;
   int32_t wx_lo, wx_hi, rh_lo, rh_hi;  // ranges of Wx and Rh
 };
+QGRU_ISA_BEGIN
 
 // computeR (gate 0) or computeZ (gate 1) in int32 from the gate's raw R.h accumulator and
 // Wx - Z_Wx: the gate's output relative to its zero point.
@@ -235,6 +250,7 @@ QGRU_HD int32_t gru_cell32(const Cell32& p, Channel32 ch, int32_t acc_r, int32_t
   return candidate_state32(p, ch, acc_g, d_wx_g, d_r, d_z, q_h);
 }
 
+QGRU_ISA_END
 struct CellParams {
   int64_t H;
   Cell32 c32;         // the int32 form, valid when the kernel's ACC32 flag is set
@@ -251,6 +267,7 @@ struct CellParams {
   int64_t h_zp;
   Range h;
 };
+QGRU_ISA_BEGIN
 
 // computeR / computeZ: d = table(sat(Wx_gate + Rh_gate + Z_pre)) - Z_out.
 template <bool POW2>
@@ -352,4 +369,5 @@ inline void dispatch_kernel(int64_t pairs, bool pow2, bool acc32, F&& f) {
   }
 }
 
+QGRU_ISA_END
 }  // namespace qgru

@@ -21,6 +21,17 @@
 #define QGRU_UNROLL
 #endif
 
+// The CPU backend compiles the code below once per instruction set (csrc/cpu/kernel_*.cpp, each
+// with its own target): each copy lives in its own inline namespace (QGRU_ISA, set by that file
+// before any include), so the linker can never hand one path's inline function to another, e.g.
+// an AVX2 copy to the portable path of a CPU without AVX2. The structs stay in namespace qgru:
+// they are the same types for every path (the kernels' interface passes them).
+#ifndef QGRU_ISA
+#define QGRU_ISA generic
+#endif
+#define QGRU_ISA_BEGIN inline namespace QGRU_ISA {
+#define QGRU_ISA_END }
+
 namespace qgru {
 
 // Signed range [lo, hi] of a b-bit integer: every stored tensor is saturated to one.
@@ -28,6 +39,7 @@ struct Range {
   int64_t lo;
   int64_t hi;
 };
+QGRU_ISA_BEGIN
 
 QGRU_HD int64_t saturate(int64_t v, Range r) { return v < r.lo ? r.lo : (v > r.hi ? r.hi : v); }
 
@@ -42,6 +54,7 @@ QGRU_HD int64_t rounding_mul_shift(int64_t x, int64_t m, int32_t s) {
 // round_half_up(v / 2^s) for s >= 0; s = 0 returns v (primitives.rounding_shift).
 QGRU_HD int64_t rounding_shift(int64_t v, int32_t s) { return (v + ((int64_t(1) << s) >> 1)) >> s; }
 
+QGRU_ISA_END
 // A fixed-point factor, one (multiplier, shift) per channel (per-tensor factors are expanded to
 // one entry per channel when the backend's parameters are prepared, so kernels never branch).
 // In power-of-two scale mode every multiplier is 2^mult_log2, and x * m is computed as a shift.
@@ -50,6 +63,7 @@ struct Rescale {
   const int32_t* shift;
   const int32_t* mult_log2;  // log2(mult) when every multiplier is a power of two, else unused
 };
+QGRU_ISA_BEGIN
 
 // The product of two values that fit in int32 (every q - Z below: |q - Z| < 2^16, and every
 // multiplier: m < 2^31), as one signed 32 x 32 -> 64 multiply (vpmuldq) instead of a 64-bit one.
@@ -74,6 +88,7 @@ QGRU_HD int64_t apply(Rescale r, int64_t c, int64_t v) {
   return ((prod >> (r.shift[c] - 1)) + 1) >> 1;
 }
 
+QGRU_ISA_END
 // A sigmoid or tanh table on a b_in-bit grid (tables.lookup): 2^(b_in - k) + 1 entries T with F
 // extra fraction bits, linear interpolation inside segments of 2^k inputs (k = F = 0: exact table).
 // Stored packed, one int64 per segment: T[i] in the low 32 bits, T[i+1] - T[i] in the high 32
@@ -86,6 +101,7 @@ struct Table {
   int64_t out_zp;  // zero point of the output grid
   Range out;       // range of the output bits
 };
+QGRU_ISA_BEGIN
 
 // Returns the output relative to its zero point (q_out - Z_out), which is what every caller uses.
 QGRU_HD int64_t lookup(const Table& t, int64_t q) {
@@ -100,4 +116,5 @@ QGRU_HD int64_t lookup(const Table& t, int64_t q) {
   return saturate(rounding_shift(v, t.k + t.frac) + t.out_zp, t.out) - t.out_zp;
 }
 
+QGRU_ISA_END
 }  // namespace qgru

@@ -36,30 +36,38 @@ from .tables import table_geometry
 
 _HERE = Path(__file__).resolve().parent
 _KINDS = ("cpu", "cuda")
+# the CPU backend: the driver, the run-time path choice, and one file per instruction-set path
+# (csrc/cpu/kernels.h describes them), each of which sets its own target
+_CPU_PATHS = ("portable", "avx2", "avx512vnni", "amx")
 _SOURCES = {
-    "cpu": ["qgru_cpu.cpp"],
+    "cpu": ["cpu/qgru_cpu.cpp", "cpu/isa.cpp"] + [f"cpu/kernel_{p}.cpp" for p in _CPU_PATHS],
     "cuda": ["qgru_cuda.cpp", "qgru_cuda_kernels.cu"],
 }
-_HEADERS = ["qgru_amx.h", "qgru_fixedpoint.h", "qgru_cell.h", "qgru_layer.h", "qgru_cuda.h"]
+_HEADERS = ["qgru_fixedpoint.h", "qgru_cell.h", "qgru_layer.h", "qgru_cuda.h", "cpu/kernels.h", "cpu/cell_loops.h",
+            "cpu/isa.h"]
 GEMM_PAD = 16  # channel and reduction padding: int8 tensor-core GEMMs want multiples of 16
 
 
 def csrc_dir() -> Path:
     """csrc/ of an installed wheel (qgru/csrc) or of a source checkout (../csrc)."""
     for d in (_HERE / "csrc", _HERE.parent / "csrc"):
-        if (d / "qgru_cell.h").is_file():
+        if (d / "qgru_cell.h").is_file() and (d / "cpu" / "kernels.h").is_file():
             return d
     raise FileNotFoundError("qgru's csrc/ folder is missing from this installation")
 
 
 def _cpu_flags() -> List[str]:
     flags = ["-O3", "-fopenmp"]
-    if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
-        flags.append("-march=native")  # the cache key includes the machine, see _machine_id()
-    if platform.machine() in ("x86_64", "AMD64") and _compiler_is_gcc():
-        # gcc's tuning for recent Intel cores avoids AVX-512 gathers; the table lookups are
-        # gathers and measure ~20% faster with them (csrc/qgru_cpu.cpp)
-        flags.append("-mtune-ctrl=use_gather")
+    if platform.machine() in ("x86_64", "AMD64"):
+        # No -march: the driver and the portable path are built for the x86-64 baseline, and each
+        # faster path (csrc/cpu/kernel_*.cpp) sets its own target; csrc/cpu/isa.cpp picks the
+        # path at run time from what the CPU and the OS offer.
+        if _compiler_is_gcc():
+            # gcc's tuning for recent Intel cores avoids AVX-512 gathers; the table lookups are
+            # gathers and measure ~20% faster with them (csrc/cpu/cell_loops.h)
+            flags.append("-mtune-ctrl=use_gather")
+    elif platform.machine() in ("aarch64", "arm64"):
+        flags.append("-march=native")  # only the portable path there; the cache key includes the machine
     return flags
 
 
@@ -158,7 +166,7 @@ def _compile(kind: str, verbose: bool):
     # escaped for the shell that ninja runs the compiler through
     define = [f'-DQGRU_TORCH_VERSION=\\"{torch.__version__}\\"']
     kw = dict(name=_ext_name(kind), sources=[str(src / s) for s in _SOURCES[kind]],
-              extra_include_paths=[str(src)], build_directory=str(d), verbose=verbose,
+              extra_include_paths=[str(src), str(src / "cpu")], build_directory=str(d), verbose=verbose,
               extra_cflags=_cpu_flags() + define, extra_ldflags=["-fopenmp"])
     if kind == "cuda":
         kw["extra_cuda_cflags"] = ["-O3"] + define
@@ -238,14 +246,26 @@ def _per_channel(v: torch.Tensor, n: int) -> torch.Tensor:
     return v.reshape(-1).expand(n).contiguous() if v.numel() == 1 else v.reshape(n).contiguous()
 
 
+def direct16_fits(weights: torch.Tensor, w_bits: int, act_bits: int) -> bool:
+    """Whether a 16-bit activation times these 8-bit weights is exact as one int16 x int16 GEMM
+    with int32 sums (csrc/cpu/kernel_avx2.cpp): K 2^15 max|w| < 2^31 (K <= 516 at max|w| = 127)."""
+    if act_bits <= 8 or w_bits > 8:
+        return False
+    K = weights.shape[1]
+    max_w = int(weights.abs().max()) if weights.numel() else 0
+    return K * 32768 * max_w < (1 << 31)
+
+
 def _limb_gemm(prefix: str, weights: torch.Tensor, w_bits: int, act_bits: int, M_pad: int,
-               ones_col: int) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
-    """Weight limb matrices [L, M_pad, K_pad] int8, limb pairs [P, 4], constant per-channel terms [M]."""
+               ones_col: int, act_direct: bool = False) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+    """Weight limb matrices [L, M_pad, K_pad] int8, limb pairs [P, 4], constant per-channel terms [M].
+    act_direct: the activations (up to 16 bits) enter whole, as one int16 limb."""
     M, K = weights.shape
     K_pad = _round_up(max(K, 1), GEMM_PAD)
     w_limbs = split_int8_limbs(weights.to(torch.int64), w_bits)
     any_offset = any(c for _, _, c in w_limbs)
-    act_limbs = [(1, 0)] if act_bits <= 8 else [(1, 128), (256, 0)]  # as csrc act_limb()
+    # as csrc act_limb()
+    act_limbs = [(1, 0)] if act_bits <= 8 or act_direct else [(1, 128), (256, 0)]
     stacked = torch.zeros(len(w_limbs), M_pad, K_pad, dtype=torch.int8)
     const = torch.zeros(M, dtype=torch.int64)
     pairs = []
@@ -269,8 +289,11 @@ def pack_table(entries: torch.Tensor) -> torch.Tensor:
     return (diff * (1 << 32) + (lo & 0xFFFFFFFF)).contiguous()
 
 
-def prepare_layer(p: LayerParams) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
-    """The C++ Layer's arguments for one layer and direction (CPU tensors; move them as needed)."""
+def prepare_layer(p: LayerParams, act16: bool = False) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
+    """The C++ Layer's arguments for one layer and direction (CPU tensors; move them as needed).
+
+    act16: the kernel takes int16 activations (the CPU's avx2 path), so a 16-bit x or h times 8-bit
+    weights is one GEMM where ``direct16_fits`` proves its int32 sums exact."""
     H, I = p.hidden_size, p.input_size
     H3 = 3 * H
     b, zp, rs = p.bits, p.zp, p.rescale
@@ -280,8 +303,11 @@ def prepare_layer(p: LayerParams) -> Tuple[Dict[str, torch.Tensor], Dict[str, in
     t: Dict[str, torch.Tensor] = {}
     v: Dict[str, int] = {"H": H, "I": I, "M_pad": M_pad, "ones_col": ones_col if needs_ones else 0,
                          "x_bits": b["x"], "h_bits": b["h"]}
-    gx, const_x = _limb_gemm("x", p.W, b["W"], b["x"], M_pad, ones_col)
-    gh, const_h = _limb_gemm("h", p.R, b["R"], b["h"], M_pad, ones_col)
+    x_direct = act16 and direct16_fits(p.W, b["W"], b["x"])
+    h_direct = act16 and direct16_fits(p.R, b["R"], b["h"])
+    v["x_direct16"], v["h_direct16"] = int(x_direct), int(h_direct)
+    gx, const_x = _limb_gemm("x", p.W, b["W"], b["x"], M_pad, ones_col, x_direct)
+    gh, const_h = _limb_gemm("h", p.R, b["R"], b["h"], M_pad, ones_col, h_direct)
     t.update(gx)
     t.update(gh)
 
@@ -399,46 +425,86 @@ def _channel_blocks(parts: Dict[str, torch.Tensor], H: int) -> torch.Tensor:
     return padded.reshape(len(CELL32_FIELDS), blocks, CELL32_BLOCK).permute(1, 0, 2).contiguous()
 
 
-def cpu_amx_enabled() -> bool:
-    """Whether new CPU layers may use the AMX kernels (where the CPU has them): QGRU_CPU_AMX=0 says no."""
-    return os.environ.get("QGRU_CPU_AMX", "1") != "0"
+def cpu_isa_request() -> str:
+    """The CPU path new CPU layers ask for: QGRU_CPU_ISA (auto, portable, avx2, avx512vnni, amx)."""
+    return os.environ.get("QGRU_CPU_ISA", "auto").strip().lower() or "auto"
+
+
+def cpu_paths() -> List[Dict[str, object]]:
+    """Every CPU path of the built backend, fastest first: name, usable here, why not, act_bytes."""
+    return [dict(name=n, usable=ok, why=why, act_bytes=ab) for n, ok, why, ab in load("cpu").isa_table()]
+
+
+def resolve_cpu_isa(request: Optional[str] = None) -> Dict[str, object]:
+    """The path that a CPU layer asked for ``request`` (None: QGRU_CPU_ISA) runs; a path this CPU
+    cannot run, or an unknown name, is a ValueError with the reason."""
+    req = cpu_isa_request() if request is None else request.strip().lower()
+    paths = cpu_paths()
+    for info in paths:
+        if req == "auto" and info["usable"]:
+            return info
+        if info["name"] == req:
+            if not info["usable"]:
+                raise ValueError(f"qgru cpu: the {req!r} path (QGRU_CPU_ISA) cannot run here: {info['why']}")
+            return info
+    raise ValueError(f"qgru cpu: unknown path {req!r} (QGRU_CPU_ISA); known: auto, "
+                     + ", ".join(str(i["name"]) for i in paths))
+
+
+_PATH_TEXT = {
+    "amx": "AMX int8 tiles",
+    "avx512vnni": "AVX-512 VNNI int8 dot products",
+    "avx2": "AVX2 int16 multiply-adds (vpmaddwd; 16-bit activations whole where exact)",
+    "portable": "portable C++ loops (compiler-vectorised)",
+}
 
 
 def cpu_gemm_detail() -> str:
-    """Which GEMMs new CPU layers use, and why (the cpu entry of qgru.backends())."""
-    if not load("cpu").amx_available():
-        return "oneDNN int8 GEMMs (this CPU or kernel offers no AMX)"
-    if not cpu_amx_enabled():
-        return "oneDNN int8 GEMMs (AMX turned off by QGRU_CPU_AMX=0)"
-    return "AMX int8 GEMMs; one fused pass per step (W.x, R.h and the cell) where x, h, W and R have at most 8 bits"
+    """Which path new CPU layers run, on which CPU, and why (the cpu entry of qgru.backends())."""
+    mod = load("cpu")
+    try:
+        info = resolve_cpu_isa()
+    except ValueError as e:
+        return f"{e} (CPU: {mod.cpu_model()})"
+    why = ("forced by QGRU_CPU_ISA" if cpu_isa_request() != "auto"
+           else "the fastest path this CPU and OS offer")
+    skipped = [f"{i['name']}: {i['why']}" for i in cpu_paths() if not i["usable"]]
+    return (f"path {info['name']}: {_PATH_TEXT.get(str(info['name']), info['name'])}, {why}; one fused pass per "
+            f"step where x, h, W and R take one limb each; CPU: {mod.cpu_model()}"
+            + (f"; not usable here: {'; '.join(skipped)}" if skipped else ""))
 
 
 class NativeLayer:
     """One layer and direction on one native backend: the C++ Layer and the tensors it points into.
 
-    ``amx`` (CPU only): None follows QGRU_CPU_AMX; False forces the oneDNN GEMM path even where the
-    CPU has AMX. ``gemm`` says which path the CPU layer took ("amx-fused", "amx" or "onednn")."""
+    ``isa`` (CPU only): the instruction-set path (None: QGRU_CPU_ISA, default "auto", the fastest
+    usable one). ``gemm`` says which path the layer took ("avx2-fused", "portable", ...; "-fused":
+    one pass per step)."""
 
-    def __init__(self, kind: str, p: LayerParams, device: torch.device, amx: Optional[bool] = None) -> None:
+    def __init__(self, kind: str, p: LayerParams, device: torch.device, isa: Optional[str] = None) -> None:
         mod = load(kind)
-        tensors, values = prepare_layer(p.to("cpu"))  # prepared on the host, then moved once
         if kind == "cpu":
-            values["cpu_amx"] = int(cpu_amx_enabled() if amx is None else amx)
+            info = resolve_cpu_isa(isa)
+            # prepared on the host, then moved once
+            tensors, values = prepare_layer(p.to("cpu"), act16=info["act_bytes"] == 2)
+            self.layer = mod.Layer(tensors, values, str(info["name"]))
+        else:
+            tensors, values = prepare_layer(p.to("cpu"))
+            self.layer = mod.Layer({k: x.to(device) for k, x in tensors.items()}, values)
         self.kind = kind
-        self.layer = mod.Layer({k: x.to(device) for k, x in tensors.items()}, values)
         self.gemm = getattr(self.layer, "gemm", "cublas")
 
     def __call__(self, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor]):
         return self.layer.forward(qx, qh0, lengths)
 
 
-def gru_direction(kind: str, amx: Optional[bool] = None):
+def gru_direction(kind: str, isa: Optional[str] = None):
     """A backend's gru_direction(p, qx, qh0, lengths): the native Layer is made once per LayerParams
-    (``amx``: see NativeLayer)."""
+    and CPU path (``isa``: see NativeLayer)."""
     def run(p: LayerParams, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor] = None):
         cache = p.__dict__.setdefault("_native", {})
-        key = (kind, str(qx.device), cpu_amx_enabled() if amx is None else amx)
+        key = (kind, str(qx.device), (cpu_isa_request() if isa is None else isa) if kind == "cpu" else "")
         if key not in cache:
-            cache[key] = NativeLayer(kind, p, qx.device, amx)
+            cache[key] = NativeLayer(kind, p, qx.device, isa)
         return cache[key](qx, qh0, lengths)
     return run

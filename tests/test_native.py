@@ -59,42 +59,52 @@ def _device(kind: str) -> torch.device:
 
 
 def _backend(kind: str) -> str:
-    """The registry's backend name of a test kind ("cpu:onednn" is the cpu backend)."""
+    """The registry's backend name of a test kind ("cpu:avx2" is the cpu backend on its avx2 path)."""
     return kind.split(":")[0]
 
 
-@pytest.fixture(scope="module", params=NATIVE_KINDS + ("cpu:onednn",))
-def kind(request):
-    """Each native backend; skipped, with the registry's reason, where it is unavailable.
+CPU_PATHS = ("portable", "avx2", "avx512vnni", "amx")
 
-    "cpu:onednn" is the cpu backend with its AMX kernels turned off (QGRU_CPU_AMX=0): on an AMX
-    machine "cpu" runs the AMX GEMMs and the fused step, so both CPU paths are proven here."""
+
+@pytest.fixture(scope="module", params=("cuda",) + tuple(f"cpu:{p}" for p in CPU_PATHS))
+def kind(request):
+    """Each native backend, and the cpu backend once per instruction-set path (QGRU_CPU_ISA);
+    skipped, with the reason, where the backend or the path is unavailable (an AVX2-only machine
+    runs portable and avx2, an AMX machine all four)."""
     name = _backend(request.param)
     why = qgru.backends()[name]["why"]
     if why:
         pytest.skip(f"{name} backend unavailable: {why}")
-    if request.param != "cpu:onednn":
+    if name != "cpu":
         yield request.param
         return
-    before = os.environ.get("QGRU_CPU_AMX")
-    os.environ["QGRU_CPU_AMX"] = "0"
+    path = request.param.split(":")[1]
+    info = {i["name"]: i for i in native.cpu_paths()}[path]
+    if not info["usable"]:
+        pytest.skip(f"cpu path {path} cannot run here: {info['why']}")
+    before = os.environ.get("QGRU_CPU_ISA")
+    os.environ["QGRU_CPU_ISA"] = path
     try:
         yield request.param
     finally:
         if before is None:
-            os.environ.pop("QGRU_CPU_AMX")
+            os.environ.pop("QGRU_CPU_ISA")
         else:
-            os.environ["QGRU_CPU_AMX"] = before
+            os.environ["QGRU_CPU_ISA"] = before
 
 
-def _expected_gemm(kind: str, bits) -> str:
-    """The GEMM path (NativeLayer.gemm) a Layer of this test kind must take for these bit widths:
-    on an AMX machine the fused step needs one int8 limb on both GEMMs (x, h, W, R <= 8 bits)."""
+def _expected_gemm(kind: str, p) -> str:
+    """The GEMM path (NativeLayer.gemm) a Layer of this test kind must take for these parameters:
+    the cpu path's name, with "-fused" when both GEMMs take one limb pair (x, h, W, R of at most
+    8 bits; on an int16 path, a 16-bit x or h times 8-bit weights where the int32 bound holds)."""
     if kind == "cuda":
         return "cublas"
-    if kind == "cpu:onednn" or not native.cpu_amx_enabled() or not native.load("cpu").amx_available():
-        return "onednn"
-    return "amx-fused" if max(bits[k] for k in ("x", "h", "W", "R")) <= 8 else "amx"
+    path = kind.split(":")[1] if ":" in kind else native.resolve_cpu_isa()["name"]
+    act16 = {i["name"]: i for i in native.cpu_paths()}[path]["act_bytes"] == 2
+    b = p.bits
+    x_one = b["W"] <= 8 and (b["x"] <= 8 or (act16 and native.direct16_fits(p.W, b["W"], b["x"])))
+    h_one = b["R"] <= 8 and (b["h"] <= 8 or (act16 and native.direct16_fits(p.R, b["R"], b["h"])))
+    return path + ("-fused" if x_one and h_one else "")
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +208,7 @@ def _assert_native_ran(m: qgru.QuantGRU, kind: str) -> None:
     for p in (p for row in rows for p in row):
         for key, layer in p.__dict__["_native"].items():
             if key[0] == _backend(kind):
-                assert layer.gemm == _expected_gemm(kind, p.bits), (layer.gemm, p.bits)
+                assert layer.gemm == _expected_gemm(kind, p), (layer.gemm, p.bits)
 
 
 def _far_inputs(x: torch.Tensor, scale: float, inf: bool, gen: torch.Generator) -> torch.Tensor:
@@ -266,7 +276,7 @@ def _check_integer(kind: str, p: golden.LayerParams, T: int, N: int, with_length
     dev = _device(kind)
     pd = p if dev.type == "cpu" else p.to(dev)
     got_out, got_h = native.gru_direction(_backend(kind))(pd, qx.to(dev), qh0.to(dev), _to(lengths, dev))
-    assert {layer.gemm for layer in pd.__dict__["_native"].values()} == {_expected_gemm(kind, p.bits)}
+    assert {layer.gemm for layer in pd.__dict__["_native"].values()} == {_expected_gemm(kind, p)}
     assert got_out.dtype == torch.int32 and got_h.dtype == torch.int32
     assert got_out.shape == (T, N, p.hidden_size) and got_h.shape == (N, p.hidden_size)
     got_out, got_h = got_out.cpu().long(), got_h.cpu().long()
@@ -359,22 +369,48 @@ def test_integer_worst_case_accumulators(kind, cfg, mode, K, sign):
         assert torch.equal(got[1].cpu().long(), want[1])
 
 
-def test_cpu_gemm_path_follows_amx_switch(cpu_backend, monkeypatch):
-    """QGRU_CPU_AMX=0 (or amx=False) selects oneDNN; otherwise an AMX machine runs the fused step
-    when x, h, W and R have 8 bits and the AMX GEMMs when any is wider; qgru.backends() reports
-    the same."""
-    monkeypatch.delenv("QGRU_CPU_AMX", raising=False)  # the cpu:onednn fixture may have set it
-    amx = native.load("cpu").amx_available()
+def test_cpu_path_follows_isa_switch(cpu_backend, monkeypatch):
+    """QGRU_CPU_ISA (or isa=) picks the path; auto takes the first usable one in the order amx,
+    avx512vnni, avx2, portable; a path this CPU cannot run, or an unknown name, is a clear error;
+    qgru.backends() names the path that runs and the CPU."""
+    monkeypatch.delenv("QGRU_CPU_ISA", raising=False)  # the kind fixture may have set it
+    paths = native.cpu_paths()
+    assert [i["name"] for i in paths] == list(CPU_PATHS[::-1])
+    usable = [i["name"] for i in paths if i["usable"]]
+    assert "portable" in usable
     p8 = _converted(_cfg("w8a8"), 5, 20)._qparams[0][0]
-    p16 = _converted(_cfg("w8a16"), 5, 20)._qparams[0][0]
-    p_x16 = _converted(_cfg("w8a8", tensors={"x": {"bits": 16}}), 5, 20)._qparams[0][0]
-    assert native.NativeLayer("cpu", p8, torch.device("cpu"), amx=False).gemm == "onednn"
-    assert native.NativeLayer("cpu", p8, torch.device("cpu")).gemm == ("amx-fused" if amx else "onednn")
-    assert native.NativeLayer("cpu", p16, torch.device("cpu")).gemm == ("amx" if amx else "onednn")
-    assert native.NativeLayer("cpu", p_x16, torch.device("cpu")).gemm == ("amx" if amx else "onednn")
-    monkeypatch.setenv("QGRU_CPU_AMX", "0")
-    assert native.NativeLayer("cpu", p8, torch.device("cpu")).gemm == "onednn"
-    assert "oneDNN" in qgru.backends()["cpu"]["detail"]
+    p16 = _converted(_cfg("w16a16"), 5, 20)._qparams[0][0]
+    dev = torch.device("cpu")
+    assert native.NativeLayer("cpu", p8, dev).gemm == usable[0] + "-fused"
+    assert native.NativeLayer("cpu", p8, dev, isa="portable").gemm == "portable-fused"
+    assert native.NativeLayer("cpu", p16, dev, isa="portable").gemm == "portable"  # 16-bit weights: limbs
+    for path in (i for i in paths if not i["usable"]):
+        with pytest.raises(ValueError, match=f"'{path['name']}' path .*cannot run here"):
+            native.NativeLayer("cpu", p8, dev, isa=path["name"])
+    with pytest.raises(ValueError, match="unknown path 'sse9'"):
+        native.NativeLayer("cpu", p8, dev, isa="sse9")
+    detail = qgru.backends()["cpu"]["detail"]
+    assert detail.startswith(f"path {usable[0]}:") and native.load("cpu").cpu_model() in detail
+    monkeypatch.setenv("QGRU_CPU_ISA", "portable")
+    assert native.NativeLayer("cpu", p8, dev).gemm == "portable-fused"
+    assert qgru.backends()["cpu"]["detail"].startswith("path portable:")
+    assert "forced by QGRU_CPU_ISA" in qgru.backends()["cpu"]["detail"]
+
+
+def test_cpu_paths_match_the_cpu_flags(cpu_backend):
+    """The run-time detection agrees with what Linux reports for this CPU (/proc/cpuinfo flags):
+    avx2 is usable exactly when the CPU has avx2 and fma, avx512vnni when it has avx512_vnni."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags on this system")
+    usable = {i["name"]: i["usable"] for i in native.cpu_paths()}
+    assert usable["avx2"] == ("avx2" in flags and "fma" in flags)
+    assert usable["avx512vnni"] == all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl",
+                                                            "avx512_vnni"))
+    if usable["amx"]:
+        assert "amx_int8" in flags and "amx_tile" in flags
 
 
 @pytest.mark.parametrize("cfg,N", [("w8a16", 6), ("w8a8", 37)])
@@ -619,7 +655,7 @@ def test_backends_report():
     assert set(rep) == {"reference", "cpu", "cuda"}
     assert rep["reference"] == {"available": True, "why": ""}
     assert rep["cpu"]["available"] is True and rep["cpu"]["why"] == "", rep["cpu"]
-    assert ("AMX" in rep["cpu"]["detail"]) == native.load("cpu").amx_available()
+    assert rep["cpu"]["detail"].startswith(f"path {native.resolve_cpu_isa()['name']}:")
     if torch.version.cuda is None or not torch.cuda.is_available():
         assert rep["cuda"]["available"] is False
         assert isinstance(rep["cuda"]["why"], str) and rep["cuda"]["why"].strip()

@@ -1,0 +1,222 @@
+// The CPU backend's pointwise loops, compiled once per instruction-set path: each kernel_*.cpp
+// includes this file after setting its target and its QGRU_ISA namespace, and points its Kernels
+// table at cell_rows / cell_tile / requant_rows / to_act below. The arithmetic is qgru_cell.h's
+// (the functions the CUDA backend runs too); these loops only arrange it so that the compiler
+// vectorises it for the path's instruction set.
+//
+// Include only from a kernel file (it defines functions, not just declarations).
+#pragma once
+
+#include "kernels.h"
+
+namespace qgru {
+namespace cpu {
+QGRU_ISA_BEGIN
+
+#if defined(__GNUC__)
+#define QGRU_NOINLINE __attribute__((noinline))
+#else
+#define QGRU_NOINLINE
+#endif
+
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// One step of channels [j0, j1) of batch row n: state s is read and overwritten, o gets a copy.
+// A separate, never inlined function with restrict pointers and by-value parameters: inlined into
+// its caller, gcc loses sight of the copies and falls back to scalar table loads (measured 2x slower).
+template <int NP, bool POW2, bool ACC32>
+QGRU_NOINLINE void cell_block(const CellParams p, const LimbProducts lp, int64_t n, int64_t j0, int64_t j1,
+                              const int32_t* __restrict wx, int32_t* __restrict s, int32_t* __restrict o) {
+  // channel j's int32 fields are at fields + (j - j0): one pointer, every field at a fixed offset
+  const int32_t* fields = cell32_channel<ACC32>(p, j0).at;
+#pragma omp simd
+  for (int64_t j = j0; j < j1; ++j) {
+    const Channel32 ch{ACC32 ? fields + (j - j0) : nullptr};
+    const int32_t h_new = (int32_t)gru_cell<NP, POW2, ACC32>(p, lp, n, j, ch, wx, s[j]);
+    s[j] = h_new;
+    o[j] = h_new;
+  }
+}
+
+// Activation limb i of the values v[0 .. n) (act_limb; direct: the value itself as int16).
+template <typename A>
+QGRU_NOINLINE void limbs_of(const int32_t* __restrict v, int64_t n, int bits, int i, int direct, A* __restrict d) {
+  if (direct || bits <= 8) {  // constant arguments: gcc vectorizes this loop (the general one stays scalar)
+#pragma omp simd
+    for (int64_t k = 0; k < n; ++k) d[k] = (A)v[k];
+    return;
+  }
+  for (int64_t k = 0; k < n; ++k) d[k] = (A)act_limb(v[k], bits, i);
+}
+
+template <typename A>
+void to_act_t(const ToActArgs& a) {
+  for (int64_t r = a.r0; r < a.r1; ++r)
+    for (int i = 0; i < a.n_limbs; ++i)
+      limbs_of<A>(a.src + r * a.K, a.K, a.bits, i, a.direct, static_cast<A*>(a.dst[i]) + r * a.ld);
+}
+
+template <typename A>
+void cell_rows_t(const CellRowsArgs& a) {
+  const int64_t H = a.p->H;
+  for (int64_t n = a.n0; n < a.n1; ++n) {
+    int32_t* s = a.state + n * H;
+    int32_t* o = a.out + n * H;
+    if (a.lengths != nullptr && a.t >= a.lengths[n]) {  // padding: the state is carried unchanged
+      for (int64_t j = 0; j < H; ++j) o[j] = s[j];
+      continue;
+    }
+    for (int64_t j0 = 0; j0 < H; j0 += kCell32Block) {
+      const int64_t j1 = min64(H, j0 + kCell32Block);
+      const int32_t* dwx = a.dwx + n * 3 * H;
+      dispatch_kernel(a.np, a.pow2, a.acc32, [&](auto np, auto pow2, auto acc32) {
+        cell_block<np.value, pow2.value, acc32.value>(*a.p, *a.rh, n, j0, j1, dwx, s, o);
+      });
+    }
+    for (int i = 0; i < a.n_h_limbs; ++i)
+      limbs_of<A>(s, H, a.h_bits, i, a.h_direct, static_cast<A*>(a.h_limbs[i]) + n * a.lda);
+  }
+}
+
+// The fused path's cells of one task: rows x nj elements (batch rows n0 + r, channels j0 + c; j0
+// a multiple of kCell32Block, nj <= kTaskUnits) from the three gates' R.h tiles acc_h
+// ([3][16][kTaskUnits] int32, gate q's at acc_h + q gs) and their W.x: with XACC the W.x tiles x
+// (same layout, requantized here), else the rows' Wx - Z_Wx x ([rows, 3H]). Rows past their
+// sequence length carry their state. Pointers are at row n0; s, o have row stride H; h_in / h_out,
+// the h of this step and the next as one activation limb (h and R of at most 8 bits, or h taken
+// whole as int16), stride lda.
+// All rows in one call, the row loops around the channel loops: per row calls of the same loops
+// paid their start-up (setup, pipeline fill) for every 128 elements; measured ~15% of the cell.
+template <bool POW2, bool ACC32, bool XACC, typename A>
+QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t j0, int64_t nj, int64_t rows,
+                             const uint8_t* __restrict active, const int32_t* __restrict x,
+                             const int32_t* __restrict acc_h, int32_t* __restrict s, int32_t* __restrict o,
+                             const A* __restrict h_in, A* __restrict h_out, int64_t lda) {
+  constexpr int64_t W = kTaskUnits, gs = kTileRows * W;  // gs: from one gate's tile rows to the next's
+  const int64_t H = p.H;
+  // gate q of row r, channel c: W.x at x[r * xr + q * xs + c], R.h at acc_h[r * W + q * gs + c]
+  const int64_t xs = XACC ? gs : H, xr = XACC ? W : 3 * H;
+  if (!XACC) x += j0;
+  s += j0;  // row r's state and output channel c: s[r * H + c], o[r * H + c]
+  o += j0;
+  if constexpr (ACC32) {
+    // gru_cell32 in two loops, r and z first, then g and h: with one table gather in each loop's
+    // dependency chain instead of two, more iterations overlap (measured ~15% faster)
+    const Cell32 c32 = p.c32;
+    const int32_t* fields = cell32_channel<ACC32>(p, j0).at;  // channel j0 + c's at fields + c
+    const auto d_wx = [&](Channel32 ch, int q, int32_t v) {
+      return XACC ? requant32_at(ch, kWxRequant, q, v, c32.wx_lo, c32.wx_hi) : v;
+    };
+    alignas(64) int32_t d_r[kTileRows * W], d_z[kTileRows * W];  // row r's at [r * W]
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!active[r]) continue;
+      const int64_t rx = r * xr, rh = r * W;
+#pragma omp simd
+      for (int64_t c = 0; c < nj; ++c) {
+        const Channel32 ch{fields + c};
+        d_r[rh + c] = sigmoid_gate32(c32, ch, 0, acc_h[rh + c], d_wx(ch, 0, x[rx + c]));
+        d_z[rh + c] = sigmoid_gate32(c32, ch, 1, acc_h[rh + gs + c], d_wx(ch, 1, x[rx + xs + c]));
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!active[r]) continue;
+      const int64_t rx = r * xr, rh = r * W, rs = r * H;
+#pragma omp simd
+      for (int64_t c = 0; c < nj; ++c) {
+        const Channel32 ch{fields + c};
+        const int32_t h_new = candidate_state32(c32, ch, acc_h[rh + 2 * gs + c], d_wx(ch, 2, x[rx + 2 * xs + c]),
+                                                d_r[rh + c], d_z[rh + c], s[rs + c]);
+        s[rs + c] = h_new;
+        o[rs + c] = h_new;
+      }
+    }
+  } else {
+    const auto d_wx = [&](int q, int64_t j, int32_t v) {
+      return XACC ? (int32_t)requantize_acc<POW2>(wx, q * H + j, v) : v;
+    };
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!active[r]) continue;
+      const int64_t rx = r * xr, rh = r * W, rs = r * H;
+#pragma omp simd
+      for (int64_t c = 0; c < nj; ++c) {
+        const int64_t j = j0 + c;
+        const int32_t h_new = (int32_t)gru_cell_acc<POW2, false>(
+            p, j, Channel32{nullptr}, acc_h[rh + c], acc_h[rh + gs + c], acc_h[rh + 2 * gs + c],
+            d_wx(0, j, x[rx + c]), d_wx(1, j, x[rx + xs + c]), d_wx(2, j, x[rx + 2 * xs + c]), s[rs + c]);
+        s[rs + c] = h_new;
+        o[rs + c] = h_new;
+      }
+    }
+  }
+  // Loops of their own: an int8 store in the loops above makes gcc pick 64 lanes (one zmm of
+  // int8), more than a row's 16 channels, and run every cell in the scalar remainder (measured 8x
+  // slower). Inactive rows (past their length) carry h and the state into this step's output.
+  h_in += j0;
+  h_out += j0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t rs = r * H, ra = r * lda;
+    if (active[r]) {
+      for (int64_t c = 0; c < nj; ++c) h_out[ra + c] = (A)s[rs + c];  // h's one limb: the value itself
+    } else {
+      for (int64_t c = 0; c < nj; ++c) {
+        o[rs + c] = s[rs + c];
+        h_out[ra + c] = h_in[ra + c];
+      }
+    }
+  }
+}
+
+template <typename A>
+void cell_tile_t(const CellTileArgs& a) {
+  const A* h_in = static_cast<const A*>(a.h_in);
+  A* h_out = static_cast<A*>(a.h_out);
+#define QGRU_CELL_TILE(P2, A32, XA)                                                                       \
+  cell_tile<P2, A32, XA, A>(*a.p, *a.wx, a.j0, a.nj, a.rows, a.active, a.x, a.acc_h, a.s, a.o, h_in, h_out, \
+                            a.lda)
+  if (a.acc32) {
+    if (a.xacc) QGRU_CELL_TILE(true, true, true);
+    else QGRU_CELL_TILE(true, true, false);
+  } else if (a.pow2) {
+    if (a.xacc) QGRU_CELL_TILE(true, false, true);
+    else QGRU_CELL_TILE(true, false, false);
+  } else {
+    if (a.xacc) QGRU_CELL_TILE(false, false, true);
+    else QGRU_CELL_TILE(false, false, false);
+  }
+#undef QGRU_CELL_TILE
+}
+
+// One row of W.x: the exact products of row r, plus bias, rescaled onto Wx (relative to Z_Wx).
+template <int NP, bool POW2, bool ACC32>
+QGRU_NOINLINE void requantize_row(const AccRequant a, const AccRequant32 a32, const LimbProducts lp, int64_t r,
+                                  int64_t H3, int32_t* __restrict o) {
+#pragma omp simd
+  for (int64_t c = 0; c < H3; ++c) o[c] = (int32_t)requantize_product<NP, POW2, ACC32>(a, a32, lp, r, c);
+}
+
+inline void requant_rows(const RequantRowsArgs& a) {
+  dispatch_kernel(a.np, a.pow2, a.acc32, [&](auto np, auto pow2, auto acc32) {
+    for (int64_t r = a.r0; r < a.r1; ++r)
+      requantize_row<np.value, pow2.value, acc32.value>(*a.a, *a.a32, *a.lp, r, a.H3, a.dwx + r * a.H3);
+  });
+}
+
+// Where group g's column c of row r lands (GemmArgs).
+inline int32_t* gemm_out(const GemmArgs& a, int64_t group, int64_t g, int64_t r) {
+  const int64_t i = g - a.g0;
+  if (a.gate_stride == 0) return a.C + r * a.ldc + i * group;
+  return a.C + (i % 3) * a.gate_stride + r * a.ldc + (i / 3) * group;
+}
+
+// A Kernels table's cell entries for activations of type A.
+template <typename A>
+struct CellLoops {
+  static void rows(const CellRowsArgs& a) { cell_rows_t<A>(a); }
+  static void tile(const CellTileArgs& a) { cell_tile_t<A>(a); }
+  static void requant(const RequantRowsArgs& a) { requant_rows(a); }
+  static void act(const ToActArgs& a) { to_act_t<A>(a); }
+};
+
+QGRU_ISA_END
+}  // namespace cpu
+}  // namespace qgru

@@ -1,0 +1,74 @@
+// The portable path: plain C++ for the build's baseline target (x86-64, aarch64, anything), which
+// the compiler vectorises as well as it can. Every CPU runs it; it is the sibling every fast path
+// is tested against besides the golden model.
+//
+// GEMM: int8 x int8 products summed in int32, exact: |sum| <= K 2^14 < 2^31 for K < 2^17, the
+// layer's limit. Weights are packed as groups of 8 output columns, each column's K values
+// contiguous (padded to a multiple of 64 with zeros, as the activation rows are): a dot product
+// is one contiguous loop, four rows at a time so that each weight load serves four rows.
+#define QGRU_ISA portable
+#include "cell_loops.h"
+
+#include <string.h>
+
+namespace qgru {
+namespace cpu {
+QGRU_ISA_BEGIN
+namespace {
+
+constexpr int64_t kGroup = 8;
+
+int64_t k_pad(int64_t K) { return (K + kKAlign - 1) / kKAlign * kKAlign; }
+
+int64_t packed_bytes(int64_t groups, int64_t K) { return groups * kGroup * k_pad(K); }
+
+void pack(const int8_t* W, int64_t ldw, int64_t K, const int64_t* channel, int64_t groups, void* out) {
+  const int64_t Kp = k_pad(K);
+  int8_t* o = static_cast<int8_t*>(out);
+  memset(o, 0, (size_t)packed_bytes(groups, K));
+  for (int64_t m = 0; m < groups * kGroup; ++m)
+    if (channel[m] >= 0) memcpy(o + m * Kp, W + channel[m] * ldw, (size_t)K);
+}
+
+QGRU_NOINLINE void dot4(const int8_t* __restrict a0, const int8_t* __restrict a1, const int8_t* __restrict a2,
+                        const int8_t* __restrict a3, const int8_t* __restrict w, int64_t K, int32_t* acc) {
+  int32_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t k = 0; k < K; ++k) {
+    const int32_t wk = w[k];
+    s0 += (int32_t)a0[k] * wk;
+    s1 += (int32_t)a1[k] * wk;
+    s2 += (int32_t)a2[k] * wk;
+    s3 += (int32_t)a3[k] * wk;
+  }
+  acc[0] = s0, acc[1] = s1, acc[2] = s2, acc[3] = s3;
+}
+
+void gemm(const GemmArgs& a) {
+  const int64_t Kp = k_pad(a.K);
+  const int8_t* A = static_cast<const int8_t*>(a.A);
+  const int8_t* B = static_cast<const int8_t*>(a.B);
+  for (int64_t g = a.g0; g < a.g1; ++g)
+    for (int64_t r = 0; r < a.rows; r += 4) {  // rows past a.rows are readable (whole row tiles)
+      for (int64_t c = 0; c < kGroup; ++c) {
+        int32_t acc[4];
+        const int8_t* ar = A + r * a.lda;
+        dot4(ar, ar + a.lda, ar + 2 * a.lda, ar + 3 * a.lda, B + (g * kGroup + c) * Kp, Kp, acc);
+        for (int64_t i = 0; i < 4 && r + i < a.rows; ++i) gemm_out(a, kGroup, g, r + i)[c] = acc[i];
+      }
+    }
+}
+
+void no_init() {}
+
+const Kernels kTable{"portable", 1, kGroup, packed_bytes, pack, gemm,
+                     CellLoops<int8_t>::rows, CellLoops<int8_t>::tile, CellLoops<int8_t>::requant,
+                     CellLoops<int8_t>::act, no_init};
+
+}  // namespace
+QGRU_ISA_END
+
+const Kernels* portable_kernels() { return &kTable; }
+
+}  // namespace cpu
+}  // namespace qgru

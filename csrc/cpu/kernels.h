@@ -1,0 +1,119 @@
+// The CPU backend's kernel interface: what one instruction-set path provides (XNNPACK / oneDNN
+// style: one small table of functions, one file per path, one run-time choice).
+//
+//   kernel_portable.cpp   plain C++ that the compiler vectorises for the build's baseline target
+//   kernel_avx2.cpp       AVX2: int8/int16 operands sign-extended to int16, vpmaddwd into int32
+//   kernel_avx512vnni.cpp AVX-512 VNNI: vpdpbusd (u8 x s8) with a +128 offset and column sums
+//   kernel_amx.cpp        AMX-INT8 tiles (tdpbssd)
+//   isa.cpp               which of them this CPU and OS can run (CPUID, XCR0, AMX permission)
+//
+// Every path computes exact int32 dot products (the proof for each is at its GEMM) and runs the
+// cell through the same functions of qgru_cell.h (cell_loops.h), so every path gives the golden
+// model's integers. Only the driver (qgru_cpu.cpp: chunks, threads, buffers) is compiled once.
+//
+// Kernel files hold no torch or standard-library templates: only plain C++ and qgru's headers,
+// whose inline functions each file compiles into its own namespace (QGRU_ISA, qgru_fixedpoint.h).
+#pragma once
+
+#include <stdint.h>
+
+#include "qgru_cell.h"
+
+namespace qgru {
+namespace cpu {
+
+constexpr int64_t kTileRows = 16;            // rows of every row tile; buffers hold whole tiles
+constexpr int64_t kKAlign = 64;              // activation rows: K padded with zeros to this
+constexpr int64_t kTaskUnits = kCell32Block;  // hidden units of one fused task (128)
+
+// GEMM of one row block: C = A . B^T over the weight column groups [g0, g1) of a packed matrix.
+//  * A: int8 or int16 (Kernels::act_bytes) [round_up(rows, 16), lda], lda a multiple of 64, the
+//    columns K .. lda - 1 zero. Rows past `rows` are readable and their results are ignored.
+//  * B: packed by Kernels::pack, column groups of Kernels::group columns.
+//  * Output, plain (gate_stride == 0): group g's column c of row r at C[r ldc + (g - g0) group + c].
+//    Gates (gate_stride > 0; the groups come as r, z, g of one unit group after another, see
+//    gate_channels): unit group u = (g - g0) / 3, gate q = (g - g0) % 3 at
+//    C[q gate_stride + r ldc + u group + c]. C is writable for round_up(rows, 16) rows.
+struct GemmArgs {
+  const void* A;
+  int64_t lda, rows, K;
+  const void* B;
+  int64_t g0, g1;
+  int32_t* C;
+  int64_t ldc, gate_stride;
+};
+
+// The non-fused step's cells: rows [n0, n1) of one time step, all H channels.
+struct CellRowsArgs {
+  const CellParams* p;
+  const LimbProducts* rh;   // the step's R.h limb products
+  const int32_t* dwx;       // [N, 3H] Wx - Z_Wx of this step
+  int32_t* state;           // [N, H] the state, updated
+  int32_t* out;             // [N, H] this step's output
+  void* const* h_limbs;     // the next step's h as activation limbs ([N, lda] each)
+  int n_h_limbs, h_bits, h_direct;  // h_direct: one int16 limb holding h itself
+  int64_t lda, n0, n1;
+  const int64_t* lengths;   // rows whose length is reached carry their state (nullptr: none)
+  int64_t t;
+  int np, pow2, acc32;      // kernel flags (dispatch_kernel)
+};
+
+// The fused step's cells of one task (qgru_cpu.cpp fused_steps): rows x nj elements.
+struct CellTileArgs {
+  const CellParams* p;
+  const AccRequant* wx;
+  int64_t j0, nj, rows;
+  const uint8_t* active;    // [rows] 1 where the row's sequence goes on at this step
+  const int32_t* x;         // xacc: W.x tiles [3][16][kTaskUnits]; else the rows' Wx - Z_Wx [rows, 3H]
+  const int32_t* acc_h;     // R.h tiles [3][16][kTaskUnits]
+  int32_t* s;               // the rows' state, row stride H
+  int32_t* o;               // the rows' output, row stride H
+  const void* h_in;         // this step's h as one activation limb, row stride lda
+  void* h_out;              // the next step's
+  int64_t lda;
+  int pow2, acc32, xacc;
+};
+
+// W.x requantization of rows [r0, r1): dwx[r][c] = Wx - Z_Wx from the limb products.
+struct RequantRowsArgs {
+  const AccRequant* a;
+  const AccRequant32* a32;
+  const LimbProducts* lp;
+  int64_t r0, r1, H3;
+  int32_t* dwx;
+  int np, pow2, acc32;
+};
+
+// Rows [r0, r1) of int32 values of `bits` bits (row stride K) as activation limbs: n_limbs
+// arrays [rows, ld] of int8 or int16 (act_limb; direct: one int16 limb, the value itself).
+struct ToActArgs {
+  const int32_t* src;
+  int64_t r0, r1, K, ld;
+  int bits, n_limbs, direct;
+  void* const* dst;
+};
+
+struct Kernels {
+  const char* name;   // "portable", "avx2", "avx512vnni", "amx"
+  int act_bytes;      // activation limbs as int8 (1) or int16 (2); int16 paths may take 16-bit values whole
+  int64_t group;      // columns per packed column group
+  int64_t (*packed_bytes)(int64_t groups, int64_t K);
+  // Packs int8 W [*, ldw] (K valid columns): column c of group g reads row channel[g group + c]
+  // (-1: a zero column).
+  void (*pack)(const int8_t* W, int64_t ldw, int64_t K, const int64_t* channel, int64_t groups, void* out);
+  void (*gemm)(const GemmArgs& a);
+  void (*cell_rows)(const CellRowsArgs& a);
+  void (*cell_tile)(const CellTileArgs& a);
+  void (*requant_rows)(const RequantRowsArgs& a);
+  void (*to_act)(const ToActArgs& a);
+  void (*thread_init)();  // once per thread region before gemm (AMX: load the tile configuration)
+};
+
+// The paths compiled into this binary (nullptr where the compiler cannot build one).
+const Kernels* portable_kernels();
+const Kernels* avx2_kernels();
+const Kernels* avx512vnni_kernels();
+const Kernels* amx_kernels();
+
+}  // namespace cpu
+}  // namespace qgru

@@ -1,0 +1,545 @@
+// qgru C++ CPU backend: one layer and direction of the integer GRU, bit-exact with qgru/golden.py.
+//
+// This file is the driver, compiled for the build's baseline target: it splits a layer call into
+// chunks of steps and parallel tasks, owns the buffers, and calls one instruction-set path's
+// kernels (kernels.h: the packed int8 GEMMs and the cell loops; isa.cpp picks the path at run
+// time from what the CPU and OS offer, or QGRU_CPU_ISA through qgru/native.py).
+//
+// GEMMs: int8 (or int16) x int8 -> int32, one per limb pair (qgru_cell.h), weights packed once
+// per layer in the layout the path's kernel reads. With one limb pair on both GEMMs (x, h, W and
+// R of at most 8 bits, or 16-bit x / h taken whole by a path with int16 operands) each step is one
+// fused pass: a task computes the three gates' W.x and R.h for kTaskUnits hidden units and 16
+// batch rows and runs the cell on them while they are in cache; no W.x is written out (below 16
+// batch rows, where a W.x tile would be mostly padding, W.x is one GEMM per chunk of steps). The
+// steps of a chunk share one parallel region; threads wait between steps on a count of finished
+// tasks (StepCounters). Other layers run a GEMM per step and then a cell pass.
+// Large per-call buffers (the layer's output, the quantized input) reuse their memory from call
+// to call once the caller has dropped the previous result (reuse_or_empty).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "isa.h"
+#include "qgru_layer.h"
+
+namespace qgru {
+namespace {
+using cpu::Kernels;
+using cpu::kTaskUnits;
+using cpu::kTileRows;
+
+// The fused path's per-step task counters: the next task to hand out and the tasks finished
+// (separate cache lines: every thread bumps both).
+struct StepCounters {
+  alignas(64) std::atomic<int64_t> next{0};
+  alignas(64) std::atomic<int64_t> done{0};
+
+  // Until all n tasks are done: spin briefly (the usual wait is the tail of another thread's last
+  // task, a few microseconds), then yield, so that more threads than cores still make progress.
+  void wait_all(int64_t n) const {
+    for (int spins = 0; done.load(std::memory_order_acquire) < n; ++spins) {
+      if (spins < kSpinsBeforeYield) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+  static constexpr int kSpinsBeforeYield = 256;  // 256 pauses: ~1-20 us, by the CPU's pause latency
+};
+
+constexpr int64_t kInputChunkRows = 1024;      // rows of W.x per chunk of steps (unfused paths)
+constexpr int64_t kFusedChunkBytes = 1 << 17;  // fused path: x's activation rows per chunk, converted right before use
+constexpr int64_t kGemmRows = 64;              // rows of one GEMM task
+constexpr int64_t kGemmGroups = 6;             // column groups of one GEMM task (a multiple of 2 and 3)
+constexpr int64_t kMinParallelWork = 4096;     // cell elements per thread, at least
+constexpr int kQuantizeBuffers = 4;            // quantize outputs reused per thread (reuse_or_empty)
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+int64_t ceil_div(int64_t v, int64_t m) { return (v + m - 1) / m; }
+
+// An int32 tensor of the given sizes whose memory is `cache`'s, reused when the last caller has let
+// go of it, else fresh. For the layer's output and the quantized input, buffers of many MB that a
+// forward call makes and drops: fresh, each call paid their pages' faults, ~3000 per call on the
+// benchmark, measured as ~8 ms of a 20 ms module call on a VM. The caller gets an alias (its own
+// TensorImpl on the cached storage) and the cache's TensorImpl never leaves: so the storage's use
+// count is 1 exactly when no tensor or view handed out is alive. (The TensorImpl's own count
+// would not do: torch keeps a returned tensor's Python object, and its reference, alive while
+// C++ holds the tensor.)
+at::Tensor reuse_or_empty(at::Tensor& cache, at::IntArrayRef sizes) {
+  if (!(cache.defined() && cache.storage().use_count() == 1 && cache.sizes() == sizes))
+    cache = at::empty(sizes, at::TensorOptions().dtype(at::kInt));
+  return cache.alias();
+}
+
+// The limb GEMMs of one product (W.x or R.h) on one path: weight limbs packed for its kernel.
+struct Gemm {
+  const Kernels* k = nullptr;
+  std::vector<at::Tensor> packed;  // per weight limb: all M_pad channels in column groups (uint8 bytes)
+  at::Tensor gates;                // one limb pair only: the weight packed per unit group as r, z, g groups
+  std::vector<int64_t> act_limb, weight_limb, scale, weight_offset;
+  int64_t P = 0, K = 0, M_pad = 0, groups = 0, lda = 0;
+  int n_act = 1, bits = 8, direct = 0;
+
+  void init(const LayerTensors& lt, const std::string& k_name, const Kernels* kern, int64_t H, int act_bits,
+            int act_direct) {
+    k = kern;
+    bits = act_bits;
+    direct = act_direct;
+    TORCH_CHECK(!direct || k->act_bytes == 2, "qgru cpu: 16-bit activations taken whole need a path with int16 operands");
+    n_act = (bits > 8 && !direct) ? 2 : 1;
+    at::Tensor w = lt.tensor(k_name + "_weight_limbs");  // [L, M_pad, K_pad]
+    TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 3 && w.is_contiguous(), "qgru: ", k_name,
+                "_weight_limbs must be contiguous int8 [L, M, K]");
+    M_pad = w.size(1);
+    const int64_t K_pad = w.size(2);
+    K = K_pad;
+    lda = round_up(std::max<int64_t>(K, 1), cpu::kKAlign);
+    groups = ceil_div(M_pad, k->group);
+    std::vector<int64_t> plain(groups * k->group);
+    for (int64_t m = 0; m < (int64_t)plain.size(); ++m) plain[m] = m < M_pad ? m : -1;
+    for (int64_t i = 0; i < w.size(0); ++i) packed.push_back(pack(w[i], plain));
+
+    at::Tensor pr = lt.pairs(k_name);
+    P = pr.size(0);
+    TORCH_CHECK(P == 1 || P == 2 || P == 4, "qgru: unsupported number of limb pairs ", P);
+    auto a = pr.accessor<int64_t, 2>();
+    for (int64_t p = 0; p < P; ++p) {
+      TORCH_CHECK(a[p][0] >= 0 && a[p][0] < n_act && a[p][1] >= 0 && a[p][1] < w.size(0),
+                  "qgru: ", k_name, "_pairs names a limb that does not exist");
+      act_limb.push_back(a[p][0]);
+      weight_limb.push_back(a[p][1]);
+      scale.push_back(a[p][2]);
+      weight_offset.push_back(a[p][3]);
+    }
+    if (P == 1) {
+      // per unit group u of G units: the r, z and g columns of units u G .. u G + G - 1
+      const int64_t G = k->group, units = ceil_div(H, G);
+      std::vector<int64_t> ch(units * 3 * G);
+      for (int64_t m = 0; m < (int64_t)ch.size(); ++m) {
+        const int64_t u = m / (3 * G), q = (m / G) % 3, j = u * G + m % G;
+        ch[m] = j < H ? q * H + j : -1;
+      }
+      gates = pack(w[0], ch);
+    }
+  }
+
+  at::Tensor pack(const at::Tensor& w, const std::vector<int64_t>& channel) const {
+    const int64_t g = (int64_t)channel.size() / k->group;
+    at::Tensor out = at::empty({k->packed_bytes(g, K)}, at::TensorOptions().dtype(at::kByte));
+    k->pack(w.data_ptr<int8_t>(), w.size(1), K, channel.data(), g, out.data_ptr<uint8_t>());
+    return out;
+  }
+
+  at::ScalarType act_type() const { return k->act_bytes == 2 ? at::kShort : at::kChar; }
+
+  // G[p][:rows] = act_limbs[i][:rows] . weight limb j, for every pair, as parallel tasks of
+  // kGemmRows rows x kGemmGroups column groups; and the LimbProducts view of them.
+  LimbProducts run(const std::vector<at::Tensor>& act, std::vector<at::Tensor>& G, int64_t rows, int64_t ones_col) const {
+    LimbProducts lp{};
+    const int64_t ldc = G[0].size(1), RB = ceil_div(rows, kGemmRows), CB = ceil_div(groups, kGemmGroups);
+    const int64_t ab = k->act_bytes;
+    const int64_t work = kGemmRows * kGemmGroups * k->group * K;  // MACs of a full task
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / std::max<int64_t>(work, 1));
+    at::parallel_for(0, P * RB * CB, grain, [&](int64_t i0, int64_t i1) {
+      k->thread_init();
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t p = i / (RB * CB), rb = (i / CB) % RB, cb = i % CB;
+        const int64_t r0 = rb * kGemmRows, g0 = cb * kGemmGroups;
+        cpu::GemmArgs a{static_cast<const char*>(act[act_limb[p]].data_ptr()) + r0 * lda * ab, lda,
+                        std::min(kGemmRows, rows - r0), K, packed[weight_limb[p]].data_ptr<uint8_t>(), g0,
+                        std::min(groups, g0 + kGemmGroups), G[p].data_ptr<int32_t>() + r0 * ldc + g0 * k->group,
+                        ldc, 0};
+        k->gemm(a);
+      }
+    });
+    for (int64_t p = 0; p < P; ++p) {
+      lp.G[p] = G[p].data_ptr<int32_t>();
+      lp.scale[p] = scale[p];
+      lp.weight_offset[p] = weight_offset[p];
+    }
+    lp.ld = ldc;
+    lp.ones_col = ones_col;
+    return lp;
+  }
+
+  // Writes rows [0, rows) of src (int32 [rows, K_real]) as this GEMM's activation limbs.
+  void to_act(const int32_t* src, int64_t rows, int64_t K_real, std::vector<at::Tensor>& limbs) const {
+    std::vector<void*> dst;
+    for (auto& l : limbs) dst.push_back(l.data_ptr());
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+      k->to_act(cpu::ToActArgs{src, r0, r1, K_real, lda, bits, n_act, direct, dst.data()});
+    });
+  }
+};
+
+class CpuLayer {
+ public:
+  CpuLayer(TensorMap tensors, IntMap values, const std::string& isa) : lt_{std::move(tensors), std::move(values)} {
+    for (auto& kv : lt_.t) TORCH_CHECK(kv.second.device().is_cpu(), "qgru cpu backend: '", kv.first, "' is not on the CPU");
+    try {
+      k_ = cpu::select_isa(isa);
+    } catch (const std::runtime_error& e) {
+      TORCH_CHECK_VALUE(false, e.what());
+    }
+    H_ = lt_.value("H");
+    I_ = lt_.value("I");
+    M_pad_ = lt_.value("M_pad");
+    ones_col_ = lt_.value("ones_col");
+    x_bits_ = (int32_t)lt_.value("x_bits");
+    h_bits_ = (int32_t)lt_.value("h_bits");
+    pow2_ = lt_.value("pow2") != 0;
+    acc32_ = lt_.value("acc32") != 0;
+    wx_.init(lt_, "x", k_, H_, x_bits_, (int)lt_.value("x_direct16"));
+    rh_.init(lt_, "h", k_, H_, h_bits_, (int)lt_.value("h_direct16"));
+    acc_x_ = lt_.acc("Wx");
+    acc_x32_ = lt_.acc32("Wx");
+    cell_ = lt_.cell();
+    fused_ = rh_.P == 1 && wx_.P == 1;
+  }
+
+  // The path's name, and "-fused" where each step is one fused pass.
+  std::string gemm_path() const { return std::string(k_->name) + (fused_ ? "-fused" : ""); }
+
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx_in, const at::Tensor& qh0_in,
+                                             const c10::optional<at::Tensor>& lengths_in) {
+    TORCH_CHECK(qx_in.dim() == 3 && qx_in.size(2) == I_, "qgru cpu: qx must be [T, N, ", I_, "]");
+    TORCH_CHECK(qh0_in.dim() == 2 && qh0_in.size(0) == qx_in.size(1) && qh0_in.size(1) == H_,
+                "qgru cpu: qh0 must be [N, ", H_, "]");
+    const at::Tensor qx = qx_in.to(at::kInt).contiguous();  // values fit: at most 16 bits
+    const int64_t T = qx.size(0), N = qx.size(1);
+    at::Tensor state = qh0_in.to(at::kInt).contiguous().clone();
+    std::lock_guard<std::mutex> lock(mu_);  // the workspace and out_ are shared by calls on this layer
+    at::Tensor out = reuse_or_empty(out_, {T, N, H_});
+    if (T == 0 || N == 0) return {out, state};
+    at::Tensor lengths;
+    if (lengths_in.has_value()) {
+      lengths = lengths_in->to(at::kLong).contiguous();
+      TORCH_CHECK(lengths.numel() == N, "qgru cpu: lengths must have N entries");
+    }
+    const int64_t* len = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
+    // W.x is computed for a chunk of steps at a time, right before those steps run: its buffers
+    // stay small and warm in cache, and are reused across chunks and calls (fresh large buffers
+    // cost page faults that measured as much as the arithmetic). The fused path computes W.x
+    // inside the steps (only x's activation rows are kept per chunk) once a step fills a 16-row
+    // tile; for fewer rows a tile would be mostly padding, and W.x of the chunk's steps is one GEMM.
+    const bool wx_in_step = fused_ && N >= kTileRows;
+    const int64_t chunk_rows = wx_in_step ? kFusedChunkBytes / (wx_.lda * k_->act_bytes) : kInputChunkRows;
+    const int64_t steps = std::max<int64_t>(1, std::min<int64_t>(T, chunk_rows / N));
+    ensure_workspace(steps * N, N, !wx_in_step);
+    rh_.to_act(state.data_ptr<int32_t>(), N, H_, fused_ ? ws_.h_fused[0] : ws_.h_act);
+    ws_.cur = 0;
+    for (int64_t t0 = 0; t0 < T; t0 += steps) {
+      const int64_t tc = std::min(steps, T - t0);
+      if (wx_in_step) {
+        wx_.to_act(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N, I_, ws_.x_act);
+      } else {
+        input_chunk(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N);
+      }
+      if (fused_) {
+        fused_steps(t0, tc, N, state.data_ptr<int32_t>(), out, len, wx_in_step);
+      } else {
+        recurrent_steps(t0, tc, N, state, out, len);
+      }
+    }
+    return {out, state};
+  }
+
+ private:
+  struct Workspace {
+    int64_t rows = 0, N = 0;
+    std::vector<at::Tensor> x_act, Gx, h_act, Gh;
+    std::vector<at::Tensor> h_fused[2];  // fused path: h as one activation limb, read by step t, written for t + 1
+    int cur = 0;                         // which h_fused the next step reads
+    at::Tensor dwx;  // [rows, 3H] Wx - Z_Wx of the current chunk of steps
+  };
+
+  // Buffers for chunks of `rows` rows of x and batches of N rows; with_wx: also W.x's (GEMM output
+  // and Wx - Z_Wx), which the fused path with W.x inside the steps does without. Row counts are
+  // whole row tiles plus one (the GemmArgs contract; a fused step's last row tile may read up to
+  // 15 rows past its step's rows).
+  void ensure_workspace(int64_t rows, int64_t N, bool with_wx) {
+    auto i32 = at::TensorOptions().dtype(at::kInt);
+    if (ws_.rows < rows) {
+      ws_.x_act.clear();
+      ws_.Gx.clear();
+      ws_.dwx = at::Tensor();
+      const int64_t br = round_up(rows, kTileRows) + kTileRows;
+      // zeroed once: the K padding must read as 0 in every GEMM and is never written
+      for (int i = 0; i < wx_.n_act; ++i) ws_.x_act.push_back(at::zeros({br, wx_.lda}, at::TensorOptions().dtype(wx_.act_type())));
+      ws_.rows = rows;
+    }
+    if (with_wx && !ws_.dwx.defined()) {
+      for (int64_t p = 0; p < wx_.P; ++p)
+        ws_.Gx.push_back(at::empty({ws_.x_act[0].size(0), wx_.groups * k_->group}, i32));
+      ws_.dwx = at::empty({ws_.rows, 3 * H_}, i32);
+    }
+    if (ws_.N < N) {
+      ws_.h_act.clear();
+      ws_.Gh.clear();
+      const int64_t br = round_up(N, kTileRows);
+      const auto opt = at::TensorOptions().dtype(rh_.act_type());
+      if (fused_) {
+        for (auto& b : ws_.h_fused) b = {at::zeros({br, rh_.lda}, opt)};
+      } else {
+        for (int i = 0; i < rh_.n_act; ++i) ws_.h_act.push_back(at::zeros({br, rh_.lda}, opt));
+        for (int64_t p = 0; p < rh_.P; ++p) ws_.Gh.push_back(at::empty({br, rh_.groups * k_->group}, i32));
+      }
+      ws_.N = N;
+    }
+  }
+
+  // Steps t0 .. t0 + tc - 1 on the fused path: per step one parallel pass over tasks (block of
+  // kTaskUnits hidden units, tile of 16 batch rows), each computing its R.h, with xacc its W.x
+  // too (from x's activation rows of the chunk in ws_.x_act; else Wx - Z_Wx is read from
+  // ws_.dwx), and then the cell on them while they are in L1.
+  void fused_steps(int64_t t0, int64_t tc, int64_t N, int32_t* state, at::Tensor& out, const int64_t* lengths,
+                   bool xacc) {
+    constexpr int64_t W = kTaskUnits, T16 = kTileRows;
+    const int64_t H = H_, HB = ceil_div(H, W), RT = ceil_div(N, T16), G = k_->group, ab = k_->act_bytes;
+    const int64_t lda = rh_.lda, ldx = wx_.lda;
+    const uint8_t* gates_x = wx_.gates.data_ptr<uint8_t>();
+    const uint8_t* gates_h = rh_.gates.data_ptr<uint8_t>();
+    const Kernels* k = k_;
+    // One parallel region for all tc steps, not one per step (measured 3-7% faster): a thread that
+    // runs out of tasks of step t waits until every task of step t is done (they write the h that
+    // step t + 1 reads), then takes tasks of step t + 1. Waiting on the count of finished tasks,
+    // not of arrived threads, holds however many threads the region actually gets (one, nested).
+    // Tasks are handed out one at a time, not in fixed halves: on a shared 2-core VM the threads'
+    // speeds differ from step to step, and fixed halves left one waiting (~10% of the step time).
+    const int64_t n_tasks = HB * RT;
+    const int cur0 = ws_.cur;
+    std::vector<StepCounters> counters(tc);
+    const char* x_base = xacc ? static_cast<const char*>(ws_.x_act[0].data_ptr()) : nullptr;
+    at::parallel_for(0, std::min<int64_t>(n_tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+      k->thread_init();
+      alignas(64) int32_t acc_x[3 * T16 * W], acc_h[3 * T16 * W];  // [gate][row][unit]
+      uint8_t active[T16];
+      for (int64_t t = t0; t < t0 + tc; ++t) {
+        const int cur = (cur0 + (int)(t - t0)) & 1;  // h is double-buffered: read one, write the other
+        const char* h_in = static_cast<const char*>(ws_.h_fused[cur][0].data_ptr());
+        char* h_out = static_cast<char*>(ws_.h_fused[1 - cur][0].data_ptr());
+        const char* x_t = xacc ? x_base + (t - t0) * N * ldx * ab : nullptr;
+        const int32_t* dwx_t = xacc ? nullptr : ws_.dwx.data_ptr<int32_t>() + (t - t0) * N * 3 * H;
+        int32_t* out_t = out.data_ptr<int32_t>() + t * N * H;
+        StepCounters& step = counters[t - t0];
+        for (int64_t i; (i = step.next.fetch_add(1, std::memory_order_relaxed)) < n_tasks;) {
+          const int64_t b = i / RT, n0 = (i % RT) * T16;
+          const int64_t rows = std::min(T16, N - n0), j0 = b * W, nj = std::min(W, H - j0);
+          const int64_t g0 = (j0 / G) * 3, g1 = g0 + 3 * ceil_div(nj, G);
+          if (xacc)
+            k->gemm(cpu::GemmArgs{x_t + n0 * ldx * ab, ldx, rows, wx_.K, gates_x, g0, g1, acc_x, W, T16 * W});
+          k->gemm(cpu::GemmArgs{h_in + n0 * lda * ab, lda, rows, rh_.K, gates_h, g0, g1, acc_h, W, T16 * W});
+          for (int64_t r = 0; r < rows; ++r) active[r] = lengths == nullptr || t < lengths[n0 + r];
+          k->cell_tile(cpu::CellTileArgs{&cell_, &acc_x_, j0, nj, rows, active, xacc ? acc_x : dwx_t + n0 * 3 * H,
+                                         acc_h, state + n0 * H, out_t + n0 * H, h_in + n0 * lda * ab,
+                                         h_out + n0 * lda * ab, lda, pow2_, acc32_, xacc});
+          step.done.fetch_add(1, std::memory_order_release);  // publishes this task's h_out, state, out
+        }
+        step.wait_all(n_tasks);
+      }
+    });
+    ws_.cur = (cur0 + (int)tc) & 1;
+  }
+
+  // Wx - Z_Wx of `rows` input rows into ws_.dwx (seed 001 steps 1-2).
+  void input_chunk(const int32_t* src, int64_t rows) {
+    wx_.to_act(src, rows, I_, ws_.x_act);
+    const LimbProducts lp = wx_.run(ws_.x_act, ws_.Gx, rows, ones_col_);
+    int32_t* o = ws_.dwx.data_ptr<int32_t>();
+    at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+      k_->requant_rows(cpu::RequantRowsArgs{&acc_x_, &acc_x32_, &lp, r0, r1, 3 * H_, o, (int)wx_.P, pow2_, acc32_});
+    });
+  }
+
+  // Steps t0 .. t0 + tc - 1, reading their Wx from ws_.dwx (seed 001 step 3): per step the R.h
+  // GEMMs, then the cell pass, which also writes the next step's h limbs.
+  void recurrent_steps(int64_t t0, int64_t tc, int64_t N, at::Tensor& state, at::Tensor& out, const int64_t* lengths) {
+    std::vector<void*> limb_ptrs;
+    for (auto& l : ws_.h_act) limb_ptrs.push_back(l.data_ptr());
+    int32_t* s = state.data_ptr<int32_t>();
+    // at least kMinParallelWork elements per thread: below that a fork/join costs more than it saves
+    const int64_t grain = std::max<int64_t>(1, kMinParallelWork / H_);
+    for (int64_t t = t0; t < t0 + tc; ++t) {
+      const LimbProducts lp = rh_.run(ws_.h_act, ws_.Gh, N, ones_col_);
+      const int32_t* dwx_t = ws_.dwx.data_ptr<int32_t>() + (t - t0) * N * 3 * H_;
+      int32_t* out_t = out.data_ptr<int32_t>() + t * N * H_;
+      at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+        k_->cell_rows(cpu::CellRowsArgs{&cell_, &lp, dwx_t, s, out_t, limb_ptrs.data(), rh_.n_act, h_bits_,
+                                        rh_.direct, rh_.lda, n0, n1, lengths, t, (int)rh_.P, pow2_, acc32_});
+      });
+    }
+  }
+
+  LayerTensors lt_;
+  std::mutex mu_;
+  const Kernels* k_ = nullptr;
+  bool fused_ = false;
+  Workspace ws_;
+  at::Tensor out_;  // the last output, reused once its caller drops it (reuse_or_empty)
+  int64_t H_, I_, M_pad_, ones_col_;
+  int32_t x_bits_, h_bits_;
+  bool pow2_, acc32_;
+  Gemm wx_, rh_;
+  AccRequant acc_x_;
+  AccRequant32 acc_x32_;
+  CellParams cell_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// The float boundary and the layer-to-layer requantization, one pass each (the golden model's
+// primitives.quantize / dequantize / golden.requantize_input, same float64 arithmetic)
+// ---------------------------------------------------------------------------------------------
+// primitives.quantize of one element: round_half_up(x / scale) + zp, saturated; NaN gives 0 and
+// sets *nan. x / scale is one float64 division, as in the golden model.
+inline int32_t quantize_one(double x, double scale, int64_t zp, Range r, double lo, double hi, bool* nan) {
+  double v = x / scale;
+  if (v != v) {
+    *nan = true;
+    v = 0.0;
+  }
+  v = v < lo ? lo : (v > hi ? hi : v);
+  const double f = std::floor(v);
+  const int64_t rounded = (int64_t)f + ((v - f) >= 0.5 ? 1 : 0);  // round half up, exact
+  return (int32_t)saturate(rounded + zp, r);
+}
+
+// The same over a block. gcc (12) leaves this loop scalar whatever its form (measured 2 ns per
+// element, 3 ms per call of the benchmark's input), so AVX-512 is written out: the same float64
+// operations, 8 lanes at a time, each IEEE-exact, so the results are identical.
+template <typename scalar_t>
+bool quantize_block(const scalar_t* x, int32_t* q, int64_t n, double scale, int64_t zp, Range r) {
+  // clamp bounds of primitives.quantize: just beyond the integer range, so +-inf saturate
+  const double lo = (double)(r.lo - zp - 1), hi = (double)(r.hi - zp + 1);
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  const __m512d vscale = _mm512_set1_pd(scale), vlo = _mm512_set1_pd(lo), vhi = _mm512_set1_pd(hi);
+  const __m512d half = _mm512_set1_pd(0.5);
+  const __m512i vzp = _mm512_set1_epi64(zp), one = _mm512_set1_epi64(1);
+  const __m512i qlo = _mm512_set1_epi64(r.lo), qhi = _mm512_set1_epi64(r.hi);
+  __mmask8 any_nan = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m512d xv;
+    if (std::is_same<scalar_t, float>::value) xv = _mm512_cvtps_pd(_mm256_loadu_ps((const float*)(x + i)));
+    else xv = _mm512_loadu_pd((const double*)(x + i));
+    __m512d v = _mm512_div_pd(xv, vscale);
+    const __mmask8 is_nan = _mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q);
+    any_nan |= is_nan;
+    v = _mm512_mask_mov_pd(v, is_nan, _mm512_setzero_pd());
+    v = _mm512_min_pd(_mm512_max_pd(v, vlo), vhi);
+    const __m512d f = _mm512_roundscale_pd(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __mmask8 up = _mm512_cmp_pd_mask(_mm512_sub_pd(v, f), half, _CMP_GE_OQ);
+    __m512i k = _mm512_add_epi64(_mm512_cvttpd_epi64(f), vzp);
+    k = _mm512_mask_add_epi64(k, up, k, one);
+    k = _mm512_min_epi64(_mm512_max_epi64(k, qlo), qhi);
+    _mm256_storeu_si256((__m256i*)(q + i), _mm512_cvtepi64_epi32(k));
+  }
+  nan = any_nan != 0;
+#endif
+  for (; i < n; ++i) q[i] = quantize_one((double)x[i], scale, zp, r, lo, hi, &nan);
+  return !nan;
+}
+
+template <typename scalar_t>
+bool quantize_loop(const scalar_t* x, int32_t* q, int64_t n, double scale, int64_t zp, Range r) {
+  std::atomic<bool> nan{false};
+  at::parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
+    if (!quantize_block(x + b, q + b, e - b, scale, zp, r)) nan = true;
+  });
+  return !nan;
+}
+
+// float -> int32 on (scale, zp, bits); NaN is an error (it has no quantized value).
+at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bits, const std::string& what) {
+  TORCH_CHECK(x_in.is_floating_point() && x_in.device().is_cpu(), "qgru cpu quantize: float CPU tensor expected");
+  const at::Tensor x = (x_in.scalar_type() == at::kDouble ? x_in : x_in.to(at::kFloat)).contiguous();
+  // per calling thread (no other thread sees a buffer being reused), a few shapes: a module call
+  // quantizes its input and then h0 while still holding the input's result
+  thread_local at::Tensor cache[kQuantizeBuffers];
+  at::Tensor* slot = &cache[0];
+  for (auto& c : cache) {
+    if (c.defined() && c.sizes() == x.sizes() && c.storage().use_count() == 1) { slot = &c; break; }
+    if (!c.defined() || c.storage().use_count() == 1) slot = &c;  // free: may be replaced
+  }
+  at::Tensor q = reuse_or_empty(*slot, x.sizes());
+  const Range r{-(int64_t(1) << (bits - 1)), (int64_t(1) << (bits - 1)) - 1};
+  bool ok;
+  {
+    pybind11::gil_scoped_release release;
+    ok = x.scalar_type() == at::kDouble
+             ? quantize_loop(x.data_ptr<double>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, r)
+             : quantize_loop(x.data_ptr<float>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, r);
+  }
+  TORCH_CHECK_VALUE(ok, "QuantGRU ", what, " contains NaN, which has no quantized value ",
+                    "(out-of-range and infinite values saturate)");
+  return q;
+}
+
+// int -> float32: (q - zp) * scale in float64, rounded once to float32 (as primitives.dequantize).
+at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
+  const at::Tensor q = q_in.to(at::kInt).contiguous();
+  pybind11::gil_scoped_release release;
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  const int32_t* src = q.data_ptr<int32_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, q.numel(), 4096, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dst[i] = (float)((double)((int64_t)src[i] - zp) * scale);
+  });
+  return out;
+}
+
+// golden.requantize_input: sat(rescale(q - from_zp) + to_zp, to_bits), per-tensor factor.
+at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
+                      int64_t to_bits) {
+  const at::Tensor q = q_in.to(at::kInt).contiguous();
+  pybind11::gil_scoped_release release;
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const int32_t* src = q.data_ptr<int32_t>();
+  int32_t* dst = out.data_ptr<int32_t>();
+  const Range r{-(int64_t(1) << (to_bits - 1)), (int64_t(1) << (to_bits - 1)) - 1};
+  at::parallel_for(0, q.numel(), 4096, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dst[i] = (int32_t)saturate(rounding_mul_shift((int64_t)src[i] - from_zp, mult,
+                                                                                  (int32_t)shift) + to_zp, r);
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace qgru
+
+#ifndef QGRU_TORCH_VERSION
+#error "QGRU_TORCH_VERSION must be defined by the build (qgru/native.py)"
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "qgru C++ CPU backend (bit-exact with qgru/golden.py)";
+  // The torch version this binary was compiled against: qgru refuses to load a stale binary.
+  m.attr("built_for_torch") = QGRU_TORCH_VERSION;
+  m.def("isa_table", []() {
+    std::vector<std::tuple<std::string, bool, std::string, int>> rows;
+    for (const auto& i : qgru::cpu::isa_table())
+      rows.emplace_back(i.name, i.supported, i.why, i.kernels ? i.kernels->act_bytes : 0);
+    return rows;
+  }, "(path, usable here, why not, activation bytes) for every CPU path, fastest first");
+  m.def("cpu_model", &qgru::cpu::cpu_model, "the CPU's model name (CPUID)");
+  m.def("quantize", &qgru::quantize, "float -> int32 (primitives.quantize)");
+  m.def("dequantize", &qgru::dequantize, "int -> float (primitives.dequantize)");
+  m.def("requantize", &qgru::requantize, "golden.requantize_input, per-tensor factor");
+  pybind11::class_<qgru::CpuLayer>(m, "Layer")
+      .def(pybind11::init<qgru::TensorMap, qgru::IntMap, std::string>(), pybind11::arg("tensors"),
+           pybind11::arg("values"), pybind11::arg("isa") = "auto")
+      .def_property_readonly("gemm", &qgru::CpuLayer::gemm_path)
+      .def("forward", &qgru::CpuLayer::forward, pybind11::arg("qx"), pybind11::arg("qh0"),
+           pybind11::arg("lengths") = pybind11::none(),
+           pybind11::call_guard<pybind11::gil_scoped_release>());
+}
