@@ -13,6 +13,8 @@
 // int16 values side by side (one 32-byte row, what vpmaddwd multiplies with a broadcast pair of
 // activations). The micro-kernel computes up to 4 rows x 3 groups (12 accumulators of the 16 ymm
 // registers): in the fused step's gate layout the 3 groups are the r, z and g columns of 8 units.
+// A task's rows are whole row tiles in its buffers (GemmArgs), so the kernel always computes four
+// rows and stores the valid ones.
 #define QGRU_ISA avx2
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC target("avx2,fma,bmi2,f16c,popcnt")
@@ -39,7 +41,8 @@ constexpr int64_t kGroup = 8;
 
 int64_t k_pad(int64_t K) { return (K + kKAlign - 1) / kKAlign * kKAlign; }
 
-int64_t packed_bytes(int64_t groups, int64_t K) { return groups * kGroup * k_pad(K) * 2; }
+// two zero groups past the last: the micro-kernels read three groups at a time
+int64_t packed_bytes(int64_t groups, int64_t K) { return (groups + 2) * kGroup * k_pad(K) * 2; }
 
 void pack(const int8_t* W, int64_t ldw, int64_t K, const int64_t* channel, int64_t groups, void* out) {
   const int64_t Kp = k_pad(K);
@@ -53,51 +56,74 @@ void pack(const int8_t* W, int64_t ldw, int64_t K, const int64_t* channel, int64
     }
 }
 
-// Rows [r, r + MR) x NB groups from g (the NB groups' packed blocks are consecutive).
-template <int MR, int NB>
-inline void micro(const GemmArgs& a, const int16_t* A, int64_t r, const int16_t* B, int64_t Kp, int64_t g) {
-  __m256i acc[MR][NB];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_si256();
-  const int64_t gstride = kGroup * Kp;  // int16 elements from one group's block to the next
-  const int16_t* a0 = A + r * a.lda;
-  for (int64_t kk = 0; kk < Kp / 2; ++kk) {
-    __m256i b[NB];
-    for (int j = 0; j < NB; ++j) b[j] = _mm256_loadu_si256((const __m256i*)(B + j * gstride + kk * 2 * kGroup));
-    for (int i = 0; i < MR; ++i) {
-      int32_t pair;
-      memcpy(&pair, a0 + i * a.lda + 2 * kk, 4);
-      const __m256i av = _mm256_set1_epi32(pair);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(av, b[j]));
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NB; ++j) _mm256_storeu_si256((__m256i*)gemm_out(a, kGroup, g + j, r + i), acc[i][j]);
+inline __m256i pair_at(const int16_t* a, int64_t kk) {
+  int32_t pair;
+  memcpy(&pair, a + 2 * kk, 4);
+  return _mm256_set1_epi32(pair);
 }
 
-template <int MR>
-void row_block(const GemmArgs& a, const int16_t* A, int64_t r, const int16_t* B, int64_t Kp, int64_t g) {
-  const int64_t left = a.g1 - g;
-  if (left >= 3) micro<MR, 3>(a, A, r, B, Kp, g);
-  else if (left == 2) micro<MR, 2>(a, A, r, B, Kp, g);
-  else micro<MR, 1>(a, A, r, B, Kp, g);
+#define QGRU_MADD(acc, av, bv) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(av, bv))
+
+// Rows r .. r + 3 x the 3 groups from g (24 columns), all twelve accumulators in registers
+// (written out: as an array gcc kept them on the stack). Rows past a.rows are computed from the
+// readable padding rows and not stored; groups past a.g1 read the zero groups that packed_bytes
+// adds at the end and are not stored.
+QGRU_NOINLINE void micro_4x3(const GemmArgs& a, const int16_t* A, int64_t r, const int16_t* B, int64_t Kp, int64_t g) {
+  const __m256i z = _mm256_setzero_si256();
+  __m256i c00 = z, c01 = z, c02 = z, c10 = z, c11 = z, c12 = z, c20 = z, c21 = z, c22 = z, c30 = z, c31 = z, c32 = z;
+  const int64_t gs = kGroup * Kp;  // int16 elements from one group's block to the next
+  const int16_t *a0 = A + r * a.lda, *a1 = a0 + a.lda, *a2 = a1 + a.lda, *a3 = a2 + a.lda;
+  const int16_t *b0p = B, *b1p = B + gs, *b2p = B + 2 * gs;
+  for (int64_t kk = 0; kk < Kp / 2; ++kk) {
+    const __m256i b0 = _mm256_loadu_si256((const __m256i*)(b0p + kk * 2 * kGroup));
+    const __m256i b1 = _mm256_loadu_si256((const __m256i*)(b1p + kk * 2 * kGroup));
+    const __m256i b2 = _mm256_loadu_si256((const __m256i*)(b2p + kk * 2 * kGroup));
+    __m256i av = pair_at(a0, kk);
+    QGRU_MADD(c00, av, b0), QGRU_MADD(c01, av, b1), QGRU_MADD(c02, av, b2);
+    av = pair_at(a1, kk);
+    QGRU_MADD(c10, av, b0), QGRU_MADD(c11, av, b1), QGRU_MADD(c12, av, b2);
+    av = pair_at(a2, kk);
+    QGRU_MADD(c20, av, b0), QGRU_MADD(c21, av, b1), QGRU_MADD(c22, av, b2);
+    av = pair_at(a3, kk);
+    QGRU_MADD(c30, av, b0), QGRU_MADD(c31, av, b1), QGRU_MADD(c32, av, b2);
+  }
+  const __m256i c[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}};
+  for (int64_t i = 0; i < 4 && r + i < a.rows; ++i)
+    for (int64_t j = 0; j < 3 && g + j < a.g1; ++j) _mm256_storeu_si256((__m256i*)gemm_out(a, kGroup, g + j, r + i), c[i][j]);
 }
+
+// One row x 3 groups: a batch of one (streaming), where four rows would be three wasted.
+QGRU_NOINLINE void micro_1x3(const GemmArgs& a, const int16_t* A, int64_t r, const int16_t* B, int64_t Kp, int64_t g) {
+  __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, d0 = c0, d1 = c0, d2 = c0;
+  const int64_t gs = kGroup * Kp;
+  const int16_t* a0 = A + r * a.lda;
+  int64_t kk = 0;
+  for (; kk + 2 <= Kp / 2; kk += 2) {  // two independent chains per column group
+    const __m256i av = pair_at(a0, kk), aw = pair_at(a0, kk + 1);
+    QGRU_MADD(c0, av, _mm256_loadu_si256((const __m256i*)(B + kk * 2 * kGroup)));
+    QGRU_MADD(c1, av, _mm256_loadu_si256((const __m256i*)(B + gs + kk * 2 * kGroup)));
+    QGRU_MADD(c2, av, _mm256_loadu_si256((const __m256i*)(B + 2 * gs + kk * 2 * kGroup)));
+    QGRU_MADD(d0, aw, _mm256_loadu_si256((const __m256i*)(B + (kk + 1) * 2 * kGroup)));
+    QGRU_MADD(d1, aw, _mm256_loadu_si256((const __m256i*)(B + gs + (kk + 1) * 2 * kGroup)));
+    QGRU_MADD(d2, aw, _mm256_loadu_si256((const __m256i*)(B + 2 * gs + (kk + 1) * 2 * kGroup)));
+  }
+  const __m256i c[3] = {_mm256_add_epi32(c0, d0), _mm256_add_epi32(c1, d1), _mm256_add_epi32(c2, d2)};
+  for (int64_t j = 0; j < 3 && g + j < a.g1; ++j) _mm256_storeu_si256((__m256i*)gemm_out(a, kGroup, g + j, r), c[j]);
+}
+#undef QGRU_MADD
 
 void gemm(const GemmArgs& a) {
-  const int64_t Kp = k_pad(a.K);
+  const int64_t Kp = k_pad(a.K);  // a multiple of 64: micro_1x3's pairs of K pairs divide it
   const int16_t* A = static_cast<const int16_t*>(a.A);
   const int16_t* B = static_cast<const int16_t*>(a.B);
   // three groups at a time (their weights stay in L1 while the row blocks stream past)
   for (int64_t g = a.g0; g < a.g1; g += 3) {
     const int16_t* b = B + g * kGroup * Kp;
-    int64_t r = 0;
-    for (; r + 4 <= a.rows; r += 4) row_block<4>(a, A, r, b, Kp, g);
-    switch (a.rows - r) {
-      case 3: row_block<3>(a, A, r, b, Kp, g); break;
-      case 2: row_block<2>(a, A, r, b, Kp, g); break;
-      case 1: row_block<1>(a, A, r, b, Kp, g); break;
-      default: break;
+    if (a.rows == 1) {
+      micro_1x3(a, A, 0, b, Kp, g);
+      continue;
     }
+    for (int64_t r = 0; r < a.rows; r += 4) micro_4x3(a, A, r, b, Kp, g);
   }
 }
 
