@@ -15,8 +15,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from qgru.primitives import (INT8_GEMM_K_MAX, choose_qparams, dequantize, int_matmul, qrange,
-                             quantize, quantize_multiplier, round_half_up, rounding_mul_shift,
+from qgru.primitives import (INT8_GEMM_K_MAX, choose_qparams, dequantize, int_matmul, int_matmul_limbs,
+                             qrange, quantize, quantize_multiplier, round_half_up, rounding_mul_shift,
                              rounding_shift, saturate)
 
 HALF = Fraction(1, 2)
@@ -406,6 +406,13 @@ SHAPES = [(1, 1, 1), (1, 5, 1), (1, 1, 7), (3, 1, 2), (1, 13, 3), (5, 7, 3), (4,
           (2, 600, 3), (6, 1023, 5)]
 
 
+@pytest.fixture(params=["float64", "limbs"])
+def mm(request):
+    """Both forms of the exact product: int_matmul (float64 on the CPU: the golden model's) and
+    int_matmul_limbs (int8 limb GEMMs, the form on other devices), each against int64 matmul."""
+    return int_matmul if request.param == "float64" else int_matmul_limbs
+
+
 def rand_q(shape, bits, g):
     qmin, qmax = qrange(bits)
     q = torch.randint(qmin, qmax + 1, shape, generator=g, dtype=torch.int64)
@@ -417,30 +424,30 @@ def rand_q(shape, bits, g):
 
 @pytest.mark.parametrize("a_bits,b_bits", BITS_PAIRS)
 @pytest.mark.parametrize("M,K,N", SHAPES)
-def test_int_matmul_exact(a_bits, b_bits, M, K, N):
+def test_int_matmul_exact(mm, a_bits, b_bits, M, K, N):
     g = torch.Generator().manual_seed(M * 10007 + K * 101 + N + a_bits + 3 * b_bits)
     a, b = rand_q((M, K), a_bits, g), rand_q((K, N), b_bits, g)
-    got = int_matmul(a, a_bits, b, b_bits)
+    got = mm(a, a_bits, b, b_bits)
     assert got.dtype == torch.int64 and got.shape == (M, N)
     assert torch.equal(got, a.long() @ b.long())
     # narrow storage dtypes give the same result
     narrow = {8: torch.int8, 16: torch.int16}
-    got2 = int_matmul(a.to(narrow[a_bits]), a_bits, b.to(narrow[b_bits]), b_bits)
+    got2 = mm(a.to(narrow[a_bits]), a_bits, b.to(narrow[b_bits]), b_bits)
     assert torch.equal(got2, got)
 
 
-def test_int_matmul_random_shapes():
+def test_int_matmul_random_shapes(mm):
     rng = random.Random(1234)
     g = torch.Generator().manual_seed(1234)
     for _ in range(25):
         M, K, N = rng.randint(1, 9), rng.randint(1, 70), rng.randint(1, 9)
         a_bits, b_bits = rng.choice(BITS_PAIRS)
         a, b = rand_q((M, K), a_bits, g), rand_q((K, N), b_bits, g)
-        assert torch.equal(int_matmul(a, a_bits, b, b_bits), a.long() @ b.long()), (M, K, N, a_bits, b_bits)
+        assert torch.equal(mm(a, a_bits, b, b_bits), a.long() @ b.long()), (M, K, N, a_bits, b_bits)
 
 
 @pytest.mark.parametrize("a_bits,b_bits", BITS_PAIRS)
-def test_int_matmul_non_contiguous_operands(a_bits, b_bits):
+def test_int_matmul_non_contiguous_operands(mm, a_bits, b_bits):
     """Transposed views (golden passes W.t()), strided slices, expanded (stride 0) and 0-dim-stride rows."""
     g = torch.Generator().manual_seed(a_bits * 7 + b_bits)
     a_big, b_big = rand_q((9, 40), a_bits, g), rand_q((40, 12), b_bits, g)
@@ -457,49 +464,49 @@ def test_int_matmul_non_contiguous_operands(a_bits, b_bits):
         (rand_q((6, 7), a_bits, g), rand_q((1, 7), b_bits, g).t()),        # [6,7] @ [7,1]
     ]
     for a, b in views:
-        assert torch.equal(int_matmul(a, a_bits, b, b_bits), a.long() @ b.long()), (a.stride(), b.stride())
+        assert torch.equal(mm(a, a_bits, b, b_bits), a.long() @ b.long()), (a.stride(), b.stride())
 
 
-def test_int_matmul_int16_by_int8_worst_case_k4096():
+def test_int_matmul_int16_by_int8_worst_case_k4096(mm):
     K = 4096
     a = torch.full((3, K), -32768, dtype=torch.int64)
     b = torch.full((K, 2), -128, dtype=torch.int64)
-    got = int_matmul(a, 16, b, 8)
+    got = mm(a, 16, b, 8)
     expect = 4096 * 32768 * 128
     assert expect > 2 ** 31 - 1  # a plain int32 accumulator would overflow here
     assert got.tolist() == [[expect] * 2] * 3
     # and swapped operands (int8 activations x int16 weights), plus the mixed-sign extremes
-    assert int_matmul(b.t().contiguous(), 8, a.t().contiguous(), 16).tolist() == [[expect] * 3] * 2
+    assert mm(b.t().contiguous(), 8, a.t().contiguous(), 16).tolist() == [[expect] * 3] * 2
     for av, bv in [(-32768, 127), (32767, -128), (32767, 127)]:
         a = torch.full((2, K), av, dtype=torch.int64)
         b = torch.full((K, 2), bv, dtype=torch.int64)
-        assert int_matmul(a, 16, b, 8).tolist() == [[K * av * bv] * 2] * 2
+        assert mm(a, 16, b, 8).tolist() == [[K * av * bv] * 2] * 2
 
 
 @pytest.mark.parametrize("av,bv", [(-32768, -32768), (-32768, 32767), (32767, 32767)])
-def test_int_matmul_int16_by_int16_extremes(av, bv):
+def test_int_matmul_int16_by_int16_extremes(mm, av, bv):
     K = 2048
     a = torch.full((2, K), av, dtype=torch.int64)
     b = torch.full((K, 3), bv, dtype=torch.int64)
-    assert int_matmul(a, 16, b, 16).tolist() == [[K * av * bv] * 3] * 2
+    assert mm(a, 16, b, 16).tolist() == [[K * av * bv] * 3] * 2
     assert abs(K * av * bv) > 2 ** 31
 
 
-def test_int_matmul_largest_supported_k():
+def test_int_matmul_largest_supported_k(mm):
     K = INT8_GEMM_K_MAX - 1
     for bits, v in [(8, -128), (16, -32768)]:
         a = torch.full((1, K), v, dtype=torch.int64)
         b = torch.full((K, 1), v, dtype=torch.int64)
-        assert int_matmul(a, bits, b, bits).item() == K * v * v
+        assert mm(a, bits, b, bits).item() == K * v * v
 
 
-def test_int_matmul_rejects_large_k_and_wide_operands():
+def test_int_matmul_rejects_large_k_and_wide_operands(mm):
     assert INT8_GEMM_K_MAX == 2 ** 17
     for K in (2 ** 17, 2 ** 17 + 3):
         with pytest.raises(ValueError):
-            int_matmul(torch.zeros(1, K, dtype=torch.int64), 8, torch.zeros(K, 1, dtype=torch.int64), 8)
+            mm(torch.zeros(1, K, dtype=torch.int64), 8, torch.zeros(K, 1, dtype=torch.int64), 8)
     with pytest.raises(ValueError):
-        int_matmul(torch.zeros(2, 3, dtype=torch.int64), 32, torch.zeros(3, 2, dtype=torch.int64), 8)
+        mm(torch.zeros(2, 3, dtype=torch.int64), 32, torch.zeros(3, 2, dtype=torch.int64), 8)
 
 
 def test_pack_int32_hand_computed():

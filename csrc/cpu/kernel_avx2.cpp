@@ -1,6 +1,8 @@
 // The AVX2 path (x86-64 with AVX2: AMD Zen 1-3, Intel since Haswell), with no AVX-512 or VNNI.
 //
-// GEMM: activations as int16, weights (int8 values) packed as int16, multiplied with vpmaddwd:
+// GEMM: activations as int16, weights packed as int8 and sign-extended to int16 as they are
+// loaded (vpmovsxbw: half the bytes to stream, so a layer's weights stay in L2 longer and a batch
+// of one, which reads every weight once per step, waits half as long), multiplied with vpmaddwd:
 // each instruction forms 16 exact int16 x int16 products and adds adjacent pairs into int32
 // lanes, |pair| <= 2 * 2^15 * 2^7 = 2^23, which cannot overflow (vpmaddubsw, the u8 x s8 form,
 // saturates its pair sums at 2^15 and is not used). The lanes are summed with vpaddd, which wraps
@@ -10,8 +12,8 @@
 //     which qgru/native.py (prepare_layer, act16) admits only when it is below 2^31
 //     (K <= 516 with weights up to 127).
 // Packed weights: groups of 8 output columns; for each pair of K values, the 8 columns' two
-// int16 values side by side (one 32-byte row, what vpmaddwd multiplies with a broadcast pair of
-// activations). The micro-kernel computes up to 4 rows x 3 groups (12 accumulators of the 16 ymm
+// int8 values side by side (16 bytes; sign-extended, one 32-byte row of int16, what vpmaddwd
+// multiplies with a broadcast pair of activations). The micro-kernel computes up to 4 rows x 3 groups (12 accumulators of the 16 ymm
 // registers): in the fused step's gate layout the 3 groups are the r, z and g columns of 8 units.
 // A task's rows are whole row tiles in its buffers (GemmArgs), so the kernel always computes four
 // rows and stores the valid ones.
@@ -42,11 +44,11 @@ constexpr int64_t kGroup = 8;
 int64_t k_pad(int64_t K) { return (K + kKAlign - 1) / kKAlign * kKAlign; }
 
 // two zero groups past the last: the micro-kernels read three groups at a time
-int64_t packed_bytes(int64_t groups, int64_t K) { return (groups + 2) * kGroup * k_pad(K) * 2; }
+int64_t packed_bytes(int64_t groups, int64_t K) { return (groups + 2) * kGroup * k_pad(K); }
 
 void pack(const int8_t* W, int64_t ldw, int64_t K, const int64_t* channel, int64_t groups, void* out) {
   const int64_t Kp = k_pad(K);
-  int16_t* o = static_cast<int16_t*>(out);
+  int8_t* o = static_cast<int8_t*>(out);
   memset(o, 0, (size_t)packed_bytes(groups, K));
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t c = 0; c < kGroup; ++c) {
@@ -62,22 +64,25 @@ inline __m256i pair_at(const int16_t* a, int64_t kk) {
   return _mm256_set1_epi32(pair);
 }
 
+// the int16 form of 16 packed int8 weights (one K pair of 8 columns)
+inline __m256i weights_at(const int8_t* b) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)b)); }
+
 #define QGRU_MADD(acc, av, bv) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(av, bv))
 
 // Rows r .. r + 3 x the 3 groups from g (24 columns), all twelve accumulators in registers
 // (written out: as an array gcc kept them on the stack). Rows past a.rows are computed from the
 // readable padding rows and not stored; groups past a.g1 read the zero groups that packed_bytes
 // adds at the end and are not stored.
-QGRU_NOINLINE void micro_4x3(const GemmArgs& a, const int16_t* A, int64_t r, const int16_t* B, int64_t Kp, int64_t g) {
+QGRU_NOINLINE void micro_4x3(const GemmArgs& a, const int16_t* A, int64_t r, const int8_t* B, int64_t Kp, int64_t g) {
   const __m256i z = _mm256_setzero_si256();
   __m256i c00 = z, c01 = z, c02 = z, c10 = z, c11 = z, c12 = z, c20 = z, c21 = z, c22 = z, c30 = z, c31 = z, c32 = z;
-  const int64_t gs = kGroup * Kp;  // int16 elements from one group's block to the next
+  const int64_t gs = kGroup * Kp;  // bytes from one group's block to the next
   const int16_t *a0 = A + r * a.lda, *a1 = a0 + a.lda, *a2 = a1 + a.lda, *a3 = a2 + a.lda;
-  const int16_t *b0p = B, *b1p = B + gs, *b2p = B + 2 * gs;
+  const int8_t *b0p = B, *b1p = B + gs, *b2p = B + 2 * gs;
   for (int64_t kk = 0; kk < Kp / 2; ++kk) {
-    const __m256i b0 = _mm256_loadu_si256((const __m256i*)(b0p + kk * 2 * kGroup));
-    const __m256i b1 = _mm256_loadu_si256((const __m256i*)(b1p + kk * 2 * kGroup));
-    const __m256i b2 = _mm256_loadu_si256((const __m256i*)(b2p + kk * 2 * kGroup));
+    const __m256i b0 = weights_at(b0p + kk * 2 * kGroup);
+    const __m256i b1 = weights_at(b1p + kk * 2 * kGroup);
+    const __m256i b2 = weights_at(b2p + kk * 2 * kGroup);
     __m256i av = pair_at(a0, kk);
     QGRU_MADD(c00, av, b0), QGRU_MADD(c01, av, b1), QGRU_MADD(c02, av, b2);
     av = pair_at(a1, kk);
@@ -93,19 +98,19 @@ QGRU_NOINLINE void micro_4x3(const GemmArgs& a, const int16_t* A, int64_t r, con
 }
 
 // One row x 3 groups: a batch of one (streaming), where four rows would be three wasted.
-QGRU_NOINLINE void micro_1x3(const GemmArgs& a, const int16_t* A, int64_t r, const int16_t* B, int64_t Kp, int64_t g) {
+QGRU_NOINLINE void micro_1x3(const GemmArgs& a, const int16_t* A, int64_t r, const int8_t* B, int64_t Kp, int64_t g) {
   __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, d0 = c0, d1 = c0, d2 = c0;
   const int64_t gs = kGroup * Kp;
   const int16_t* a0 = A + r * a.lda;
   int64_t kk = 0;
   for (; kk + 2 <= Kp / 2; kk += 2) {  // two independent chains per column group
     const __m256i av = pair_at(a0, kk), aw = pair_at(a0, kk + 1);
-    QGRU_MADD(c0, av, _mm256_loadu_si256((const __m256i*)(B + kk * 2 * kGroup)));
-    QGRU_MADD(c1, av, _mm256_loadu_si256((const __m256i*)(B + gs + kk * 2 * kGroup)));
-    QGRU_MADD(c2, av, _mm256_loadu_si256((const __m256i*)(B + 2 * gs + kk * 2 * kGroup)));
-    QGRU_MADD(d0, aw, _mm256_loadu_si256((const __m256i*)(B + (kk + 1) * 2 * kGroup)));
-    QGRU_MADD(d1, aw, _mm256_loadu_si256((const __m256i*)(B + gs + (kk + 1) * 2 * kGroup)));
-    QGRU_MADD(d2, aw, _mm256_loadu_si256((const __m256i*)(B + 2 * gs + (kk + 1) * 2 * kGroup)));
+    QGRU_MADD(c0, av, weights_at(B + kk * 2 * kGroup));
+    QGRU_MADD(c1, av, weights_at(B + gs + kk * 2 * kGroup));
+    QGRU_MADD(c2, av, weights_at(B + 2 * gs + kk * 2 * kGroup));
+    QGRU_MADD(d0, aw, weights_at(B + (kk + 1) * 2 * kGroup));
+    QGRU_MADD(d1, aw, weights_at(B + gs + (kk + 1) * 2 * kGroup));
+    QGRU_MADD(d2, aw, weights_at(B + 2 * gs + (kk + 1) * 2 * kGroup));
   }
   const __m256i c[3] = {_mm256_add_epi32(c0, d0), _mm256_add_epi32(c1, d1), _mm256_add_epi32(c2, d2)};
   for (int64_t j = 0; j < 3 && g + j < a.g1; ++j) _mm256_storeu_si256((__m256i*)gemm_out(a, kGroup, g + j, r), c[j]);
@@ -115,10 +120,10 @@ QGRU_NOINLINE void micro_1x3(const GemmArgs& a, const int16_t* A, int64_t r, con
 void gemm(const GemmArgs& a) {
   const int64_t Kp = k_pad(a.K);  // a multiple of 64: micro_1x3's pairs of K pairs divide it
   const int16_t* A = static_cast<const int16_t*>(a.A);
-  const int16_t* B = static_cast<const int16_t*>(a.B);
+  const int8_t* B = static_cast<const int8_t*>(a.B);
   // three groups at a time (their weights stay in L1 while the row blocks stream past)
   for (int64_t g = a.g0; g < a.g1; g += 3) {
-    const int16_t* b = B + g * kGroup * Kp;
+    const int8_t* b = B + g * kGroup * Kp;
     if (a.rows == 1) {
       micro_1x3(a, A, 0, b, Kp, g);
       continue;
