@@ -12,8 +12,10 @@ backend's output (and h_n) is checked bit for bit against the reference backend'
 
 Scenarios (issue targets in brackets):
   cpu throughput  T=100 N=64 input 256 hidden 512, --threads 2, w8a8
-                  [>= 2x faster than torch dynamic-quant (~41 ms), >= 6x faster than float nn.GRU]
+                  [AMX: >= 2x faster than torch dynamic-quant, >= 6x faster than float nn.GRU;
+                   AVX2-only: >= 2x dynamic-quant, >= 3x float]
   cpu streaming   N=1: a T=100 call, and T=1 calls repeated T times carrying h (`out, h = m(x_t, h)`)
+                  [every path: T=1 calls >= 1.5x faster than dynamic-quant]
   gpu             B=64, hidden = input = 512 and 1024, T=1000, w8a8
                   [>= 2x faster than cuDNN fp32, faster than cuDNN fp16]
 
@@ -22,8 +24,12 @@ Scenarios (issue targets in brackets):
     python scripts/bench.py --device cuda --configs w8a8,w8a16
     python scripts/bench.py --T 50 --N 32 --hidden 256 --threads 4 --out /tmp/b.md
 
-BENCHMARKS.md keeps one section per device kind (between <!-- bench:cpu:start/end --> or
-<!-- bench:cuda:start/end --> markers): a rerun replaces its own device's section only.
+The cpu backend is timed once per instruction-set path the CPU runs (rows `cpu:amx`, `cpu:avx2`,
+...; `--paths` picks some), so one run shows each path against both peers.
+
+BENCHMARKS.md keeps one section per kind of machine (between <!-- bench:KIND:start/end -->
+markers, KIND = cpu-amx, cpu-avx512vnni, cpu-avx2, cpu-portable after the fastest path the CPU
+runs, or cuda): a rerun replaces its own kind's section only.
 """
 from __future__ import annotations
 
@@ -50,8 +56,9 @@ REF_REPEATS = 3  # the reference backend's cap on --repeats
 ROUNDS = 5  # turns the models of a scenario take at their repeats (timed_together)
 OTHER_DEVICE_BACKEND = {"cpu": "cuda", "cuda": "cpu"}  # backends that never run on the given device
 BASELINES = {"cpu": ["float nn.GRU", "torch dynamic-quant"], "cuda": ["cuDNN fp32", "cuDNN fp16"]}
-TARGETS = {"cpu": "CPU, 2 threads, T=100 N=64 I=256 H=512, w8a8: >= 2x faster than torch dynamic-quant "
-                  "(~41 ms) and >= 6x faster than float nn.GRU.",
+TARGETS = {"cpu": "CPU, 2 threads, T=100 N=64 I=256 H=512, w8a8: >= 2x faster than torch dynamic-quant and "
+                  ">= 6x faster than float nn.GRU with AMX, >= 3x float on AVX2-only CPUs (w8a16 within 1.5x "
+                  "of w8a8 there); on every path, T=1 N=1 calls >= 1.5x faster than dynamic-quant.",
            "cuda": "GPU, B=64, H=512 and 1024, T=1000, w8a8: >= 2x faster than cuDNN fp32 and faster "
                    "than cuDNN fp16."}
 
@@ -90,10 +97,23 @@ def timed_together(fns, device: str, warmup: int, repeats: int):
 
 
 def in_backend(name: str, fn):
-    """fn run with qgru's backend forced to ``name`` (timing happens after the caller's block)."""
+    """fn run with qgru's backend forced to ``name`` (timing happens after the caller's block);
+    "cpu:PATH" is the cpu backend on one instruction-set path (QGRU_CPU_ISA=PATH)."""
+    backend, _, path = name.partition(":")
+
     def run():
-        with qgru.backend(name):
-            return fn()
+        before = os.environ.get("QGRU_CPU_ISA")
+        if path:
+            os.environ["QGRU_CPU_ISA"] = path
+        try:
+            with qgru.backend(backend):
+                return fn()
+        finally:
+            if path:
+                if before is None:
+                    os.environ.pop("QGRU_CPU_ISA", None)
+                else:
+                    os.environ["QGRU_CPU_ISA"] = before
     return run
 
 
@@ -120,10 +140,13 @@ class Bench:
         for name, info in names.items():
             if name == OTHER_DEVICE_BACKEND[device]:
                 continue
-            if info["available"]:
-                self.backends.append(name)
-            else:
+            if not info["available"]:
                 self.notes.append(f"backend `{name}` unavailable: {info['why']}")
+            elif name == "cpu":  # one row per instruction-set path this CPU runs (or --paths)
+                for p in cpu_paths(args):
+                    self.backends.append(f"cpu:{p}")
+            else:
+                self.backends.append(name)
         if "reference" in self.backends:  # reference first: it gives the expected outputs
             self.backends.remove("reference")
             self.backends.insert(0, "reference")
@@ -174,6 +197,28 @@ class Bench:
                            reference=(b == "reference"), calls=calls)
             if b == "reference":
                 expected = out
+
+
+def cpu_paths(args):
+    """The cpu backend's paths to time: --paths, else every path this CPU can run (fastest first)."""
+    from qgru import native
+    usable = [str(i["name"]) for i in native.cpu_paths() if i["usable"]]
+    if not args.paths:
+        return usable
+    wanted = args.paths.split(",")
+    bad = [p for p in wanted if p not in usable]
+    if bad:
+        sys.exit(f"--paths: {', '.join(bad)} cannot run here; usable: {', '.join(usable)}")
+    return wanted
+
+
+def cpu_kind(args) -> str:
+    """The CPU kind a cpu section is filed under: the fastest path this CPU runs (amx, avx512vnni,
+    avx2, portable), so that each kind of machine keeps its own section in BENCHMARKS.md."""
+    from qgru import native
+    if not qgru.backends()["cpu"]["available"]:
+        return "cpu"
+    return "cpu-" + next(str(i["name"]) for i in native.cpu_paths() if i["usable"])
 
 
 def quantized(gru, calib, configs):
@@ -275,11 +320,16 @@ def section(bench: Bench, args) -> str:
     notes.append("ratios are speedups (baseline time / row time, > 1 is faster), against the baseline row "
                  "of the same scenario and call; bit-exact compares outputs and h_n with the reference backend")
     notes.append(f"target: {TARGETS[d]}")
+    key = d
     if d == "cpu" and qgru.backends()["cpu"]["available"]:
-        notes.append(f"qgru cpu backend: {qgru.backends()['cpu']['detail']}")
+        notes.append(f"qgru cpu backend (auto): {qgru.backends()['cpu']['detail']}")
+        notes.append("backend `cpu:PATH` rows: the cpu backend forced onto one instruction-set path "
+                     "(QGRU_CPU_ISA=PATH)")
+        key = cpu_kind(args)
+    title = {"cuda": "GPU"}.get(d, f"CPU ({key[4:]} machine)" if key.startswith("cpu-") else "CPU")
     return "\n".join([
-        f"<!-- bench:{d}:start -->",
-        f"## {'CPU' if d == 'cpu' else 'GPU'}",
+        f"<!-- bench:{key}:start -->",
+        f"## {title}",
         "",
         f"- date: {now}",
         f"- machine: {cpu_model()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}{gpu}",
@@ -289,7 +339,7 @@ def section(bench: Bench, args) -> str:
         table(bench),
         "",
         *[f"- {n}" for n in notes],
-        f"<!-- bench:{d}:end -->",
+        f"<!-- bench:{key}:end -->",
     ])
 
 
@@ -302,7 +352,8 @@ replaced only by a rerun on that kind of device. Times are per call (median) and
 
 def write(path: str, sections: dict) -> None:
     text = open(path, encoding="utf-8").read() if os.path.exists(path) else HEADER
-    for d, body in sections.items():
+    for body in sections.values():
+        d = re.match(r"<!-- bench:([\w-]+):start -->", body).group(1)
         pat = re.compile(rf"<!-- bench:{d}:start -->.*?<!-- bench:{d}:end -->", re.S)
         if pat.search(text):
             text = pat.sub(lambda _: body, text, count=1)
@@ -317,6 +368,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device", choices=["cpu", "cuda", "all"], default=None,
                     help="default: cpu, plus cuda when available")
     ap.add_argument("--configs", default="w8a8")
+    ap.add_argument("--paths", default="", help="cpu backend paths to time, comma-separated (default: every "
+                                                 "path this CPU runs: amx, avx512vnni, avx2, portable)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--T", type=int, default=100)
     ap.add_argument("--N", type=int, default=64)

@@ -62,6 +62,7 @@ constexpr int64_t kFusedChunkBytes = 1 << 17;  // fused path: x's activation row
 constexpr int64_t kGemmRows = 64;              // rows of one GEMM task
 constexpr int64_t kGemmGroups = 6;             // column groups of one GEMM task (a multiple of 2 and 3)
 constexpr int64_t kMinParallelWork = 4096;     // cell elements per thread, at least
+constexpr int64_t kMinStepMacs = 1 << 18;      // fused path: a step's multiply-adds per thread, at least
 constexpr int kQuantizeBuffers = 4;            // quantize outputs reused per thread (reuse_or_empty)
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -176,7 +177,8 @@ struct Gemm {
   void to_act(const int32_t* src, int64_t rows, int64_t K_real, std::vector<at::Tensor>& limbs) const {
     std::vector<void*> dst;
     for (auto& l : limbs) dst.push_back(l.data_ptr());
-    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, rows, std::max<int64_t>(16, kMinParallelWork * 8 / std::max<int64_t>(K_real, 1)),
+                     [&](int64_t r0, int64_t r1) {
       k->to_act(cpu::ToActArgs{src, r0, r1, K_real, lda, bits, n_act, direct, dst.data()});
     });
   }
@@ -317,10 +319,15 @@ class CpuLayer {
     // Tasks are handed out one at a time, not in fixed halves: on a shared 2-core VM the threads'
     // speeds differ from step to step, and fixed halves left one waiting (~10% of the step time).
     const int64_t n_tasks = HB * RT;
+    // threads: at most one per task, and one per kMinStepMacs of a step's work (below that the
+    // wait between steps costs more than a second thread saves)
+    const int64_t step_macs = N * 3 * H * (rh_.K + (xacc ? wx_.K : 0));
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>({n_tasks, (int64_t)at::get_num_threads(),
+                                                                    step_macs / kMinStepMacs}));
     const int cur0 = ws_.cur;
     std::vector<StepCounters> counters(tc);
     const char* x_base = xacc ? static_cast<const char*>(ws_.x_act[0].data_ptr()) : nullptr;
-    at::parallel_for(0, std::min<int64_t>(n_tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       k->thread_init();
       alignas(64) int32_t acc_x[3 * T16 * W], acc_h[3 * T16 * W];  // [gate][row][unit]
       uint8_t active[T16];
@@ -356,7 +363,7 @@ class CpuLayer {
     wx_.to_act(src, rows, I_, ws_.x_act);
     const LimbProducts lp = wx_.run(ws_.x_act, ws_.Gx, rows, ones_col_);
     int32_t* o = ws_.dwx.data_ptr<int32_t>();
-    at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, rows, std::max<int64_t>(1, kMinParallelWork * 4 / (3 * H_)), [&](int64_t r0, int64_t r1) {
       k_->requant_rows(cpu::RequantRowsArgs{&acc_x_, &acc_x32_, &lp, r0, r1, 3 * H_, o, (int)wx_.P, pow2_, acc32_});
     });
   }
