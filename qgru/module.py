@@ -286,6 +286,14 @@ class QuantGRU(nn.GRU):
     def _forward_integer(self, x, hx, lengths):
         params = self._params_on(x.device)
         backend = current_backend(x.device.type)
+        if backend.name == "cpu" and lengths is None and self.num_directions == 1:
+            # the whole stack in one native call: the same integers, without a Python round trip
+            # per quantize, layer and dequantize (they cost more than a streaming step's layer)
+            from . import native
+            with torch.no_grad():
+                fast = native.cpu_stack_forward(params, x, hx)
+            if fast is not None:
+                return fast[0].to(x.dtype), fast[1].to(x.dtype)
         ops = backend.boundary  # quantize / dequantize / requantize, golden semantics
         if lengths is not None:
             lengths = lengths.to(x.device)

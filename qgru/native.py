@@ -508,3 +508,39 @@ def gru_direction(kind: str, isa: Optional[str] = None):
             cache[key] = NativeLayer(kind, p, qx.device, isa)
         return cache[key](qx, qh0, lengths)
     return run
+
+
+def _cpu_layer(p: LayerParams, isa_request: str) -> "NativeLayer":
+    """The CPU NativeLayer of p for this path request (the one gru_direction makes and caches)."""
+    cache = p.__dict__.setdefault("_native", {})
+    key = ("cpu", "cpu", isa_request)
+    if key not in cache:
+        cache[key] = NativeLayer("cpu", p, torch.device("cpu"), isa_request)
+    return cache[key]
+
+
+def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor):
+    """A unidirectional stack without padding in one native call (float x [T, N, I] and h0
+    [L, N, H] in; float32 output [T, N, H] and h_n [L, N, H] out), or None where it does not
+    apply (a direction-wise or per-channel requantization between layers: the general path runs).
+    The same integers as the layer-by-layer path (tests/test_native.py), without its Python round
+    trips, which for one step of a batch of one cost more than the layer itself."""
+    if any(len(row) != 1 for row in params):
+        return None
+    req = cpu_isa_request()
+    cache = params[0][0].__dict__.setdefault("_native", {})  # beside the first layer's Layers
+    plan = cache.get(("cpu-stack", req))
+    if plan is None:
+        rows = []
+        for layer, (p,) in enumerate(params):
+            m, s = (1, 1)
+            if layer > 0:
+                r = p.rescale["in_0"]
+                if r.multiplier.numel() != 1:
+                    return None
+                m, s = int(r.multiplier), int(r.shift)
+            rows.append([float(p.scale["x"]), float(int(p.zp["x"])), float(p.bits["x"]), float(p.scale["h"]),
+                         float(int(p.zp["h"])), float(p.bits["h"]), float(m), float(s)])
+        plan = ([_cpu_layer(p, req).layer for (p,) in params], rows)
+        cache[("cpu-stack", req)] = plan
+    return load("cpu").stack_forward(plan[0], x, hx, plan[1])

@@ -480,13 +480,9 @@ at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bi
   }
   at::Tensor q = reuse_or_empty(*slot, x.sizes());
   const Range r{-(int64_t(1) << (bits - 1)), (int64_t(1) << (bits - 1)) - 1};
-  bool ok;
-  {
-    pybind11::gil_scoped_release release;
-    ok = x.scalar_type() == at::kDouble
-             ? quantize_loop(x.data_ptr<double>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, r)
-             : quantize_loop(x.data_ptr<float>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, r);
-  }
+  const bool ok = x.scalar_type() == at::kDouble
+                      ? quantize_loop(x.data_ptr<double>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, r)
+                      : quantize_loop(x.data_ptr<float>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, r);
   TORCH_CHECK_VALUE(ok, "QuantGRU ", what, " contains NaN, which has no quantized value ",
                     "(out-of-range and infinite values saturate)");
   return q;
@@ -495,7 +491,6 @@ at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bi
 // int -> float32: (q - zp) * scale in float64, rounded once to float32 (as primitives.dequantize).
 at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
   const at::Tensor q = q_in.to(at::kInt).contiguous();
-  pybind11::gil_scoped_release release;
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   const int32_t* src = q.data_ptr<int32_t>();
   float* dst = out.data_ptr<float>();
@@ -509,7 +504,6 @@ at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
 at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
                       int64_t to_bits) {
   const at::Tensor q = q_in.to(at::kInt).contiguous();
-  pybind11::gil_scoped_release release;
   at::Tensor out = at::empty(q.sizes(), q.options());
   const int32_t* src = q.data_ptr<int32_t>();
   int32_t* dst = out.data_ptr<int32_t>();
@@ -519,6 +513,33 @@ at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int
                                                                                   (int32_t)shift) + to_zp, r);
   });
   return out;
+}
+
+// A whole unidirectional stack without padding in one call: quantize the input and each layer's
+// h0, run the layers (layer l > 0 on layer l - 1's output moved onto its x grid), dequantize the
+// last layer's output and every h_n. The same functions as the separate calls (quantize, the
+// Layer, requantize, dequantize), minus their Python round trips: for one step of a batch of one
+// (streaming) those cost more than the layer. q[l] = (S_x, Z_x, bits_x, S_h, Z_h, bits_h,
+// multiplier and shift of S_h,l-1 / S_x,l), the per-tensor values qgru/native.py reads from the
+// layer's parameters.
+std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<CpuLayer*>& layers, const at::Tensor& x,
+                                                 const at::Tensor& h0, const std::vector<std::vector<double>>& q) {
+  const int64_t L = (int64_t)layers.size();
+  TORCH_CHECK(L > 0 && (int64_t)q.size() == L && h0.dim() == 3 && h0.size(0) == L,
+              "qgru cpu stack_forward: one Layer, one parameter row and one h0 per layer");
+  for (const auto& row : q) TORCH_CHECK(row.size() == 8, "qgru cpu stack_forward: 8 values per layer");
+  at::Tensor qx = quantize(x, q[0][0], (int64_t)q[0][1], (int64_t)q[0][2], "input");
+  at::Tensor out;
+  std::vector<at::Tensor> h_n;
+  for (int64_t l = 0; l < L; ++l) {
+    if (l > 0)
+      qx = requantize(out, (int64_t)q[l - 1][4], (int64_t)q[l][6], (int64_t)q[l][7], (int64_t)q[l][1], (int64_t)q[l][2]);
+    const at::Tensor qh = quantize(h0[l], q[l][3], (int64_t)q[l][4], (int64_t)q[l][5], "h0");
+    auto res = layers[l]->forward(qx, qh, c10::nullopt);
+    out = std::get<0>(res);
+    h_n.push_back(dequantize(std::get<1>(res), q[l][3], (int64_t)q[l][4]));
+  }
+  return {dequantize(out, q[L - 1][3], (int64_t)q[L - 1][4]), at::stack(h_n)};
 }
 
 }  // namespace
@@ -539,9 +560,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return rows;
   }, "(path, usable here, why not, activation bytes) for every CPU path, fastest first");
   m.def("cpu_model", &qgru::cpu::cpu_model, "the CPU's model name (CPUID)");
-  m.def("quantize", &qgru::quantize, "float -> int32 (primitives.quantize)");
-  m.def("dequantize", &qgru::dequantize, "int -> float (primitives.dequantize)");
-  m.def("requantize", &qgru::requantize, "golden.requantize_input, per-tensor factor");
+  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("quantize", &qgru::quantize, "float -> int32 (primitives.quantize)", release_gil());
+  m.def("dequantize", &qgru::dequantize, "int -> float (primitives.dequantize)", release_gil());
+  m.def("requantize", &qgru::requantize, "golden.requantize_input, per-tensor factor", release_gil());
+  m.def("stack_forward", &qgru::stack_forward, "a unidirectional stack, float in and out, in one call",
+        release_gil());
   pybind11::class_<qgru::CpuLayer>(m, "Layer")
       .def(pybind11::init<qgru::TensorMap, qgru::IntMap, std::string>(), pybind11::arg("tensors"),
            pybind11::arg("values"), pybind11::arg("isa") = "auto")
