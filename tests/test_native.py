@@ -325,7 +325,10 @@ def test_integer_bit_exact_sizes(kind, cfg, mode, I, H):
 
 
 @pytest.mark.parametrize("cfg,mode,K", [("w8a8", "pow2", 65535), ("w8a8", "multiplier", 65535),
-                                         ("w8a16", "pow2", 4096), ("w16a16", "multiplier", 4096)])
+                                         ("w8a16", "pow2", 4096), ("w16a16", "multiplier", 4096),
+                                         # the largest K a 16-bit x takes whole on an int16 path
+                                         # (K 2^15 127 < 2^31): the int32 sums reach 99.99% of 2^31
+                                         ("w8a16", "pow2", 516), ("w8a16", "multiplier", 516)])
 @pytest.mark.parametrize("sign", [1, -1])
 def test_integer_worst_case_accumulators(kind, cfg, mode, K, sign):
     """The largest accumulators convert() allows: K input channels of full-scale weights, x at the
@@ -869,6 +872,63 @@ def test_prepare_layer_limbs_reconstruct_weights(w_bits, a_bits):
                 acc += s * d * G[:, v["ones_col"]:v["ones_col"] + 1]
         acc += t[f"{bias_name}_bias"]
         assert torch.equal(acc, q @ Wq.t() + b - comp)
+
+
+def test_direct16_bound():
+    """A 16-bit activation times 8-bit weights is one int16 GEMM only while K 2^15 max|w| < 2^31."""
+    w = torch.full((3, 516), 127)
+    assert native.direct16_fits(w, 8, 16)
+    assert 516 * 32768 * 127 < 2 ** 31 <= 517 * 32768 * 127
+    assert not native.direct16_fits(torch.full((3, 517), 127), 8, 16)
+    assert native.direct16_fits(torch.full((3, 4096), 15), 8, 16)  # small weights allow a larger K
+    assert not native.direct16_fits(w, 8, 8) and not native.direct16_fits(w, 16, 16)  # nothing to gain / no bound
+
+
+def test_prepare_layer_direct16_accumulator():
+    """With act16 (an int16 path) a w8a16 layer's GEMMs take x and h whole: one pair of scale 1 and
+    offset 0, and the accumulator identity q W^T + bias == golden's holds over the whole range."""
+    H, I = 13, 21
+    p = _converted(_cfg("w8a16"), I, H)._qparams[0][0]
+    t, v = native.prepare_layer(p, act16=True)
+    t8, v8 = native.prepare_layer(p)
+    assert v["x_direct16"] == v["h_direct16"] == 1 and v8["x_direct16"] == v8["h_direct16"] == 0
+    gen = torch.Generator().manual_seed(3)
+    for pre, Wq, K, bias_name, comp, b in (("x", p.W, I, "Wx", p.W_zp_comp, p.b_x),
+                                           ("h", p.R, H, "Rh", p.R_zp_comp, p.b_h)):
+        assert t[f"{pre}_pairs"].tolist() == [[0, 0, 1, 0]]
+        assert len(t8[f"{pre}_pairs"]) == 2  # the limb form
+        q = _random_ints((6, K), 16, gen)
+        G = q @ t[f"{pre}_weight_limbs"][0, :3 * H, :K].to(torch.int64).t()
+        assert torch.equal(G + t[f"{bias_name}_bias"], q @ Wq.t() + b - comp)
+
+
+def test_stack_forward_is_the_layer_by_layer_path(cpu_backend):
+    """A unidirectional stack without padding on the cpu backend runs as one native call
+    (native.cpu_stack_forward): it is used, and gives the reference's floats bit for bit, for 1 and
+    3 layers, float32 and float64, and a T=1 N=1 streaming loop carrying h; with padding or two
+    directions the layer-by-layer path runs instead."""
+    gen = torch.Generator().manual_seed(11)
+    for layers, cfg in ((1, "w8a8"), (3, "w8a16")):
+        m = _converted(_cfg(cfg), 7, 12, layers, False, False, 0)
+        _forget_native(m)
+        for x in (torch.randn(5, 3, 7, generator=gen), torch.randn(4, 2, 7, generator=gen, dtype=torch.float64)):
+            h0 = torch.randn(layers, x.shape[1], 12, generator=gen, dtype=x.dtype)
+            _assert_same(_run(m, "cpu", torch.device("cpu"), x, h0), _run(m, "reference", torch.device("cpu"), x, h0))
+        assert any(k[0] == "cpu-stack" for k in m._qparams[0][0].__dict__["_native"])
+        xs = torch.randn(6, 1, 7, generator=gen)
+        outs = {}
+        for b in ("cpu", "reference"):
+            h, outs[b] = None, []
+            with qgru.backend(b), torch.no_grad():
+                for t in range(6):
+                    o, h = m(xs[t:t + 1], h)
+                    outs[b].append(o)
+            outs[b] = torch.cat(outs[b]), h
+        _assert_same(outs["cpu"], outs["reference"])
+    m = _converted(_cfg("w8a8"), 7, 12, 1, True, False, 0)
+    _forget_native(m)
+    _run(m, "cpu", torch.device("cpu"), torch.randn(3, 2, 7, generator=gen), None)
+    assert not any(k[0] == "cpu-stack" for row in m._qparams for p in row for k in p.__dict__.get("_native", {}))
 
 
 def _unpack_table(packed: torch.Tensor) -> torch.Tensor:
