@@ -963,3 +963,62 @@ def test_prepare_layer_rescales_and_tables(overrides):
     assert v["h_zp"] == int(p.zp["h"]) and v["one_z"] == p.one_z
     # the shift-only kernels exactly when every multiplier is a power of two
     assert v["pow2"] == (0 if overrides.get("scale_mode") == "multiplier" else 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Each CPU path's GEMM alone (qgru_cpu_ext.kernel_gemm), against int64 matmul
+# ---------------------------------------------------------------------------------------------
+def _usable_paths():
+    return [str(i["name"]) for i in native.cpu_paths() if i["usable"]]
+
+
+@settings(max_examples=_examples(40), **_SETTINGS)
+@given(rows=st.integers(1, 40), K=st.integers(1, 300), M=st.integers(1, 70), gates=st.booleans(),
+       extreme=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_cpu_path_gemm_exact(cpu_backend, rows, K, M, gates, extreme, seed):
+    """Every usable path's packed GEMM (plain and the fused step's gate layout) gives the exact
+    int8 x int8 products: shapes that are no multiple of 4, 8, 16 or 64, a single row, and the
+    extremes -128 x -128 everywhere."""
+    mod = native.load("cpu")
+    gen = torch.Generator().manual_seed(seed)
+    M = 3 * max(1, M // 3) if gates else M
+    a = torch.randint(-128, 128, (rows, K), generator=gen)
+    w = torch.randint(-128, 128, (M, K), generator=gen)
+    if extreme:
+        a[:, : K // 2 + 1], w[:, : K // 2 + 1] = -128, -128
+    want = a @ w.t()
+    for path in _usable_paths():
+        got = mod.kernel_gemm(path, a, w, gates)
+        assert torch.equal(got.long(), want), (path, (got.long() != want).nonzero()[:5].tolist())
+
+
+@pytest.mark.parametrize("K", [4096, 65535, 131071])
+def test_cpu_path_gemm_largest_k(cpu_backend, K):
+    """int8 products at the extremes up to the largest K (|sum| = K 2^14 < 2^31): exact on every path
+    (avx512vnni's offset sum passes 2^31 there and must wrap back)."""
+    mod = native.load("cpu")
+    for av, wv in ((-128, -128), (127, -128), (-128, 127)):
+        a = torch.full((2, K), av)
+        w = torch.full((3, K), wv)
+        for path in _usable_paths():
+            assert mod.kernel_gemm(path, a, w).long().tolist() == [[K * av * wv] * 3] * 2, (path, K, av, wv)
+
+
+def test_avx2_gemm_takes_16_bit_activations_up_to_the_bound(cpu_backend):
+    """The avx2 path's int16 operands: 16-bit activations times 8-bit weights are exact while
+    K 2^15 max|w| < 2^31 (native.direct16_fits admits K <= 516 at 127), and wrap just past it, so
+    the bound is the real one (this test fails if the kernel's sums were wider or narrower)."""
+    if "avx2" not in _usable_paths():
+        pytest.skip("this CPU cannot run the avx2 path")
+    mod = native.load("cpu")
+    for K in (516, 520):
+        a = torch.tensor([[-32768] * K, [32767] * K])
+        w = torch.tensor([[127] * K, [-127] * K, [-128] * (K // 2) + [127] * (K - K // 2)])
+        want = a @ w.t()
+        got = mod.kernel_gemm("avx2", a, w).long()
+        fits = native.direct16_fits(w[:2], 8, 16)
+        assert fits == (K == 516)
+        if fits:
+            assert torch.equal(got, want)
+        else:  # past the bound the int32 sums wrap: that is why the layer splits into limbs there
+            assert torch.equal(got, (want + 2 ** 31) % 2 ** 32 - 2 ** 31) and not torch.equal(got, want)

@@ -542,6 +542,63 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<CpuLayer*>& l
   return {dequantize(out, q[L - 1][3], (int64_t)q[L - 1][4]), at::stack(h_n)};
 }
 
+// One path's GEMM on its own, for the tests: C [rows, M] = A [rows, K] . W [M, K]^T with W int8 and
+// A int32 values of the path's activation type (int8, or int16 on a path with int16 operands),
+// packed, padded and run as a layer runs them (plain layout; gates: the fused step's per-unit-group
+// layout with H = M / 3, unscrambled again). The path computes int32 sums: the caller compares
+// with an exact product where that fits int32.
+at::Tensor kernel_gemm(const std::string& isa, const at::Tensor& a_in, const at::Tensor& w_in, bool gates) {
+  const cpu::Kernels* k = nullptr;
+  try {
+    k = cpu::select_isa(isa);
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  TORCH_CHECK(a_in.dim() == 2 && w_in.dim() == 2 && a_in.size(1) == w_in.size(1), "kernel_gemm: A [rows, K], W [M, K]");
+  const at::Tensor w = w_in.to(at::kChar).contiguous();
+  const int64_t rows = a_in.size(0), K = a_in.size(1), M = w.size(0);
+  TORCH_CHECK(!gates || M % 3 == 0, "kernel_gemm: gates need M = 3 H");
+  const int64_t lda = round_up(std::max<int64_t>(K, 1), cpu::kKAlign), G = k->group;
+  at::Tensor a = at::zeros({round_up(rows, kTileRows), lda}, at::TensorOptions().dtype(k->act_bytes == 2 ? at::kShort : at::kChar));
+  a.narrow(0, 0, rows).narrow(1, 0, K).copy_(a_in);
+  const int64_t H = M / 3, units = ceil_div(std::max<int64_t>(H, 1), G);
+  std::vector<int64_t> ch(gates ? units * 3 * G : ceil_div(std::max<int64_t>(M, 1), G) * G);
+  for (int64_t m = 0; m < (int64_t)ch.size(); ++m) {
+    if (!gates) {
+      ch[m] = m < M ? m : -1;
+    } else {
+      const int64_t u = m / (3 * G), q = (m / G) % 3, j = u * G + m % G;
+      ch[m] = j < H ? q * H + j : -1;
+    }
+  }
+  const int64_t groups = (int64_t)ch.size() / G;
+  at::Tensor packed = at::empty({k->packed_bytes(groups, K)}, at::TensorOptions().dtype(at::kByte));
+  k->pack(w.data_ptr<int8_t>(), K, K, ch.data(), groups, packed.data_ptr<uint8_t>());
+  at::Tensor c = at::zeros({round_up(rows, kTileRows), groups * G}, at::TensorOptions().dtype(at::kInt));
+  k->thread_init();
+  if (!gates) {
+    k->gemm(cpu::GemmArgs{a.data_ptr(), lda, rows, K, packed.data_ptr<uint8_t>(), 0, groups, c.data_ptr<int32_t>(),
+                          c.size(1), 0});
+    return c.narrow(0, 0, rows).narrow(1, 0, M).clone();
+  }
+  // gate layout, one task (16 rows x kTaskUnits units) at a time, as fused_steps runs it
+  at::Tensor out = at::zeros({rows, M}, at::TensorOptions().dtype(at::kInt));
+  std::vector<int32_t> acc(3 * kTileRows * kTaskUnits);
+  auto o = out.accessor<int32_t, 2>();
+  for (int64_t n0 = 0; n0 < rows; n0 += kTileRows)
+    for (int64_t j0 = 0; j0 < H; j0 += kTaskUnits) {
+      const int64_t nj = std::min(kTaskUnits, H - j0), r = std::min(kTileRows, rows - n0);
+      const int64_t g0 = (j0 / G) * 3, g1 = g0 + 3 * ceil_div(nj, G);
+      k->gemm(cpu::GemmArgs{static_cast<const char*>(a.data_ptr()) + n0 * lda * k->act_bytes, lda, r, K,
+                            packed.data_ptr<uint8_t>(), g0, g1, acc.data(), kTaskUnits, kTileRows * kTaskUnits});
+      for (int64_t q = 0; q < 3; ++q)
+        for (int64_t i = 0; i < r; ++i)
+          for (int64_t c2 = 0; c2 < nj; ++c2)
+            o[n0 + i][q * H + j0 + c2] = acc[(q * kTileRows + i) * kTaskUnits + c2];
+    }
+  return out;
+}
+
 }  // namespace
 }  // namespace qgru
 
@@ -564,6 +621,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize", &qgru::quantize, "float -> int32 (primitives.quantize)", release_gil());
   m.def("dequantize", &qgru::dequantize, "int -> float (primitives.dequantize)", release_gil());
   m.def("requantize", &qgru::requantize, "golden.requantize_input, per-tensor factor", release_gil());
+  m.def("kernel_gemm", &qgru::kernel_gemm, "one CPU path's GEMM alone (tests)", pybind11::arg("isa"),
+        pybind11::arg("a"), pybind11::arg("w"), pybind11::arg("gates") = false);
   m.def("stack_forward", &qgru::stack_forward, "a unidirectional stack, float in and out, in one call",
         release_gil());
   pybind11::class_<qgru::CpuLayer>(m, "Layer")
