@@ -49,7 +49,7 @@ class _NativeCpuBoundaryOps(BoundaryOps):
         self.mod = mod
 
     def quantize(self, x, scale, zp, bits, what):
-        return self.mod.quantize(x, float(scale), int(zp), int(bits), what)
+        return self.mod.quantize(x, float(scale), int(zp), int(bits), what, native.cpu_isa_request())
 
     def dequantize(self, q, scale, zp):
         return self.mod.dequantize(q, float(scale), int(zp))

@@ -44,7 +44,7 @@ _SOURCES = {
     "cuda": ["qgru_cuda.cpp", "qgru_cuda_kernels.cu"],
 }
 _HEADERS = ["qgru_fixedpoint.h", "qgru_cell.h", "qgru_layer.h", "qgru_cuda.h", "cpu/kernels.h", "cpu/cell_loops.h",
-            "cpu/isa.h"]
+            "cpu/isa.h", "cpu/quantize_block.h"]
 GEMM_PAD = 16  # channel and reduction padding: int8 tensor-core GEMMs want multiples of 16
 
 

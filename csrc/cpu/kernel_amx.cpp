@@ -11,22 +11,24 @@
 // order for B). A rows are read as whole 16-row tiles and C is written as whole tiles (the
 // GemmArgs contract: buffers hold whole row tiles, lda a multiple of 64).
 #define QGRU_ISA amx
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC target("avx2,fma,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")
-#elif defined(__clang__)
-#pragma clang attribute push(                                                                              \
-    __attribute__((target("avx2,fma,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8"))), \
-    apply_to = function)
-#endif
-#include "cell_loops.h"
-
 #if defined(__x86_64__) && defined(__linux__) && \
     ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12))
 #define QGRU_BUILD_AMX 1
-#include <immintrin.h>
-#include <string.h>
+#define QGRU_QUANTIZE_AVX512
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8"))), apply_to = function)
+#else
+#pragma GCC target("avx2,fma,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")
+#endif
 #else
 #define QGRU_BUILD_AMX 0
+#endif
+#include "cell_loops.h"
+#include "quantize_block.h"
+
+#if QGRU_BUILD_AMX
+#include <immintrin.h>
+#include <string.h>
 #endif
 
 namespace qgru {
@@ -149,7 +151,7 @@ void gemm(const GemmArgs& a) {
 
 const Kernels kTable{"amx", 1, kTile, packed_bytes, pack, gemm,
                      CellLoops<int8_t>::rows, CellLoops<int8_t>::tile, CellLoops<int8_t>::requant,
-                     CellLoops<int8_t>::act, configure};
+                     CellLoops<int8_t>::act, configure, quantize_f32, quantize_f64};
 
 }  // namespace
 QGRU_ISA_END
@@ -162,6 +164,6 @@ const Kernels* amx_kernels() { return nullptr; }
 }  // namespace cpu
 }  // namespace qgru
 
-#if defined(__clang__)
+#if defined(__clang__) && QGRU_BUILD_AMX
 #pragma clang attribute pop
 #endif

@@ -18,19 +18,23 @@
 // A task's rows are whole row tiles in its buffers (GemmArgs), so the kernel always computes four
 // rows and stores the valid ones.
 #define QGRU_ISA avx2
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC target("avx2,fma,bmi2,f16c,popcnt")
-#elif defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,bmi2,f16c,popcnt"))), apply_to = function)
-#endif
-#include "cell_loops.h"
-
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define QGRU_BUILD_AVX2 1
-#include <immintrin.h>
-#include <string.h>
+#define QGRU_QUANTIZE_AVX2
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,bmi2,f16c,popcnt"))), apply_to = function)
+#else
+#pragma GCC target("avx2,fma,bmi2,f16c,popcnt")
+#endif
 #else
 #define QGRU_BUILD_AVX2 0
+#endif
+#include "cell_loops.h"
+#include "quantize_block.h"
+
+#if QGRU_BUILD_AVX2
+#include <immintrin.h>
+#include <string.h>
 #endif
 
 namespace qgru {
@@ -136,7 +140,7 @@ void no_init() {}
 
 const Kernels kTable{"avx2", 2, kGroup, packed_bytes, pack, gemm,
                      CellLoops<int16_t>::rows, CellLoops<int16_t>::tile, CellLoops<int16_t>::requant,
-                     CellLoops<int16_t>::act, no_init};
+                     CellLoops<int16_t>::act, no_init, quantize_f32, quantize_f64};
 
 }  // namespace
 QGRU_ISA_END
@@ -149,6 +153,6 @@ const Kernels* avx2_kernels() { return nullptr; }
 }  // namespace cpu
 }  // namespace qgru
 
-#if defined(__clang__)
+#if defined(__clang__) && QGRU_BUILD_AVX2
 #pragma clang attribute pop
 #endif

@@ -12,20 +12,23 @@
 // int8 values side by side (one 64-byte row), then the group's 16 values of 128 colsum (int32).
 // The micro-kernel computes up to 8 rows x 3 groups (24 of the 32 zmm registers).
 #define QGRU_ISA avx512vnni
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC target("avx2,fma,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
-#elif defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"))), \
-                             apply_to = function)
-#endif
-#include "cell_loops.h"
-
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define QGRU_BUILD_VNNI 1
-#include <immintrin.h>
-#include <string.h>
+#define QGRU_QUANTIZE_AVX512
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"))), apply_to = function)
+#else
+#pragma GCC target("avx2,fma,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+#endif
 #else
 #define QGRU_BUILD_VNNI 0
+#endif
+#include "cell_loops.h"
+#include "quantize_block.h"
+
+#if QGRU_BUILD_VNNI
+#include <immintrin.h>
+#include <string.h>
 #endif
 
 namespace qgru {
@@ -122,7 +125,7 @@ void no_init() {}
 
 const Kernels kTable{"avx512vnni", 1, kGroup, packed_bytes, pack, gemm,
                      CellLoops<int8_t>::rows, CellLoops<int8_t>::tile, CellLoops<int8_t>::requant,
-                     CellLoops<int8_t>::act, no_init};
+                     CellLoops<int8_t>::act, no_init, quantize_f32, quantize_f64};
 
 }  // namespace
 QGRU_ISA_END
@@ -135,6 +138,6 @@ const Kernels* avx512vnni_kernels() { return nullptr; }
 }  // namespace cpu
 }  // namespace qgru
 
-#if defined(__clang__)
+#if defined(__clang__) && QGRU_BUILD_VNNI
 #pragma clang attribute pop
 #endif

@@ -8,6 +8,7 @@
 // is one contiguous loop, four rows at a time so that each weight load serves four rows.
 #define QGRU_ISA portable
 #include "cell_loops.h"
+#include "quantize_block.h"
 
 #include <string.h>
 
@@ -63,7 +64,7 @@ void no_init() {}
 
 const Kernels kTable{"portable", 1, kGroup, packed_bytes, pack, gemm,
                      CellLoops<int8_t>::rows, CellLoops<int8_t>::tile, CellLoops<int8_t>::requant,
-                     CellLoops<int8_t>::act, no_init};
+                     CellLoops<int8_t>::act, no_init, quantize_f32, quantize_f64};
 
 }  // namespace
 QGRU_ISA_END

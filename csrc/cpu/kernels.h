@@ -107,6 +107,9 @@ struct Kernels {
   void (*requant_rows)(const RequantRowsArgs& a);
   void (*to_act)(const ToActArgs& a);
   void (*thread_init)();  // once per thread region before gemm (AMX: load the tile configuration)
+  // The float boundary: primitives.quantize of x[0, n) into q (range [lo, hi]); false on NaN.
+  bool (*quantize_f32)(const float* x, int32_t* q, int64_t n, double scale, int64_t zp, int64_t lo, int64_t hi);
+  bool (*quantize_f64)(const double* x, int32_t* q, int64_t n, double scale, int64_t zp, int64_t lo, int64_t hi);
 };
 
 // The paths compiled into this binary (nullptr where the compiler cannot build one).

@@ -209,6 +209,8 @@ class CpuLayer {
     fused_ = rh_.P == 1 && wx_.P == 1;
   }
 
+  const Kernels* kernels() const { return k_; }
+
   // The path's name, and "-fused" where each step is one fused pass.
   std::string gemm_path() const { return std::string(k_->name) + (fused_ ? "-fused" : ""); }
 
@@ -406,68 +408,32 @@ class CpuLayer {
 // The float boundary and the layer-to-layer requantization, one pass each (the golden model's
 // primitives.quantize / dequantize / golden.requantize_input, same float64 arithmetic)
 // ---------------------------------------------------------------------------------------------
-// primitives.quantize of one element: round_half_up(x / scale) + zp, saturated; NaN gives 0 and
-// sets *nan. x / scale is one float64 division, as in the golden model.
-inline int32_t quantize_one(double x, double scale, int64_t zp, Range r, double lo, double hi, bool* nan) {
-  double v = x / scale;
-  if (v != v) {
-    *nan = true;
-    v = 0.0;
-  }
-  v = v < lo ? lo : (v > hi ? hi : v);
-  const double f = std::floor(v);
-  const int64_t rounded = (int64_t)f + ((v - f) >= 0.5 ? 1 : 0);  // round half up, exact
-  return (int32_t)saturate(rounded + zp, r);
-}
-
-// The same over a block. gcc (12) leaves this loop scalar whatever its form (measured 2 ns per
-// element, 3 ms per call of the benchmark's input), so AVX-512 is written out: the same float64
-// operations, 8 lanes at a time, each IEEE-exact, so the results are identical.
+// The path's quantize_f32 / quantize_f64 (csrc/cpu/quantize_block.h) over blocks of elements in
+// parallel; false if any element is NaN.
 template <typename scalar_t>
-bool quantize_block(const scalar_t* x, int32_t* q, int64_t n, double scale, int64_t zp, Range r) {
-  // clamp bounds of primitives.quantize: just beyond the integer range, so +-inf saturate
-  const double lo = (double)(r.lo - zp - 1), hi = (double)(r.hi - zp + 1);
-  bool nan = false;
-  int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-  const __m512d vscale = _mm512_set1_pd(scale), vlo = _mm512_set1_pd(lo), vhi = _mm512_set1_pd(hi);
-  const __m512d half = _mm512_set1_pd(0.5);
-  const __m512i vzp = _mm512_set1_epi64(zp), one = _mm512_set1_epi64(1);
-  const __m512i qlo = _mm512_set1_epi64(r.lo), qhi = _mm512_set1_epi64(r.hi);
-  __mmask8 any_nan = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m512d xv;
-    if (std::is_same<scalar_t, float>::value) xv = _mm512_cvtps_pd(_mm256_loadu_ps((const float*)(x + i)));
-    else xv = _mm512_loadu_pd((const double*)(x + i));
-    __m512d v = _mm512_div_pd(xv, vscale);
-    const __mmask8 is_nan = _mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q);
-    any_nan |= is_nan;
-    v = _mm512_mask_mov_pd(v, is_nan, _mm512_setzero_pd());
-    v = _mm512_min_pd(_mm512_max_pd(v, vlo), vhi);
-    const __m512d f = _mm512_roundscale_pd(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __mmask8 up = _mm512_cmp_pd_mask(_mm512_sub_pd(v, f), half, _CMP_GE_OQ);
-    __m512i k = _mm512_add_epi64(_mm512_cvttpd_epi64(f), vzp);
-    k = _mm512_mask_add_epi64(k, up, k, one);
-    k = _mm512_min_epi64(_mm512_max_epi64(k, qlo), qhi);
-    _mm256_storeu_si256((__m256i*)(q + i), _mm512_cvtepi64_epi32(k));
-  }
-  nan = any_nan != 0;
-#endif
-  for (; i < n; ++i) q[i] = quantize_one((double)x[i], scale, zp, r, lo, hi, &nan);
-  return !nan;
-}
-
-template <typename scalar_t>
-bool quantize_loop(const scalar_t* x, int32_t* q, int64_t n, double scale, int64_t zp, Range r) {
+bool quantize_loop(const Kernels* k, const scalar_t* x, int32_t* q, int64_t n, double scale, int64_t zp, Range r) {
   std::atomic<bool> nan{false};
   at::parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
-    if (!quantize_block(x + b, q + b, e - b, scale, zp, r)) nan = true;
+    const bool ok = std::is_same<scalar_t, float>::value
+                        ? k->quantize_f32((const float*)(x + b), q + b, e - b, scale, zp, r.lo, r.hi)
+                        : k->quantize_f64((const double*)(x + b), q + b, e - b, scale, zp, r.lo, r.hi);
+    if (!ok) nan = true;
   });
   return !nan;
 }
 
+const Kernels* kernels_for(const std::string& isa) {
+  try {
+    return cpu::select_isa(isa);
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  return nullptr;
+}
+
 // float -> int32 on (scale, zp, bits); NaN is an error (it has no quantized value).
-at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bits, const std::string& what) {
+at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bits, const std::string& what,
+                    const Kernels* k) {
   TORCH_CHECK(x_in.is_floating_point() && x_in.device().is_cpu(), "qgru cpu quantize: float CPU tensor expected");
   const at::Tensor x = (x_in.scalar_type() == at::kDouble ? x_in : x_in.to(at::kFloat)).contiguous();
   // per calling thread (no other thread sees a buffer being reused), a few shapes: a module call
@@ -481,8 +447,8 @@ at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bi
   at::Tensor q = reuse_or_empty(*slot, x.sizes());
   const Range r{-(int64_t(1) << (bits - 1)), (int64_t(1) << (bits - 1)) - 1};
   const bool ok = x.scalar_type() == at::kDouble
-                      ? quantize_loop(x.data_ptr<double>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, r)
-                      : quantize_loop(x.data_ptr<float>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, r);
+                      ? quantize_loop(k, x.data_ptr<double>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, r)
+                      : quantize_loop(k, x.data_ptr<float>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, r);
   TORCH_CHECK_VALUE(ok, "QuantGRU ", what, " contains NaN, which has no quantized value ",
                     "(out-of-range and infinite values saturate)");
   return q;
@@ -528,13 +494,14 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<CpuLayer*>& l
   TORCH_CHECK(L > 0 && (int64_t)q.size() == L && h0.dim() == 3 && h0.size(0) == L,
               "qgru cpu stack_forward: one Layer, one parameter row and one h0 per layer");
   for (const auto& row : q) TORCH_CHECK(row.size() == 8, "qgru cpu stack_forward: 8 values per layer");
-  at::Tensor qx = quantize(x, q[0][0], (int64_t)q[0][1], (int64_t)q[0][2], "input");
+  const Kernels* k = layers[0]->kernels();
+  at::Tensor qx = quantize(x, q[0][0], (int64_t)q[0][1], (int64_t)q[0][2], "input", k);
   at::Tensor out;
   std::vector<at::Tensor> h_n;
   for (int64_t l = 0; l < L; ++l) {
     if (l > 0)
       qx = requantize(out, (int64_t)q[l - 1][4], (int64_t)q[l][6], (int64_t)q[l][7], (int64_t)q[l][1], (int64_t)q[l][2]);
-    const at::Tensor qh = quantize(h0[l], q[l][3], (int64_t)q[l][4], (int64_t)q[l][5], "h0");
+    const at::Tensor qh = quantize(h0[l], q[l][3], (int64_t)q[l][4], (int64_t)q[l][5], "h0", k);
     auto res = layers[l]->forward(qx, qh, c10::nullopt);
     out = std::get<0>(res);
     h_n.push_back(dequantize(std::get<1>(res), q[l][3], (int64_t)q[l][4]));
@@ -548,12 +515,7 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<CpuLayer*>& l
 // layout with H = M / 3, unscrambled again). The path computes int32 sums: the caller compares
 // with an exact product where that fits int32.
 at::Tensor kernel_gemm(const std::string& isa, const at::Tensor& a_in, const at::Tensor& w_in, bool gates) {
-  const cpu::Kernels* k = nullptr;
-  try {
-    k = cpu::select_isa(isa);
-  } catch (const std::runtime_error& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
+  const Kernels* k = kernels_for(isa);
   TORCH_CHECK(a_in.dim() == 2 && w_in.dim() == 2 && a_in.size(1) == w_in.size(1), "kernel_gemm: A [rows, K], W [M, K]");
   const at::Tensor w = w_in.to(at::kChar).contiguous();
   const int64_t rows = a_in.size(0), K = a_in.size(1), M = w.size(0);
@@ -618,7 +580,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "(path, usable here, why not, activation bytes) for every CPU path, fastest first");
   m.def("cpu_model", &qgru::cpu::cpu_model, "the CPU's model name (CPUID)");
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("quantize", &qgru::quantize, "float -> int32 (primitives.quantize)", release_gil());
+  m.def("quantize", [](const at::Tensor& x, double scale, int64_t zp, int64_t bits, const std::string& what,
+                       const std::string& isa) { return qgru::quantize(x, scale, zp, bits, what, qgru::kernels_for(isa)); },
+        "float -> int32 (primitives.quantize) on a CPU path", pybind11::arg("x"), pybind11::arg("scale"),
+        pybind11::arg("zp"), pybind11::arg("bits"), pybind11::arg("what"), pybind11::arg("isa") = "auto", release_gil());
   m.def("dequantize", &qgru::dequantize, "int -> float (primitives.dequantize)", release_gil());
   m.def("requantize", &qgru::requantize, "golden.requantize_input, per-tensor factor", release_gil());
   m.def("kernel_gemm", &qgru::kernel_gemm, "one CPU path's GEMM alone (tests)", pybind11::arg("isa"),

@@ -1,0 +1,106 @@
+// The float boundary's quantize (primitives.quantize) over a block of elements, compiled per
+// instruction-set path like cell_loops.h: round_half_up(x / scale) + zp, saturated, NaN flagged.
+// gcc (12) leaves the scalar loop scalar whatever its form (measured 2 ns per element, 3 ms per
+// call of the benchmark's input), so the AVX-512 and AVX2 forms are written out: the same float64
+// operations (one IEEE division, floor, a compare with 1/2), a lane at a time identical to the
+// scalar ones. A kernel file defines QGRU_QUANTIZE_AVX512 or QGRU_QUANTIZE_AVX2 before including.
+#pragma once
+
+#include <stdint.h>
+
+#include "qgru_fixedpoint.h"
+
+#if defined(QGRU_QUANTIZE_AVX512) || defined(QGRU_QUANTIZE_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace qgru {
+namespace cpu {
+QGRU_ISA_BEGIN
+
+// primitives.quantize of one element (lo, hi: the clamp bounds just beyond the integer range,
+// so that +-inf saturate); NaN gives 0 and sets *nan.
+inline int32_t quantize_one(double x, double scale, int64_t zp, Range r, double lo, double hi, bool* nan) {
+  double v = x / scale;
+  if (v != v) {
+    *nan = true;
+    v = 0.0;
+  }
+  v = v < lo ? lo : (v > hi ? hi : v);
+  const double f = __builtin_floor(v);
+  const int64_t rounded = (int64_t)f + ((v - f) >= 0.5 ? 1 : 0);  // round half up, exact
+  return (int32_t)saturate(rounded + zp, r);
+}
+
+// Elements [0, n) of x into q; false if any is NaN. Values have at most 16 bits (r).
+template <typename T>
+bool quantize_block(const T* x, int32_t* q, int64_t n, double scale, int64_t zp, Range r) {
+  const double lo = (double)(r.lo - zp - 1), hi = (double)(r.hi - zp + 1);
+  bool nan = false;
+  int64_t i = 0;
+#if defined(QGRU_QUANTIZE_AVX512)
+  const __m512d vscale = _mm512_set1_pd(scale), vlo = _mm512_set1_pd(lo), vhi = _mm512_set1_pd(hi);
+  const __m512d half = _mm512_set1_pd(0.5);
+  const __m512i vzp = _mm512_set1_epi64(zp), one = _mm512_set1_epi64(1);
+  const __m512i qlo = _mm512_set1_epi64(r.lo), qhi = _mm512_set1_epi64(r.hi);
+  __mmask8 any_nan = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m512d xv;
+    if (sizeof(T) == 4) xv = _mm512_cvtps_pd(_mm256_loadu_ps((const float*)(x + i)));
+    else xv = _mm512_loadu_pd((const double*)(x + i));
+    __m512d v = _mm512_div_pd(xv, vscale);
+    const __mmask8 is_nan = _mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q);
+    any_nan |= is_nan;
+    v = _mm512_mask_mov_pd(v, is_nan, _mm512_setzero_pd());
+    v = _mm512_min_pd(_mm512_max_pd(v, vlo), vhi);
+    const __m512d f = _mm512_roundscale_pd(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __mmask8 up = _mm512_cmp_pd_mask(_mm512_sub_pd(v, f), half, _CMP_GE_OQ);
+    __m512i k = _mm512_add_epi64(_mm512_cvttpd_epi64(f), vzp);
+    k = _mm512_mask_add_epi64(k, up, k, one);
+    k = _mm512_min_epi64(_mm512_max_epi64(k, qlo), qhi);
+    _mm256_storeu_si256((__m256i*)(q + i), _mm512_cvtepi64_epi32(k));
+  }
+  nan = any_nan != 0;
+#elif defined(QGRU_QUANTIZE_AVX2)
+  // v is clamped to [lo, hi], within +-2^17 (zp and the range have at most 16 bits), so its floor
+  // converts to int32 exactly (cvttpd of an integral value) and every sum below stays in int32
+  const __m256d vscale = _mm256_set1_pd(scale), vlo = _mm256_set1_pd(lo), vhi = _mm256_set1_pd(hi);
+  const __m256d half = _mm256_set1_pd(0.5);
+  const __m128i vzp = _mm_set1_epi32((int32_t)zp), qlo = _mm_set1_epi32((int32_t)r.lo),
+                qhi = _mm_set1_epi32((int32_t)r.hi);
+  int any_nan = 0;
+  for (; i + 4 <= n; i += 4) {
+    __m256d xv;
+    if (sizeof(T) == 4) xv = _mm256_cvtps_pd(_mm_loadu_ps((const float*)(x + i)));
+    else xv = _mm256_loadu_pd((const double*)(x + i));
+    __m256d v = _mm256_div_pd(xv, vscale);
+    const __m256d is_nan = _mm256_cmp_pd(v, v, _CMP_UNORD_Q);
+    any_nan |= _mm256_movemask_pd(is_nan);
+    v = _mm256_andnot_pd(is_nan, v);  // NaN -> +0.0
+    v = _mm256_min_pd(_mm256_max_pd(v, vlo), vhi);
+    const __m256d f = _mm256_round_pd(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m256d up = _mm256_cmp_pd(_mm256_sub_pd(v, f), half, _CMP_GE_OQ);  // all ones where rounding up
+    // the 4 64-bit compare masks as 4 int32 lanes (-1 or 0): take the low half of each
+    const __m128i up32 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(
+        _mm256_castpd_si256(up), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)));
+    __m128i k = _mm_sub_epi32(_mm_add_epi32(_mm256_cvttpd_epi32(f), vzp), up32);  // - (-1) = + 1
+    k = _mm_min_epi32(_mm_max_epi32(k, qlo), qhi);
+    _mm_storeu_si128((__m128i*)(q + i), k);
+  }
+  nan = any_nan != 0;
+#endif
+  for (; i < n; ++i) q[i] = quantize_one((double)x[i], scale, zp, r, lo, hi, &nan);
+  return !nan;
+}
+
+inline bool quantize_f32(const float* x, int32_t* q, int64_t n, double scale, int64_t zp, int64_t lo, int64_t hi) {
+  return quantize_block(x, q, n, scale, zp, Range{lo, hi});
+}
+
+inline bool quantize_f64(const double* x, int32_t* q, int64_t n, double scale, int64_t zp, int64_t lo, int64_t hi) {
+  return quantize_block(x, q, n, scale, zp, Range{lo, hi});
+}
+
+QGRU_ISA_END
+}  // namespace cpu
+}  // namespace qgru
