@@ -432,10 +432,19 @@ class NativeLayer:
         return self.layer.forward(qx, qh0, lengths)
 
 
+def resolved(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t`` with its lazy view state applied: a negative or conjugate view (torch._neg_view(x),
+    x.conj().imag) stores values whose sign torch applies only when it reads them. Native code reads
+    the raw memory behind data_ptr(), so every tensor is resolved before it is handed over (a no-op,
+    no copy, for an ordinary tensor)."""
+    return None if t is None else t.resolve_conj().resolve_neg()
+
+
 def gru_direction(kind: str, amx: Optional[bool] = None):
     """A backend's gru_direction(p, qx, qh0, lengths): the native Layer is made once per LayerParams
     (``amx``: see NativeLayer)."""
     def run(p: LayerParams, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor] = None):
+        qx, qh0, lengths = resolved(qx), resolved(qh0), resolved(lengths)
         cache = p.__dict__.setdefault("_native", {})
         key = (kind, str(qx.device), cpu_amx_enabled() if amx is None else amx)
         if key not in cache:

@@ -135,3 +135,78 @@ class TestCopies:
     def test_quantize_model_with_only_converted_quantgrus(self):
         with pytest.raises(ValueError, match=r"no torch\.nn\.GRU to quantize"):
             qgru.quantize_model(nn.Sequential(converted()), calib_batches(), progress=False)
+
+
+# =============================================================================================
+# 3. Negative and conjugate views: the values torch reads, on every backend
+# =============================================================================================
+def _neg_view(v: torch.Tensor) -> torch.Tensor:
+    """-v as a lazy view: the memory holds v, the negative bit says "negate when read"."""
+    w = torch._neg_view(v)
+    assert w.is_neg() and w.is_contiguous()
+    return w
+
+
+class TestLazyViews:
+    @pytest.mark.parametrize("where", ["x", "h0", "both"])
+    def test_negative_view_is_read_negated(self, backend_name, where):
+        make_view = _neg_view
+        dev = _device(backend_name)
+        m = converted(num_layers=2, bidirectional=True).to(dev)
+        g = torch.Generator().manual_seed(3)
+        x = (torch.randn(5, 2, I, generator=g) * 1.5).to(dev)
+        h0 = (torch.randn(4, 2, H, generator=g) * 0.5).to(dev)
+        xv = make_view(-x) if where in ("x", "both") else x
+        hv = make_view(-h0) if where in ("h0", "both") else h0
+        assert torch.equal(xv, x) and torch.equal(hv, h0)  # torch reads the same values
+        with qgru.backend(backend_name):
+            want = m(x, h0)
+            got = m(xv, hv)
+            stored = m(-x if where != "h0" else x, -h0 if where != "x" else h0)  # what ignoring the bit reads
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert not torch.equal(stored[0], want[0])  # the view's memory differs: not a vacuous test
+
+    def test_conj_imag_view(self, backend_name):
+        """The issue's example: x.conj().imag of a one-element complex tensor is a contiguous
+        negative view (-1.3 stored as 1.3), for x and for h0."""
+        dev = _device(backend_name)
+        torch.manual_seed(0)
+        m = qgru.QuantGRU(1, 1)
+        qgru.calibrate(m, [torch.randn(3, 2, 1) * 2], progress=False)
+        m = m.convert().to(dev)
+        v = torch.tensor([[[0.7 + 1.3j]]], device=dev).conj().imag
+        assert v.is_neg() and v.is_contiguous() and float(v) == pytest.approx(-1.3)
+        plain = torch.tensor([[[-1.3]]], device=dev)
+        with qgru.backend(backend_name):
+            want, stored = m(plain, plain), m(-plain, -plain)
+            for got in (m(v, v), m(v, plain), m(plain, v)):
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert not torch.equal(stored[0], want[0])
+
+    def test_negative_view_unbatched_and_float_mode(self, backend_name):
+        dev = _device(backend_name)
+        x = torch.randn(5, I).to(dev)
+        m = converted().to(dev)
+        with qgru.backend(backend_name):
+            assert torch.equal(m(_neg_view(-x))[0], m(x)[0])
+        torch.manual_seed(0)
+        f = qgru.QuantGRU(I, H).to(dev)  # float mode: nn.GRU's own kernels
+        assert torch.equal(f(_neg_view(-x))[0], f(x)[0])
+
+    def test_native_entry_points_resolve_views(self, cpu_backend):
+        """The boundary ops and gru_direction of the cpu backend, called directly."""
+        from qgru.backends import current_backend
+        m = converted()
+        p = m._qparams[0][0]
+        with qgru.backend("cpu"):
+            ops = current_backend("cpu").boundary
+            x = torch.randn(4, 2, I)
+            q = ops.quantize(x, p.scale["x"], p.zp["x"], p.bits["x"], "input")
+            assert torch.equal(ops.quantize(_neg_view(-x), p.scale["x"], p.zp["x"], p.bits["x"], "input"), q)
+            assert torch.equal(ops.dequantize(_neg_view(-q), p.scale["x"], p.zp["x"]),
+                               ops.dequantize(q, p.scale["x"], p.zp["x"]))
+            qh0 = torch.zeros(2, H, dtype=torch.int32) + p.zp["h"].to(torch.int32) + 3
+            run = native.gru_direction("cpu")
+            want = [v.clone() for v in run(p, q, qh0)]
+            got = run(p, _neg_view(-q), _neg_view(-qh0))
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
