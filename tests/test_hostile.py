@@ -210,3 +210,266 @@ class TestLazyViews:
             want = [v.clone() for v in run(p, q, qh0)]
             got = run(p, _neg_view(-q), _neg_view(-qh0))
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# =============================================================================================
+# 1, 4, 5. Parameter files: crafted, corrupted, truncated, not a qgru file at all
+# =============================================================================================
+_MODELS = {}
+
+
+def _model(name="2layer"):
+    """Converted models whose exports the file tests tamper with (cached: not modified)."""
+    if name not in _MODELS:
+        if name == "2layer":
+            _MODELS[name] = converted(num_layers=2, bidirectional=True)
+        elif name == "wide":  # 12-bit W (int16 storage), per-channel Wx, multiplier mode, 6-bit R (packed)
+            cfg = qgru.QuantConfig.load("w8a16", overrides={"scale_mode": "multiplier", "tensors": {
+                "W": {"bits": 12}, "R": {"bits": 6}, "Wx": {"granularity": "per_channel"}}})
+            _MODELS[name] = converted(config=cfg)
+        else:
+            raise KeyError(name)
+    return _MODELS[name]
+
+
+def _entries(name="2layer"):
+    return _model(name).export().to_dict()
+
+
+def _write(d, path, resign=True):
+    """Save a (tampered) dict the way save() does; resign: with a matching checksum, as a hostile
+    writer would make it (so that the checks behind the checksum are what is tested)."""
+    d = dict(d)
+    if resign:
+        d["checksum"] = export.checksum(d)
+    torch.save(d, path)
+    return path
+
+
+def _set(key, value):
+    def f(d):
+        d[key] = value(d[key]) if callable(value) else value
+    return f
+
+
+def _meta(**changes):
+    def f(d):
+        meta = json.loads(d["meta"])
+        for k, v in changes.items():
+            if callable(v):
+                v(meta)
+            else:
+                meta[k] = v
+        d["meta"] = json.dumps(meta)
+    return f
+
+
+def _edit(key, index, value):
+    def f(d):
+        t = d[key].clone()
+        t.view(-1)[index] = value
+        d[key] = t
+    return f
+
+
+def _cfg_bits(tensor, bits):
+    def f(meta):
+        meta["config"]["tensors"][tensor]["bits"] = bits
+    return f
+
+
+i32 = torch.int32
+HOSTILE = {  # name: (model, mutation, the error's message)
+    # the issue's cases
+    "table_len_1": ("2layer", _set("l0.fwd.tables.r", lambda t: t[:1]), r"l0\.fwd\.tables\.r: expected shape \(1025,\), got \(1,\)"),
+    "table_len_2": ("2layer", _set("l0.fwd.tables.r", lambda t: t[:2]), r"l0\.fwd\.tables\.r: expected shape"),
+    "table_len_100": ("2layer", _set("l1.rev.tables.g", lambda t: t[:100]), r"l1\.rev\.tables\.g: expected shape"),
+    "table_too_long": ("2layer", _set("l0.fwd.tables.z", lambda t: torch.cat([t, t])), r"tables\.z: expected shape"),
+    "table_entry": ("2layer", _edit("l0.fwd.tables.g", 7, 1 << 24), r"tables\.g: 16777216 is outside \[-1048576, 1048576\]"),
+    "bits_x_24": ("2layer", _set("l0.fwd.bits.x", 24), r"l0\.fwd\.bits\.x: 24, but meta\.config\.tensors\.x\.bits is 8"),
+    "bits_h_32": ("2layer", _set("l1.fwd.bits.h", 32), r"l1\.fwd\.bits\.h: 32"),
+    "config_bits_24": ("2layer", _meta(config=_cfg_bits("x", 24)), r"meta\.config\.tensors\.x: bits must be an integer in \[2, 16\]"),
+    "shift_0": ("2layer", _set("l0.fwd.rescale.zh.shift", torch.tensor(0, dtype=i32)), r"rescale\.zh\.shift: 0 is outside \[1, 62\]"),
+    "shift_-5": ("2layer", _edit("l0.rev.rescale.Wx.shift", 3, -5), r"l0\.rev\.rescale\.Wx\.shift: -5 is outside \[1, 62\]"),
+    "shift_63": ("2layer", _edit("l1.fwd.rescale.Rh_z.shift", 0, 63), r"rescale\.Rh_z\.shift: 63 is outside"),
+    # multipliers: the bound that keeps the int64 product exact, non-negative, pow2 mode
+    "multiplier_wide": ("2layer", _edit("l0.fwd.rescale.Wx.multiplier", 0, (1 << 31) - 1), r"rescale\.Wx\.multiplier: 2147483647 is outside \[0, 1073741823\]"),
+    "multiplier_negative": ("wide", _edit("l0.fwd.rescale.zg.multiplier", 0, -3), r"rescale\.zg\.multiplier: -3 is outside"),
+    "multiplier_not_pow2": ("2layer", _edit("l0.fwd.rescale.Wx_r.multiplier", 0, 3 << 20), r"rescale\.Wx_r\.multiplier: 3145728 is not a power of two"),
+    "rescale_shape": ("2layer", _set("l0.fwd.rescale.Rh.multiplier", lambda t: t[:5]), r"rescale\.Rh\.multiplier: expected shape \(\) or \(12,\), got \(5,\)"),
+    # zero points within their grids, fixed ones fixed
+    "zp_x_off_grid": ("2layer", _set("l0.fwd.zp.x", torch.tensor(200, dtype=i32)), r"l0\.fwd\.zp\.x: 200 is outside \[-128, 127\]"),
+    "zp_Wx_off_grid": ("2layer", _edit("l0.fwd.zp.Wx", 2, 40000), r"zp\.Wx: 40000 is outside \[-32768, 32767\]"),
+    "zp_r_not_qmin": ("2layer", _set("l0.fwd.zp.r", torch.tensor(0, dtype=i32)), r"zp\.r: 0, but the sigmoid output grid of 16 bits has zero point -32768"),
+    "zp_W_symmetric": ("wide", _meta(config=lambda c: c["config"]["tensors"]["x"].update(symmetric=True)), r"zp\.x: .*symmetric"),
+    "one_z": ("2layer", _set("l0.fwd.one_z", 12345), r"one_z: 12345, but 1\.0 on z's 16-bit grid is 65536"),
+    # weights: dtype, shape, range
+    "W_dtype": ("2layer", _set("l0.fwd.W", lambda t: t.to(torch.int16)), r"l0\.fwd\.W: expected a torch\.int8 tensor, got torch\.int16"),
+    "W_shape": ("2layer", _set("l0.fwd.W", lambda t: t.t().contiguous()), r"l0\.fwd\.W: expected shape \(12, 3\), got \(3, 12\)"),
+    "W_12bit_range": ("wide", _edit("l0.fwd.W", 4, 4000), r"l0\.fwd\.W: 4000 is outside \[-2048, 2047\]"),
+    "R_packed_words": ("wide", _set("l0.fwd.R.packed", lambda t: torch.cat([t, t], 1)), r"R\.packed: 2 words per row cannot hold 4 6-bit weights"),
+    "b_x_dtype": ("2layer", _set("l0.fwd.b_x", lambda t: t.to(torch.int64)), r"b_x: expected a torch\.int32 tensor, got torch\.int64"),
+    # consistency between cached values, and with the meta data
+    "W_zp_comp": ("2layer", _edit("l0.fwd.W_zp_comp", 1, 17), r"W_zp_comp: differs from zp\.x \* rowsum\(W\)"),
+    "bias_false": ("2layer", _meta(bias=False), r"l0\.fwd\.b_x: nonzero, but meta\.bias is false"),
+    "input_size": ("2layer", _meta(input_size=5), r"l0\.fwd\.input_size: 3, but the meta data make it 5"),
+    "hidden_entry": ("2layer", _set("l1.rev.hidden_size", 5), r"l1\.rev\.hidden_size: 5, but the meta data make it 4"),
+    # scales
+    "scale_negative": ("2layer", _set("l0.fwd.scale.x", torch.tensor(-0.5, dtype=torch.float64)), r"scale\.x: scales are positive and finite"),
+    "scale_nan": ("2layer", _edit("l0.fwd.scale.W", 0, float("nan")), r"scale\.W: scales are positive and finite"),
+    "scale_tiny": ("wide", _set("l0.fwd.scale.h", torch.tensor(1e-300, dtype=torch.float64)), r"scale\.h: .*float32's normal range"),
+    "scale_not_pow2": ("2layer", _set("l0.fwd.scale.h", lambda t: t * 1.5), r"scale\.h: not a power of two"),
+    "scale_float32": ("2layer", _set("l0.fwd.scale.x", lambda t: t.float()), r"l0\.fwd\.scale\.x: a torch\.float32 tensor"),
+    # entries: missing, extra, layers and directions that meta does not describe
+    "missing_tensor": ("2layer", lambda d: d.pop("l0.fwd.W"), r"missing entry l0\.fwd\.W$"),
+    "extra_entry": ("2layer", _set("l0.fwd.evil", torch.zeros(3, dtype=torch.int32)), r"unexpected entry l0\.fwd\.evil"),
+    "unknown_entry": ("2layer", _set("payload", "x"), r"unexpected entry 'payload'"),
+    "layers_10000": ("2layer", _meta(num_layers=10000), r"meta\.num_layers is 10000, but the file holds the parameters of 2 layer\(s\) \(0, 1\)"),
+    "layers_1_of_2": ("2layer", _meta(num_layers=1), r"meta\.num_layers is 1, but the file holds the parameters of 2 layer"),
+    "not_bidirectional": ("2layer", _meta(bidirectional=False), r"meta\.bidirectional is false, but the file holds reverse"),
+    "bidirectional": ("wide", _meta(bidirectional=True), r"missing entries l0\.rev\."),
+    # meta data
+    "meta_unknown_key": ("2layer", _meta(evil=1), r"meta: unknown key\(s\) evil"),
+    "meta_not_json": ("2layer", _set("meta", "{not json"), r"meta: not valid JSON"),
+    "meta_hidden_str": ("2layer", _meta(hidden_size="4"), r"meta\.hidden_size: expected an integer"),
+    "meta_bias_int": ("2layer", _meta(bias=1), r"meta\.bias: expected true or false, got 1"),
+    "version_99": ("2layer", _meta(format_version=99), r"meta\.format_version: unsupported qgru params format 99"),
+    "float_entry": ("2layer", _set("l0.fwd.one_z", 1.5), r"l0\.fwd\.one_z: a float"),
+}
+
+
+class TestParamFiles:
+    @pytest.mark.parametrize("case", list(HOSTILE))
+    def test_crafted_file_is_refused_naming_the_field(self, case, tmp_path):
+        model, mutate, message = HOSTILE[case]
+        d = _entries(model)
+        mutate(d)
+        path = _write(d, tmp_path / "crafted.qgru")
+        with pytest.raises(qgru.ParamsFileError, match=message) as e:
+            qgru.load_params(path)
+        assert str(e.value).startswith(str(path))
+        with pytest.raises(qgru.ParamsFileError, match=message):  # the dict as well as the file
+            qgru.QuantParams.from_dict(torch.load(path, weights_only=True))
+
+    @pytest.mark.parametrize("model", ["2layer", "wide"])
+    def test_untampered_files_load(self, model, tmp_path):
+        """The checks refuse only what is wrong (the cases above are not refused for another reason)."""
+        m = _model(model)
+        path = _write(_entries(model), tmp_path / "ok.qgru")
+        x = torch.randn(4, 2, I)
+        assert torch.equal(qgru.load_params(path).to_module()(x)[0], m(x)[0])
+
+    def test_in_memory_params_are_validated_by_to_module(self):
+        """QuantParams built in memory (not through a file) are checked before a module runs them."""
+        params = copy.deepcopy(_model().export())
+        params.layers[0][0].tables["r"] = params.layers[0][0].tables["r"][:1]
+        with pytest.raises(qgru.ParamsFileError, match=r"l0\.fwd\.tables\.r: expected shape"):
+            params.to_module()
+
+    def test_checksum_catches_an_edit_the_checks_allow(self, tmp_path):
+        """A bias changed by one: inside every range, so only the checksum can tell."""
+        d = _entries()
+        d["l0.fwd.b_x"] = d["l0.fwd.b_x"].clone()
+        d["l0.fwd.b_x"][0] += 1
+        _write(d, tmp_path / "resigned.qgru")
+        qgru.load_params(tmp_path / "resigned.qgru")  # valid parameters, just other ones
+        torch.save(d, tmp_path / "edited.qgru")  # the old checksum
+        with pytest.raises(qgru.ParamsFileError, match="checksum mismatch"):
+            qgru.load_params(tmp_path / "edited.qgru")
+
+    def test_format_1_files_still_load(self, tmp_path):
+        """Files of format 1 (before the checksum) load, with every other check."""
+        m = _model()
+        d = _entries()
+        del d["checksum"]
+        d["meta"] = json.dumps({**json.loads(d["meta"]), "format_version": 1}, sort_keys=True)
+        torch.save(d, tmp_path / "v1.qgru")
+        x = torch.randn(4, 2, I)
+        loaded = qgru.load_params(tmp_path / "v1.qgru")
+        assert torch.equal(loaded.to_module()(x)[0], m(x)[0])
+        assert json.loads(loaded.to_dict()["meta"])["format_version"] == 2  # saved again: the current format
+        d["l0.fwd.tables.r"] = d["l0.fwd.tables.r"][:1]
+        torch.save(d, tmp_path / "v1bad.qgru")
+        with pytest.raises(qgru.ParamsFileError, match="tables.r"):
+            qgru.load_params(tmp_path / "v1bad.qgru")
+        d["checksum"] = "sha256:0"
+        torch.save(d, tmp_path / "v1sum.qgru")
+        with pytest.raises(qgru.ParamsFileError, match="unexpected entry 'checksum' in a format 1 file"):
+            qgru.load_params(tmp_path / "v1sum.qgru")
+
+    def test_missing_checksum(self, tmp_path):
+        d = _entries()
+        del d["checksum"]
+        torch.save(d, tmp_path / "nosum.qgru")
+        with pytest.raises(qgru.ParamsFileError, match="missing entry 'checksum'"):
+            qgru.load_params(tmp_path / "nosum.qgru")
+
+    def test_flipped_byte_in_a_tensor_record(self, tmp_path):
+        """The issue's case: one byte of a tensor's data changed; zipfile sees the CRC mismatch."""
+        path = tmp_path / "p.qgru"
+        _model().export().save(path)
+        with zipfile.ZipFile(path) as z:
+            info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size >= 8)
+        raw = bytearray(path.read_bytes())
+        local = info.header_offset  # the local header: name and extra field lengths at 26 and 28
+        start = local + 30 + int.from_bytes(raw[local + 26:local + 28], "little") + \
+            int.from_bytes(raw[local + 28:local + 30], "little")
+        with zipfile.ZipFile(path) as z:
+            assert z.read(info.filename) == bytes(raw[start:start + info.file_size])  # the record's data
+        raw[start + 1] ^= 0x40
+        path.write_bytes(bytes(raw))
+        with pytest.raises(qgru.ParamsFileError, match=r"corrupted: record '.*/data/.*' fails its CRC check"):
+            qgru.load_params(path)
+
+    def test_random_corruptions_never_load_silently(self, tmp_path):
+        """200 random 4-byte corruptions: each is refused, or loads the very same parameters (a
+        byte that no reader looks at, e.g. a zip timestamp or alignment padding)."""
+        import random
+        path = tmp_path / "p.qgru"
+        _model().export().save(path)
+        good = path.read_bytes()
+        want = _entries()
+        rng = random.Random(16)
+        refused = 0
+        for _ in range(200):
+            raw = bytearray(good)
+            pos = rng.randrange(len(raw) - 4)
+            raw[pos:pos + 4] = bytes(rng.randrange(256) for _ in range(4))
+            if raw == good:
+                continue
+            path.write_bytes(bytes(raw))
+            try:
+                got = qgru.load_params(path).to_dict()
+            except (qgru.ParamsFileError, pickle.UnpicklingError):
+                refused += 1
+                continue
+            assert got.keys() == want.keys(), pos
+            for k in want:
+                assert (torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor) else got[k] == want[k]), (pos, k)
+        assert refused >= 150  # nearly every byte is data, covered by a CRC
+
+    @pytest.mark.parametrize("what", ["truncated", "empty", "text", "zip_of_something_else", "pickle"])
+    def test_not_a_parameter_file(self, what, tmp_path):
+        path = tmp_path / "f.qgru"
+        if what in ("truncated", "empty"):
+            _model().export().save(path)
+            raw = path.read_bytes()
+            path.write_bytes(raw[:len(raw) // 2] if what == "truncated" else b"")
+            message = r"not a readable zip archive.*truncated or damaged"
+        elif what == "text":
+            path.write_text("hello, this is a text file\n" * 20)
+            message = r"not a readable zip archive"
+        elif what == "zip_of_something_else":
+            with zipfile.ZipFile(path, "w") as z:
+                z.writestr("readme.txt", "hello")
+            message = r"not a readable qgru parameter file"
+        else:
+            torch.save([1, 2, 3], path)
+            message = r"expected the dict of entries QuantParams\.save\(\) writes, got list"
+        with pytest.raises(qgru.ParamsFileError, match=message) as e:
+            qgru.load_params(path)
+        assert str(path) in str(e.value)
+
+    def test_missing_file(self, tmp_path):
+        with pytest.raises(FileNotFoundError):
+            qgru.load_params(tmp_path / "nope.qgru")
