@@ -473,3 +473,143 @@ class TestParamFiles:
     def test_missing_file(self, tmp_path):
         with pytest.raises(FileNotFoundError):
             qgru.load_params(tmp_path / "nope.qgru")
+
+
+# =============================================================================================
+# 1. Native layer preparation checks what it is handed (csrc/qgru_layer.h, LayerTensors::validate)
+# =============================================================================================
+# Run in a child process: without the checks some of these cases crash the process (a table of one
+# entry) or read memory they do not own.
+_NATIVE_CASES = r'''
+import json, sys, torch, qgru
+from qgru import native
+from qgru.golden import LayerParams
+
+def converted(config):
+    torch.manual_seed(0)
+    m = qgru.QuantGRU(3, 4, config=config)
+    qgru.calibrate(m, [torch.randn(5, 2, 3) for _ in range(2)], progress=False)
+    return m.convert()
+
+mod = native.load("cpu")
+base = {name: converted(name)._qparams[0][0] for name in ("w8a8", "w8a16")}
+# 8-bit W.x and R.h too: the int32 path (c32_channels, Wx_rshift, ...)
+base["int32"] = converted(qgru.QuantConfig.load("w8a8", overrides={"tensors": {
+    "Wx": {"bits": 8, "headroom": 1.0}, "Rh": {"bits": 8, "headroom": 1.0}}}))._qparams[0][0]
+assert native.prepare_layer(base["int32"])[1]["acc32"] == 1
+
+def cut(k, n):
+    return lambda t, v: t.__setitem__(k, t[k][:n].clone())
+
+def setv(k, x):
+    return lambda t, v: v.__setitem__(k, x)
+
+def edit(k, i, x):
+    def f(t, v):
+        t[k] = t[k].clone()
+        t[k].view(-1)[i] = x
+    return f
+
+def narrow_k(k):
+    return lambda t, v: t.__setitem__(k, t[k][:, :, :1].contiguous())
+
+def drop(k):
+    return lambda t, v: t.pop(k)
+
+CASES = {
+    "table_0": ("w8a8", cut("table_r", 0)), "table_2": ("w8a8", cut("table_r", 2)),
+    "table_100": ("w8a8", cut("table_g", 100)), "table_long": ("w8a8", lambda t, v: t.__setitem__("table_z", torch.cat([t["table_z"], t["table_z"]]))),
+    "table_entry": ("w8a8", edit("table_g", 3, 1 << 25)), "table_k": ("w8a8", setv("r_table_k", 20)),
+    "x_bits_24": ("w8a8", setv("x_bits", 24)), "h_bits_32": ("w8a16", setv("h_bits", 32)),
+    "shift_0": ("w8a8", edit("zh_shift", 0, 0)), "shift_-5": ("w8a16", edit("Wx_shift", 2, -5)),
+    "mult_wide": ("w8a16", edit("r_from_wx_mult", 1, 1 << 40)), "log2_neg_pow2": ("w8a8", edit("zg_mult_log2", 0, -1)),
+    "limbs_short_K": ("w8a8", narrow_k("x_weight_limbs")), "pairs_limb": ("w8a8", edit("h_pairs", 0, 1)),
+    "bias_short": ("w8a16", cut("Rh_bias", 5)), "zp_off_range": ("w8a16", edit("Wx_zp", 0, 1 << 20)),
+    "range_wide": ("w8a8", setv("r_pre_lo", -40000)), "ones_col": ("w8a16", lambda t, v: v.__setitem__("ones_col", v["M_pad"])),
+    "M_pad": ("w8a8", setv("M_pad", 4)), "zp_value": ("w8a8", setv("h_zp", 1000)),
+    "c32_shift": ("int32", edit("c32_channels", 1, 40)), "missing": ("w8a8", drop("g_from_rrh_shift")),
+    "rshift": ("int32", edit("Wx_rshift", 0, 31)), "dtype": ("w8a8", lambda t, v: t.__setitem__("Wx_zp", t["Wx_zp"].to(torch.int32))),
+}
+out = {}
+for name, (config, change) in CASES.items():
+    t, v = native.prepare_layer(base[config])
+    v["cpu_amx"] = 0
+    change(t, v)
+    try:
+        mod.Layer(t, v)
+        out[name] = ["accepted", ""]
+    except Exception as e:
+        out[name] = [type(e).__name__, str(e).splitlines()[0]]
+# and a LayerParams that never went through a file's checks, run through the backend
+p = base["w8a8"]
+bad = LayerParams(**{**p.__dict__, "tables": {**p.tables, "r": p.tables["r"][:1]}})
+bad.__dict__.pop("_native", None)
+try:
+    native.gru_direction("cpu")(bad, torch.zeros(2, 1, 3, dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32))
+    out["gru_direction"] = ["accepted", ""]
+except Exception as e:
+    out["gru_direction"] = [type(e).__name__, str(e).splitlines()[0]]
+# the unchanged layers are accepted (the cases above fail for their own reason)
+for config, p in base.items():
+    t, v = native.prepare_layer(p)
+    v["cpu_amx"] = 0
+    mod.Layer(t, v)
+    out["ok_" + config] = ["accepted", ""]
+print("RESULT " + json.dumps(out))
+'''
+
+NATIVE_EXPECT = {
+    "table_0": r"'table_r' must be a contiguous Long tensor of 1024 elements, got Long \[0\]",
+    "table_2": r"'table_r' must be a contiguous Long tensor of 1024 elements",
+    "table_100": r"'table_g' must be a contiguous Long tensor of 1024 elements",
+    "table_long": r"'table_z' must be a contiguous Long tensor of 1024 elements",
+    "table_entry": r"table 'g' entry 3 .* out of range",
+    "table_k": r"'r_table_k' = 20 is outside \[0, 6\]",
+    "x_bits_24": r"'x_bits' = 24 is outside \[2, 16\]",
+    "h_bits_32": r"'h_bits' = 32 is outside \[2, 16\]",
+    "shift_0": r"'zh_shift' holds values in \[0, 0\], outside \[1, 62\]",
+    "shift_-5": r"'Wx_shift' holds values in \[-5, .*outside \[1, 62\]",
+    "mult_wide": r"'r_from_wx_mult' holds values .* outside \[0, 2147483647\]",
+    "log2_neg_pow2": r"'zg_mult_log2' holds values in \[-1, -1\], outside \[0, 30\]",
+    "limbs_short_K": r"'x_weight_limbs' must be contiguous int8",
+    "pairs_limb": r"'h_pairs' row 0 names limbs \(1, 0\) of 1 activation",
+    "bias_short": r"'Rh_bias' must be a contiguous Long tensor of 12 elements",
+    "zp_off_range": r"'Wx_zp' holds values in .*1048576\], outside \[-32768, 32767\]",
+    "range_wide": r"range of r_pre \[-40000, 32767\] is not a range of at most 16 bits",
+    "ones_col": r"'ones_col' = 16 is outside \[0, 15\]",
+    "M_pad": r"M_pad = 4 must lie in \[3H, 3H \+ 64\]",
+    "zp_value": r"'h_zp' = 1000 is outside \[-128, 127\]",
+    "c32_shift": r"c32_channels field 0' holds values in \[\d+, 40\], outside \[0, 14\]",
+    "missing": r"missing tensor 'g_from_rrh_shift'",
+    "rshift": r"'Wx_rshift' holds values in \[.*, 31\], outside \[1, 30\]",
+    "dtype": r"'Wx_zp' must be a contiguous Long tensor",
+    "gru_direction": r"'table_r' must be a contiguous Long tensor of 1024 elements",
+}
+
+
+@pytest.fixture(scope="module")
+def native_cases():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    if qgru.backends()["cpu"]["why"]:
+        pytest.skip(f"cpu backend unavailable: {qgru.backends()['cpu']['why']}")
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", _NATIVE_CASES], cwd=root, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "QGRU_NO_BUILD": "1"})
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, f"child process failed (rc {r.returncode}): {r.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("case", list(NATIVE_EXPECT))
+def test_native_layer_refuses_bad_parameters(native_cases, case):
+    import re
+    kind, message = native_cases[case]
+    assert kind == "RuntimeError", (case, kind, message)
+    assert message.startswith("qgru native layer: ") and re.search(NATIVE_EXPECT[case], message), message
+
+
+def test_native_layer_accepts_good_parameters(native_cases):
+    assert native_cases["ok_w8a8"] == native_cases["ok_w8a16"] == native_cases["ok_int32"] == ["accepted", ""]
