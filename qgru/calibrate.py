@@ -10,7 +10,7 @@ from torch.nn.utils.rnn import PackedSequence
 from tqdm.auto import tqdm
 
 from .config import QuantConfig
-from .module import QuantGRU
+from .module import QGRUDtypeError, QGRUInputError, QuantGRU
 from .observers import NonFiniteCalibrationError
 
 
@@ -54,8 +54,8 @@ def _calibrate(model: nn.Module, grus: List[QuantGRU], batches: Iterable, progre
                         model(*batch)
                     else:
                         model(batch)
-                except NonFiniteCalibrationError as e:
-                    raise NonFiniteCalibrationError(f"calibration batch {i}: {e}") from None
+                except (NonFiniteCalibrationError, QGRUInputError, QGRUDtypeError) as e:
+                    raise type(e)(f"calibration batch {i}: {e}") from None
                 seen += 1
     finally:
         for g in grus:

@@ -613,3 +613,119 @@ def test_native_layer_refuses_bad_parameters(native_cases, case):
 
 def test_native_layer_accepts_good_parameters(native_cases):
     assert native_cases["ok_w8a8"] == native_cases["ok_w8a16"] == native_cases["ok_int32"] == ["accepted", ""]
+
+
+# =============================================================================================
+# 6. Drop-in exceptions: what nn.GRU raises, QuantGRU raises (a subclass with its own message)
+# =============================================================================================
+def _packed(T_N_I, lengths):
+    from torch.nn.utils.rnn import pack_padded_sequence
+    return pack_padded_sequence(torch.randn(*T_N_I), torch.tensor(lengths))
+
+
+BAD_CALLS = {  # name: (args builder, batch_first, float-mode only)
+    "input_size": (lambda: (torch.randn(5, 2, I + 2),), False, False),
+    "input_size_unbatched": (lambda: (torch.randn(5, I - 1),), False, False),
+    "rank_1": (lambda: (torch.randn(I),), False, False),
+    "rank_4": (lambda: (torch.randn(2, 5, 2, I),), False, False),
+    "h0_batch": (lambda: (torch.randn(5, 2, I), torch.zeros(1, 3, H)), False, False),
+    "h0_hidden": (lambda: (torch.randn(5, 2, I), torch.zeros(1, 2, H + 1)), False, False),
+    "h0_rank": (lambda: (torch.randn(5, 2, I), torch.zeros(H)), False, False),
+    "h0_unbatched_3d": (lambda: (torch.randn(5, I), torch.zeros(1, 1, H)), False, False),
+    "h0_batch_first": (lambda: (torch.randn(2, 5, I), torch.zeros(1, 5, H)), True, False),
+    "int_input": (lambda: (torch.ones(5, 2, I, dtype=torch.int64),), False, False),
+    "bool_input": (lambda: (torch.ones(5, 2, I, dtype=torch.bool),), False, False),
+    "int_h0": (lambda: (torch.randn(5, 2, I), torch.zeros(1, 2, H, dtype=torch.int64)), False, False),
+    "float64_input": (lambda: (torch.randn(5, 2, I, dtype=torch.float64),), False, True),
+    "float16_input": (lambda: (torch.randn(5, 2, I).half(),), False, True),
+    "float64_h0": (lambda: (torch.randn(5, 2, I), torch.zeros(1, 2, H, dtype=torch.float64)), False, True),
+    "T_0": (lambda: (torch.randn(0, 2, I),), False, False),
+    "T_0_unbatched": (lambda: (torch.randn(0, I),), False, False),
+    "T_0_batch_first": (lambda: (torch.randn(2, 0, I),), True, False),
+    "packed_input_size": (lambda: (_packed((4, 2, I + 1), [4, 3]),), False, False),
+    "packed_h0_batch": (lambda: (_packed((4, 2, I), [4, 3]), torch.zeros(1, 3, H)), False, False),
+}
+
+
+class TestDropInExceptions:
+    @pytest.mark.parametrize("mode", ["float", "converted"])
+    @pytest.mark.parametrize("case", list(BAD_CALLS))
+    def test_raises_what_nn_gru_raises(self, case, mode):
+        build, batch_first, float_only = BAD_CALLS[case]
+        if mode == "converted" and float_only:
+            pytest.skip("a converted QuantGRU quantizes any float dtype on entry")
+        torch.manual_seed(0)
+        gru = nn.GRU(I, H, batch_first=batch_first)
+        args = build()
+        with pytest.raises(Exception) as nn_exc:
+            gru(*args)
+        q = qgru.QuantGRU.from_float(gru)
+        if mode == "converted":
+            qgru.calibrate(q, [torch.randn(2, 5, I) if batch_first else torch.randn(5, 2, I)], progress=False)
+            q.convert()
+        with pytest.raises(type(nn_exc.value)) as ours:  # code that catches nn.GRU's error still works
+            q(*args)
+        assert isinstance(ours.value, (qgru.QGRUInputError, qgru.QGRUDtypeError)), type(ours.value)
+
+    def test_exception_classes(self):
+        # shape errors stay ValueErrors, dtype errors TypeErrors (what qgru raised before)
+        assert issubclass(qgru.QGRUInputError, RuntimeError) and issubclass(qgru.QGRUInputError, ValueError)
+        for base in (TypeError, ValueError, RuntimeError):
+            assert issubclass(qgru.QGRUDtypeError, base)
+
+    @pytest.mark.parametrize("mode", ["float", "converted"])
+    def test_empty_batch_runs_like_nn_gru(self, mode):
+        """N = 0 (no sequences) is valid for nn.GRU: an empty output, not an error."""
+        m = converted() if mode == "converted" else qgru.QuantGRU(I, H)
+        out, h = m(torch.randn(5, 0, I))
+        assert out.shape == (5, 0, H) and h.shape == (1, 0, H)
+
+
+# =============================================================================================
+# 5. Calibration errors that say what is wrong
+# =============================================================================================
+class TestCalibrationErrors:
+    @pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+    def test_batches_of_another_dtype(self, dtype):
+        m = qgru.QuantGRU(I, H)
+        with pytest.raises(qgru.QGRUDtypeError, match=rf"calibration batch 0: QuantGRU input dtype \({dtype}\) does "
+                                                      r"not match the weight dtype \(torch\.float32\)"):
+            qgru.calibrate(m, [b.to(dtype) for b in calib_batches()], progress=False)
+        with pytest.raises(ValueError):  # the class nn.GRU raises for it
+            qgru.calibrate(m, [b.to(dtype) for b in calib_batches()], progress=False)
+
+    def test_h0_of_another_dtype(self):
+        m = qgru.QuantGRU(I, H)
+        batch = (torch.randn(5, 2, I), torch.zeros(1, 2, H, dtype=torch.float64))
+        with pytest.raises(qgru.QGRUDtypeError, match=r"calibration batch 0: h0 dtype \(torch\.float64\) does not "
+                                                      r"match the input dtype"):
+            qgru.calibrate(m, [batch], progress=False)
+
+    def test_only_batch_has_no_steps(self):
+        m = qgru.QuantGRU(I, H)
+        with pytest.raises(qgru.QGRUInputError, match=r"calibration batch 0: .*at least one step.*sequence length 0"):
+            qgru.calibrate(m, [torch.randn(0, 2, I)], progress=False)
+
+    def test_only_batch_has_no_sequences(self):
+        m = qgru.QuantGRU(I, H)
+        qgru.calibrate(m, [torch.randn(5, 0, I)], progress=False)  # valid for nn.GRU: nothing to observe
+        with pytest.raises(RuntimeError, match=r"saw no data in 1 calibration batch\(es\): each held no values "
+                                               r"\(batch size 0\)"):
+            m.convert()
+
+    def test_all_zero_calibration_warns(self):
+        m = qgru.QuantGRU(I, H)
+        qgru.calibrate(m, [torch.zeros(5, 2, I)], progress=False)
+        with pytest.warns(qgru.CalibrationWarning, match=r"layer 0 x: the calibrated range \[0, 0\] is degenerate"):
+            m.convert()
+        # and that is what happens at inference: ordinary inputs saturate at the grid's ends
+        x = torch.randn(5, 2, I)
+        assert torch.equal(m(x)[0], m(x * 1e6)[0])
+
+    def test_representative_calibration_does_not_warn(self):
+        import warnings
+        m = qgru.QuantGRU(I, H, num_layers=2, bidirectional=True)
+        qgru.calibrate(m, calib_batches(), progress=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", qgru.CalibrationWarning)
+            m.convert()
