@@ -729,3 +729,84 @@ class TestCalibrationErrors:
         with warnings.catch_warnings():
             warnings.simplefilter("error", qgru.CalibrationWarning)
             m.convert()
+
+
+# =============================================================================================
+# 5, 7. Command lines: one clear line instead of a traceback; unpickling said where it is seen
+# =============================================================================================
+class TestCommandLines:
+    @pytest.mark.parametrize("what", ["truncated", "text", "missing_tensor", "crafted_table", "no_file", "bad_layer"])
+    def test_export_c_cli_errors(self, what, tmp_path, capsys):
+        from qgru.export_c import main
+        path = tmp_path / "p.qgru"
+        d = _entries()
+        message = {"truncated": "not a readable zip archive", "text": "not a readable zip archive",
+                   "missing_tensor": "missing entry l0.fwd.R", "crafted_table": "l0.fwd.tables.r: expected shape",
+                   "no_file": "No such file", "bad_layer": "layer 5 out of range"}[what]
+        if what == "missing_tensor":
+            del d["l0.fwd.R"]
+        if what == "crafted_table":
+            d["l0.fwd.tables.r"] = d["l0.fwd.tables.r"][:1]
+        if what != "no_file":
+            _write(d, path)
+        if what == "truncated":
+            path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+        if what == "text":
+            path.write_text("not a model\n")
+        rc = main([str(path), str(tmp_path / "out" / "gru")] + (["--layer", "5"] if what == "bad_layer" else []))
+        err = capsys.readouterr().err
+        assert rc == 1
+        assert err.startswith("python -m qgru.export_c: error: ") and message in err, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+        assert not (tmp_path / "out" / "gru.c").exists()
+
+    def test_export_c_cli_good_file(self, tmp_path, capsys):
+        from qgru.export_c import main
+        path = tmp_path / "p.qgru"
+        _model().export().save(path)
+        assert main([str(path), str(tmp_path / "gru")]) == 0
+        assert (tmp_path / "gru.c").is_file() and (tmp_path / "gru.h").is_file()
+
+    def test_demo_help_says_model_files_are_unpickled(self, capsys):
+        from qgru.__main__ import main
+        with pytest.raises(SystemExit):
+            main(["demo", "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "--model" in text and "UNSAFE with files you did not write" in text
+        assert "runs any code the file holds" in text and "weights_only=True" in text
+
+    def test_demo_warns_before_unpickling_a_model(self, tmp_path, capsys):
+        from qgru import demo
+        torch.save(nn.GRU(I, H), tmp_path / "model.pt")
+        torch.save({"calib": calib_batches(), "test": calib_batches()}, tmp_path / "data.pt")
+        model, calib, test, targets = demo.load_user_inputs(str(tmp_path / "model.pt"), str(tmp_path / "data.pt"))
+        assert isinstance(model, nn.GRU) and len(calib) == 2 and targets is None
+        err = capsys.readouterr().err
+        assert "warning: --model" in err and "weights_only=False" in err and "runs whatever code" in err
+
+    def test_demo_data_is_loaded_weights_only(self, tmp_path, capsys):
+        from qgru import demo
+        torch.save(nn.GRU(I, H), tmp_path / "model.pt")
+        torch.save({"calib": calib_batches(), "test": [Payload()]}, tmp_path / "data.pt")
+        UNPICKLED.clear()
+        with pytest.raises(SystemExit, match=r"--data .*refused.*weights_only=True"):
+            demo.load_user_inputs(str(tmp_path / "model.pt"), str(tmp_path / "data.pt"))
+        assert UNPICKLED == []  # the data file's payload never ran
+        assert "warning: --model" not in capsys.readouterr().err  # nor was the model unpickled
+        torch.load(tmp_path / "data.pt", weights_only=False)  # the payload is real: a full unpickling runs it
+        assert UNPICKLED == ["payload ran"]
+
+
+UNPICKLED = []
+
+
+def _record_unpickle(tag):
+    UNPICKLED.append(tag)
+    return tag
+
+
+class Payload:
+    """Not on torch's weights_only allowlist; unpickling it runs _record_unpickle."""
+
+    def __reduce__(self):
+        return (_record_unpickle, ("payload ran",))
