@@ -19,7 +19,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from .backends import current_backend
 from .config import QuantConfig
-from .convert import derive_layer_params
+from .convert import activation_qparams, derive_layer_params
 from .float_gru import float_direction
 from .golden import LayerParams
 from .observers import Observer
@@ -161,13 +161,13 @@ class QuantGRU(nn.GRU):
         """Warn (CalibrationWarning) about a calibrated range narrower than primitives.MIN_RANGE, 0
         included (every value 0, e.g. an all-zero calibration batch): choose_qparams then makes up a
         tiny grid around 0 and at inference every other value saturates at its ends, silently."""
-        from .primitives import MIN_RANGE, choose_qparams
+        from .primitives import MIN_RANGE
         for n, (lo, hi) in ranges.items():
             width = torch.clamp(hi, min=0) - torch.clamp(lo, max=0)
             if bool((width >= MIN_RANGE).any()):  # per channel: one live channel is enough
                 continue
             spec = self.qconfig[n]
-            scale, zp = choose_qparams(lo, hi, spec.bits, spec.symmetric, self.qconfig.power_of_two)
+            scale, zp = activation_qparams(lo, hi, spec, self.hidden_size, self.qconfig.power_of_two)
             qmin, qmax = -(1 << (spec.bits - 1)), (1 << (spec.bits - 1)) - 1
             lo_f, hi_f = float(((qmin - zp) * scale).min()), float(((qmax - zp) * scale).max())
             warnings.warn(f"qgru convert(): layer {layer}{' reverse' if d else ''} {n}: the calibrated range "

@@ -317,7 +317,7 @@ HOSTILE = {  # name: (model, mutation, the error's message)
     # scales
     "scale_negative": ("2layer", _set("l0.fwd.scale.x", torch.tensor(-0.5, dtype=torch.float64)), r"scale\.x: scales are positive and finite"),
     "scale_nan": ("2layer", _edit("l0.fwd.scale.W", 0, float("nan")), r"scale\.W: scales are positive and finite"),
-    "scale_tiny": ("wide", _set("l0.fwd.scale.h", torch.tensor(1e-300, dtype=torch.float64)), r"scale\.h: .*float32's normal range"),
+    "scale_tiny": ("wide", _set("l0.fwd.scale.h", torch.tensor(1e-300, dtype=torch.float64)), r"scale\.h: 1e-300 is outside \[2\^-64, 2\^130\]"),
     "scale_not_pow2": ("2layer", _set("l0.fwd.scale.h", lambda t: t * 1.5), r"scale\.h: not a power of two"),
     "scale_float32": ("2layer", _set("l0.fwd.scale.x", lambda t: t.float()), r"l0\.fwd\.scale\.x: a torch\.float32 tensor"),
     # entries: missing, extra, layers and directions that meta does not describe
