@@ -42,6 +42,11 @@ class CalibrationWarning(UserWarning):
     """convert() found a calibrated range that cannot be right (e.g. every value was 0)."""
 
 
+def _autocast_enabled() -> bool:
+    check = getattr(torch._C, "_is_any_autocast_enabled", None)  # what nn.GRU's check_input asks
+    return bool(check()) if check is not None else torch.is_autocast_enabled()
+
+
 def reverse_within_lengths(x: torch.Tensor, lengths: Optional[torch.Tensor]) -> torch.Tensor:
     """Reverse each sequence of a time-major [T, N, ...] tensor within its own length.
 
@@ -214,7 +219,9 @@ class QuantGRU(nn.GRU):
         if not isinstance(data, torch.Tensor):
             raise TypeError(f"QuantGRU expects a Tensor or PackedSequence, got {type(input).__name__}")
         w = self.weight_ih_l0
-        float_math = not self.is_converted  # nn.GRU's forward, or the float reference while calibrating
+        # nn.GRU's forward, or the float reference while calibrating, compute with the weights'
+        # dtype (nn.GRU lets autocast cast for it, and so does a QuantGRU in float mode)
+        float_math = self._calibrating or (not self.is_converted and not _autocast_enabled())
         if not data.is_floating_point():
             raise QGRUDtypeError(f"QuantGRU input must be a floating-point tensor, got {data.dtype}")
         if float_math and data.dtype != w.dtype:

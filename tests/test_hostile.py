@@ -673,6 +673,16 @@ class TestDropInExceptions:
         for base in (TypeError, ValueError, RuntimeError):
             assert issubclass(qgru.QGRUDtypeError, base)
 
+    def test_autocast_float_mode_like_nn_gru(self):
+        """nn.GRU lets autocast cast a bfloat16 input for its float32 weights; so does a float QuantGRU."""
+        torch.manual_seed(0)
+        gru = nn.GRU(I, H)
+        q = qgru.QuantGRU.from_float(gru)
+        x = torch.randn(5, 2, I, dtype=torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want, got = gru(x)[0], q(x)[0]
+        assert torch.equal(want, got)
+
     @pytest.mark.parametrize("mode", ["float", "converted"])
     def test_empty_batch_runs_like_nn_gru(self, mode):
         """N = 0 (no sequences) is valid for nn.GRU: an empty output, not an error."""
