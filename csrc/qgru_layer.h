@@ -2,6 +2,13 @@
 // layer and direction (qgru/native.py, `prepare_layer`) into the plain structs of qgru_cell.h.
 // The tensors live on the backend's device and are owned by the Layer object, so the raw pointers
 // stay valid for its lifetime.
+//
+// The kernels index tables, per-channel arrays and GEMM outputs with values they are handed, and
+// shift by others. Constructing a LayerTensors checks every one of them (validate()), whatever
+// made the tensors, so that no parameters can make native code read or write out of bounds or
+// shift by an undefined amount: a bad layer is a clear error at preparation, never a crash or an
+// output that depends on unrelated memory. (qgru/export.py checks files against the full spec
+// when they are loaded; this is the backstop in front of the raw pointers.)
 #pragma once
 
 #include <torch/extension.h>
@@ -19,6 +26,142 @@ using IntMap = std::map<std::string, int64_t>;
 struct LayerTensors {
   TensorMap t;
   IntMap v;
+
+  LayerTensors(TensorMap tensors, IntMap values) : t(std::move(tensors)), v(std::move(values)) { validate(); }
+
+  static constexpr int64_t kMaxK = int64_t(1) << 17;  // primitives.INT8_GEMM_K_MAX: sizes below it
+
+  // What the kernels rely on for memory safety and defined shifts (see the header comment):
+  // sizes, bit widths, GEMM shapes and limb indices, ranges and zero points, every per-channel
+  // array's dtype and length, rescale shifts, table lengths (the largest index a saturated
+  // pre-activation can give) and entries, and the int32 path's shift fields.
+  void validate() const {
+    const int64_t H = value("H"), I = value("I");
+    TORCH_CHECK(1 <= H && H < kMaxK && 1 <= I && I < kMaxK, "qgru native layer: H = ", H, " and I = ", I,
+                " must lie in [1, ", kMaxK - 1, "]");
+    check_value("x_bits", 2, 16);
+    check_value("h_bits", 2, 16);
+    const int64_t H3 = 3 * H, M_pad = value("M_pad");
+    TORCH_CHECK(M_pad >= H3 && M_pad <= H3 + 64, "qgru native layer: M_pad = ", M_pad, " must lie in [3H, 3H + 64]");
+    check_value("ones_col", 0, M_pad - 1);
+    const int64_t px = check_gemm("x", I, value("x_bits"), M_pad), ph = check_gemm("h", H, value("h_bits"), M_pad);
+    for (const char* r : {"Wx", "Rh", "r_pre", "z_pre", "g_pre", "r", "z", "g", "h"}) {
+      const std::string k = r;
+      const int64_t lo = value(k + "_lo"), hi = value(k + "_hi");
+      TORCH_CHECK(-32768 <= lo && lo <= hi && hi <= 32767, "qgru native layer: range of ", k, " [", lo, ", ", hi,
+                  "] is not a range of at most 16 bits");
+    }
+    for (const char* g : {"r", "z", "g"}) {
+      const std::string k = g;
+      check_value(k + "_zp", value(k + "_lo"), value(k + "_hi"));
+      check_value(k + "_pre_zp", value(k + "_pre_lo"), value(k + "_pre_hi"));
+    }
+    check_value("h_zp", value("h_lo"), value("h_hi"));
+    check_value("one_z", 0, int64_t(1) << 16);
+    const bool pow2 = value("pow2") != 0;
+    for (const char* a : {"Wx", "Rh"}) {
+      const std::string k = a;
+      host(k + "_bias", at::kLong, H3);
+      check_values(k + "_zp", host(k + "_zp", at::kLong, H3), value(k + "_lo"), value(k + "_hi"));
+      check_rescale(k, H3, pow2);
+    }
+    for (const char* r : {"r_from_wx", "r_from_rh", "z_from_wx", "z_from_rh", "g_from_wx", "g_from_rrh"})
+      check_rescale(r, H, pow2);
+    check_rescale("zh", 1, pow2);
+    check_rescale("zg", 1, pow2);
+    for (const char* g : {"r", "z", "g"}) check_table(g);
+    if (value("acc32") != 0) check_acc32(H, I, px, ph, pow2);
+  }
+
+  void check_value(const std::string& k, int64_t lo, int64_t hi) const {
+    const int64_t x = value(k);
+    TORCH_CHECK(lo <= x && x <= hi, "qgru native layer: '", k, "' = ", x, " is outside [", lo, ", ", hi, "]");
+  }
+  // A host copy of a parameter tensor after checking its dtype, contiguity and element count.
+  at::Tensor host(const std::string& k, at::ScalarType type, int64_t numel) const {
+    const at::Tensor& x = tensor(k);
+    TORCH_CHECK(x.scalar_type() == type && x.is_contiguous() && x.numel() == numel, "qgru native layer: '", k,
+                "' must be a contiguous ", type, " tensor of ", numel, " elements, got ", x.scalar_type(), " ",
+                x.sizes());
+    return x.cpu();
+  }
+  void check_values(const std::string& k, const at::Tensor& x, int64_t lo, int64_t hi) const {
+    if (x.numel() == 0) return;
+    const int64_t mn = x.min().item<int64_t>(), mx = x.max().item<int64_t>();
+    TORCH_CHECK(lo <= mn && mx <= hi, "qgru native layer: '", k, "' holds values in [", mn, ", ", mx,
+                "], outside [", lo, ", ", hi, "]");
+  }
+  // The weight limbs [L, M_pad, K_pad] (K_pad >= K: rows of K activations are written at that
+  // stride) and the limb pairs [P, 4], whose limb indices select buffers. Returns P.
+  int64_t check_gemm(const std::string& k, int64_t K, int64_t bits, int64_t M_pad) const {
+    const at::Tensor& w = tensor(k + "_weight_limbs");
+    TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 3 && w.is_contiguous() && (w.size(0) == 1 || w.size(0) == 2) &&
+                    w.size(1) == M_pad && w.size(2) >= K && w.size(2) <= K + 64,
+                "qgru native layer: '", k, "_weight_limbs' must be contiguous int8 [1 or 2, ", M_pad, ", ", K,
+                " .. ", K + 64, "], got ", w.scalar_type(), " ", w.sizes());
+    const at::Tensor& p = tensor(k + "_pairs");
+    TORCH_CHECK(p.scalar_type() == at::kLong && p.dim() == 2 && p.size(1) == 4 &&
+                    (p.size(0) == 1 || p.size(0) == 2 || p.size(0) == 4),
+                "qgru native layer: '", k, "_pairs' must be int64 [1, 2 or 4, 4], got ", p.scalar_type(), " ", p.sizes());
+    const at::Tensor hp = p.cpu().contiguous();
+    const int64_t* a = hp.data_ptr<int64_t>();
+    const int64_t n_act = bits > 8 ? 2 : 1;
+    for (int64_t i = 0; i < p.size(0); ++i)
+      TORCH_CHECK(0 <= a[4 * i] && a[4 * i] < n_act && 0 <= a[4 * i + 1] && a[4 * i + 1] < w.size(0),
+                  "qgru native layer: '", k, "_pairs' row ", i, " names limbs (", a[4 * i], ", ", a[4 * i + 1],
+                  ") of ", n_act, " activation and ", w.size(0), " weight limb(s)");
+    return p.size(0);
+  }
+  // Multipliers fit the 32 x 32 -> 64 multiply, shifts lie in [1, 62] (rounding_mul_shift), and
+  // log2 of power-of-two multipliers (shift amounts on the pow2 path) in [0, 30] (-1: none).
+  void check_rescale(const std::string& k, int64_t n, bool pow2) const {
+    check_values(k + "_mult", host(k + "_mult", at::kLong, n), 0, (int64_t(1) << 31) - 1);
+    check_values(k + "_shift", host(k + "_shift", at::kInt, n), 1, 62);
+    check_values(k + "_mult_log2", host(k + "_mult_log2", at::kInt, n), pow2 ? 0 : -1, 30);
+  }
+  // A table is read at index (q - pre_lo) >> k for q saturated to [pre_lo, pre_hi]: it needs
+  // ((pre_hi - pre_lo) >> k) + 1 packed entries. The geometry is that of tables.table_geometry
+  // (k <= 16 - 10, F <= 4) and entries are bounded (|T| <= 2^20 for every table of at most 16-bit
+  // outputs with 4 fraction bits), so that the int32 interpolation (lookup32) cannot overflow.
+  void check_table(const std::string& g) const {
+    check_value(g + "_table_k", 0, 6);
+    check_value(g + "_table_frac", 0, 4);
+    const int64_t n = ((value(g + "_pre_hi") - value(g + "_pre_lo")) >> value(g + "_table_k")) + 1;
+    const at::Tensor e = host("table_" + g, at::kLong, n);
+    const int64_t* p = e.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t lo = (int64_t)(int32_t)(uint32_t)(uint64_t)p[i], diff = p[i] >> 32;
+      TORCH_CHECK(-(int64_t(1) << 21) <= lo && lo <= (int64_t(1) << 21) && -(int64_t(1) << 22) <= diff &&
+                      diff <= (int64_t(1) << 22),
+                  "qgru native layer: table '", g, "' entry ", i, " (", lo, ", difference ", diff, ") is out of range");
+    }
+  }
+  // The int32 path (qgru/native.py, _add_acc32): its conditions, its arrays, its shift fields.
+  void check_acc32(int64_t H, int64_t I, int64_t px, int64_t ph, bool pow2) const {
+    TORCH_CHECK(pow2 && px == 1 && ph == 1 && value("x_bits") <= 8 && value("h_bits") <= 8 && I < (1 << 16) &&
+                    H < (1 << 16),
+                "qgru native layer: the int32 path needs 8-bit x and h, one limb pair, pow2 and sizes below 2^16");
+    for (const char* f : {"Wx_bias_hi", "Wx_bias_lo", "Wx_zp32"}) host(f, at::kInt, 3 * H);
+    check_values("Wx_rshift", host("Wx_rshift", at::kInt, 3 * H), 1, 30);
+    check_value("zh_rsh", 0, 31);
+    check_value("zg_rsh", 0, 31);
+    const int64_t blocks = (H + kCell32Block - 1) / kCell32Block;
+    // [field][channel] of the first H channels (padding channels are never read)
+    const at::Tensor c = host("c32_channels", at::kInt, blocks * kCell32Fields * kCell32Block)
+                             .view({blocks, kCell32Fields, kCell32Block}).permute({1, 0, 2})
+                             .reshape({kCell32Fields, blocks * kCell32Block}).narrow(1, 0, H);
+    for (int f = 0; f < kCell32Fields; ++f) {
+      int64_t lo = INT32_MIN, hi = INT32_MAX;  // bias_hi, bias_lo, zp: arithmetic only
+      if (f <= kGWxRsh) {
+        lo = 0, hi = (f % 2 == 0) ? 14 : 31;  // kRWxLsh ... kGWxRsh: (lsh, rsh) pairs
+      } else if (f == kGRRhRsh) {
+        lo = 8, hi = 39;
+      } else if ((f - kRhRequant) % 4 == 2) {
+        lo = 1, hi = 30;  // R of a requantization
+      }
+      check_values("c32_channels field " + std::to_string(f), c[f], lo, hi);
+    }
+  }
 
   const at::Tensor& tensor(const std::string& k) const {
     auto it = t.find(k);

@@ -3,11 +3,11 @@ from .backends import backend, backends
 from .calibrate import calibrate, quantize_model
 from .compare import CompareReport, compare
 from .config import QuantConfig, TensorSpec
-from .export import QuantParams, load_params
-from .module import QuantGRU
+from .export import ParamsFileError, QuantParams, load_params
+from .module import CalibrationWarning, QGRUDtypeError, QGRUInputError, QuantGRU
 from .observers import NonFiniteCalibrationError
 
 __version__ = "0.1.0"
 __all__ = ["QuantGRU", "QuantConfig", "TensorSpec", "QuantParams", "calibrate", "quantize_model",
-           "load_params", "backends", "backend", "NonFiniteCalibrationError", "compare",
-           "CompareReport", "__version__"]
+           "load_params", "backends", "backend", "compare", "CompareReport", "NonFiniteCalibrationError",
+           "CalibrationWarning", "ParamsFileError", "QGRUInputError", "QGRUDtypeError", "__version__"]

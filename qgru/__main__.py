@@ -44,7 +44,10 @@ def main(argv=None) -> int:
                        description="Quantize every nn.GRU of a small model trained on the Japanese Vowels data "
                                    "set (shipped with qgru, no network) with each config, calibrate on the "
                                    "training split, evaluate the test split and print one table; writes the "
-                                   "exported integer models, C source of layer 0, errors.csv and a plot to --out.")
+                                   "exported integer models, C source of layer 0, errors.csv and a plot to --out. "
+                                   "--model/--data run it on your own model and data; --model unpickles a whole "
+                                   "module (weights_only=False), which runs any code in the file: only use model "
+                                   "files you trust.")
     from .demo import add_arguments
     add_arguments(d)
     d.set_defaults(func=_demo)

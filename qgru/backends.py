@@ -48,16 +48,18 @@ class _NativeCpuBoundaryOps(BoundaryOps):
     def __init__(self, mod) -> None:
         self.mod = mod
 
+    # the C++ reads raw memory: negative / conjugate views are resolved first (native.resolved)
     def quantize(self, x, scale, zp, bits, what):
-        return self.mod.quantize(x, float(scale), int(zp), int(bits), what, native.cpu_isa_request())
+        return self.mod.quantize(native.resolved(x), float(scale), int(zp), int(bits), what, native.cpu_isa_request())
 
     def dequantize(self, q, scale, zp):
-        return self.mod.dequantize(q, float(scale), int(zp))
+        return self.mod.dequantize(native.resolved(q), float(scale), int(zp))
 
     def requantize(self, q, from_zp, rescale, to_zp, bits):
         if rescale.multiplier.numel() != 1:  # per-tensor factors only (what convert() derives)
             return super().requantize(q, from_zp, rescale, to_zp, bits)
-        return self.mod.requantize(q, int(from_zp), int(rescale.multiplier), int(rescale.shift), int(to_zp), int(bits))
+        return self.mod.requantize(native.resolved(q), int(from_zp), int(rescale.multiplier), int(rescale.shift),
+                                   int(to_zp), int(bits))
 
 
 _REFERENCE_BOUNDARY = BoundaryOps()

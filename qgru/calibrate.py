@@ -10,7 +10,7 @@ from torch.nn.utils.rnn import PackedSequence
 from tqdm.auto import tqdm
 
 from .config import QuantConfig
-from .module import QuantGRU
+from .module import QGRUDtypeError, QGRUInputError, QuantGRU
 from .observers import NonFiniteCalibrationError
 
 
@@ -33,6 +33,11 @@ def calibrate(model: nn.Module, batches: Iterable, progress: bool = True) -> nn.
     if converted:
         raise RuntimeError(f"calibrate(): {len(converted)} QuantGRU(s) in the model are already converted; "
                            "calibrate a float model (or a fresh copy) instead")
+    return _calibrate(model, grus, batches, progress)
+
+
+def _calibrate(model: nn.Module, grus: List[QuantGRU], batches: Iterable, progress: bool) -> nn.Module:
+    """calibrate() of the QuantGRUs ``grus`` of ``model`` (others in it, converted, run integer)."""
     modes = {m: m.training for m in model.modules()}  # restored one by one, submodules included
     seen = 0
     try:
@@ -49,8 +54,8 @@ def calibrate(model: nn.Module, batches: Iterable, progress: bool = True) -> nn.
                         model(*batch)
                     else:
                         model(batch)
-                except NonFiniteCalibrationError as e:
-                    raise NonFiniteCalibrationError(f"calibration batch {i}: {e}") from None
+                except (NonFiniteCalibrationError, QGRUInputError, QGRUDtypeError) as e:
+                    raise type(e)(f"calibration batch {i}: {e}") from None
                 seen += 1
     finally:
         for g in grus:
@@ -66,7 +71,9 @@ def quantize_model(model: nn.Module, batches: Iterable, config: Union[str, dict,
                    progress: bool = True) -> nn.Module:
     """A deep copy of ``model`` with every torch.nn.GRU replaced by a calibrated, converted QuantGRU.
 
-    ``model`` itself is left untouched. ``batches`` is iterated once (see calibrate()).
+    ``model`` itself is left untouched. ``batches`` is iterated once (see calibrate()). QuantGRUs
+    in ``model`` that are converted already are kept as they are (and run integer-only while the
+    others calibrate).
     """
     config = QuantConfig.load(config)
     qmodel = copy.deepcopy(model)
@@ -74,12 +81,14 @@ def quantize_model(model: nn.Module, batches: Iterable, config: Union[str, dict,
         qmodel = QuantGRU.from_float(qmodel, config)
     else:
         _swap(qmodel, config)
-    if not _quant_grus(qmodel):
+    # QuantGRUs converted already (e.g. a quantized encoder) stay as they are and run integer-only
+    # while the others calibrate: those see the inputs they will see after quantization
+    todo = [g for g in _quant_grus(qmodel) if not g.is_converted]
+    if not todo:
         raise ValueError("quantize_model(): the model contains no torch.nn.GRU to quantize")
-    calibrate(qmodel, batches, progress=progress)
-    for g in _quant_grus(qmodel):
-        if not g.is_converted:
-            g.convert()
+    _calibrate(qmodel, todo, batches, progress)
+    for g in todo:
+        g.convert()
     return qmodel
 
 

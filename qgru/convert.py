@@ -53,6 +53,25 @@ def _bits_of(bound: int) -> int:
     return int(bound).bit_length()
 
 
+def operand_bounds(bits: Dict[str, int], input_size: int, hidden_size: int) -> Dict[str, int]:
+    """The largest |operand| of every rescale of a layer (docs/spec.md section 6), which sets its
+    multiplier width (``primitives.multiplier_bits(_bits_of(bound))``). "in" is the rescale of the
+    previous layer's outputs onto this layer's x grid (``in_0``, ``in_1``)."""
+    def span(n):  # largest |q - Z| of a tensor stored in bits[n] bits
+        return (1 << bits[n]) - 1
+
+    bias_max = 1 << (BIAS_BITS - 1)
+    return {
+        "Wx": input_size * (1 << (bits["W"] - 1)) * span("x") + bias_max,
+        "Rh": hidden_size * (1 << (bits["R"] - 1)) * span("h") + bias_max,
+        "Wx_r": span("Wx"), "Rh_r": span("Rh"), "Wx_z": span("Wx"), "Rh_z": span("Rh"), "Wx_g": span("Wx"),
+        "rRh_g": span("r") * span("Rh"),
+        "zh": span("z") * span("h"),
+        "zg": (1 << bits["z"]) * (1 << (bits["g"] - 1)),
+        "in": span("h"),
+    }
+
+
 def _rescale(real: torch.Tensor, operand_bound: int, power_of_two: bool) -> Rescale:
     real = torch.as_tensor(real, dtype=torch.float64)
     m, s = quantize_multipliers(real, _bits_of(operand_bound), power_of_two)
@@ -92,31 +111,26 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
     for n, grid in grids.items():
         S[n], Z[n] = torch.tensor(grid.scale, dtype=torch.float64), torch.tensor(grid.zero_point)
 
-    def span(n):  # largest |q - Z| of a tensor stored in bits[n] bits
-        return (1 << bits[n]) - 1
-
-    bias_max = (1 << (BIAS_BITS - 1))
-    acc_x_bound = I * (1 << (bits["W"] - 1)) * span("x") + bias_max
-    acc_h_bound = H * (1 << (bits["R"] - 1)) * span("h") + bias_max
+    bound = operand_bounds(bits, I, H)
     one_z = grids["z"].one
 
     def gate(v, i):
         return v if v.dim() == 0 else v[i * H:(i + 1) * H]
 
     rescale = {
-        "Wx": _rescale(S["W"] * S["x"] / S["Wx"], acc_x_bound, pow2),
-        "Rh": _rescale(S["R"] * S["h"] / S["Rh"], acc_h_bound, pow2),
-        "Wx_r": _rescale(gate(S["Wx"], 0) / S["r_pre"], span("Wx"), pow2),
-        "Rh_r": _rescale(gate(S["Rh"], 0) / S["r_pre"], span("Rh"), pow2),
-        "Wx_z": _rescale(gate(S["Wx"], 1) / S["z_pre"], span("Wx"), pow2),
-        "Rh_z": _rescale(gate(S["Rh"], 1) / S["z_pre"], span("Rh"), pow2),
-        "Wx_g": _rescale(gate(S["Wx"], 2) / S["g_pre"], span("Wx"), pow2),
-        "rRh_g": _rescale(S["r"] * gate(S["Rh"], 2) / S["g_pre"], span("r") * span("Rh"), pow2),
-        "zh": _rescale(S["z"], span("z") * span("h"), pow2),
-        "zg": _rescale(S["z"] * S["g"] / S["h"], (1 << bits["z"]) * (1 << (bits["g"] - 1)), pow2),
+        "Wx": _rescale(S["W"] * S["x"] / S["Wx"], bound["Wx"], pow2),
+        "Rh": _rescale(S["R"] * S["h"] / S["Rh"], bound["Rh"], pow2),
+        "Wx_r": _rescale(gate(S["Wx"], 0) / S["r_pre"], bound["Wx_r"], pow2),
+        "Rh_r": _rescale(gate(S["Rh"], 0) / S["r_pre"], bound["Rh_r"], pow2),
+        "Wx_z": _rescale(gate(S["Wx"], 1) / S["z_pre"], bound["Wx_z"], pow2),
+        "Rh_z": _rescale(gate(S["Rh"], 1) / S["z_pre"], bound["Rh_z"], pow2),
+        "Wx_g": _rescale(gate(S["Wx"], 2) / S["g_pre"], bound["Wx_g"], pow2),
+        "rRh_g": _rescale(S["r"] * gate(S["Rh"], 2) / S["g_pre"], bound["rRh_g"], pow2),
+        "zh": _rescale(S["z"], bound["zh"], pow2),
+        "zg": _rescale(S["z"] * S["g"] / S["h"], bound["zg"], pow2),
     }
     for d, (s_prev, _) in enumerate(prev_h):
-        rescale[f"in_{d}"] = _rescale(s_prev / S["x"], span("h"), pow2)
+        rescale[f"in_{d}"] = _rescale(s_prev / S["x"], bound["in"], pow2)
 
     tables = {n: build_table("sigmoid" if n != "g" else "tanh", bits[f"{n}_pre"], float(S[f"{n}_pre"]),
                              int(Z[f"{n}_pre"]), float(S[n])) for n in ("r", "z", "g")}

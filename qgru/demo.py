@@ -25,7 +25,9 @@ import argparse
 import copy
 import csv
 import math
+import pickle
 import platform
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -513,17 +515,32 @@ def write_outputs(result: Result, out, c_layer: bool = True) -> None:
 # ---------------------------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------------------------
+MODEL_FILE_WARNING = ("--model {path} is loaded with torch.load(weights_only=False): a whole nn.Module is unpickled "
+                      "in full, which runs whatever code the file holds. Only use a model file you trust "
+                      "(one you saved yourself).")
+
+
 def load_user_inputs(model_path: str, data_path: str):
-    """``--model``: a whole nn.Module saved with torch.save(model); ``--data``: a dict saved with
-    torch.save with "calib" (list of batches), "test" (list of batches) and optionally "targets"
-    (one label tensor per test batch). Both are unpickled in full: use files you trust."""
-    model = torch.load(model_path, weights_only=False)
-    data = torch.load(data_path, weights_only=False)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"--model {model_path}: expected a saved torch.nn.Module, got {type(model).__name__}")
+    """``--data``: a dict saved with torch.save with "calib" (list of batches), "test" (list of
+    batches) and optionally "targets" (one label tensor per test batch), loaded with
+    ``weights_only=True`` (tensors and plain containers only, nothing else is unpickled).
+    ``--model``: a whole nn.Module saved with torch.save(model). A module can only be unpickled in
+    full (``weights_only=False``), which runs any code the file holds: a warning on stderr says so
+    before it is loaded. Use model files you trust."""
+    try:
+        data = torch.load(data_path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise SystemExit(f"--data {data_path}: refused: it holds more than tensors and plain containers (lists, "
+                         f"dicts, numbers) and is loaded with weights_only=True ({str(e).strip().splitlines()[0]})")
+    if not isinstance(data, dict):
+        raise TypeError(f"--data {data_path}: expected a dict with keys calib, test, targets, got {type(data).__name__}")
     missing = {"calib", "test"} - set(data)
     if missing:
         raise KeyError(f"--data {data_path}: missing {sorted(missing)} (keys: calib, test, targets)")
+    print(f"qgru demo: warning: {MODEL_FILE_WARNING.format(path=model_path)}", file=sys.stderr, flush=True)
+    model = torch.load(model_path, weights_only=False)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"--model {model_path}: expected a saved torch.nn.Module, got {type(model).__name__}")
     return model, data["calib"], data["test"], data.get("targets")
 
 
@@ -538,8 +555,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--retrain", action="store_true",
                     help="train the float model from scratch (seeded) instead of loading the shipped checkpoint; "
                          "writes it to OUT/japanese_vowels_gru.pt")
-    ap.add_argument("--model", help="your own model: a file written by torch.save(model) (needs --data)")
-    ap.add_argument("--data", help="your own data: torch.save({'calib': [...], 'test': [...], 'targets': [...]})")
+    ap.add_argument("--model", help="your own model: a file written by torch.save(model) (needs --data). "
+                                    "UNSAFE with files you did not write: a whole module is unpickled in full "
+                                    "(weights_only=False), which runs any code the file holds")
+    ap.add_argument("--data", help="your own data: torch.save({'calib': [...], 'test': [...], 'targets': [...]}); "
+                                   "loaded with weights_only=True (tensors and plain containers only)")
     ap.add_argument("--no-progress", action="store_true", help="no calibration progress bars")
 
 

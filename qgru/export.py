@@ -2,29 +2,59 @@
 
 ``QuantParams.to_dict()`` is a flat dict ``{key: tensor | int | str}``; keys are
 ``l{layer}.{fwd|rev}.{field}`` (e.g. ``l0.fwd.W``, ``l1.rev.rescale.Wx.multiplier``) plus
-a ``meta`` entry (JSON) for the module's arguments and the config. Integers are stored in the
+a ``meta`` entry (JSON) for the module's arguments and the config, and a ``checksum`` entry
+(``sha256:`` of every other entry, see ``checksum()``). Integers are stored in the
 narrowest type that holds them: weights int8 (int16 above 8 bits; below 8 bits packed several per
 int32 word as ``W.packed`` / ``R.packed``, seed 003), biases, zero points, multipliers, shifts and
 table entries int32, zero-point compensations int64; the only floats are the x and h scales (used
 where floats enter and leave the model) and the weight scales (for dequantized float weights).
-``save()`` writes it with
-torch.save and ``load_params()`` reads it back with ``torch.load(weights_only=True)``, which
-refuses anything but tensors and plain containers.
+``save()`` writes it with torch.save (a zip archive) and ``load_params()`` reads it back.
+
+A file is untrusted input. ``load_params()`` verifies the zip records' CRCs, reads the archive with
+``torch.load(weights_only=True)`` (which refuses anything but tensors and plain containers),
+verifies the checksum, and checks every field against docs/spec.md before anything runs: the set
+of entries, dtypes and shapes, bit widths (those of the config in ``meta``), integer ranges,
+zero points on their grids, multipliers and shifts within the bounds that keep the arithmetic exact,
+table lengths and entries, scales, and the cached values that must agree with others
+(``W_zp_comp = zp.x * rowsum(W)``). Anything else is a ``ParamsFileError`` (a ValueError) naming
+the file and the field. ``format_version`` 2 added the checksum; version 1 files (without it)
+still load, with every other check.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import pickle
+import re
+import zipfile
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, List, Union
+from typing import Any, Dict, List, Sequence, Tuple, Union
 
 import torch
 
+from .config import GATE_OUTPUTS, TENSOR_NAMES, QuantConfig
+from .convert import _bits_of, operand_bounds
 from .golden import LayerParams, Rescale
-from .primitives import pack_int32, unpack_int32
+from .primitives import INT8_GEMM_K_MAX, MAX_SHIFT, multiplier_bits, pack_int32, qrange, unpack_int32
+from .tables import output_grid, table_geometry
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a "checksum" entry; 1: the same without it
+READABLE_VERSIONS = (1, 2)
 _DIRS = ("fwd", "rev")
+_META_KEYS = ("format_version", "input_size", "hidden_size", "num_layers", "bias", "batch_first",
+              "bidirectional", "config")
+_STORED_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.float64)
+_ZP_NAMES = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre", "r", "z", "g")
+_RESCALES = ("Wx", "Rh", "Wx_r", "Rh_r", "Wx_z", "Rh_z", "Wx_g", "rRh_g", "zh", "zg")
+_SCALES = ("x", "h", "W", "R")
+_GATES = ("r", "z", "g")
+_LAYER_KEY = re.compile(r"l(0|[1-9][0-9]{0,8})\.(fwd|rev)\.(.+)\Z", re.S)
+
+
+class ParamsFileError(ValueError):
+    """A parameter file (or dict) that is not what QuantParams.save() writes: unreadable, corrupted,
+    or with a field outside the spec. The message names the file and the field."""
 
 
 @dataclass
@@ -40,7 +70,8 @@ class QuantParams:
         return cls(meta=meta, layers=[list(row) for row in m._qparams])
 
     def to_dict(self) -> Dict[str, Union[torch.Tensor, int, str]]:
-        out: Dict[str, Union[torch.Tensor, int, str]] = {"meta": json.dumps(self.meta, sort_keys=True)}
+        meta = {**self.meta, "format_version": FORMAT_VERSION}  # what this qgru writes
+        out: Dict[str, Union[torch.Tensor, int, str]] = {"meta": json.dumps(meta, sort_keys=True)}
         for li, row in enumerate(self.layers):
             for d, p in enumerate(row):
                 pre = f"l{li}.{_DIRS[d]}."
@@ -61,44 +92,38 @@ class QuantParams:
                                 out[f"{pre}{f.name}.{k}"] = _narrow(x)
                     else:
                         out[pre + f.name] = _narrow(v) if f.name in ("b_x", "b_h") else v
+        out["checksum"] = checksum(out)
         return out
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "QuantParams":
-        meta = json.loads(d["meta"])
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"unsupported qgru params format {meta.get('format_version')!r}")
+        """The parameters of a dict written by to_dict() (or a file's contents), checked as untrusted
+        input: raises ParamsFileError, naming the field, for anything outside the spec."""
+        meta, cfg = _read_header(d)
         ndir = 2 if meta["bidirectional"] else 1
-        layers = []
-        for li in range(meta["num_layers"]):
-            row = []
-            for di in range(ndir):
-                pre = f"l{li}.{_DIRS[di]}."
-                kw: Dict[str, Any] = {}
-                for f in fields(LayerParams):
-                    if pre + f.name + ".packed" in d:
-                        bits = d[pre + "bits." + f.name]
-                        length = d[pre + ("input_size" if f.name == "W" else "hidden_size")]
-                        kw[f.name] = unpack_int32(d[pre + f.name + ".packed"], bits, length)
-                        continue
-                    if pre + f.name in d:
-                        kw[f.name] = _widen(d[pre + f.name])
-                        continue
-                    sub: Dict[str, Any] = {}
-                    for key, v in d.items():
-                        if key.startswith(pre + f.name + "."):
-                            rest = key[len(pre + f.name) + 1:]
-                            if f.name == "rescale":
-                                name, part = rest.rsplit(".", 1)
-                                sub.setdefault(name, {})[part] = v
-                            else:
-                                sub[rest] = _widen(v)
-                    if f.name == "rescale":
-                        sub = {k: Rescale(_widen(v["multiplier"]), _widen(v["shift"])) for k, v in sub.items()}
-                    kw[f.name] = sub
-                row.append(LayerParams(**kw))
-            layers.append(row)
-        return cls(meta=meta, layers=layers)
+        _check_entries(d, meta, cfg, ndir)
+        layers = [[_read_layer(d, f"l{li}.{_DIRS[di]}.", cfg) for di in range(ndir)]
+                  for li in range(meta["num_layers"])]
+        params = cls(meta=meta, layers=layers)
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        """Check every layer against the spec and the meta data (docs/spec.md; the module docstring
+        lists what). Raises ParamsFileError naming the field; from_dict() and to_module() call it."""
+        cfg = _check_meta(self.meta)
+        meta = self.meta
+        ndir = 2 if meta["bidirectional"] else 1
+        if not isinstance(self.layers, (list, tuple)) or len(self.layers) != meta["num_layers"]:
+            raise ParamsFileError(f"meta.num_layers is {meta['num_layers']}, but there are "
+                                  f"{len(self.layers) if isinstance(self.layers, (list, tuple)) else 'no'} layers")
+        for li, row in enumerate(self.layers):
+            if not isinstance(row, (list, tuple)) or len(row) != ndir:
+                raise ParamsFileError(f"l{li}: expected {ndir} direction(s) (meta.bidirectional is "
+                                      f"{str(meta['bidirectional']).lower()})")
+            for di, p in enumerate(row):
+                expect_i = meta["input_size"] if li == 0 else meta["hidden_size"] * ndir
+                _check_layer(p, f"l{li}.{_DIRS[di]}", cfg, meta, expect_i, ndir if li > 0 else 0)
 
     def save(self, path: Union[str, Path]) -> None:
         torch.save(self.to_dict(), str(path))
@@ -110,8 +135,10 @@ class QuantParams:
         return write_c(self, path, **kw)
 
     def to_module(self):
-        """A converted QuantGRU that runs these parameters (float weights are the dequantized ones)."""
+        """A converted QuantGRU that runs these parameters (float weights are the dequantized ones).
+        The parameters are validated first (validate())."""
         from .module import QuantGRU
+        self.validate()
         m = self.meta
         q = QuantGRU(m["input_size"], m["hidden_size"], m["num_layers"], m["bias"], m["batch_first"],
                      0.0, m["bidirectional"], config=m["config"])
@@ -136,13 +163,326 @@ def _narrow(v):
     return v
 
 
-def _widen(v):
-    """Stored integer tensors come back as int64, the golden model's working type."""
-    if isinstance(v, torch.Tensor) and not v.is_floating_point():
-        return v.to(torch.int64)
-    return v
-
-
 def load_params(path: Union[str, Path]) -> QuantParams:
-    """Read a file written by QuantParams.save() (no arbitrary unpickling)."""
-    return QuantParams.from_dict(torch.load(str(path), weights_only=True))
+    """Read a file written by QuantParams.save(), as untrusted input: the zip records' CRCs are
+    verified, nothing but tensors and plain containers is unpickled (``weights_only=True``), the
+    checksum is verified and every field is checked (QuantParams.from_dict). A file that fails any
+    of these raises ParamsFileError (a ValueError) naming the file and what is wrong; one that
+    would unpickle anything else raises pickle.UnpicklingError; a missing file, FileNotFoundError."""
+    path = Path(path)
+    with open(path, "rb") as f:  # OSError as usual for a missing or unreadable file
+        _check_archive(f, path)
+    try:
+        d = torch.load(str(path), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError:
+        raise  # torch's message names what the file tried to unpickle
+    except Exception as e:  # noqa: BLE001 - whatever torch's reader trips over, the file is bad
+        raise ParamsFileError(f"{path}: not a readable qgru parameter file ({type(e).__name__}: {e})") from None
+    try:
+        return QuantParams.from_dict(d)
+    except ParamsFileError as e:
+        raise ParamsFileError(f"{path}: {e}") from None
+
+
+def _check_archive(f, path: Path) -> None:
+    """torch.save writes a zip archive; its reader does not check the records' CRC-32s, this does."""
+    try:
+        with zipfile.ZipFile(f) as z:
+            bad = z.testzip()
+    except Exception as e:  # noqa: BLE001 - BadZipFile, EOFError, OSError, zlib.error, ...
+        raise ParamsFileError(f"{path}: not a qgru parameter file: not a readable zip archive ({e}); the file "
+                              "is truncated or damaged, or was not written by QuantParams.save()") from None
+    if bad is not None:
+        raise ParamsFileError(f"{path}: corrupted: record {bad!r} fails its CRC check (the file was damaged "
+                              "after it was written)")
+
+
+def checksum(d: Dict[str, Any]) -> str:
+    """"sha256:" and the hex digest of every entry of a to_dict() dict but "checksum" itself: names,
+    types, dtypes, shapes and the tensors' bytes (little-endian, as torch.save stores them)."""
+    h = hashlib.sha256()
+    for k in sorted(d):
+        if k == "checksum":
+            continue
+        v = d[k]
+        h.update(k.encode() + b"\0")
+        if isinstance(v, torch.Tensor):
+            t = v.detach().cpu().resolve_conj().resolve_neg().contiguous()
+            h.update(f"tensor {t.dtype} {tuple(t.shape)}\0".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(f"{type(v).__name__} {v!r}\0".encode())
+    return "sha256:" + h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (every error names its field as the flat key of to_dict(), e.g. l0.fwd.tables.r)
+# ---------------------------------------------------------------------------------------------
+def _listed(items: Sequence, n: int = 5) -> str:
+    items = list(items)
+    return ", ".join(map(str, items[:n])) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+def _read_header(d) -> Tuple[Dict[str, Any], QuantConfig]:
+    """The entries' types, the format version, the checksum and the meta data."""
+    if not isinstance(d, dict):
+        raise ParamsFileError(f"expected the dict of entries QuantParams.save() writes, got {type(d).__name__}")
+    for k, v in d.items():
+        if not isinstance(k, str):
+            raise ParamsFileError(f"entry names are strings, got {k!r}")
+        if isinstance(v, torch.Tensor):
+            if v.layout != torch.strided or v.is_quantized or v.dtype not in _STORED_DTYPES:
+                raise ParamsFileError(f"{k}: a {v.dtype} tensor ({v.layout}); qgru files hold dense int8, int16, "
+                                      "int32, int64 and float64 tensors only")
+        elif type(v) not in (int, str):
+            raise ParamsFileError(f"{k}: a {type(v).__name__}; qgru files hold tensors, ints and strings only")
+    if "meta" not in d:
+        raise ParamsFileError("missing entry 'meta': not a qgru parameter file")
+    if not isinstance(d["meta"], str):
+        raise ParamsFileError(f"meta: expected a JSON string, got {type(d['meta']).__name__}")
+    try:
+        meta = json.loads(d["meta"])
+    except ValueError as e:
+        raise ParamsFileError(f"meta: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ParamsFileError(f"meta: expected a JSON object, got {type(meta).__name__}")
+    version = meta.get("format_version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise ParamsFileError(f"meta.format_version: unsupported qgru params format {version!r}; this qgru reads "
+                              f"format(s) {', '.join(map(str, READABLE_VERSIONS))} (a newer qgru wrote it?)")
+    if version >= 2:
+        if "checksum" not in d:
+            raise ParamsFileError("missing entry 'checksum' (a format 2 file carries the checksum of its parameters)")
+        if d["checksum"] != checksum(d):
+            raise ParamsFileError("checksum mismatch: the parameters are not the ones the file was written with "
+                                  "(corrupted or edited)")
+    elif "checksum" in d:
+        raise ParamsFileError("unexpected entry 'checksum' in a format 1 file")
+    return meta, _check_meta(meta)
+
+
+def _check_meta(meta) -> QuantConfig:
+    if not isinstance(meta, dict):
+        raise ParamsFileError(f"meta: expected a dict, got {type(meta).__name__}")
+    missing = [k for k in _META_KEYS if k not in meta]
+    unknown = sorted(map(str, set(meta) - set(_META_KEYS)))
+    if missing or unknown:
+        raise ParamsFileError("meta: " + "; ".join(
+            ([f"missing {_listed(missing)}"] if missing else []) + ([f"unknown key(s) {_listed(unknown)}"] if unknown else [])))
+    for k in ("input_size", "hidden_size"):
+        v = meta[k]
+        if type(v) is not int or not 1 <= v < INT8_GEMM_K_MAX:
+            raise ParamsFileError(f"meta.{k}: expected an integer in [1, {INT8_GEMM_K_MAX - 1}], got {v!r}")
+    if type(meta["num_layers"]) is not int or meta["num_layers"] < 1:
+        raise ParamsFileError(f"meta.num_layers: expected a positive integer, got {meta['num_layers']!r}")
+    for k in ("bias", "batch_first", "bidirectional"):
+        if type(meta[k]) is not bool:
+            raise ParamsFileError(f"meta.{k}: expected true or false, got {meta[k]!r}")
+    ndir = 2 if meta["bidirectional"] else 1
+    if meta["num_layers"] > 1 and meta["hidden_size"] * ndir >= INT8_GEMM_K_MAX:
+        raise ParamsFileError(f"meta.hidden_size: {meta['hidden_size']} x {ndir} direction(s), the input size of "
+                              f"layers > 0, exceeds {INT8_GEMM_K_MAX - 1}")
+    try:
+        return QuantConfig.from_dict(meta["config"])
+    except (ValueError, TypeError) as e:
+        raise ParamsFileError(f"meta.{e}" if str(e).startswith("config") else f"meta.config: {e}") from None
+
+
+def _layer_fields(cfg: QuantConfig, layer: int, ndir: int) -> set:
+    """The entries (without the l{layer}.{dir}. prefix) of one layer and direction in to_dict()."""
+    f = {"input_size", "hidden_size", "one_z", "b_x", "b_h", "W_zp_comp", "R_zp_comp"}
+    f |= {f"bits.{n}" for n in TENSOR_NAMES}
+    f |= {w + ".packed" if cfg[w].bits < 8 else w for w in ("W", "R")}
+    f |= {f"zp.{n}" for n in _ZP_NAMES}
+    names = list(_RESCALES) + ([f"in_{e}" for e in range(ndir)] if layer > 0 else [])
+    f |= {f"rescale.{n}.{part}" for n in names for part in ("multiplier", "shift")}
+    f |= {f"tables.{g}" for g in _GATES}
+    f |= {f"scale.{n}" for n in _SCALES}
+    return f
+
+
+def _check_entries(d: Dict[str, Any], meta: Dict[str, Any], cfg: QuantConfig, ndir: int) -> None:
+    """Exactly the entries of meta's layers and directions: none missing, none extra."""
+    found: Dict[Tuple[int, int], set] = {}
+    for k in d:
+        if k in ("meta", "checksum"):
+            continue
+        m = _LAYER_KEY.match(k)
+        if not m:
+            raise ParamsFileError(f"unexpected entry {k!r}")
+        found.setdefault((int(m[1]), _DIRS.index(m[2])), set()).add(m[3])
+    n = meta["num_layers"]
+    layers = sorted({li for li, _ in found})
+    if layers != list(range(n)):
+        raise ParamsFileError(f"meta.num_layers is {n}, but the file holds the parameters of "
+                              f"{len(layers)} layer(s) ({_listed(layers) or 'none'})")
+    dirs = {di for _, di in found}
+    if not dirs <= set(range(ndir)):
+        raise ParamsFileError("meta.bidirectional is false, but the file holds reverse-direction parameters")
+    for li in range(n):
+        for di in range(ndir):
+            pre = f"l{li}.{_DIRS[di]}."
+            want, have = _layer_fields(cfg, li, ndir), found.get((li, di), set())
+            if want - have:
+                raise ParamsFileError(f"missing entr{'y' if len(want - have) == 1 else 'ies'} "
+                                      f"{_listed(sorted(pre + k for k in want - have))}")
+            if have - want:
+                raise ParamsFileError(f"unexpected entr{'y' if len(have - want) == 1 else 'ies'} "
+                                      f"{_listed(sorted(pre + k for k in have - want))}")
+
+
+def _read_layer(d: Dict[str, Any], pre: str, cfg: QuantConfig) -> LayerParams:
+    """One layer and direction from its entries (types and storage dtypes checked; values by _check_layer)."""
+    def tensor(field: str, dtype: torch.dtype) -> torch.Tensor:
+        v = d[pre + field]
+        if not isinstance(v, torch.Tensor) or v.dtype != dtype:
+            what = v.dtype if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ParamsFileError(f"{pre}{field}: expected a {dtype} tensor, got {what}")
+        return v.to(torch.int64) if dtype != torch.float64 else v  # the golden model's working types
+
+    def integer(field: str) -> int:
+        v = d[pre + field]
+        if type(v) is not int:
+            raise ParamsFileError(f"{pre}{field}: expected an int, got {type(v).__name__}")
+        return v
+
+    bits = {n: integer(f"bits.{n}") for n in TENSOR_NAMES}
+    for n in TENSOR_NAMES:
+        if bits[n] != cfg[n].bits:
+            raise ParamsFileError(f"{pre}bits.{n}: {bits[n]}, but meta.config.tensors.{n}.bits is {cfg[n].bits}")
+    kw: Dict[str, Any] = {"input_size": integer("input_size"), "hidden_size": integer("hidden_size"), "bits": bits}
+    for w in ("W", "R"):
+        b = bits[w]
+        if b >= 8:
+            kw[w] = tensor(w, torch.int8 if b == 8 else torch.int16)
+            continue
+        words = d[pre + w + ".packed"]
+        if not isinstance(words, torch.Tensor) or words.dtype != torch.int32 or words.dim() != 2:
+            raise ParamsFileError(f"{pre}{w}.packed: expected a 2-D torch.int32 tensor of packed {b}-bit weights")
+        length = kw["input_size" if w == "W" else "hidden_size"]
+        if not 1 <= length < INT8_GEMM_K_MAX or words.shape[1] != -(-length // (32 // b)):
+            raise ParamsFileError(f"{pre}{w}.packed: {words.shape[1]} words per row cannot hold {length} "
+                                  f"{b}-bit weights")
+        kw[w] = unpack_int32(words, b, length)
+    for f in ("b_x", "b_h"):
+        kw[f] = tensor(f, torch.int32)
+    for f in ("W_zp_comp", "R_zp_comp"):
+        kw[f] = tensor(f, torch.int64)
+    kw["zp"] = {n: tensor(f"zp.{n}", torch.int32) for n in _ZP_NAMES}
+    present = {k[len(pre + "rescale."):].rsplit(".", 1)[0] for k in d if k.startswith(pre + "rescale.")}
+    names = [n for n in _RESCALES + ("in_0", "in_1") if n in present]  # convert()'s order (_check_entries: no other)
+    kw["rescale"] = {n: Rescale(tensor(f"rescale.{n}.multiplier", torch.int32), tensor(f"rescale.{n}.shift", torch.int32))
+                     for n in names}
+    kw["tables"] = {g: tensor(f"tables.{g}", torch.int32) for g in _GATES}
+    kw["one_z"] = integer("one_z")
+    kw["scale"] = {n: tensor(f"scale.{n}", torch.float64) for n in _SCALES}
+    return LayerParams(**kw)
+
+
+def _check_layer(p: LayerParams, where: str, cfg: QuantConfig, meta: Dict[str, Any], input_size: int,
+                 n_prev: int) -> None:
+    """One layer and direction against the spec (docs/spec.md sections 2-7) and the meta data.
+    ``n_prev``: directions of the previous layer (0 for layer 0)."""
+    def fail(field: str, msg: str):
+        raise ParamsFileError(f"{where}.{field}: {msg}")
+
+    def tensor(field: str, v, shapes: Sequence[Tuple[int, ...]], dtype=torch.int64) -> torch.Tensor:
+        if not isinstance(v, torch.Tensor) or v.dtype != dtype:
+            fail(field, f"expected a {dtype} tensor, got {v.dtype if isinstance(v, torch.Tensor) else type(v).__name__}")
+        if tuple(v.shape) not in [tuple(s) for s in shapes]:
+            fail(field, f"expected shape {' or '.join(str(tuple(s)) for s in shapes)}, got {tuple(v.shape)}")
+        return v
+
+    def in_range(field: str, v: torch.Tensor, lo: int, hi: int, why: str) -> None:
+        if v.numel() == 0:
+            return
+        v_min, v_max = torch.aminmax(v)
+        if int(v_min) >= lo and int(v_max) <= hi:
+            return
+        bad = (v < lo) | (v > hi)
+        fail(field, f"{int(v[bad].reshape(-1)[0])} is outside [{lo}, {hi}] ({why})")
+
+    def keys(field: str, d, want) -> None:
+        if not isinstance(d, dict) or set(d) != set(want):
+            have = sorted(map(str, d)) if isinstance(d, dict) else type(d).__name__
+            fail(field, f"expected the entries {', '.join(want)}, got {have}")
+
+    if not isinstance(p, LayerParams):
+        raise ParamsFileError(f"{where}: expected LayerParams, got {type(p).__name__}")
+    H = meta["hidden_size"]
+    H3 = 3 * H
+    for field, want in (("input_size", input_size), ("hidden_size", H)):
+        if type(getattr(p, field)) is not int or getattr(p, field) != want:
+            fail(field, f"{getattr(p, field)!r}, but the meta data make it {want}")
+    keys("bits", p.bits, TENSOR_NAMES)
+    bits = p.bits
+    for n in TENSOR_NAMES:
+        if bits[n] != cfg[n].bits or type(bits[n]) is not int:
+            fail(f"bits.{n}", f"{bits[n]!r}, but meta.config.tensors.{n}.bits is {cfg[n].bits}")
+    pow2 = cfg.power_of_two
+    for name, w, k in (("W", p.W, input_size), ("R", p.R, H)):
+        tensor(name, w, [(H3, k)])
+        in_range(name, w, *qrange(bits[name]), f"{bits[name]}-bit weights")
+    for name in ("b_x", "b_h"):
+        b = tensor(name, getattr(p, name), [(H3,)])
+        in_range(name, b, *qrange(32), "32-bit biases")
+        if not meta["bias"] and bool(b.any()):
+            fail(name, "nonzero, but meta.bias is false")
+    keys("zp", p.zp, _ZP_NAMES)
+    for n in _ZP_NAMES:
+        per_channel = n in ("Wx", "Rh") and cfg[n].granularity != "per_tensor"
+        z = tensor(f"zp.{n}", p.zp[n], [(H3,)] if per_channel else [()])
+        lo, hi = qrange(bits[n])
+        if n in GATE_OUTPUTS:  # fixed by the function's range (spec section 4)
+            want = 0 if n == "g" else lo
+            if int(z) != want:
+                fail(f"zp.{n}", f"{int(z)}, but the {'tanh' if n == 'g' else 'sigmoid'} output grid of "
+                                f"{bits[n]} bits has zero point {want}")
+        elif cfg[n].symmetric and bool(z.any()):
+            fail(f"zp.{n}", f"{int(z[z != 0].reshape(-1)[0])}, but {n} is symmetric (meta.config): zero point 0")
+        else:
+            in_range(f"zp.{n}", z, lo, hi, f"zero points lie on {n}'s {bits[n]}-bit grid")
+    for name, w, zn in (("W_zp_comp", p.W, "x"), ("R_zp_comp", p.R, "h")):
+        c = tensor(name, getattr(p, name), [(H3,)])
+        if not torch.equal(c, p.zp[zn] * w.sum(1)):
+            fail(name, f"differs from zp.{zn} * rowsum({name[0]}), the value it caches")
+    bound = operand_bounds(bits, input_size, H)
+    names = list(_RESCALES) + [f"in_{e}" for e in range(n_prev)]
+    keys("rescale", p.rescale, names)
+    for n in names:
+        r = p.rescale[n]
+        if not isinstance(r, Rescale):
+            fail(f"rescale.{n}", f"expected a Rescale, got {type(r).__name__}")
+        size = {"Wx": H3, "Rh": H3, "zh": 1, "zg": 1}.get(n, 1 if n.startswith("in_") else H)
+        m = tensor(f"rescale.{n}.multiplier", r.multiplier, [(), (size,)])  # per tensor or per channel
+        tensor(f"rescale.{n}.shift", r.shift, [tuple(m.shape)])
+        operand = _bits_of(bound["in" if n.startswith("in_") else n])
+        mb = multiplier_bits(operand)
+        in_range(f"rescale.{n}.multiplier", m, 0, (1 << mb) - 1,
+                 f"its operand needs up to {operand} bits, which leaves {mb} multiplier bits in int64")
+        in_range(f"rescale.{n}.shift", r.shift, 1, MAX_SHIFT, "shifts are kept in [1, 62]")
+        if pow2 and bool((m & (m - 1)).any()):
+            fail(f"rescale.{n}.multiplier", f"{int(m[(m & (m - 1)) != 0].reshape(-1)[0])} is not a power of two "
+                                            "(meta.config.scale_mode is pow2)")
+    keys("tables", p.tables, _GATES)
+    for g in _GATES:
+        b_in = bits[f"{g}_pre"]
+        k, frac = table_geometry(b_in)
+        t = tensor(f"tables.{g}", p.tables[g], [((1 << (b_in - k)) + 1,)])
+        lim = 1 << (frac + bits[g])
+        in_range(f"tables.{g}", t, -lim, lim, f"a {'tanh' if g == 'g' else 'sigmoid'} table of {bits[g]}-bit "
+                                               f"outputs with {frac} fraction bits")
+    one = output_grid("sigmoid", bits["z"], pow2).one
+    if type(p.one_z) is not int or p.one_z != one:
+        fail("one_z", f"{p.one_z!r}, but 1.0 on z's {bits['z']}-bit grid is {one}")
+    keys("scale", p.scale, _SCALES)
+    for n, shape in (("x", ()), ("h", ()), ("W", (H3,)), ("R", (H3,))):
+        s = tensor(f"scale.{n}", p.scale[n], [shape], torch.float64)
+        if not bool(torch.isfinite(s).all()) or bool((s <= 0).any()):
+            fail(f"scale.{n}", "scales are positive and finite")
+        # the boundary grids: choose_qparams makes >= 1e-8 / (2^16 - 1) from any range and at most
+        # ~2^129 from float32 data; far outside, dequantized values leave float32 altogether
+        if n in ("x", "h") and not 2.0 ** -64 <= float(s) <= 2.0 ** 130:
+            fail(f"scale.{n}", f"{float(s)!r} is outside [2^-64, 2^130], the scales calibration can make")
+        if pow2 and not bool((torch.frexp(s).mantissa == 0.5).all()):
+            fail(f"scale.{n}", "not a power of two (meta.config.scale_mode is pow2)")

@@ -23,7 +23,9 @@ CLI: ``python -m qgru.export_c params.qgru out/gru --layer 0 --direction 0``.
 from __future__ import annotations
 
 import argparse
+import pickle
 import re
+import sys
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -434,7 +436,9 @@ static int64_t lookup(int64_t q, const int32_t *table, int in_bits, int k, int f
 """
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[List[str]] = None) -> int:
+    """The command line: 0 on success; a file that cannot be used, or bad arguments, print one
+    line ``python -m qgru.export_c: error: ...`` to stderr and return 1 (no traceback)."""
     ap = argparse.ArgumentParser(prog="python -m qgru.export_c", description=__doc__.split("\n")[0])
     ap.add_argument("params", help="a file written by QuantParams.save()")
     ap.add_argument("stem", help="output stem: writes STEM.h and STEM.c")
@@ -444,10 +448,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--golden-steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    paths = write_c(load_params(a.params), a.stem, layer=a.layer, direction=a.direction,
-                    golden_steps=a.golden_steps, seed=a.seed, prefix=a.prefix)
+    try:
+        paths = write_c(load_params(a.params), a.stem, layer=a.layer, direction=a.direction,
+                        golden_steps=a.golden_steps, seed=a.seed, prefix=a.prefix)
+    except (OSError, ValueError, pickle.UnpicklingError) as e:  # ParamsFileError is a ValueError
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 1
     print(*paths)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

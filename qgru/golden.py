@@ -51,6 +51,12 @@ class LayerParams:
     one_z: int                      # 1.0 on z's grid, relative to its zero point
     scale: Dict[str, torch.Tensor]  # float64 scales of x and h: used only at the float boundary
 
+    # A native backend caches the layer it prepared from these parameters in __dict__["_native"]
+    # (qgru/native.py, gru_direction). That cache is not part of the parameters: copies and
+    # pickles leave it out (a native Layer cannot be pickled), and the copy rebuilds its own.
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_native"}
+
     def to(self, device) -> "LayerParams":
         def mv(v):
             if isinstance(v, torch.Tensor):

@@ -10,6 +10,7 @@ the outputs dequantized on exit; everything in between is integer (docs/spec.md)
 """
 from __future__ import annotations
 
+import warnings
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -18,12 +19,32 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from .backends import current_backend
 from .config import QuantConfig
-from .convert import derive_layer_params
+from .convert import activation_qparams, derive_layer_params
 from .float_gru import float_direction
 from .golden import LayerParams
 from .observers import Observer
 
 _ACT_OBSERVED = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre")
+
+
+class QGRUInputError(RuntimeError, ValueError):
+    """An input or h0 that torch.nn.GRU refuses too (shape, sequence length, device): a
+    RuntimeError, as nn.GRU raises for these, so that code catching nn.GRU's errors still works
+    (and a ValueError, as qgru raised before)."""
+
+
+class QGRUDtypeError(TypeError, ValueError, RuntimeError):
+    """An input or h0 of the wrong dtype: torch.nn.GRU raises ValueError for the input's dtype and
+    RuntimeError for h0's; qgru raised TypeError before. This is all three."""
+
+
+class CalibrationWarning(UserWarning):
+    """convert() found a calibrated range that cannot be right (e.g. every value was 0)."""
+
+
+def _autocast_enabled() -> bool:
+    check = getattr(torch._C, "_is_any_autocast_enabled", None)  # what nn.GRU's check_input asks
+    return bool(check()) if check is not None else torch.is_autocast_enabled()
 
 
 def reverse_within_lengths(x: torch.Tensor, lengths: Optional[torch.Tensor]) -> torch.Tensor:
@@ -132,6 +153,7 @@ class QuantGRU(nn.GRU):
             for d in range(self.num_directions):
                 # integer parameters are derived on the CPU; _params_on() copies them to a device
                 ranges = {n: tuple(v.cpu() for v in o.range()) for n, o in self._observers[(layer, d)].items()}
+                self._warn_degenerate(layer, d, ranges)
                 weights = [w.detach().cpu() if w is not None else None for w in self._weights(layer, d)]
                 row.append(derive_layer_params(*weights, ranges, self.qconfig, prev))
             params.append(row)
@@ -139,6 +161,25 @@ class QuantGRU(nn.GRU):
         self._calibrating = False
         self._observers = None
         return self
+
+    def _warn_degenerate(self, layer: int, d: int, ranges) -> None:
+        """Warn (CalibrationWarning) about a calibrated range narrower than primitives.MIN_RANGE, 0
+        included (every value 0, e.g. an all-zero calibration batch): choose_qparams then makes up a
+        tiny grid around 0 and at inference every other value saturates at its ends, silently."""
+        from .primitives import MIN_RANGE
+        for n, (lo, hi) in ranges.items():
+            width = torch.clamp(hi, min=0) - torch.clamp(lo, max=0)
+            if bool((width >= MIN_RANGE).any()):  # per channel: one live channel is enough
+                continue
+            spec = self.qconfig[n]
+            scale, zp = activation_qparams(lo, hi, spec, self.hidden_size, self.qconfig.power_of_two)
+            qmin, qmax = -(1 << (spec.bits - 1)), (1 << (spec.bits - 1)) - 1
+            lo_f, hi_f = float(((qmin - zp) * scale).min()), float(((qmax - zp) * scale).max())
+            warnings.warn(f"qgru convert(): layer {layer}{' reverse' if d else ''} {n}: the calibrated range "
+                          f"[{float(lo.min()):.3g}, {float(hi.max()):.3g}] is degenerate (every calibration value "
+                          f"was {float(hi.max()):.3g}); its grid spans only [{lo_f:.3g}, {hi_f:.3g}], and values "
+                          "outside it saturate at inference. Calibrate with representative data.",
+                          CalibrationWarning, stacklevel=3)
 
     def _set_params(self, params: List[List[LayerParams]]) -> None:
         self._qparams = params
@@ -171,28 +212,45 @@ class QuantGRU(nn.GRU):
         return self._finish(out, h_n, input, unbatched, packed)
 
     def _check_input(self, input, hx) -> None:
+        """Refuse what torch.nn.GRU refuses, with the exception types it raises (QGRUInputError,
+        QGRUDtypeError). A converted module takes any floating-point input and h0 (they are
+        quantized on entry); the float modes, which compute with the weights, need the weights'."""
         data = input.data if isinstance(input, PackedSequence) else input
         if not isinstance(data, torch.Tensor):
             raise TypeError(f"QuantGRU expects a Tensor or PackedSequence, got {type(input).__name__}")
-        if not data.is_floating_point():
-            raise TypeError(f"QuantGRU input must be a floating-point tensor, got {data.dtype}")
         w = self.weight_ih_l0
+        # nn.GRU's forward, or the float reference while calibrating, compute with the weights'
+        # dtype (nn.GRU lets autocast cast for it, and so does a QuantGRU in float mode)
+        float_math = self._calibrating or (not self.is_converted and not _autocast_enabled())
+        if not data.is_floating_point():
+            raise QGRUDtypeError(f"QuantGRU input must be a floating-point tensor, got {data.dtype}")
+        if float_math and data.dtype != w.dtype:
+            raise QGRUDtypeError(f"QuantGRU input dtype ({data.dtype}) does not match the weight dtype ({w.dtype}): "
+                                 f"convert the input with input.to({w.dtype}), or the model with "
+                                 f"model.to({data.dtype})")
         if data.device != w.device:
-            raise ValueError(f"input is on {data.device} but the module is on {w.device}")
+            raise QGRUInputError(f"input is on {data.device} but the module is on {w.device}")
         if isinstance(input, PackedSequence):
             if data.dim() != 2:
-                raise ValueError(f"PackedSequence data must be 2-D (sum of lengths, input_size), got {tuple(data.shape)}")
+                raise QGRUInputError(f"PackedSequence data must be 2-D (sum of lengths, input_size), "
+                                     f"got {tuple(data.shape)}")
         elif data.dim() not in (2, 3):
-            raise ValueError(f"QuantGRU expects 2-D (unbatched) or 3-D input, got {data.dim()}-D "
-                             f"of shape {tuple(data.shape)}")
+            raise QGRUInputError(f"QuantGRU expects 2-D (unbatched) or 3-D input, got {data.dim()}-D "
+                                 f"of shape {tuple(data.shape)}")
         if data.shape[-1] != self.input_size:
-            raise ValueError(f"input size mismatch: expected last dimension {self.input_size}, "
-                             f"got {data.shape[-1]} (shape {tuple(data.shape)})")
+            raise QGRUInputError(f"input size mismatch: expected last dimension {self.input_size}, "
+                                 f"got {data.shape[-1]} (shape {tuple(data.shape)})")
+        if not isinstance(input, PackedSequence) and data.shape[1 if self.batch_first and data.dim() == 3 else 0] == 0:
+            raise QGRUInputError(f"QuantGRU expects a sequence of at least one step, got an input of shape "
+                                 f"{tuple(data.shape)} (sequence length 0; torch.nn.GRU refuses it too)")
         if hx is not None:
             if not isinstance(hx, torch.Tensor) or not hx.is_floating_point():
-                raise TypeError("h0 must be a floating-point tensor")
+                raise QGRUDtypeError("h0 must be a floating-point tensor" +
+                                     (f", got {hx.dtype}" if isinstance(hx, torch.Tensor) else ""))
+            if float_math and hx.dtype != data.dtype:
+                raise QGRUDtypeError(f"h0 dtype ({hx.dtype}) does not match the input dtype ({data.dtype})")
             if hx.device != w.device:
-                raise ValueError(f"h0 is on {hx.device} but the module is on {w.device}")
+                raise QGRUInputError(f"h0 is on {hx.device} but the module is on {w.device}")
             batched = isinstance(input, PackedSequence) or data.dim() == 3
             if batched:
                 n = int(input.batch_sizes[0]) if isinstance(input, PackedSequence) else \
@@ -201,7 +259,7 @@ class QuantGRU(nn.GRU):
             else:
                 expect = (self.num_layers * self.num_directions, self.hidden_size)
             if tuple(hx.shape) != expect:
-                raise ValueError(f"h0 must have shape {expect}, got {tuple(hx.shape)}")
+                raise QGRUInputError(f"h0 must have shape {expect}, got {tuple(hx.shape)}")
 
     def _prepare(self, input, hx):
         """-> time-major float x [T, N, I], lengths or None, h0 [L*D, N, H], flags."""

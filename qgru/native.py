@@ -498,10 +498,19 @@ class NativeLayer:
         return self.layer.forward(qx, qh0, lengths)
 
 
+def resolved(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t`` with its lazy view state applied: a negative or conjugate view (torch._neg_view(x),
+    x.conj().imag) stores values whose sign torch applies only when it reads them. Native code reads
+    the raw memory behind data_ptr(), so every tensor is resolved before it is handed over (a no-op,
+    no copy, for an ordinary tensor)."""
+    return None if t is None else t.resolve_conj().resolve_neg()
+
+
 def gru_direction(kind: str, isa: Optional[str] = None):
     """A backend's gru_direction(p, qx, qh0, lengths): the native Layer is made once per LayerParams
     and CPU path (``isa``: see NativeLayer)."""
     def run(p: LayerParams, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor] = None):
+        qx, qh0, lengths = resolved(qx), resolved(qh0), resolved(lengths)
         cache = p.__dict__.setdefault("_native", {})
         key = (kind, str(qx.device), (cpu_isa_request() if isa is None else isa) if kind == "cpu" else "")
         if key not in cache:
@@ -543,4 +552,4 @@ def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torc
                          float(int(p.zp["h"])), float(p.bits["h"]), float(m), float(s)])
         plan = ([_cpu_layer(p, req).layer for (p,) in params], rows)
         cache[("cpu-stack", req)] = plan
-    return load("cpu").stack_forward(plan[0], x, hx, plan[1])
+    return load("cpu").stack_forward(plan[0], resolved(x), resolved(hx), plan[1])

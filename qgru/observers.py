@@ -42,6 +42,7 @@ class Observer:
         self.min: Optional[torch.Tensor] = None
         self.max: Optional[torch.Tensor] = None
         self.count = 0  # number of observed values
+        self.calls = 0  # number of forward calls (batches) closed by end_call
         self._call_min: Optional[torch.Tensor] = None
         self._call_max: Optional[torch.Tensor] = None
 
@@ -68,6 +69,7 @@ class Observer:
 
     def end_call(self) -> None:
         """Close one forward call (one calibration batch)."""
+        self.calls += 1
         if self._call_min is not None:
             self._fold(self._call_min, self._call_max)
         self._call_min = self._call_max = None
@@ -114,6 +116,9 @@ class Observer:
     def range(self):
         """(min, max) as float64 tensors; raises if nothing was observed."""
         if self.min is None:
+            if self.calls:
+                raise RuntimeError(f"observer {self.name!r} saw no data in {self.calls} calibration batch(es): "
+                                   "each held no values (batch size 0); calibrate with batches that hold data")
             raise RuntimeError(f"observer {self.name!r} saw no data: run qgru.calibrate() with at "
                                "least one batch before convert()")
         return self.min, self.max

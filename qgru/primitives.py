@@ -82,6 +82,12 @@ def rounding_mul_shift(x: torch.Tensor, multiplier: torch.Tensor, shift: torch.T
     return (x * multiplier.to(torch.int64) + rounding) >> shift
 
 
+def multiplier_bits(x_bits: int) -> int:
+    """Bits of the multiplier of a factor whose operand satisfies |x| < 2**x_bits (docs/spec.md
+    section 3): min(31, 62 - x_bits), so that x * multiplier fits in int64."""
+    return min(MULT_BITS_MAX, MULT_BITS_TOTAL - x_bits)
+
+
 def quantize_multiplier(real: float, x_bits: int, power_of_two: bool = False) -> Tuple[int, int]:
     """Represent a positive real rescale factor as (multiplier, shift): real ~= multiplier / 2**shift.
 
@@ -96,7 +102,7 @@ def quantize_multiplier(real: float, x_bits: int, power_of_two: bool = False) ->
     """
     if not (real > 0 and math.isfinite(real)):
         raise ValueError(f"rescale factor must be positive and finite, got {real}")
-    bits = min(MULT_BITS_MAX, MULT_BITS_TOTAL - x_bits)
+    bits = multiplier_bits(x_bits)
     if bits < 8:
         raise ValueError(f"operand of {x_bits} bits leaves only {bits} multiplier bits")
     mantissa, exponent = math.frexp(real)  # real = mantissa * 2**exponent, mantissa in [0.5, 1)

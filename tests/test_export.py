@@ -164,7 +164,7 @@ def test_to_dict_plain_values(case):
         if isinstance(v, torch.Tensor):
             assert v.dtype == _expected_storage_dtype(k, m.qconfig), (k, v.dtype)
     meta = json.loads(d["meta"])
-    assert meta["format_version"] == 1
+    assert meta["format_version"] == qgru.export.FORMAT_VERSION == 2
     assert meta["num_layers"] == m.num_layers and meta["bidirectional"] == m.bidirectional
     assert meta["config"] == m.qconfig.to_dict()
 

@@ -91,8 +91,8 @@ struct Gemm {
   int64_t P = 0, K = 0, M_pad = 0, groups = 0, lda = 0;
   int n_act = 1, bits = 8, direct = 0;
 
-  void init(const LayerTensors& lt, const std::string& k_name, const Kernels* kern, int64_t H, int act_bits,
-            int act_direct) {
+  void init(const LayerTensors& lt, const std::string& k_name, const Kernels* kern, int64_t H, int64_t K_real,
+            int act_bits, int act_direct) {
     k = kern;
     bits = act_bits;
     direct = act_direct;
@@ -103,6 +103,11 @@ struct Gemm {
                 "_weight_limbs must be contiguous int8 [L, M, K]");
     M_pad = w.size(1);
     const int64_t K_pad = w.size(2);
+    if (direct) {  // a whole 16-bit activation: the int32 sums must be exact (native.direct16_fits)
+      const int64_t max_w = w.numel() ? w.abs().max().item<int64_t>() : 0;
+      TORCH_CHECK(w.size(0) == 1 && K_real * 32768 * max_w < (int64_t(1) << 31), "qgru: ", k_name,
+                  "_direct16 needs one weight limb with K 2^15 max|w| < 2^31");
+    }
     K = K_pad;
     lda = round_up(std::max<int64_t>(K, 1), cpu::kKAlign);
     groups = ceil_div(M_pad, k->group);
@@ -201,8 +206,8 @@ class CpuLayer {
     h_bits_ = (int32_t)lt_.value("h_bits");
     pow2_ = lt_.value("pow2") != 0;
     acc32_ = lt_.value("acc32") != 0;
-    wx_.init(lt_, "x", k_, H_, x_bits_, (int)lt_.value("x_direct16"));
-    rh_.init(lt_, "h", k_, H_, h_bits_, (int)lt_.value("h_direct16"));
+    wx_.init(lt_, "x", k_, H_, I_, x_bits_, (int)lt_.value("x_direct16"));
+    rh_.init(lt_, "h", k_, H_, H_, h_bits_, (int)lt_.value("h_direct16"));
     acc_x_ = lt_.acc("Wx");
     acc_x32_ = lt_.acc32("Wx");
     cell_ = lt_.cell();
