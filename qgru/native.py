@@ -538,7 +538,10 @@ def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torc
         return None
     req = cpu_isa_request()
     cache = params[0][0].__dict__.setdefault("_native", {})  # beside the first layer's Layers
-    plan = cache.get(("cpu-stack", req))
+    # keyed by the stack's layers too: one LayerParams may head stacks of other depths (qgru.compare
+    # runs a model's first layers alone)
+    key = ("cpu-stack", req, tuple(id(p) for (p,) in params))
+    plan = cache.get(key)
     if plan is None:
         rows = []
         for layer, (p,) in enumerate(params):
@@ -551,5 +554,5 @@ def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torc
             rows.append([float(p.scale["x"]), float(int(p.zp["x"])), float(p.bits["x"]), float(p.scale["h"]),
                          float(int(p.zp["h"])), float(p.bits["h"]), float(m), float(s)])
         plan = ([_cpu_layer(p, req).layer for (p,) in params], rows)
-        cache[("cpu-stack", req)] = plan
+        cache[key] = plan
     return load("cpu").stack_forward(plan[0], resolved(x), resolved(hx), plan[1])
