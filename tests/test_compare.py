@@ -53,6 +53,7 @@ def test_sqnr_and_cosine_by_hand():
     assert m.err2 == 0 and m.n == 1
 
 
+@pytest.mark.filterwarnings("ignore::qgru.CalibrationWarning")  # all-zero calibration, on purpose
 def test_exact_model_is_inf_everywhere():
     """Zero weights and zero input: h stays 0, r = z = 1/2, g = 0, all exact on their grids."""
     gru = nn.GRU(3, 4)

@@ -507,6 +507,11 @@ def test_module_bit_exact(kind, cfg, I, H, layers, bidirectional, batch_first, f
             h0 = torch.randn(layers * D, N, H, generator=gen)
     if h0 is not None:
         h0 = _far_inputs(h0, scale, inf, gen)  # h0 may be outside the h grid too: it saturates
+    if T == 0 and form != "packed":  # nn.GRU refuses a sequence of length 0, so does every backend
+        for k, dev in (("reference", torch.device("cpu")), (kind, _device(kind))):
+            with pytest.raises(qgru.QGRUInputError, match="at least one step"):
+                _run(m, k, dev, x, h0)
+        return
     want = _run(m, "reference", torch.device("cpu"), x, h0)
     fresh = seed % 2 == 0  # else reuse the Layers made by earlier examples on this cached module
     if fresh:
@@ -536,11 +541,17 @@ def test_module_bit_exact_large_bidirectional(kind, cfg, mode):
 @pytest.mark.parametrize("T", [0, 1])
 @pytest.mark.parametrize("unbatched", [False, True])
 def test_module_bit_exact_degenerate_lengths(kind, T, unbatched):
-    """T = 0 (the reference returns an empty output and h_n = h0 requantized) and T = 1."""
+    """T = 0 (refused on every backend, as nn.GRU refuses it; the integer level, gru_direction, runs
+    it: an empty output and h_n = h0) and T = 1."""
     m = _converted(_cfg("w8a16"), 6, 5, 2, True, False, 0)
     x = torch.randn(T, 6) if unbatched else torch.randn(T, 1, 6)
     h0 = torch.randn(4, 5) if unbatched else torch.randn(4, 1, 5)
     for h in (None, h0):
+        if T == 0:
+            for k, dev in (("reference", torch.device("cpu")), (kind, _device(kind))):
+                with pytest.raises(qgru.QGRUInputError, match="at least one step"):
+                    _run(m, k, dev, x, h)
+            continue
         want = _run(m, "reference", torch.device("cpu"), x, h)
         assert want[0].shape[0] == T
         _assert_same(_run(m, kind, _device(kind), x, h), want)
