@@ -18,10 +18,11 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from .backends import current_backend
 from .config import QuantConfig
-from .convert import derive_layer_params
+from .convert import activation_qparams, derive_layer_params
 from .float_gru import float_direction
 from .golden import LayerParams
 from .observers import Observer
+from .primitives import qrange
 
 _ACT_OBSERVED = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre")
 
@@ -55,6 +56,8 @@ class QuantGRU(nn.GRU):
         self._calibrating = False
         self._qparams: Optional[List[List[LayerParams]]] = None
         self._qparams_on: Dict[str, List[List[LayerParams]]] = {}
+        # after convert(): what calibration saw ("l0.fwd.x.seen_min", ...; qgru.compare reads it)
+        self._calib: Dict[str, torch.Tensor] = {}
 
     # ---- construction -----------------------------------------------------------------------
     @classmethod
@@ -109,7 +112,8 @@ class QuantGRU(nn.GRU):
                 for n in _ACT_OBSERVED:
                     per_channel = self.qconfig[n].granularity in ("per_gate", "per_channel")
                     label = f"layer {layer}{' reverse' if d else ''} {n}"
-                    obs[n] = Observer(label, obs_spec.kind, obs_spec.momentum, H3 if per_channel else 0)
+                    obs[n] = Observer(label, obs_spec.kind, obs_spec.momentum, H3 if per_channel else 0,
+                                      obs_spec.percentile)
                 self._observers[(layer, d)] = obs
         self._calibrating = True
 
@@ -126,19 +130,42 @@ class QuantGRU(nn.GRU):
             for o in obs.values():
                 o.sync()
         params: List[List[LayerParams]] = []
+        calib: Dict[str, torch.Tensor] = {}
         for layer in range(self.num_layers):
             row = []
             prev = [] if layer == 0 else [(p.scale["h"], p.zp["h"]) for p in params[layer - 1]]
             for d in range(self.num_directions):
                 # integer parameters are derived on the CPU; _params_on() copies them to a device
-                ranges = {n: tuple(v.cpu() for v in o.range()) for n, o in self._observers[(layer, d)].items()}
+                obs = self._observers[(layer, d)]
+                ranges = {n: tuple(v.cpu() for v in o.range()) for n, o in obs.items()}
                 weights = [w.detach().cpu() if w is not None else None for w in self._weights(layer, d)]
                 row.append(derive_layer_params(*weights, ranges, self.qconfig, prev))
+                calib.update(self._calibration_record(layer, d, obs, ranges))
             params.append(row)
         self._set_params(params)
+        self._calib = calib
         self._calibrating = False
         self._observers = None
         return self
+
+    def _calibration_record(self, layer: int, d: int, obs: Dict[str, Observer], ranges) -> Dict[str, torch.Tensor]:
+        """What calibration saw, per calibrated tensor (for qgru.compare): the observer's range, the
+        exact extremes of the calibration data, and how many of its values lie beyond the grid
+        convert() chose (more than half a step past an end: they saturate), counted from the
+        observer's histogram."""
+        out = {}
+        pre = f"l{layer}.{'rev' if d else 'fwd'}."
+        for n, o in obs.items():
+            spec = self.qconfig[n]
+            S, Z = activation_qparams(*ranges[n], spec, self.hidden_size, self.qconfig.power_of_two)
+            qlo, qhi = qrange(spec.bits)
+            lo_edge, hi_edge = (qlo - Z - 0.5) * S, (qhi - Z + 0.5) * S
+            out[pre + n + ".range_min"], out[pre + n + ".range_max"] = ranges[n]
+            out[pre + n + ".seen_min"] = o.seen_min.cpu()
+            out[pre + n + ".seen_max"] = o.seen_max.cpu()
+            out[pre + n + ".count"] = torch.tensor(o.count, dtype=torch.int64)
+            out[pre + n + ".clipped"] = torch.tensor(o.count_outside(lo_edge, hi_edge), dtype=torch.int64)
+        return out
 
     def _set_params(self, params: List[List[LayerParams]]) -> None:
         self._qparams = params
