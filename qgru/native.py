@@ -434,8 +434,16 @@ class NativeLayer:
 
 def gru_direction(kind: str, amx: Optional[bool] = None):
     """A backend's gru_direction(p, qx, qh0, lengths): the native Layer is made once per LayerParams
-    (``amx``: see NativeLayer)."""
+    (``amx``: see NativeLayer).
+
+    Under torch.inference_mode() the Layer is made and run with inference mode off: it keeps
+    workspaces (and the CUDA backend its buffers) from call to call, and a workspace made as an
+    inference tensor could not be written by a later call outside inference mode (a Lightning
+    predict, which runs under inference_mode, followed by any other call)."""
     def run(p: LayerParams, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor] = None):
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad():
+                return run(p, qx, qh0, lengths)
         cache = p.__dict__.setdefault("_native", {})
         key = (kind, str(qx.device), cpu_amx_enabled() if amx is None else amx)
         if key not in cache:

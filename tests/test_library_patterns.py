@@ -123,3 +123,134 @@ def test_compare_names_the_observer_that_clips_its_own_calibration_data():
     r2 = qgru.compare(model, q2, [series], verbose=False, progress=False)
     assert r2.worst()["reason"] != "observer"
     assert all((r["calib_clip"] or 0.0) == 0.0 for r in r2.rows if r["tensor"] in CALIBRATED)
+
+
+# =============================================================================================
+# 1. torch.inference_mode (Lightning's predict) before, between and after other calls
+# =============================================================================================
+@pytest.fixture(params=["reference", "cpu", "cpu:onednn", "cuda"])
+def backend_kind(request, monkeypatch):
+    """Each backend ("cpu:onednn": the cpu backend with AMX off), skipped where unavailable."""
+    name = request.param.split(":")[0]
+    why = qgru.backends()[name]["why"]
+    if why:
+        pytest.skip(f"{name} backend unavailable: {why}")
+    if request.param == "cpu:onednn":
+        monkeypatch.setenv("QGRU_CPU_AMX", "0")
+    return request.param
+
+
+def _device(kind: str) -> torch.device:
+    return torch.device("cuda" if kind == "cuda" else "cpu")
+
+
+MODES = {
+    "inference_mode": torch.inference_mode,
+    "no_grad": torch.no_grad,
+    "grad": torch.enable_grad,
+}
+
+
+def _converted(config: str = "w8a8", seed: int = 0) -> qgru.QuantParams:
+    torch.manual_seed(seed)
+    m = qgru.QuantGRU(3, 8, num_layers=2, batch_first=True, config=config)
+    qgru.calibrate(m, [torch.randn(4, 6, 3) for _ in range(2)], progress=False)
+    return m.convert().export()
+
+
+@pytest.mark.parametrize("config", ["w8a8", "w16a16"])
+def test_every_order_of_inference_mode_no_grad_and_grad(backend_kind, config):
+    """The first call of a shape under inference_mode used to leave inference tensors in the cpu
+    backend's reused buffers, and the next call of that shape outside it failed ("Inplace update to
+    inference tensor outside InferenceMode"). Every order of three modes, two shapes (the cpu
+    backend's few-rows loop and its GEMM path), a fresh model each time; results bit-identical to
+    plain calls, and outside inference_mode never an inference tensor."""
+    import itertools
+    dev = _device(backend_kind)
+    params = _converted(config)
+    plain = params.to_module().to(dev)
+    for i, order in enumerate(itertools.product(MODES, repeat=3)):
+        # shapes no call has used yet (the cpu backend's quantize buffers are kept per shape and
+        # thread, across modules), and the expected values from the reference backend, which keeps
+        # no buffers: the first call of each shape is this order's first
+        T, k = 2 + i % 9, i // 9
+        xs = [torch.randn(1 + k, T, 3, device=dev), torch.randn(17 + k, T, 3, device=dev)]
+        with qgru.backend("reference"), torch.no_grad():
+            want = [plain(x) for x in xs]
+        m = params.to_module().to(dev)  # fresh: no layer buffer made yet
+        with qgru.backend(backend_kind.split(":")[0]):
+            for mode in order:
+                for x, (w_out, w_h) in zip(xs, want):
+                    with MODES[mode]():
+                        out, h = m(x)
+                    assert torch.equal(out, w_out) and torch.equal(h, w_h), (order, mode)
+                    if mode != "inference_mode":
+                        assert not out.is_inference() and not h.is_inference(), (order, mode)
+                        out.add_(1.0)  # the caller may write its result in place
+                        h.mul_(2.0)
+
+
+class LitForecaster(nn.Module):
+    """A LightningModule stand-in: predict_step as Lightning's predict loop runs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(3, 8, batch_first=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, h=None):
+        out, h = self.gru(x, h)
+        return self.head(out), h
+
+    def predict_step(self, batch):
+        return self(batch)
+
+
+def lightning_predict(model: nn.Module, batches):
+    """What Trainer.predict does around predict_step: eval mode, torch.inference_mode."""
+    model.eval()
+    with torch.inference_mode():
+        return [model.predict_step(b) for b in batches]
+
+
+def test_lightning_predict_then_plain_calls_then_streaming(backend_kind):
+    dev = _device(backend_kind)
+    torch.manual_seed(1)
+    q = qgru.quantize_model(LitForecaster(), [torch.randn(4, 6, 3) for _ in range(2)], progress=False).to(dev)
+    x = torch.randn(3, 31, 3, device=dev)  # a shape no other test uses
+    with qgru.backend("reference"), torch.no_grad():  # keeps no buffers
+        want_y, want_h = q(x)
+    with qgru.backend(backend_kind.split(":")[0]):
+        (y, h), = lightning_predict(q, [x])  # first call of this shape: under inference_mode
+        assert y.is_inference() and torch.equal(y, want_y) and torch.equal(h, want_h)
+        for ctx in (torch.no_grad, torch.enable_grad, torch.no_grad):  # the issue: this raised
+            with ctx():
+                y2, h2 = q(x)
+            assert torch.equal(y2, want_y) and torch.equal(h2, want_h) and not y2.is_inference()
+        # a state from inference_mode passed back as h0 outside it (streaming after a predict)
+        with torch.no_grad():
+            a, h_a = q(x[:, :11])
+            b, _ = q(x[:, 11:], h_a)
+        with torch.inference_mode():
+            _, h_i = q(x[:, :11])
+        with torch.no_grad():
+            b2, _ = q(x[:, 11:], h_i)
+        assert torch.equal(b, b2) and torch.equal(b, want_y[:, 11:])
+
+
+def test_cpu_quantize_buffers_are_never_inference_tensors():
+    """The cpu boundary's reused quantize buffers (and the layer's output buffer) are made outside
+    inference mode: a buffer first made under inference_mode is handed out, and writable, later."""
+    why = qgru.backends()["cpu"]["why"]
+    if why:
+        pytest.skip(f"cpu backend unavailable: {why}")
+    from qgru import native
+    mod = native.load("cpu")
+    x = torch.randn(7, 5, 3)
+    with torch.inference_mode():
+        q_inf = mod.quantize(x, 0.05, 3, 8, "input")
+    want = q_inf.clone()
+    del q_inf  # its buffer may now be reused
+    q = mod.quantize(x, 0.05, 3, 8, "input")
+    assert not q.is_inference() and torch.equal(q, want)
+    q.add_(1)
