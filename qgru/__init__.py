@@ -1,6 +1,6 @@
 """qgru: a quantized, integer-only drop-in replacement for torch.nn.GRU."""
 from .backends import backend, backends
-from .calibrate import calibrate, quantize_model
+from .calibrate import calibrate, prepare_model, quantize_model
 from .compare import CompareReport, compare
 from .config import QuantConfig, TensorSpec
 from .export import QuantParams, load_params
@@ -8,6 +8,6 @@ from .module import QuantGRU
 from .observers import NonFiniteCalibrationError
 
 __version__ = "0.1.0"
-__all__ = ["QuantGRU", "QuantConfig", "TensorSpec", "QuantParams", "calibrate", "quantize_model",
+__all__ = ["QuantGRU", "QuantConfig", "TensorSpec", "QuantParams", "calibrate", "quantize_model", "prepare_model",
            "load_params", "backends", "backend", "NonFiniteCalibrationError", "compare",
            "CompareReport", "__version__"]

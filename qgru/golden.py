@@ -51,6 +51,11 @@ class LayerParams:
     one_z: int                      # 1.0 on z's grid, relative to its zero point
     scale: Dict[str, torch.Tensor]  # float64 scales of x and h: used only at the float boundary
 
+    def __getstate__(self):
+        # a native backend's Layer, cached here by qgru.native, is rebuilt on first use: pickling
+        # and deep copies (of a converted model) leave it out
+        return {k: v for k, v in self.__dict__.items() if k != "_native"}
+
     def to(self, device) -> "LayerParams":
         def mv(v):
             if isinstance(v, torch.Tensor):

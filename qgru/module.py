@@ -42,6 +42,36 @@ def reverse_within_lengths(x: torch.Tensor, lengths: Optional[torch.Tensor]) -> 
     return x.gather(0, idx)
 
 
+_QUANTIZED_CLASSES: Dict[type, type] = {}
+
+
+def quantized_class(cls: type) -> type:
+    """The QuantGRU class for a GRU class: QuantGRU for nn.GRU; for a subclass ``C`` of nn.GRU, a
+    class ``QuantC(C, QuantGRU)`` (made once per class): C's forward and methods come first, and
+    its ``super().forward(...)`` reaches QuantGRU's forward, which runs nn.GRU's in float mode and
+    the integer GRU once converted."""
+    if not (isinstance(cls, type) and issubclass(cls, nn.GRU)):
+        raise TypeError(f"quantized_class expects torch.nn.GRU or a subclass, got {cls!r}")
+    if cls is nn.GRU:
+        return QuantGRU
+    if issubclass(cls, QuantGRU):
+        return cls
+    if cls not in _QUANTIZED_CLASSES:
+        import types
+        name = f"Quant{cls.__name__}"
+        q = types.new_class(name, (cls, QuantGRU), {}, lambda ns: ns.update(
+            {"__module__": __name__, "__qualname__": name, "_qgru_float_class": cls,
+             "__doc__": f"{cls.__module__}.{cls.__qualname__}, quantized by qgru (see qgru.QuantGRU)"}))
+        _QUANTIZED_CLASSES[cls] = q
+    return _QUANTIZED_CLASSES[cls]
+
+
+def _new_quantized_instance(float_cls: type):
+    """Unpickling and deep-copying an instance of a quantized_class(): an empty one to fill."""
+    q = quantized_class(float_cls)
+    return q.__new__(q)
+
+
 class QuantGRU(nn.GRU):
     """torch.nn.GRU's signature, parameters and state_dict, plus ``config`` (see qgru.QuantConfig)."""
 
@@ -51,6 +81,11 @@ class QuantGRU(nn.GRU):
         super().__init__(input_size, hidden_size, num_layers=num_layers, bias=bias,
                          batch_first=batch_first, dropout=dropout, bidirectional=bidirectional,
                          device=device, dtype=dtype)
+        self._init_quant_state(config)
+
+    def _init_quant_state(self, config) -> None:
+        """The attributes QuantGRU adds to an nn.GRU (also given to a GRU subclass's instance that
+        becomes its quantized class, see quantized_class)."""
         self.qconfig = QuantConfig.load(config)
         self._observers: Optional[Dict[Tuple[int, int], Dict[str, Observer]]] = None
         self._calibrating = False
@@ -71,6 +106,31 @@ class QuantGRU(nn.GRU):
         m.load_state_dict(gru.state_dict())
         m.train(gru.training)
         return m
+
+    @classmethod
+    def from_gru(cls, gru: nn.GRU, config: Union[str, dict, QuantConfig] = "w8a8") -> "QuantGRU":
+        """``gru`` itself made a QuantGRU, keeping its class: a plain nn.GRU becomes a QuantGRU (a
+        copy, see from_float), an instance of a subclass (a library's ``class GRU(nn.GRU)`` with its
+        own forward and methods) becomes an instance of ``quantized_class(type(gru))``, in place:
+        its attributes, parameters and methods stay; its forward must reach nn.GRU's through
+        ``super().forward(...)``, which is then QuantGRU's."""
+        if isinstance(gru, QuantGRU):
+            raise TypeError(f"{type(gru).__name__} is already a QuantGRU")
+        if type(gru) is nn.GRU:
+            return cls.from_float(gru, config)
+        if not isinstance(gru, nn.GRU):
+            raise TypeError(f"from_gru expects a torch.nn.GRU, got {type(gru).__name__}")
+        gru.__class__ = quantized_class(type(gru))
+        QuantGRU._init_quant_state(gru, config)
+        return gru
+
+    def __reduce_ex__(self, protocol):
+        # a class made by quantized_class() cannot be found by name when unpickling: rebuild it
+        # from the float class it was made from (which can), then restore the instance's state
+        float_cls = type(self).__dict__.get("_qgru_float_class")
+        if float_cls is None:
+            return super().__reduce_ex__(protocol)
+        return _new_quantized_instance, (float_cls,), self.__getstate__()
 
     def to_float(self) -> nn.GRU:
         """A plain torch.nn.GRU with this module's float parameters."""

@@ -254,3 +254,149 @@ def test_cpu_quantize_buffers_are_never_inference_tensors():
     q = mod.quantize(x, 0.05, 3, 8, "input")
     assert not q.is_inference() and torch.equal(q, want)
     q.add_(1)
+
+
+# =============================================================================================
+# 2. A library's own GRU class (pytorch-forecasting: `class GRU(RNN, nn.GRU)`, forward(lengths=))
+# =============================================================================================
+from abc import ABC, abstractmethod  # noqa: E402
+
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence  # noqa: E402
+
+
+class LibRNN(ABC, nn.RNNBase):
+    """pytorch-forecasting's pattern: an abstract mixin over nn.RNNBase whose forward takes
+    ``lengths=`` and packs the input itself, calling ``super().forward``."""
+
+    @abstractmethod
+    def init_hidden_state(self, x: torch.Tensor) -> torch.Tensor:
+        ...
+
+    def forward(self, x, hx=None, lengths=None, enforce_sorted: bool = True):
+        if isinstance(x, PackedSequence) or lengths is None:
+            return super().forward(x, hx=hx)
+        if int(lengths.max()) == 0:
+            return torch.zeros(*x.shape[:2], self.hidden_size), self.init_hidden_state(x)
+        packed = pack_padded_sequence(x, lengths.clamp(min=1).cpu(), batch_first=self.batch_first,
+                                      enforce_sorted=enforce_sorted)
+        out, h = super().forward(packed, hx=hx)
+        out, _ = pad_packed_sequence(out, batch_first=self.batch_first, total_length=x.shape[1])
+        return out, h
+
+
+class LibGRU(LibRNN, nn.GRU):
+    def init_hidden_state(self, x):
+        n = x.shape[0] if self.batch_first else x.shape[1]
+        return torch.zeros(self.num_layers, n, self.hidden_size, device=x.device)
+
+    def repeat_interleave(self, h: torch.Tensor, n_samples: int) -> torch.Tensor:
+        return h.repeat_interleave(n_samples, 1)
+
+
+class DeepARLike(nn.Module):
+    """Encoder with lengths, then a decoder that samples n paths step by step from repeated states."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = LibGRU(2, 12, num_layers=2, batch_first=True)
+        self.rnn.note = "kept"  # an attribute the library set on its module
+        self.head = nn.Linear(12, 2)
+
+    def forward(self, x, lengths):
+        out, h = self.rnn(x, lengths=lengths, enforce_sorted=False)
+        return self.head(out), h
+
+    def sample(self, x, lengths, n_samples: int, steps: int, generator: torch.Generator):
+        _, h = self.rnn(x, lengths=lengths, enforce_sorted=False)
+        h = self.rnn.repeat_interleave(h, n_samples)
+        last = x[torch.arange(x.shape[0]), lengths - 1].repeat_interleave(n_samples, 0).unsqueeze(1)
+        paths = []
+        for _ in range(steps):
+            out, h = self.rnn(last, h)
+            mu, log_sigma = self.head(out).unbind(-1)
+            y = mu + log_sigma.exp() * torch.randn(mu.shape, generator=generator)
+            last = torch.stack([y, mu], dim=-1)
+            paths.append(y)
+        return torch.cat(paths, dim=1)
+
+
+def _lib_batches(n: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(5, 9, 2, generator=g), torch.tensor([9, 4, 7, 1, 9])) for _ in range(n)]
+
+
+def test_quantize_model_keeps_a_gru_subclass_and_its_methods():
+    torch.manual_seed(3)
+    model = DeepARLike().eval()
+    q = qgru.quantize_model(model, _lib_batches(), progress=False)
+    rnn = q.rnn
+    assert isinstance(rnn, LibGRU) and isinstance(rnn, qgru.QuantGRU) and rnn.is_converted
+    assert type(rnn).__name__ == "QuantLibGRU" and rnn.note == "kept"
+    assert type(model.rnn) is LibGRU and not hasattr(model.rnn, "qconfig")  # the original is untouched
+    x, lengths = _lib_batches(1, seed=9)[0]
+    with torch.no_grad():
+        y_f, h_f = model(x, lengths)
+        y_q, h_q = q(x, lengths)  # the library's forward, with lengths=: the issue's TypeError
+        with qgru.backend("reference"):  # the integer GRU ran: the golden model gives the same bits
+            y_r, h_r = q(x, lengths)
+    assert torch.equal(y_q, y_r) and torch.equal(h_q, h_r)
+    assert not torch.equal(h_q, h_f) and _sqnr(h_f, h_q) > 25.0
+    # the same integer GRU as a plain QuantGRU with the same parameters, called as the library does
+    plain = rnn.export().to_module()
+    packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+    assert torch.equal(plain(packed)[1], h_q)
+    # sampling as DeepAR does: repeat_interleave of the state, then 1-step calls
+    with torch.no_grad():
+        paths_f = model.sample(x, lengths, 4, 6, torch.Generator().manual_seed(0))
+        paths_q = q.sample(x, lengths, 4, 6, torch.Generator().manual_seed(0))
+    assert paths_q.shape == (20, 6) and torch.isfinite(paths_q).all()
+    assert _sqnr(paths_f, paths_q) > 15.0
+
+
+def test_a_bare_gru_subclass_and_an_unconverted_one_behave_as_the_float_one():
+    torch.manual_seed(4)
+    gru = LibGRU(2, 6, batch_first=True).eval()
+    x, lengths = _lib_batches(1)[0]
+    kw = dict(lengths=lengths, enforce_sorted=False)
+    prepared = qgru.prepare_model(gru)  # float mode: exactly the library's module
+    assert isinstance(prepared, qgru.QuantGRU) and not prepared.is_converted
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(prepared(x, **kw), gru(x, **kw)))
+    q = qgru.quantize_model(gru, [b[0] for b in _lib_batches()], progress=False)  # called as gru(x)
+    assert isinstance(q, LibGRU) and q.is_converted
+    with torch.no_grad():
+        assert _sqnr(gru(x, **kw)[1], q(x, **kw)[1]) > 25.0
+
+
+class BypassGRU(nn.GRU):
+    """A subclass that runs torch's GRU itself instead of through super().forward."""
+
+    def forward(self, x, hx=None):
+        return nn.GRU.forward(self, x, hx)
+
+
+def test_a_subclass_that_bypasses_super_forward_is_an_error_not_a_float_model():
+    model = nn.Sequential(BypassGRU(2, 4))
+    with pytest.raises(TypeError, match=r"BypassGRU.*never reached QuantGRU's.*super\(\)\.forward"):
+        qgru.quantize_model(model, [torch.randn(3, 2, 2)], progress=False)
+
+
+def test_quantized_subclass_model_pickles_and_deep_copies():
+    """darts saves whole models with torch.save, Lightning deep-copies them: a converted model that
+    has run on a native backend (which caches its native layers) and a class made for a library's
+    GRU subclass both survive, with the same outputs bit for bit."""
+    import copy
+    import io
+    torch.manual_seed(5)
+    q = qgru.quantize_model(DeepARLike().eval(), _lib_batches(), progress=False)
+    x, lengths = _lib_batches(1, seed=2)[0]
+    with torch.no_grad():
+        want = q(x, lengths)  # builds the native layers where a native backend runs
+        buf = io.BytesIO()
+        torch.save(q, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        for other in (loaded, copy.deepcopy(q)):
+            assert type(other.rnn) is type(q.rnn) and other.rnn.is_converted
+            got = other(x, lengths)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
