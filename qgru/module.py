@@ -42,6 +42,8 @@ def reverse_within_lengths(x: torch.Tensor, lengths: Optional[torch.Tensor]) -> 
     return x.gather(0, idx)
 
 
+_EXTRA_STATE = "_extra_state"  # torch.nn.Module's key for get_extra_state()
+_EXTRA_STATE_VERSION = 1
 _QUANTIZED_CLASSES: Dict[type, type] = {}
 
 
@@ -103,7 +105,9 @@ class QuantGRU(nn.GRU):
         p = next(gru.parameters())
         m = cls(gru.input_size, gru.hidden_size, gru.num_layers, gru.bias, gru.batch_first,
                 gru.dropout, gru.bidirectional, device=p.device, dtype=p.dtype, config=config)
-        m.load_state_dict(gru.state_dict())
+        sd = gru.state_dict()
+        sd.pop(_EXTRA_STATE, None)  # the float parameters only (a converted QuantGRU's integer ones stay)
+        m.load_state_dict(sd)
         m.train(gru.training)
         return m
 
@@ -137,9 +141,68 @@ class QuantGRU(nn.GRU):
         p = next(self.parameters())
         g = nn.GRU(self.input_size, self.hidden_size, self.num_layers, self.bias, self.batch_first,
                    self.dropout, self.bidirectional, device=p.device, dtype=p.dtype)
-        g.load_state_dict(self.state_dict())
+        sd = self.state_dict()
+        sd.pop(_EXTRA_STATE, None)
+        g.load_state_dict(sd)
         g.train(self.training)
         return g
+
+    # ---- state_dict: a converted module's integer parameters are its extra state ----------------
+    def get_extra_state(self) -> Dict[str, object]:
+        """A converted module's integer parameters (QuantParams.to_dict(): tensors, ints and a JSON
+        string, loadable with torch.load(weights_only=True)) and its calibration record. The
+        state_dict entry is ``<prefix>_extra_state``; a float (unconverted) QuantGRU has none, so its
+        state_dict is exactly nn.GRU's."""
+        if not self.is_converted:
+            return {}
+        return {"format": "qgru.QuantGRU", "version": _EXTRA_STATE_VERSION,
+                "params": self.export().to_dict(), "calibration": dict(self._calib)}
+
+    def set_extra_state(self, state) -> None:
+        """Load integer parameters saved by get_extra_state: the module becomes converted, with the
+        saved config. It must have been built with the same input_size, hidden_size, num_layers,
+        bias, batch_first and bidirectional as the module that was saved."""
+        from .export import QuantParams
+        if isinstance(state, dict) and not state:  # what get_extra_state gives for a float QuantGRU
+            if self.is_converted:
+                raise RuntimeError(f"{type(self).__name__} is converted, but the state it is given is a float "
+                                   "QuantGRU's (no integer parameters)")
+            return
+        if not isinstance(state, dict) or state.get("format") != "qgru.QuantGRU":
+            raise RuntimeError(f"{type(self).__name__}: '_extra_state' is not a qgru.QuantGRU state "
+                               f"(got {type(state).__name__}); was this state_dict saved from a QuantGRU?")
+        if state.get("version") != _EXTRA_STATE_VERSION:
+            raise RuntimeError(f"{type(self).__name__}: unsupported qgru state version {state.get('version')!r}")
+        params = QuantParams.from_dict(state["params"])
+        mine = {"input_size": self.input_size, "hidden_size": self.hidden_size, "num_layers": self.num_layers,
+                "bias": self.bias, "batch_first": self.batch_first, "bidirectional": self.bidirectional}
+        saved = {k: params.meta[k] for k in mine}
+        if saved != mine:
+            diff = ", ".join(f"{k}={saved[k]!r} (this module: {mine[k]!r})" for k in mine if saved[k] != mine[k])
+            raise RuntimeError(f"{type(self).__name__}: the quantized state_dict was saved from a QuantGRU built "
+                               f"with other arguments: {diff}; build this one with the same arguments")
+        self.qconfig = QuantConfig.load(params.meta["config"])
+        self._set_params([list(row) for row in params.layers])
+        self._calib = dict(state.get("calibration", {}))
+        self._observers = None
+        self._calibrating = False
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not self.is_converted:  # a float QuantGRU's state_dict is nn.GRU's, key for key
+            destination.pop(prefix + _EXTRA_STATE, None)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + _EXTRA_STATE
+        had = key in state_dict
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        # a float state_dict (nn.GRU's) into a float QuantGRU: all there is to load. Into a converted
+        # one, the missing integer parameters stay missing: strict loading fails, naming the key (torch
+        # passes strict=True here whatever the caller asked, and sorts missing keys out itself)
+        if not had and not self.is_converted and key in missing_keys:
+            missing_keys.remove(key)
 
     @property
     def num_directions(self) -> int:

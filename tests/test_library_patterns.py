@@ -400,3 +400,117 @@ def test_quantized_subclass_model_pickles_and_deep_copies():
             assert type(other.rnn) is type(q.rnn) and other.rnn.is_converted
             got = other(x, lengths)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# =============================================================================================
+# 6. save and load through state_dict (the libraries' checkpoints)
+# =============================================================================================
+class Seq2Seq(nn.Module):
+    """Two GRUs (one bidirectional, two layers, fed packed sequences) and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.GRU(3, 6, num_layers=2, bidirectional=True)
+        self.decoder = nn.GRU(12, 5, batch_first=True)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x, lengths):
+        enc, _ = self.encoder(pack_padded_sequence(x, lengths, enforce_sorted=False))
+        enc, _ = pad_packed_sequence(enc)
+        out, h = self.decoder(enc.transpose(0, 1))
+        return self.head(out), h
+
+
+def _s2s_batches(n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(7, 4, 3, generator=g), torch.tensor([7, 3, 5, 1])) for _ in range(n)]
+
+
+def _plain_types(v) -> bool:
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _plain_types(x) for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return all(_plain_types(x) for x in v)
+    return isinstance(v, (torch.Tensor, int, float, str, bool)) or v is None
+
+
+def _saved_and_loaded(sd):
+    import io
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)  # tensors and plain containers only
+
+
+def _assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            _assert_same_state(a[k], b[k])
+        elif isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+@pytest.mark.parametrize("config, mode", [("w8a8", "pow2"), ("w8a16", "multiplier"), ("w16a16", "pow2")])
+def test_quantized_state_dict_round_trips_bit_for_bit(config, mode):
+    torch.manual_seed(6)
+    model = Seq2Seq().eval()
+    cfg = qgru.QuantConfig.load(config, overrides={"scale_mode": mode})
+    q = qgru.quantize_model(model, _s2s_batches(), config=cfg, progress=False)
+    sd = q.state_dict()
+    assert _plain_types(sd["encoder._extra_state"]) and _plain_types(sd["decoder._extra_state"])
+    # a fresh model of the library's class, its GRUs made QuantGRUs (float), loads it strictly
+    fresh = qgru.prepare_model(Seq2Seq())  # any config: the saved one comes with the state
+    fresh.load_state_dict(_saved_and_loaded(sd))
+    assert fresh.encoder.is_converted and fresh.decoder.is_converted
+    assert fresh.encoder.qconfig.to_dict() == cfg.to_dict()
+    _assert_same_state(fresh.state_dict(), sd)
+    for x, lengths in _s2s_batches(2, seed=1):
+        with torch.no_grad():
+            want, got = q(x, lengths), fresh(x, lengths)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    # the calibration record came along: compare still names what calibration saw
+    report = qgru.compare(model, fresh, _s2s_batches(1, seed=2), verbose=False, progress=False)
+    assert report.row("x", module="encoder")["calib_clip"] is not None
+
+
+def test_quantized_state_dict_into_a_float_model_fails_loudly():
+    torch.manual_seed(7)
+    model = Seq2Seq().eval()
+    q = qgru.quantize_model(model, _s2s_batches(), progress=False)
+    sd = _saved_and_loaded(q.state_dict())
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "encoder\._extra_state", '
+                                           r'"decoder\._extra_state"'):
+        Seq2Seq().load_state_dict(sd)  # the library's own reload: nn.GRU, strict
+    # a float state_dict into a converted model: its integer parameters are missing (strict)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "encoder\._extra_state"'):
+        q.load_state_dict(model.state_dict())
+    # and a float QuantGRU's state_dict is nn.GRU's, key for key, both ways
+    f = qgru.prepare_model(model)
+    assert list(f.state_dict()) == list(model.state_dict())
+    f.load_state_dict(model.state_dict())
+    model.load_state_dict(f.state_dict())
+
+
+def test_quantized_state_dict_needs_the_same_constructor_arguments():
+    torch.manual_seed(8)
+    q = qgru.quantize_model(nn.GRU(3, 6, num_layers=2), [torch.randn(5, 2, 3)], progress=False)
+    sd = q.state_dict()
+    other = qgru.QuantGRU(3, 6, num_layers=2, batch_first=True)
+    with pytest.raises(RuntimeError, match=r"built with other arguments: batch_first=False \(this module: True\)"):
+        other.load_state_dict(sd)
+    with pytest.raises(RuntimeError, match="not a qgru.QuantGRU state"):
+        qgru.QuantGRU(3, 6, num_layers=2).load_state_dict({**sd, "_extra_state": {"format": "other"}})
+
+
+def test_quantized_gru_subclass_state_dict_round_trips():
+    torch.manual_seed(9)
+    q = qgru.quantize_model(DeepARLike().eval(), _lib_batches(), progress=False)
+    fresh = qgru.prepare_model(DeepARLike())
+    fresh.load_state_dict(_saved_and_loaded(q.state_dict()))
+    assert isinstance(fresh.rnn, LibGRU) and fresh.rnn.is_converted
+    x, lengths = _lib_batches(1, seed=3)[0]
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(q(x, lengths), fresh(x, lengths)))
