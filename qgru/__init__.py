@@ -5,6 +5,7 @@ from .compare import CompareReport, compare
 from .config import QuantConfig, TensorSpec
 from .export import QuantParams, load_params
 from .module import QuantGRU
+from . import ops as _ops  # registers torch.ops.qgru.integer_gru (torch.compile / torch.export)
 from .observers import NonFiniteCalibrationError
 
 __version__ = "0.1.0"

@@ -8,12 +8,11 @@ Three modes, one module:
 Input and output stay float at the module boundary: the input and h0 are quantized on entry and
 the outputs dequantized on exit; everything in between is integer (docs/spec.md).
 """
-from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union, overload
 
 import torch
-from torch import nn
+from torch import _VF, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from .backends import current_backend
@@ -40,6 +39,74 @@ def reverse_within_lengths(x: torch.Tensor, lengths: Optional[torch.Tensor]) -> 
     idx = torch.where(t < L, L - 1 - t, t)  # [T, N]
     idx = idx.reshape(T, -1, *([1] * (x.dim() - 2))).expand_as(x)
     return x.gather(0, idx)
+
+
+_NO_TORCHSCRIPT = ("{what}: a converted (or calibrating) qgru.QuantGRU cannot be TorchScript: its integer GRU runs "
+                   "qgru's own kernels (C++/CUDA and Python), which TorchScript can neither compile nor record. "
+                   "Use torch.compile(model) or torch.export.export(model, args): qgru registers the integer "
+                   "forward as a torch.library custom operator (qgru::integer_gru) for both. A float "
+                   "(unconverted) QuantGRU scripts as nn.GRU does.")
+
+
+def run_stack(num_layers: int, num_directions: int, x, hx, lengths, direction_fn):
+    """Layers and directions; direction_fn(layer, d, layer_inputs, h0) -> (out [T,N,H], h_n)."""
+    h_n = []
+    layer_out = None
+    for layer in range(num_layers):
+        outs = []
+        for d in range(num_directions):
+            h0 = hx[layer * num_directions + d]
+            inp = x if layer == 0 else layer_out
+            if d == 1:
+                inp = [reverse_within_lengths(v, lengths) for v in inp] if isinstance(inp, list) \
+                    else reverse_within_lengths(inp, lengths)
+            o, h = direction_fn(layer, d, inp, h0)
+            if d == 1:
+                o = reverse_within_lengths(o, lengths)
+            outs.append(o)
+            h_n.append(h)
+        layer_out = outs
+    return layer_out, h_n
+
+
+def _compiled_integer_gru(x, hx, lengths, params: List[torch.Tensor], spec: str):
+    """Inside torch.compile / torch.export: the integer GRU as one custom operator (qgru/ops.py, with
+    a fake kernel for shapes), whose arguments are plain tensors and a string. None otherwise (the
+    caller runs integer_forward itself). A function of its own, without the module: torch.compile
+    does not trace into GRU modules (nn.RNNBase) unless torch._dynamo.config.allow_rnn is set, and
+    runs them as Python, but it does compile the frames they call, like this one."""
+    if not torch.compiler.is_compiling():
+        return None
+    with torch.no_grad():
+        return torch.ops.qgru.integer_gru(x, hx, lengths, params, spec)
+
+
+@torch.compiler.disable  # eager code (also when a torch.compile'd model calls it): nothing to trace
+def integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor,
+                    lengths: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The integer GRU of a converted QuantGRU between its float boundaries, on the current backend:
+    time-major float x [T, N, I], h0 [L*D, N, H], lengths or None -> (out [T, N, D*H], h_n) in
+    x's dtype. ``params``: its LayerParams on x's device, [layer][direction]."""
+    backend = current_backend(x.device.type)
+    ops = backend.boundary  # quantize / dequantize / requantize, golden semantics
+    if lengths is not None:
+        lengths = lengths.to(x.device)
+
+    def run(layer, d, inp, h0):
+        qx, qh0 = QuantGRU._integer_inputs(ops, params, layer, d, inp, h0)
+        return backend.gru_direction(params[layer][d], qx, qh0, lengths)
+
+    with torch.no_grad():
+        q_outs, q_hn = run_stack(len(params), len(params[0]), x, hx, lengths, run)
+
+    def to_float(q, p):
+        return ops.dequantize(q, p.scale["h"], p.zp["h"]).to(x.dtype)
+
+    flat = [p for row in params for p in row]  # h_n order: layer-major, then direction
+    outs = [to_float(q, p) for q, p in zip(q_outs, params[-1])]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    h_n = torch.stack([to_float(q, p) for q, p in zip(q_hn, flat)])
+    return out, h_n
 
 
 _EXTRA_STATE = "_extra_state"  # torch.nn.Module's key for get_extra_state()
@@ -77,6 +144,8 @@ def _new_quantized_instance(float_cls: type):
 class QuantGRU(nn.GRU):
     """torch.nn.GRU's signature, parameters and state_dict, plus ``config`` (see qgru.QuantConfig)."""
 
+    __jit_unused_properties__ = [*getattr(nn.GRU, "__jit_unused_properties__", []), "is_converted", "num_directions"]
+
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
                  device=None, dtype=None, config: Union[str, dict, QuantConfig] = "w8a8"):
@@ -93,6 +162,8 @@ class QuantGRU(nn.GRU):
         self._calibrating = False
         self._qparams: Optional[List[List[LayerParams]]] = None
         self._qparams_on: Dict[str, List[List[LayerParams]]] = {}
+        self._integer = False  # converted (mirrors is_converted, for TorchScript)
+        self._op_params: Tuple[List[torch.Tensor], str] = ([], "")
         # after convert(): what calibration saw ("l0.fwd.x.seen_min", ...; qgru.compare reads it)
         self._calib: Dict[str, torch.Tensor] = {}
 
@@ -291,8 +362,13 @@ class QuantGRU(nn.GRU):
         return out
 
     def _set_params(self, params: List[List[LayerParams]]) -> None:
+        from .export import QuantParams
+        from .ops import flatten_params
         self._qparams = params
         self._qparams_on = {"cpu": params}
+        self._integer = True  # a bool TorchScript can read (forward's TorchScript branch)
+        # the custom operator's arguments (torch.compile / torch.export): plain tensors and a string
+        self._op_params = flatten_params(QuantParams.from_module(self).to_dict())
 
     def _params_on(self, device: torch.device) -> List[List[LayerParams]]:
         key = str(device)
@@ -308,7 +384,80 @@ class QuantGRU(nn.GRU):
         return QuantParams.from_module(self)
 
     # ---- forward ----------------------------------------------------------------------------
-    def forward(self, input, hx: Optional[torch.Tensor] = None):
+    # nn.GRU's two signatures, so that TorchScript compiles a QuantGRU wherever it compiles nn.GRU
+    @overload  # type: ignore[override]
+    @torch._jit_internal._overload_method  # noqa: F811
+    def forward(self, input: torch.Tensor, hx: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        pass
+
+    @overload
+    @torch._jit_internal._overload_method  # noqa: F811
+    def forward(self, input: PackedSequence, hx: Optional[torch.Tensor] = None) -> Tuple[PackedSequence, torch.Tensor]:
+        pass
+
+    def forward(self, input, hx=None):  # noqa: F811
+        if not torch.jit.is_scripting():
+            return self._forward(input, hx)
+        # TorchScript (a float QuantGRU only: torch.jit.script refuses converted ones, see
+        # __prepare_scriptable__): nn.GRU.forward's own code, which TorchScript cannot reach through
+        # super(); tests/test_library_patterns.py checks it against nn.GRU bit for bit
+        if self._integer or self._calibrating:
+            raise RuntimeError("a converted (or calibrating) qgru.QuantGRU cannot run in TorchScript; "
+                               "use torch.compile or torch.export")
+        self._update_flat_weights()
+        orig_input = input
+        if isinstance(orig_input, PackedSequence):
+            input, batch_sizes, sorted_indices, unsorted_indices = input
+            max_batch_size = batch_sizes[0]
+            if hx is None:
+                num_directions = 2 if self.bidirectional else 1
+                hx = torch.zeros(self.num_layers * num_directions, max_batch_size, self.hidden_size,
+                                 dtype=input.dtype, device=input.device)
+            else:
+                hx = self.permute_hidden(hx, sorted_indices)
+        else:
+            batch_sizes = None
+            if input.dim() not in (2, 3):
+                raise ValueError(f"GRU: Expected input to be 2D or 3D, got {input.dim()}D instead")
+            is_batched = input.dim() == 3
+            batch_dim = 0 if self.batch_first else 1
+            if not is_batched:
+                input = input.unsqueeze(batch_dim)
+                if hx is not None:
+                    if hx.dim() != 2:
+                        raise RuntimeError(f"For unbatched 2-D input, hx should also be 2-D but got {hx.dim()}-D tensor")
+                    hx = hx.unsqueeze(1)
+            else:
+                if hx is not None and hx.dim() != 3:
+                    raise RuntimeError(f"For batched 3-D input, hx should also be 3-D but got {hx.dim()}-D tensor")
+            max_batch_size = input.size(0) if self.batch_first else input.size(1)
+            sorted_indices = None
+            unsorted_indices = None
+            if hx is None:
+                num_directions = 2 if self.bidirectional else 1
+                hx = torch.zeros(self.num_layers * num_directions, max_batch_size, self.hidden_size,
+                                 dtype=input.dtype, device=input.device)
+            else:
+                hx = self.permute_hidden(hx, sorted_indices)
+        self.check_forward_args(input, hx, batch_sizes)
+        if batch_sizes is None:
+            result = _VF.gru(input, hx, self._flat_weights, self.bias, self.num_layers, self.dropout,
+                             self.training, self.bidirectional, self.batch_first)
+        else:
+            result = _VF.gru(input, batch_sizes, hx, self._flat_weights, self.bias, self.num_layers,
+                             self.dropout, self.training, self.bidirectional)
+        output = result[0]
+        hidden = result[1]
+        if isinstance(orig_input, PackedSequence):
+            output_packed = PackedSequence(output, batch_sizes, sorted_indices, unsorted_indices)
+            return output_packed, self.permute_hidden(hidden, unsorted_indices)
+        else:
+            if not is_batched:
+                output = output.squeeze(batch_dim)
+                hidden = hidden.squeeze(1)
+            return output, self.permute_hidden(hidden, unsorted_indices)
+
+    def _forward(self, input, hx: Optional[torch.Tensor] = None):
         if not self.is_converted and not self._calibrating:
             self._check_input(input, hx)
             return super().forward(input, hx)
@@ -391,23 +540,7 @@ class QuantGRU(nn.GRU):
 
     def _run_stack(self, x, hx, lengths, direction_fn):
         """Layers and directions; direction_fn(layer, d, layer_inputs, h0) -> (out [T,N,H], h_n)."""
-        h_n = []
-        layer_out = None
-        for layer in range(self.num_layers):
-            outs = []
-            for d in range(self.num_directions):
-                h0 = hx[layer * self.num_directions + d]
-                inp = x if layer == 0 else layer_out
-                if d == 1:
-                    inp = [reverse_within_lengths(v, lengths) for v in inp] if isinstance(inp, list) \
-                        else reverse_within_lengths(inp, lengths)
-                o, h = direction_fn(layer, d, inp, h0)
-                if d == 1:
-                    o = reverse_within_lengths(o, lengths)
-                outs.append(o)
-                h_n.append(h)
-            layer_out = outs
-        return layer_out, h_n
+        return run_stack(self.num_layers, self.num_directions, x, hx, lengths, direction_fn)
 
     def _forward_float_reference(self, x, hx, lengths):
         def run(layer, d, inp, h0):
@@ -434,24 +567,17 @@ class QuantGRU(nn.GRU):
         return qx, ops.quantize(h0, p.scale["h"], p.zp["h"], p.bits["h"], "h0")
 
     def _forward_integer(self, x, hx, lengths):
-        params = self._params_on(x.device)
-        backend = current_backend(x.device.type)
-        ops = backend.boundary  # quantize / dequantize / requantize, golden semantics
-        if lengths is not None:
-            lengths = lengths.to(x.device)
+        if torch.jit.is_tracing():
+            raise RuntimeError(_NO_TORCHSCRIPT.format(what="torch.jit.trace"))
+        compiled = _compiled_integer_gru(x, hx, lengths, *self._op_params)
+        if compiled is not None:
+            return compiled
+        return integer_forward(self._params_on(x.device), x, hx, lengths)
 
-        def run(layer, d, inp, h0):
-            qx, qh0 = self._integer_inputs(ops, params, layer, d, inp, h0)
-            return backend.gru_direction(params[layer][d], qx, qh0, lengths)
-
-        with torch.no_grad():
-            q_outs, q_hn = self._run_stack(x, hx, lengths, run)
-
-        def to_float(q, p):
-            return ops.dequantize(q, p.scale["h"], p.zp["h"]).to(x.dtype)
-
-        flat = [p for row in params for p in row]  # h_n order: layer-major, then direction
-        outs = [to_float(q, p) for q, p in zip(q_outs, params[-1])]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        h_n = torch.stack([to_float(q, p) for q, p in zip(q_hn, flat)])
-        return out, h_n
+    # ---- TorchScript --------------------------------------------------------------------------
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every module it scripts: a float QuantGRU scripts as the
+        # nn.GRU it is (forward's TorchScript branch); the integer GRU runs qgru's own kernels
+        if self.is_converted or self._calibrating:
+            raise RuntimeError(_NO_TORCHSCRIPT.format(what="torch.jit.script"))
+        return self

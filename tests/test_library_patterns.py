@@ -514,3 +514,213 @@ def test_quantized_gru_subclass_state_dict_round_trips():
     x, lengths = _lib_batches(1, seed=3)[0]
     with torch.no_grad():
         assert all(torch.equal(a, b) for a, b in zip(q(x, lengths), fresh(x, lengths)))
+
+
+# =============================================================================================
+# 5. TorchScript, torch.compile, torch.export
+# =============================================================================================
+from typing import Optional  # noqa: E402
+
+
+class ScriptedWrapper(nn.Module):
+    """A model a library scripts: the GRU called with and without h0."""
+
+    def __init__(self, gru: nn.GRU):
+        super().__init__()
+        self.gru = gru
+
+    def forward(self, x: torch.Tensor, h: Optional[torch.Tensor] = None):
+        out, h_n = self.gru(x, h)
+        return out, h_n
+
+
+class PackedWrapper(nn.Module):
+    def __init__(self, gru: nn.GRU):
+        super().__init__()
+        self.gru = gru
+
+    def forward(self, x: PackedSequence):
+        out, h_n = self.gru(x)
+        return out.data, h_n
+
+
+class WaveRNNLike(nn.Module):
+    """torchaudio's WaveRNN: traced with torch.jit.trace, it has an @torch.jit.export method (infer)
+    that TorchScript compiles, GRU call included."""
+
+    def __init__(self, gru: nn.GRU):
+        super().__init__()
+        self.rnn = gru
+        self.fc = nn.Linear(gru.hidden_size, 1)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x)[0])
+
+    @torch.jit.export
+    def infer(self, x: torch.Tensor, steps: int) -> torch.Tensor:
+        h = torch.zeros(1, x.shape[0], self.rnn.hidden_size)
+        outs = []
+        for t in range(steps):
+            out, h = self.rnn(x[:, t:t + 1], h)
+            outs.append(self.fc(out))
+        return torch.cat(outs, dim=1)
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_float_quantgru_scripts_wherever_nn_gru_does(batch_first):
+    import io
+    torch.manual_seed(10)
+    gru = nn.GRU(4, 5, num_layers=2, bidirectional=True, batch_first=batch_first)
+    q = qgru.QuantGRU.from_float(gru)
+    n = 3
+    x = torch.randn(n, 6, 4) if batch_first else torch.randn(6, n, 4)
+    h0 = torch.randn(4, n, 5)
+    ref, scripted = ScriptedWrapper(gru), torch.jit.script(ScriptedWrapper(q))
+    for args in ((x,), (x, h0), (x[0] if batch_first else x[:, 0],)):  # batched, with h0, unbatched
+        assert _same(scripted(*args), ref(*args))
+    lengths = torch.tensor([6, 2, 4])
+    packed = pack_padded_sequence(x, lengths, batch_first=batch_first, enforce_sorted=False)
+    assert _same(torch.jit.script(PackedWrapper(q))(packed), PackedWrapper(gru)(packed))
+    buf = io.BytesIO()  # and it saves and loads like any script module
+    torch.jit.save(scripted, buf)
+    buf.seek(0)
+    assert _same(torch.jit.load(buf)(x, h0), ref(x, h0))
+    # the scripted module shares the parameters, as scripting nn.GRU does
+    with torch.no_grad():
+        q.weight_hh_l0.mul_(0.5)
+        gru.weight_hh_l0.mul_(0.5)
+    assert _same(scripted(x), ref(x))
+
+
+def test_wavernn_pattern_scripts_and_traces_as_with_nn_gru():
+    torch.manual_seed(11)
+    gru = nn.GRU(2, 6, batch_first=True)
+    model = WaveRNNLike(gru).eval()
+    x = torch.randn(2, 5, 2)
+    q = qgru.prepare_model(model)
+    scripted = torch.jit.script(q)  # infer() is compiled, the QuantGRU calls in it included
+    with torch.no_grad():
+        assert torch.equal(scripted(x), model(x))
+        assert torch.equal(scripted.infer(x, 5), model.infer(x, 5))
+        traced = torch.jit.trace(ScriptedWrapper(q.rnn), (x,))  # a plain trace records nn.GRU's op
+        assert _same(traced(x), gru(x))
+
+    def outcome(m):
+        try:
+            t = torch.jit.trace(m, (x,))
+        except RuntimeError as e:
+            return type(e)
+        with torch.no_grad():
+            return t.infer(x, 5)
+
+    # torch.jit.trace of a model with an @export method: whatever it does with nn.GRU (torch 2.13
+    # cannot compile the GRU's overloaded forward there), it does with a QuantGRU
+    want, got = outcome(model), outcome(q)
+    assert want is got if isinstance(want, type) else torch.equal(got, want)
+
+
+def test_converted_quantgru_refuses_tracing_naming_compile_and_export():
+    torch.manual_seed(11)
+    model = WaveRNNLike(nn.GRU(2, 6, batch_first=True)).eval()
+    x = torch.randn(2, 5, 2)
+    qc = qgru.quantize_model(model, [x], progress=False)
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.trace.*torch\.compile.*torch\.export"):
+        torch.jit.trace(ScriptedWrapper(qc.rnn), (x,))
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.script.*torch\.compile.*torch\.export"):
+        torch.jit.script(qc)
+
+
+def test_converted_quantgru_refuses_torchscript_naming_compile_and_export():
+    torch.manual_seed(12)
+    q = qgru.quantize_model(ScriptedWrapper(nn.GRU(3, 4)), [torch.randn(5, 2, 3)], progress=False)
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.script: a converted .*QuantGRU cannot be TorchScript.*"
+                                           r"torch\.compile\(model\) or torch\.export\.export"):
+        torch.jit.script(q)
+    assert type(q.gru) is qgru.QuantGRU  # scripting did not replace anything in the model
+    m = qgru.QuantGRU(3, 4)
+    m.start_calibration()  # calibrating: also refused (observers are Python)
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.script"):
+        torch.jit.script(m)
+
+
+class CompileNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(3, 8, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        out, h = self.gru(x)
+        return self.head(out), h
+
+
+@pytest.fixture(scope="module")
+def converted_net():
+    torch.manual_seed(13)
+    model = CompileNet().eval()
+    return model, qgru.quantize_model(model, [torch.randn(4, 6, 3) for _ in range(2)], progress=False)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_is_bit_identical_to_eager(converted_net, backend):
+    _, q = converted_net
+    torch._dynamo.reset()
+    compiled = torch.compile(q, backend=backend)
+    with torch.no_grad():
+        for shape in ((5, 7, 3), (5, 7, 3), (2, 4, 3)):
+            x = torch.randn(*shape)
+            assert _same(compiled(x), q(x)), shape
+
+
+def test_torch_compile_fullgraph_puts_the_custom_op_in_the_graph(converted_net, monkeypatch):
+    """torch.compile does not trace into GRU modules by default (it runs them as Python and compiles
+    what they call: here the custom op); with allow_rnn it traces the QuantGRU whole, one graph."""
+    _, q = converted_net
+    monkeypatch.setattr(torch._dynamo.config, "allow_rnn", True)
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(q, backend=backend, fullgraph=True)
+    x = torch.randn(3, 5, 3)
+    with torch.no_grad():
+        assert _same(compiled(x), q(x))
+    assert len(graphs) == 1
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.qgru.integer_gru.default in targets or torch.ops.qgru.integer_gru in targets
+    torch._dynamo.reset()
+
+
+def test_torch_export_is_bit_identical_to_eager(converted_net):
+    _, q = converted_net
+    x = torch.randn(5, 7, 3)
+    ep = torch.export.export(q, (x,))
+    ops = {n.target for gm in ep.graph_module.modules() if isinstance(gm, torch.fx.GraphModule)
+           for n in gm.graph.nodes if n.op == "call_function"}  # (under no_grad: in a wrapped subgraph)
+    assert torch.ops.qgru.integer_gru.default in ops
+    with torch.no_grad():
+        assert _same(ep.module()(x), q(x))
+        x2 = torch.randn(5, 7, 3)
+        assert _same(ep.module()(x2), q(x2))
+
+
+def test_custom_op_passes_opcheck(converted_net):
+    """torch.library.opcheck: schema, fake kernel (shapes and dtypes against the real one),
+    autograd registration, AOT dispatch; with and without lengths."""
+    _, q = converted_net
+    params, spec = q.gru._op_params
+    x, hx = torch.randn(6, 2, 3), torch.randn(4, 2, 8)
+    for lengths in (None, torch.tensor([6, 3])):
+        result = torch.library.opcheck(torch.ops.qgru.integer_gru.default, (x, hx, lengths, params, spec))
+        assert all(v == "SUCCESS" for v in result.values()), result
+    out, h_n = torch.ops.qgru.integer_gru(x, hx, None, params, spec)
+    with torch.no_grad():
+        want_out, want_h = q.gru(x.transpose(0, 1), hx)  # the module is batch_first
+    assert torch.equal(out.transpose(0, 1), want_out) and torch.equal(h_n, want_h)
