@@ -16,8 +16,8 @@ other way (one big batch, or hundreds of 1-step calls carrying the state, as aut
 forecasters calibrate) gives the same range (exactly; a state passed back as the next call's h0
 is seen once more, which moves a percentile by at most a bin). ``ema`` averages one extreme per
 call, so the newest ~1/c calls decide its range: with many small calls in time order it forgets
-most of the data and clips its own calibration data (tests/test_calibration.py shows a sine series
-whose x clips 40% of the time). Of the two data-weighted kinds, ``percentile`` ignores the rarest
+most of the data and clips its own calibration data (tests/test_library_patterns.py: sine series
+calibrated with 1-step calls, where ema's x range clips 15% of the data it saw). Of the two data-weighted kinds, ``percentile`` ignores the rarest
 1e-4 of the values on each side, which keeps a single outlier from widening an 8-bit grid (with
 power-of-two scales that is a whole step: the demo's w8a8 (pow2) loses ~2.5 dB with ``minmax``);
 with fewer than 10^4 values per side it equals ``minmax``. ``ema`` stays available by name.
