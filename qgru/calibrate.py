@@ -104,7 +104,7 @@ def prepare_model(model: nn.Module, config: Union[str, dict, QuantConfig] = "w8a
     config = QuantConfig.load(config)
     qmodel = copy.deepcopy(model)
     if isinstance(qmodel, nn.GRU) and not isinstance(qmodel, QuantGRU):
-        qmodel = QuantGRU.from_gru(qmodel, config)
+        qmodel = QuantGRU._from_gru(qmodel, config)
     else:
         _swap(qmodel, config)
     if not _quant_grus(qmodel):
@@ -115,6 +115,6 @@ def prepare_model(model: nn.Module, config: Union[str, dict, QuantConfig] = "w8a
 def _swap(module: nn.Module, config: QuantConfig) -> None:
     for name, child in module.named_children():
         if isinstance(child, nn.GRU) and not isinstance(child, QuantGRU):
-            setattr(module, name, QuantGRU.from_gru(child, config))
+            setattr(module, name, QuantGRU._from_gru(child, config))
         else:
             _swap(child, config)

@@ -183,18 +183,18 @@ class QuantGRU(nn.GRU):
         return m
 
     @classmethod
-    def from_gru(cls, gru: nn.GRU, config: Union[str, dict, QuantConfig] = "w8a8") -> "QuantGRU":
-        """``gru`` itself made a QuantGRU, keeping its class: a plain nn.GRU becomes a QuantGRU (a
-        copy, see from_float), an instance of a subclass (a library's ``class GRU(nn.GRU)`` with its
-        own forward and methods) becomes an instance of ``quantized_class(type(gru))``, in place:
-        its attributes, parameters and methods stay; its forward must reach nn.GRU's through
-        ``super().forward(...)``, which is then QuantGRU's."""
+    def _from_gru(cls, gru: nn.GRU, config: Union[str, dict, QuantConfig] = "w8a8") -> "QuantGRU":
+        """(For prepare_model, on its deep copy.) ``gru`` made a QuantGRU, keeping its class: a plain
+        nn.GRU becomes a QuantGRU (a copy, see from_float), an instance of a subclass (a library's
+        ``class GRU(nn.GRU)`` with its own forward and methods) becomes an instance of
+        ``quantized_class(type(gru))`` *in place*: its attributes, parameters and methods stay; its
+        forward must reach nn.GRU's through ``super().forward(...)``, which is then QuantGRU's."""
         if isinstance(gru, QuantGRU):
             raise TypeError(f"{type(gru).__name__} is already a QuantGRU")
         if type(gru) is nn.GRU:
             return cls.from_float(gru, config)
         if not isinstance(gru, nn.GRU):
-            raise TypeError(f"from_gru expects a torch.nn.GRU, got {type(gru).__name__}")
+            raise TypeError(f"expected a torch.nn.GRU, got {type(gru).__name__}")
         gru.__class__ = quantized_class(type(gru))
         QuantGRU._init_quant_state(gru, config)
         return gru
