@@ -1,13 +1,14 @@
 """qgru: a quantized, integer-only drop-in replacement for torch.nn.GRU."""
 from .backends import backend, backends
-from .calibrate import calibrate, quantize_model
+from .calibrate import calibrate, prepare_model, quantize_model
 from .compare import CompareReport, compare
 from .config import QuantConfig, TensorSpec
 from .export import ParamsFileError, QuantParams, load_params
 from .module import CalibrationWarning, QGRUDtypeError, QGRUInputError, QuantGRU
+from . import ops as _ops  # registers torch.ops.qgru.integer_gru (torch.compile / torch.export)
 from .observers import NonFiniteCalibrationError
 
 __version__ = "0.1.0"
-__all__ = ["QuantGRU", "QuantConfig", "TensorSpec", "QuantParams", "calibrate", "quantize_model",
+__all__ = ["QuantGRU", "QuantConfig", "TensorSpec", "QuantParams", "calibrate", "quantize_model", "prepare_model",
            "load_params", "backends", "backend", "compare", "CompareReport", "NonFiniteCalibrationError",
            "CalibrationWarning", "ParamsFileError", "QGRUInputError", "QGRUDtypeError", "__version__"]

@@ -73,28 +73,58 @@ def quantize_model(model: nn.Module, batches: Iterable, config: Union[str, dict,
 
     ``model`` itself is left untouched. ``batches`` is iterated once (see calibrate()). QuantGRUs
     in ``model`` that are converted already are kept as they are (and run integer-only while the
-    others calibrate).
+    others calibrate). A subclass of nn.GRU keeps its own forward and methods (see prepare_model);
+    its forward must call ``super().forward(...)``, else this raises a TypeError naming the class.
     """
-    config = QuantConfig.load(config)
-    qmodel = copy.deepcopy(model)
-    if isinstance(qmodel, nn.GRU) and not isinstance(qmodel, QuantGRU):
-        qmodel = QuantGRU.from_float(qmodel, config)
-    else:
-        _swap(qmodel, config)
+    qmodel = prepare_model(model, config)
     # QuantGRUs converted already (e.g. a quantized encoder) stay as they are and run integer-only
     # while the others calibrate: those see the inputs they will see after quantization
     todo = [g for g in _quant_grus(qmodel) if not g.is_converted]
     if not todo:
         raise ValueError("quantize_model(): the model contains no torch.nn.GRU to quantize")
-    _calibrate(qmodel, todo, batches, progress)
+    calls = {}
+    handles = [g.register_forward_pre_hook(lambda mod, args: calls.__setitem__(mod, calls.get(mod, 0) + 1))
+               for g in todo if type(g) is not QuantGRU]
+    try:
+        _calibrate(qmodel, todo, batches, progress)
+    finally:
+        for h in handles:
+            h.remove()
+    for g, n in calls.items():
+        if n and all(o.count == 0 for obs in g._observers.values() for o in obs.values()):
+            raise TypeError(
+                f"quantize_model(): {type(g).__name__} (a subclass of nn.GRU) was called {n} time(s) during "
+                f"calibration, but its forward never reached QuantGRU's: it must run nn.GRU's computation "
+                f"through super().forward(...) (calling torch's kernels itself, e.g. _VF.gru or "
+                f"nn.GRU.forward(self, ...), bypasses quantization)")
     for g in todo:
         g.convert()
+    return qmodel
+
+
+def prepare_model(model: nn.Module, config: Union[str, dict, QuantConfig] = "w8a8") -> nn.Module:
+    """A deep copy of ``model`` with every torch.nn.GRU made a QuantGRU (float mode, same parameters),
+    ready to calibrate (what quantize_model does next) or to load a quantized state_dict into.
+
+    A plain nn.GRU becomes a QuantGRU; an instance of a subclass of nn.GRU (a library's own
+    ``class GRU(nn.GRU)``) keeps its class's forward and methods: it becomes an instance of
+    ``qgru.module.quantized_class(its class)``, which derives from both. ``model`` itself is left
+    untouched.
+    """
+    config = QuantConfig.load(config)
+    qmodel = copy.deepcopy(model)
+    if isinstance(qmodel, nn.GRU) and not isinstance(qmodel, QuantGRU):
+        qmodel = QuantGRU._from_gru(qmodel, config)
+    else:
+        _swap(qmodel, config)
+    if not _quant_grus(qmodel):
+        raise ValueError("quantize_model(): the model contains no torch.nn.GRU to quantize")
     return qmodel
 
 
 def _swap(module: nn.Module, config: QuantConfig) -> None:
     for name, child in module.named_children():
         if isinstance(child, nn.GRU) and not isinstance(child, QuantGRU):
-            setattr(module, name, QuantGRU.from_float(child, config))
+            setattr(module, name, QuantGRU._from_gru(child, config))
         else:
             _swap(child, config)

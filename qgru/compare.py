@@ -35,6 +35,13 @@ saturation
     range, so it only means sigmoid/tanh itself is within a step of 0 or 1: reported, marked
     ``*``, never blamed. Weights are symmetric over their exact max: not reported.
 
+calibration clip
+    for the calibrated tensors, the share of the tensor's *own calibration data* beyond its grid
+    (counted at convert() from the observer's histogram). Above 0.1% the report names the
+    observer: it chose a range narrower than the data it saw (``ema`` does that when many small
+    calls, e.g. 1-step autoregressive ones, make it follow only the last calls), and worst() blames
+    the observer rather than the tensor's bits.
+
 Scales of the inner tensors
 ---------------------------
 LayerParams keeps only the x, h, W and R scales (the rest is folded into rescale factors), so the
@@ -192,7 +199,11 @@ class CompareReport:
     ``saturated`` (count), ``numel`` (valid elements compared), ``steps_sqnr_db`` (list, one per
     step: rows ``h`` and ``output`` only, else None), ``range_needed`` (calibrated tensors: how
     many times wider than the grid the stored values wanted to be; <= 1: they fit), and
-    ``headroom`` (the tensor's config headroom, calibrated tensors only) and ``scale_mode``.
+    ``headroom`` (the tensor's config headroom, calibrated tensors only) and ``scale_mode``;
+    for calibrated tensors also ``observer`` (the config's observer, e.g. "percentile (99.99%)")
+    and ``calib_clip``: the share of the tensor's own calibration values that its grid clips
+    (counted at convert() from the observer's histogram, whole bins only, so a lower bound; None
+    for a model not calibrated in this process, e.g. from load_params).
     """
     rows: List[Dict[str, Any]]
     batches: int
@@ -216,7 +227,11 @@ class CompareReport:
         ``"saturation"`` and the override widens its range (``headroom``, from the measured
         ``range_needed``, with 16 bits for a narrower tensor so that resolution is not lost);
         otherwise the reason is ``"resolution"`` and the override is 16 bits (or exact scales
-        for a 16-bit tensor in pow2 mode). ``override`` is a QuantConfig overrides dict that
+        for a 16-bit tensor in pow2 mode). Before either: if the tensor's grid clips more than
+        ``saturation_threshold`` of its *own calibration data* (recorded at convert()), the
+        observer chose a range narrower than what it saw: the reason is ``"observer"``, the
+        message names the observer and the override changes it (``ema`` -> ``percentile``,
+        ``percentile`` -> ``minmax``). ``override`` is a QuantConfig overrides dict that
         changes only that tensor; a config is per model, so it changes that tensor in every
         layer and direction.
         """
@@ -233,6 +248,12 @@ class CompareReport:
             return {**r, "reason": "exact", "override": {},
                     "message": "worst: none, every tensor's own grid is exact on these batches"}
         sat = r["saturation"] or 0.0
+        if r["tensor"] in CALIBRATED and (r.get("calib_clip") or 0.0) > saturation_threshold:
+            override, why = _observer_advice(r)
+            msg = (f"worst: {_where(r)} clips {100 * r['calib_clip']:.1f}% of its own calibration data "
+                   f"(own SQNR {own(r):.1f} dB, the lowest; {100 * sat:.1f}% saturated here): {why} "
+                   f"-> try overrides={override!r}")
+            return {**r, "reason": "observer", "override": override, "message": msg}
         if r["tensor"] in CALIBRATED and sat > saturation_threshold:
             spec: Dict[str, Any] = {}
             if r["bits"] < 16:
@@ -293,6 +314,15 @@ class CompareReport:
                     "output" if r["layer"] is None else f"layer {r['layer']} {r['direction']}")
                 out.append(f"  {where:<16}" + "  ".join(f"t={t}: {_db(s[t])}" for t in idx))
         w = self.worst()
+        key = lambda r: (r["module"], r["layer"], r["direction"], r["tensor"])
+        clipped = [r for r in self.rows if (r.get("calib_clip") or 0.0) > SATURATION_THRESHOLD
+                   and not (w["reason"] == "observer" and key(r) == key(w))]
+        if clipped:  # every tensor whose grid clips its own calibration data, and its observer
+            override, why = _observer_advice(clipped[0])
+            out.append(("observer: also clipping their own calibration data: " if w["reason"] == "observer" else
+                        "observer: clipping their own calibration data: ") +
+                       ", ".join(f"{_where(r)} {100 * r['calib_clip']:.1f}%" for r in clipped) +
+                       ("" if w["reason"] == "observer" else f"; {why} -> try overrides={override!r}"))
         out.append(w["message"])
         out.append("  (a config is per model, not per layer: the override changes that tensor in every layer "
                    "and direction; qgru.QuantConfig.load(config, overrides=...), then quantize again)")
@@ -300,6 +330,41 @@ class CompareReport:
 
     def __repr__(self) -> str:
         return f"CompareReport({len(self.rows)} rows, {self.batches} batches)"
+
+
+def _observer_name(config) -> str:
+    o = config.observer
+    if o.kind == "percentile":
+        return f"percentile ({o.percentile:g}%)"
+    if o.kind in ("ema", "ema_step"):
+        return f"{o.kind} (momentum {o.momentum:g})"
+    return o.kind
+
+
+def _calib_clip(q: QuantGRU, layer: int, direction: str, tensor: str) -> Optional[float]:
+    """The share of the tensor's own calibration values that its grid clips (recorded at convert();
+    None for a model that was not calibrated here, e.g. one made by load_params)."""
+    pre = f"l{layer}.{direction}.{tensor}."
+    calib = getattr(q, "_calib", None) or {}
+    if pre + "count" not in calib:
+        return None
+    n = int(calib[pre + "count"])
+    return int(calib[pre + "clipped"]) / n if n else 0.0
+
+
+def _observer_advice(r: Dict[str, Any]) -> Tuple[Dict[str, Any], str]:
+    """(override, why) for a tensor whose grid clips its own calibration data."""
+    kind = r["observer"].split(" ")[0]
+    if kind in ("ema", "ema_step"):
+        why = (f"the {r['observer']} observer averages one extreme per call, so its range follows the last "
+               "calls, not the data (many small calls, e.g. 1-step autoregressive ones, make it forget)")
+        return {"observer": {"kind": "percentile"}}, why
+    if kind == "percentile":
+        why = f"the {r['observer']} observer leaves the rarest values out of the range by design"
+        return {"observer": {"kind": "minmax"}}, why
+    return {"observer": {"kind": "minmax"}}, f"the {r['observer']} observer's range is narrower than its data"
+
+
 
 
 def _mod(name: str) -> str:
@@ -544,6 +609,8 @@ class _Comparer:
                     "saturated": s.sat, "numel": s.n, "steps_sqnr_db": s.steps_sqnr(),
                     "range_needed": s.need if t in CALIBRATED else None,
                     "headroom": q.qconfig[t].headroom if t in CALIBRATED else None,
+                    "observer": _observer_name(q.qconfig) if t in CALIBRATED else None,
+                    "calib_clip": _calib_clip(q, key[1], key[2], t) if t in CALIBRATED else None,
                     "scale_mode": q.qconfig.scale_mode,
                 })
         return CompareReport(rows=rows, batches=batches, configs=configs)

@@ -48,7 +48,7 @@ GRANULARITIES = {
     **{n: ("per_tensor", "per_gate", "per_channel") for n in GEMM_OUTPUTS},
 }
 SCALE_MODES = ("pow2", "multiplier")
-OBSERVER_KINDS = ("minmax", "ema", "ema_step")
+OBSERVER_KINDS = ("percentile", "minmax", "ema", "ema_step")
 BUILTIN_CONFIGS = ("w8a8", "w8a16", "w16a16")
 
 
@@ -80,9 +80,13 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ObserverSpec:
-    """Which observer calibrates activations (weights always use exact per-channel min/max)."""
-    kind: str = "ema"
-    momentum: float = 0.1  # weight of the newest batch (or time step, for ema_step)
+    """Which observer calibrates activations (weights always use exact per-channel min/max).
+
+    Default ``percentile``: data-weighted, the same range however the data is cut into calls
+    (qgru/observers.py says why)."""
+    kind: str = "percentile"
+    momentum: float = 0.1  # ema, ema_step: weight of the newest batch (or time step, for ema_step)
+    percentile: float = 99.99  # percentile: the share of values (%) kept inside the range on each side
 
 
 @dataclass(frozen=True)
@@ -131,12 +135,18 @@ class QuantConfig:
         if scale_mode not in SCALE_MODES:
             raise ValueError(f"config: scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
         obs = dict(d.get("observer", {}))
-        _check_keys(obs, {"kind", "momentum"}, "config.observer")
-        observer = ObserverSpec(kind=obs.get("kind", "ema"), momentum=float(obs.get("momentum", 0.1)))
+        _check_keys(obs, {"kind", "momentum", "percentile"}, "config.observer")
+        for key in ("momentum", "percentile"):
+            if key in obs and (isinstance(obs[key], bool) or not isinstance(obs[key], (int, float))):
+                raise ValueError(f"config.observer: {key} must be a number, got {obs[key]!r}")
+        observer = ObserverSpec(kind=obs.get("kind", "percentile"), momentum=float(obs.get("momentum", 0.1)),
+                                percentile=float(obs.get("percentile", 99.99)))
         if observer.kind not in OBSERVER_KINDS:
             raise ValueError(f"config.observer: kind must be one of {OBSERVER_KINDS}, got {observer.kind!r}")
         if not 0.0 < observer.momentum <= 1.0:
             raise ValueError(f"config.observer: momentum must be in (0, 1], got {observer.momentum}")
+        if not 50.0 < observer.percentile <= 100.0:
+            raise ValueError(f"config.observer: percentile must be in (50, 100], got {observer.percentile}")
         raw = d.get("tensors", {})
         _check_keys(raw, set(TENSOR_NAMES), "config.tensors")
         missing = [n for n in TENSOR_NAMES if n not in raw]
@@ -148,7 +158,8 @@ class QuantConfig:
 
     def to_dict(self) -> Dict[str, Any]:
         return {"name": self.name, "scale_mode": self.scale_mode,
-                "observer": {"kind": self.observer.kind, "momentum": self.observer.momentum},
+                "observer": {"kind": self.observer.kind, "momentum": self.observer.momentum,
+                             "percentile": self.observer.percentile},
                 "tensors": {n: ({"bits": s.bits} if n in GATE_OUTPUTS else s.to_dict())
                             for n, s in self.tensors.items()}}
 

@@ -8,13 +8,12 @@ Three modes, one module:
 Input and output stay float at the module boundary: the input and h0 are quantized on entry and
 the outputs dequantized on exit; everything in between is integer (docs/spec.md).
 """
-from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union, overload
 
 import torch
-from torch import nn
+from torch import _VF, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from .backends import current_backend
@@ -23,6 +22,7 @@ from .convert import activation_qparams, derive_layer_params
 from .float_gru import float_direction
 from .golden import LayerParams
 from .observers import Observer
+from .primitives import qrange
 
 _ACT_OBSERVED = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre")
 
@@ -62,8 +62,118 @@ def reverse_within_lengths(x: torch.Tensor, lengths: Optional[torch.Tensor]) -> 
     return x.gather(0, idx)
 
 
+_NO_TORCHSCRIPT = ("{what}: a converted (or calibrating) qgru.QuantGRU cannot be TorchScript: its integer GRU runs "
+                   "qgru's own kernels (C++/CUDA and Python), which TorchScript can neither compile nor record. "
+                   "Use torch.compile(model) or torch.export.export(model, args): qgru registers the integer "
+                   "forward as a torch.library custom operator (qgru::integer_gru) for both. A float "
+                   "(unconverted) QuantGRU scripts as nn.GRU does.")
+
+
+def run_stack(num_layers: int, num_directions: int, x, hx, lengths, direction_fn):
+    """Layers and directions; direction_fn(layer, d, layer_inputs, h0) -> (out [T,N,H], h_n)."""
+    h_n = []
+    layer_out = None
+    for layer in range(num_layers):
+        outs = []
+        for d in range(num_directions):
+            h0 = hx[layer * num_directions + d]
+            inp = x if layer == 0 else layer_out
+            if d == 1:
+                inp = [reverse_within_lengths(v, lengths) for v in inp] if isinstance(inp, list) \
+                    else reverse_within_lengths(inp, lengths)
+            o, h = direction_fn(layer, d, inp, h0)
+            if d == 1:
+                o = reverse_within_lengths(o, lengths)
+            outs.append(o)
+            h_n.append(h)
+        layer_out = outs
+    return layer_out, h_n
+
+
+def _compiled_integer_gru(x, hx, lengths, params: List[torch.Tensor], spec: str):
+    """Inside torch.compile / torch.export: the integer GRU as one custom operator (qgru/ops.py, with
+    a fake kernel for shapes), whose arguments are plain tensors and a string. None otherwise (the
+    caller runs integer_forward itself). A function of its own, without the module: torch.compile
+    does not trace into GRU modules (nn.RNNBase) unless torch._dynamo.config.allow_rnn is set, and
+    runs them as Python, but it does compile the frames they call, like this one."""
+    if not torch.compiler.is_compiling():
+        return None
+    with torch.no_grad():
+        return torch.ops.qgru.integer_gru(x, hx, lengths, params, spec)
+
+
+@torch.compiler.disable  # eager code (also when a torch.compile'd model calls it): nothing to trace
+def integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor,
+                    lengths: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The integer GRU of a converted QuantGRU between its float boundaries, on the current backend:
+    time-major float x [T, N, I], h0 [L*D, N, H], lengths or None -> (out [T, N, D*H], h_n) in
+    x's dtype. ``params``: its LayerParams on x's device, [layer][direction]."""
+    backend = current_backend(x.device.type)
+    if backend.name == "cpu" and lengths is None and len(params[0]) == 1:
+        # the whole stack in one native call: the same integers, without a Python round trip
+        # per quantize, layer and dequantize (they cost more than a streaming step's layer)
+        from . import native
+        with torch.no_grad():
+            fast = native.cpu_stack_forward(params, x, hx)
+        if fast is not None:
+            return fast[0].to(x.dtype), fast[1].to(x.dtype)
+    ops = backend.boundary  # quantize / dequantize / requantize, golden semantics
+    if lengths is not None:
+        lengths = lengths.to(x.device)
+
+    def run(layer, d, inp, h0):
+        qx, qh0 = QuantGRU._integer_inputs(ops, params, layer, d, inp, h0)
+        return backend.gru_direction(params[layer][d], qx, qh0, lengths)
+
+    with torch.no_grad():
+        q_outs, q_hn = run_stack(len(params), len(params[0]), x, hx, lengths, run)
+
+    def to_float(q, p):
+        return ops.dequantize(q, p.scale["h"], p.zp["h"]).to(x.dtype)
+
+    flat = [p for row in params for p in row]  # h_n order: layer-major, then direction
+    outs = [to_float(q, p) for q, p in zip(q_outs, params[-1])]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    h_n = torch.stack([to_float(q, p) for q, p in zip(q_hn, flat)])
+    return out, h_n
+
+
+_EXTRA_STATE = "_extra_state"  # torch.nn.Module's key for get_extra_state()
+_EXTRA_STATE_VERSION = 1
+_QUANTIZED_CLASSES: Dict[type, type] = {}
+
+
+def quantized_class(cls: type) -> type:
+    """The QuantGRU class for a GRU class: QuantGRU for nn.GRU; for a subclass ``C`` of nn.GRU, a
+    class ``QuantC(C, QuantGRU)`` (made once per class): C's forward and methods come first, and
+    its ``super().forward(...)`` reaches QuantGRU's forward, which runs nn.GRU's in float mode and
+    the integer GRU once converted."""
+    if not (isinstance(cls, type) and issubclass(cls, nn.GRU)):
+        raise TypeError(f"quantized_class expects torch.nn.GRU or a subclass, got {cls!r}")
+    if cls is nn.GRU:
+        return QuantGRU
+    if issubclass(cls, QuantGRU):
+        return cls
+    if cls not in _QUANTIZED_CLASSES:
+        import types
+        name = f"Quant{cls.__name__}"
+        q = types.new_class(name, (cls, QuantGRU), {}, lambda ns: ns.update(
+            {"__module__": __name__, "__qualname__": name, "_qgru_float_class": cls,
+             "__doc__": f"{cls.__module__}.{cls.__qualname__}, quantized by qgru (see qgru.QuantGRU)"}))
+        _QUANTIZED_CLASSES[cls] = q
+    return _QUANTIZED_CLASSES[cls]
+
+
+def _new_quantized_instance(float_cls: type):
+    """Unpickling and deep-copying an instance of a quantized_class(): an empty one to fill."""
+    q = quantized_class(float_cls)
+    return q.__new__(q)
+
+
 class QuantGRU(nn.GRU):
     """torch.nn.GRU's signature, parameters and state_dict, plus ``config`` (see qgru.QuantConfig)."""
+
+    __jit_unused_properties__ = [*getattr(nn.GRU, "__jit_unused_properties__", []), "is_converted", "num_directions"]
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
@@ -71,11 +181,20 @@ class QuantGRU(nn.GRU):
         super().__init__(input_size, hidden_size, num_layers=num_layers, bias=bias,
                          batch_first=batch_first, dropout=dropout, bidirectional=bidirectional,
                          device=device, dtype=dtype)
+        self._init_quant_state(config)
+
+    def _init_quant_state(self, config) -> None:
+        """The attributes QuantGRU adds to an nn.GRU (also given to a GRU subclass's instance that
+        becomes its quantized class, see quantized_class)."""
         self.qconfig = QuantConfig.load(config)
         self._observers: Optional[Dict[Tuple[int, int], Dict[str, Observer]]] = None
         self._calibrating = False
         self._qparams: Optional[List[List[LayerParams]]] = None
         self._qparams_on: Dict[str, List[List[LayerParams]]] = {}
+        self._integer = False  # converted (mirrors is_converted, for TorchScript)
+        self._op_params: Tuple[List[torch.Tensor], str] = ([], "")
+        # after convert(): what calibration saw ("l0.fwd.x.seen_min", ...; qgru.compare reads it)
+        self._calib: Dict[str, torch.Tensor] = {}
 
     # ---- construction -----------------------------------------------------------------------
     @classmethod
@@ -86,18 +205,104 @@ class QuantGRU(nn.GRU):
         p = next(gru.parameters())
         m = cls(gru.input_size, gru.hidden_size, gru.num_layers, gru.bias, gru.batch_first,
                 gru.dropout, gru.bidirectional, device=p.device, dtype=p.dtype, config=config)
-        m.load_state_dict(gru.state_dict())
+        sd = gru.state_dict()
+        sd.pop(_EXTRA_STATE, None)  # the float parameters only (a converted QuantGRU's integer ones stay)
+        m.load_state_dict(sd)
         m.train(gru.training)
         return m
+
+    @classmethod
+    def _from_gru(cls, gru: nn.GRU, config: Union[str, dict, QuantConfig] = "w8a8") -> "QuantGRU":
+        """(For prepare_model, on its deep copy.) ``gru`` made a QuantGRU, keeping its class: a plain
+        nn.GRU becomes a QuantGRU (a copy, see from_float), an instance of a subclass (a library's
+        ``class GRU(nn.GRU)`` with its own forward and methods) becomes an instance of
+        ``quantized_class(type(gru))`` *in place*: its attributes, parameters and methods stay; its
+        forward must reach nn.GRU's through ``super().forward(...)``, which is then QuantGRU's."""
+        if isinstance(gru, QuantGRU):
+            raise TypeError(f"{type(gru).__name__} is already a QuantGRU")
+        if type(gru) is nn.GRU:
+            return cls.from_float(gru, config)
+        if not isinstance(gru, nn.GRU):
+            raise TypeError(f"expected a torch.nn.GRU, got {type(gru).__name__}")
+        gru.__class__ = quantized_class(type(gru))
+        QuantGRU._init_quant_state(gru, config)
+        return gru
+
+    def __reduce_ex__(self, protocol):
+        # a class made by quantized_class() cannot be found by name when unpickling: rebuild it
+        # from the float class it was made from (which can), then restore the instance's state
+        float_cls = type(self).__dict__.get("_qgru_float_class")
+        if float_cls is None:
+            return super().__reduce_ex__(protocol)
+        return _new_quantized_instance, (float_cls,), self.__getstate__()
 
     def to_float(self) -> nn.GRU:
         """A plain torch.nn.GRU with this module's float parameters."""
         p = next(self.parameters())
         g = nn.GRU(self.input_size, self.hidden_size, self.num_layers, self.bias, self.batch_first,
                    self.dropout, self.bidirectional, device=p.device, dtype=p.dtype)
-        g.load_state_dict(self.state_dict())
+        sd = self.state_dict()
+        sd.pop(_EXTRA_STATE, None)
+        g.load_state_dict(sd)
         g.train(self.training)
         return g
+
+    # ---- state_dict: a converted module's integer parameters are its extra state ----------------
+    def get_extra_state(self) -> Dict[str, object]:
+        """A converted module's integer parameters (QuantParams.to_dict(): tensors, ints and a JSON
+        string, loadable with torch.load(weights_only=True)) and its calibration record. The
+        state_dict entry is ``<prefix>_extra_state``; a float (unconverted) QuantGRU has none, so its
+        state_dict is exactly nn.GRU's."""
+        if not self.is_converted:
+            return {}
+        return {"format": "qgru.QuantGRU", "version": _EXTRA_STATE_VERSION,
+                "params": self.export().to_dict(), "calibration": dict(self._calib)}
+
+    def set_extra_state(self, state) -> None:
+        """Load integer parameters saved by get_extra_state: the module becomes converted, with the
+        saved config. It must have been built with the same input_size, hidden_size, num_layers,
+        bias, batch_first and bidirectional as the module that was saved."""
+        from .export import QuantParams
+        if isinstance(state, dict) and not state:  # what get_extra_state gives for a float QuantGRU
+            if self.is_converted:
+                raise RuntimeError(f"{type(self).__name__} is converted, but the state it is given is a float "
+                                   "QuantGRU's (no integer parameters)")
+            return
+        if not isinstance(state, dict) or state.get("format") != "qgru.QuantGRU":
+            raise RuntimeError(f"{type(self).__name__}: '_extra_state' is not a qgru.QuantGRU state "
+                               f"(got {type(state).__name__}); was this state_dict saved from a QuantGRU?")
+        if state.get("version") != _EXTRA_STATE_VERSION:
+            raise RuntimeError(f"{type(self).__name__}: unsupported qgru state version {state.get('version')!r}")
+        params = QuantParams.from_dict(state["params"])
+        mine = {"input_size": self.input_size, "hidden_size": self.hidden_size, "num_layers": self.num_layers,
+                "bias": self.bias, "batch_first": self.batch_first, "bidirectional": self.bidirectional}
+        saved = {k: params.meta[k] for k in mine}
+        if saved != mine:
+            diff = ", ".join(f"{k}={saved[k]!r} (this module: {mine[k]!r})" for k in mine if saved[k] != mine[k])
+            raise RuntimeError(f"{type(self).__name__}: the quantized state_dict was saved from a QuantGRU built "
+                               f"with other arguments: {diff}; build this one with the same arguments")
+        self.qconfig = QuantConfig.load(params.meta["config"])
+        self._set_params([list(row) for row in params.layers])
+        self._calib = dict(state.get("calibration", {}))
+        self._observers = None
+        self._calibrating = False
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not self.is_converted:  # a float QuantGRU's state_dict is nn.GRU's, key for key
+            destination.pop(prefix + _EXTRA_STATE, None)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + _EXTRA_STATE
+        had = key in state_dict
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        # a float state_dict (nn.GRU's) into a float QuantGRU: all there is to load. Into a converted
+        # one, the missing integer parameters stay missing: strict loading fails, naming the key (torch
+        # passes strict=True here whatever the caller asked, and sorts missing keys out itself)
+        if not had and not self.is_converted and key in missing_keys:
+            missing_keys.remove(key)
 
     @property
     def num_directions(self) -> int:
@@ -130,7 +335,8 @@ class QuantGRU(nn.GRU):
                 for n in _ACT_OBSERVED:
                     per_channel = self.qconfig[n].granularity in ("per_gate", "per_channel")
                     label = f"layer {layer}{' reverse' if d else ''} {n}"
-                    obs[n] = Observer(label, obs_spec.kind, obs_spec.momentum, H3 if per_channel else 0)
+                    obs[n] = Observer(label, obs_spec.kind, obs_spec.momentum, H3 if per_channel else 0,
+                                      obs_spec.percentile)
                 self._observers[(layer, d)] = obs
         self._calibrating = True
 
@@ -147,17 +353,21 @@ class QuantGRU(nn.GRU):
             for o in obs.values():
                 o.sync()
         params: List[List[LayerParams]] = []
+        calib: Dict[str, torch.Tensor] = {}
         for layer in range(self.num_layers):
             row = []
             prev = [] if layer == 0 else [(p.scale["h"], p.zp["h"]) for p in params[layer - 1]]
             for d in range(self.num_directions):
                 # integer parameters are derived on the CPU; _params_on() copies them to a device
-                ranges = {n: tuple(v.cpu() for v in o.range()) for n, o in self._observers[(layer, d)].items()}
+                obs = self._observers[(layer, d)]
+                ranges = {n: tuple(v.cpu() for v in o.range()) for n, o in obs.items()}
                 self._warn_degenerate(layer, d, ranges)
                 weights = [w.detach().cpu() if w is not None else None for w in self._weights(layer, d)]
                 row.append(derive_layer_params(*weights, ranges, self.qconfig, prev))
+                calib.update(self._calibration_record(layer, d, obs, ranges))
             params.append(row)
         self._set_params(params)
+        self._calib = calib
         self._calibrating = False
         self._observers = None
         return self
@@ -181,9 +391,33 @@ class QuantGRU(nn.GRU):
                           "outside it saturate at inference. Calibrate with representative data.",
                           CalibrationWarning, stacklevel=3)
 
+    def _calibration_record(self, layer: int, d: int, obs: Dict[str, Observer], ranges) -> Dict[str, torch.Tensor]:
+        """What calibration saw, per calibrated tensor (for qgru.compare): the observer's range, the
+        exact extremes of the calibration data, and how many of its values lie beyond the grid
+        convert() chose (more than half a step past an end: they saturate), counted from the
+        observer's histogram."""
+        out = {}
+        pre = f"l{layer}.{'rev' if d else 'fwd'}."
+        for n, o in obs.items():
+            spec = self.qconfig[n]
+            S, Z = activation_qparams(*ranges[n], spec, self.hidden_size, self.qconfig.power_of_two)
+            qlo, qhi = qrange(spec.bits)
+            lo_edge, hi_edge = (qlo - Z - 0.5) * S, (qhi - Z + 0.5) * S
+            out[pre + n + ".range_min"], out[pre + n + ".range_max"] = ranges[n]
+            out[pre + n + ".seen_min"] = o.seen_min.cpu()
+            out[pre + n + ".seen_max"] = o.seen_max.cpu()
+            out[pre + n + ".count"] = torch.tensor(o.count, dtype=torch.int64)
+            out[pre + n + ".clipped"] = torch.tensor(o.count_outside(lo_edge, hi_edge), dtype=torch.int64)
+        return out
+
     def _set_params(self, params: List[List[LayerParams]]) -> None:
+        from .export import QuantParams
+        from .ops import flatten_params
         self._qparams = params
         self._qparams_on = {"cpu": params}
+        self._integer = True  # a bool TorchScript can read (forward's TorchScript branch)
+        # the custom operator's arguments (torch.compile / torch.export): plain tensors and a string
+        self._op_params = flatten_params(QuantParams.from_module(self).to_dict())
 
     def _params_on(self, device: torch.device) -> List[List[LayerParams]]:
         key = str(device)
@@ -199,7 +433,80 @@ class QuantGRU(nn.GRU):
         return QuantParams.from_module(self)
 
     # ---- forward ----------------------------------------------------------------------------
-    def forward(self, input, hx: Optional[torch.Tensor] = None):
+    # nn.GRU's two signatures, so that TorchScript compiles a QuantGRU wherever it compiles nn.GRU
+    @overload  # type: ignore[override]
+    @torch._jit_internal._overload_method  # noqa: F811
+    def forward(self, input: torch.Tensor, hx: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        pass
+
+    @overload
+    @torch._jit_internal._overload_method  # noqa: F811
+    def forward(self, input: PackedSequence, hx: Optional[torch.Tensor] = None) -> Tuple[PackedSequence, torch.Tensor]:
+        pass
+
+    def forward(self, input, hx=None):  # noqa: F811
+        if not torch.jit.is_scripting():
+            return self._forward(input, hx)
+        # TorchScript (a float QuantGRU only: torch.jit.script refuses converted ones, see
+        # __prepare_scriptable__): nn.GRU.forward's own code, which TorchScript cannot reach through
+        # super(); tests/test_library_patterns.py checks it against nn.GRU bit for bit
+        if self._integer or self._calibrating:
+            raise RuntimeError("a converted (or calibrating) qgru.QuantGRU cannot run in TorchScript; "
+                               "use torch.compile or torch.export")
+        self._update_flat_weights()
+        orig_input = input
+        if isinstance(orig_input, PackedSequence):
+            input, batch_sizes, sorted_indices, unsorted_indices = input
+            max_batch_size = batch_sizes[0]
+            if hx is None:
+                num_directions = 2 if self.bidirectional else 1
+                hx = torch.zeros(self.num_layers * num_directions, max_batch_size, self.hidden_size,
+                                 dtype=input.dtype, device=input.device)
+            else:
+                hx = self.permute_hidden(hx, sorted_indices)
+        else:
+            batch_sizes = None
+            if input.dim() not in (2, 3):
+                raise ValueError(f"GRU: Expected input to be 2D or 3D, got {input.dim()}D instead")
+            is_batched = input.dim() == 3
+            batch_dim = 0 if self.batch_first else 1
+            if not is_batched:
+                input = input.unsqueeze(batch_dim)
+                if hx is not None:
+                    if hx.dim() != 2:
+                        raise RuntimeError(f"For unbatched 2-D input, hx should also be 2-D but got {hx.dim()}-D tensor")
+                    hx = hx.unsqueeze(1)
+            else:
+                if hx is not None and hx.dim() != 3:
+                    raise RuntimeError(f"For batched 3-D input, hx should also be 3-D but got {hx.dim()}-D tensor")
+            max_batch_size = input.size(0) if self.batch_first else input.size(1)
+            sorted_indices = None
+            unsorted_indices = None
+            if hx is None:
+                num_directions = 2 if self.bidirectional else 1
+                hx = torch.zeros(self.num_layers * num_directions, max_batch_size, self.hidden_size,
+                                 dtype=input.dtype, device=input.device)
+            else:
+                hx = self.permute_hidden(hx, sorted_indices)
+        self.check_forward_args(input, hx, batch_sizes)
+        if batch_sizes is None:
+            result = _VF.gru(input, hx, self._flat_weights, self.bias, self.num_layers, self.dropout,
+                             self.training, self.bidirectional, self.batch_first)
+        else:
+            result = _VF.gru(input, batch_sizes, hx, self._flat_weights, self.bias, self.num_layers,
+                             self.dropout, self.training, self.bidirectional)
+        output = result[0]
+        hidden = result[1]
+        if isinstance(orig_input, PackedSequence):
+            output_packed = PackedSequence(output, batch_sizes, sorted_indices, unsorted_indices)
+            return output_packed, self.permute_hidden(hidden, unsorted_indices)
+        else:
+            if not is_batched:
+                output = output.squeeze(batch_dim)
+                hidden = hidden.squeeze(1)
+            return output, self.permute_hidden(hidden, unsorted_indices)
+
+    def _forward(self, input, hx: Optional[torch.Tensor] = None):
         if not self.is_converted and not self._calibrating:
             self._check_input(input, hx)
             return super().forward(input, hx)
@@ -299,23 +606,7 @@ class QuantGRU(nn.GRU):
 
     def _run_stack(self, x, hx, lengths, direction_fn):
         """Layers and directions; direction_fn(layer, d, layer_inputs, h0) -> (out [T,N,H], h_n)."""
-        h_n = []
-        layer_out = None
-        for layer in range(self.num_layers):
-            outs = []
-            for d in range(self.num_directions):
-                h0 = hx[layer * self.num_directions + d]
-                inp = x if layer == 0 else layer_out
-                if d == 1:
-                    inp = [reverse_within_lengths(v, lengths) for v in inp] if isinstance(inp, list) \
-                        else reverse_within_lengths(inp, lengths)
-                o, h = direction_fn(layer, d, inp, h0)
-                if d == 1:
-                    o = reverse_within_lengths(o, lengths)
-                outs.append(o)
-                h_n.append(h)
-            layer_out = outs
-        return layer_out, h_n
+        return run_stack(self.num_layers, self.num_directions, x, hx, lengths, direction_fn)
 
     def _forward_float_reference(self, x, hx, lengths):
         def run(layer, d, inp, h0):
@@ -342,32 +633,17 @@ class QuantGRU(nn.GRU):
         return qx, ops.quantize(h0, p.scale["h"], p.zp["h"], p.bits["h"], "h0")
 
     def _forward_integer(self, x, hx, lengths):
-        params = self._params_on(x.device)
-        backend = current_backend(x.device.type)
-        if backend.name == "cpu" and lengths is None and self.num_directions == 1:
-            # the whole stack in one native call: the same integers, without a Python round trip
-            # per quantize, layer and dequantize (they cost more than a streaming step's layer)
-            from . import native
-            with torch.no_grad():
-                fast = native.cpu_stack_forward(params, x, hx)
-            if fast is not None:
-                return fast[0].to(x.dtype), fast[1].to(x.dtype)
-        ops = backend.boundary  # quantize / dequantize / requantize, golden semantics
-        if lengths is not None:
-            lengths = lengths.to(x.device)
+        if torch.jit.is_tracing():
+            raise RuntimeError(_NO_TORCHSCRIPT.format(what="torch.jit.trace"))
+        compiled = _compiled_integer_gru(x, hx, lengths, *self._op_params)
+        if compiled is not None:
+            return compiled
+        return integer_forward(self._params_on(x.device), x, hx, lengths)
 
-        def run(layer, d, inp, h0):
-            qx, qh0 = self._integer_inputs(ops, params, layer, d, inp, h0)
-            return backend.gru_direction(params[layer][d], qx, qh0, lengths)
-
-        with torch.no_grad():
-            q_outs, q_hn = self._run_stack(x, hx, lengths, run)
-
-        def to_float(q, p):
-            return ops.dequantize(q, p.scale["h"], p.zp["h"]).to(x.dtype)
-
-        flat = [p for row in params for p in row]  # h_n order: layer-major, then direction
-        outs = [to_float(q, p) for q, p in zip(q_outs, params[-1])]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        h_n = torch.stack([to_float(q, p) for q, p in zip(q_hn, flat)])
-        return out, h_n
+    # ---- TorchScript --------------------------------------------------------------------------
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every module it scripts: a float QuantGRU scripts as the
+        # nn.GRU it is (forward's TorchScript branch); the integer GRU runs qgru's own kernels
+        if self.is_converted or self._calibrating:
+            raise RuntimeError(_NO_TORCHSCRIPT.format(what="torch.jit.script"))
+        return self

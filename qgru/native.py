@@ -508,8 +508,16 @@ def resolved(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def gru_direction(kind: str, isa: Optional[str] = None):
     """A backend's gru_direction(p, qx, qh0, lengths): the native Layer is made once per LayerParams
-    and CPU path (``isa``: see NativeLayer)."""
+    and CPU path (``isa``: see NativeLayer).
+
+    Under torch.inference_mode() the Layer is made and run with inference mode off: it keeps
+    workspaces (and the CUDA backend its buffers) from call to call, and a workspace made as an
+    inference tensor could not be written by a later call outside inference mode (a Lightning
+    predict, which runs under inference_mode, followed by any other call)."""
     def run(p: LayerParams, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor] = None):
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad():
+                return run(p, qx, qh0, lengths)
         qx, qh0, lengths = resolved(qx), resolved(qh0), resolved(lengths)
         cache = p.__dict__.setdefault("_native", {})
         key = (kind, str(qx.device), (cpu_isa_request() if isa is None else isa) if kind == "cpu" else "")
@@ -536,6 +544,9 @@ def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torc
     trips, which for one step of a batch of one cost more than the layer itself."""
     if any(len(row) != 1 for row in params):
         return None
+    if torch.is_inference_mode_enabled():  # as gru_direction: Layers and workspaces outside it
+        with torch.inference_mode(False), torch.no_grad():
+            return cpu_stack_forward(params, x, hx)
     req = cpu_isa_request()
     cache = params[0][0].__dict__.setdefault("_native", {})  # beside the first layer's Layers
     # keyed by the stack's layers too: one LayerParams may head stacks of other depths (qgru.compare

@@ -1,11 +1,26 @@
-"""Calibration observers: running min/max estimates of activation tensors.
+"""Calibration observers: range estimates of activation tensors.
 
-Three kinds (``config.observer.kind``):
+Four kinds (``config.observer.kind``):
 
+* ``percentile`` (default) -- a histogram of every value seen; the range keeps all but at most
+                  (100 - p)% of the values on each side (``config.observer.percentile`` = p, default
+                  99.99), and is never wider than ``minmax``'s.
 * ``minmax``   -- the global min and max of everything seen.
 * ``ema``      -- per forward call (one batch) take the batch's min/max, then a moving average
                   across batches: ``min = (1 - c) * min + c * batch_min`` (c = momentum).
 * ``ema_step`` -- seed 001's per-time-step EMA: the same average, updated at every time step.
+
+Why ``percentile`` is the default: an observer must weigh what it has seen by data, not by calls.
+``percentile`` and ``minmax`` see a multiset of values: cutting the same data into calls any
+other way (one big batch, or hundreds of 1-step calls carrying the state, as autoregressive
+forecasters calibrate) gives the same range (exactly; a state passed back as the next call's h0
+is seen once more, which moves a percentile by at most a bin). ``ema`` averages one extreme per
+call, so the newest ~1/c calls decide its range: with many small calls in time order it forgets
+most of the data and clips its own calibration data (tests/test_library_patterns.py: sine series
+calibrated with 1-step calls, where ema's x range clips 15% of the data it saw). Of the two data-weighted kinds, ``percentile`` ignores the rarest
+1e-4 of the values on each side, which keeps a single outlier from widening an 8-bit grid (with
+power-of-two scales that is a whole step: the demo's w8a8 (pow2) loses ~2.5 dB with ``minmax``);
+with fewer than 10^4 values per side it equals ``minmax``. ``ema`` stays available by name.
 
 Why a reverse direction never corrupts a forward one: every (layer, direction, tensor) has its own
 observer object, so statistics never mix across directions. ``ema_step`` is order dependent (a
@@ -16,13 +31,14 @@ inference. Padded positions of a PackedSequence are never observed.
 Weights have their own observer, ``WeightObserver``: exact per-channel (or per-group, or
 per-tensor) max |w| of the frozen float weights, read once at convert(); nothing to average.
 
-If ``torch.distributed`` is initialised, ``sync()`` reduces the statistics across ranks (min of
-mins and max of maxes for ``minmax``; the mean over ranks that saw data for the averages) so that
+If ``torch.distributed`` is initialised, ``sync()`` reduces the statistics across ranks (the
+histograms are summed on common bins, so ``percentile`` gives what one process would; min of mins
+and max of maxes for ``minmax``; the mean over ranks that saw data for the averages) so that
 calibration can be spread over processes and every rank converts to the same parameters.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -31,20 +47,46 @@ class NonFiniteCalibrationError(ValueError):
     """A calibration tensor held NaN or Inf."""
 
 
-class Observer:
-    """Tracks min/max of one activation tensor, per tensor or per channel (last dimension)."""
+HIST_HALF_BINS = 256  # percentile observer: histogram bins on each side of 0 (per channel)
+_LOG2_B = HIST_HALF_BINS.bit_length() - 1
+_PENDING_LIMIT = 1 << 20  # percentile: values held before they are binned
+_EXP_NONE = -1100  # exponent of a channel that saw only zeros: below every double's (2^-1074)
 
-    def __init__(self, name: str, kind: str = "ema", momentum: float = 0.1, channels: int = 0):
+
+def _times_pow2(v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """v * 2^e (e int64, broadcast over v's last axis), exact for float64 results in the normal range:
+    two steps, so that neither factor overflows for any exponent a double can need."""
+    e1 = torch.div(e, 2, rounding_mode="floor")
+    return v * torch.pow(2.0, e1.to(torch.float64)) * torch.pow(2.0, (e - e1).to(torch.float64))
+
+
+class Observer:
+    """Tracks the range of one activation tensor, per tensor or per channel (last dimension).
+
+    Besides its kind's estimate it keeps the exact extremes of everything it saw (``seen_min``,
+    ``seen_max``), which convert() records so that qgru.compare can tell when a tensor's grid
+    does not contain its own calibration data.
+    """
+
+    def __init__(self, name: str, kind: str = "percentile", momentum: float = 0.1, channels: int = 0,
+                 percentile: float = 99.99):
         self.name = name
         self.kind = kind
         self.momentum = momentum
-        self.channels = channels  # 0: one min/max for the whole tensor
+        self.percentile = percentile
+        self.channels = channels  # 0: one range for the whole tensor
         self.min: Optional[torch.Tensor] = None
         self.max: Optional[torch.Tensor] = None
+        self.seen_min: Optional[torch.Tensor] = None
+        self.seen_max: Optional[torch.Tensor] = None
         self.count = 0  # number of observed values
         self.calls = 0  # number of forward calls (batches) closed by end_call
         self._call_min: Optional[torch.Tensor] = None
         self._call_max: Optional[torch.Tensor] = None
+        self.hist: Optional[torch.Tensor] = None  # percentile: int64 [C, 2B] counts (C = 1 per tensor)
+        self.exp: Optional[torch.Tensor] = None   # percentile: int64 [C]; bins cover [-2^exp, 2^exp)
+        self._pending: List[torch.Tensor] = []   # percentile: values not binned yet, [rows, C] float64
+        self._pending_numel = 0
 
     def _reduce(self, v: torch.Tensor):
         v = v.detach().double()
@@ -59,17 +101,57 @@ class Observer:
             return
         if not torch.isfinite(v).all():
             raise NonFiniteCalibrationError(f"non-finite value (NaN or Inf) in tensor {self.name!r}")
-        lo, hi = self._reduce(v)
         self.count += v.numel()
+        # every kind keeps the histogram (binned in bulk: it does not depend on how), for its
+        # range (percentile) or to count the calibration values its range leaves out (convert())
+        self._pending.append(v.detach().double().reshape(-1, self.channels or 1))
+        self._pending_numel += v.numel()
+        if self._pending_numel >= _PENDING_LIMIT:
+            self._flush()
+        if self.kind == "percentile":
+            return
+        lo, hi = self._reduce(v)
         if self.kind == "ema_step":
             self._fold(lo, hi)
         else:  # minmax and ema collect the call's extremes first
             self._call_min = lo if self._call_min is None else torch.minimum(self._call_min, lo)
             self._call_max = hi if self._call_max is None else torch.maximum(self._call_max, hi)
 
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        v = torch.cat(self._pending)
+        self._pending, self._pending_numel = [], 0
+        lo, hi = v.amin(0), v.amax(0)
+        if not self.channels:
+            lo, hi = lo.reshape(()), hi.reshape(())
+        if self.seen_min is None:
+            self.seen_min, self.seen_max = lo, hi
+        else:
+            self.seen_min, self.seen_max = torch.minimum(self.seen_min, lo), torch.maximum(self.seen_max, hi)
+        self._hist_add(v)
+
+    def count_outside(self, lo: torch.Tensor, hi: torch.Tensor) -> int:
+        """How many observed values lie below ``lo`` or above ``hi`` (scalars, or one per channel),
+        counting whole bins only: a lower bound, short by at most the two bins the ends fall in."""
+        self._flush()
+        if self.hist is None:
+            return 0
+        B = HIST_HALF_BINS
+        C = self.hist.shape[0]
+        lo = torch.as_tensor(lo, dtype=torch.float64).reshape(-1).expand(C)
+        hi = torch.as_tensor(hi, dtype=torch.float64).reshape(-1).expand(C)
+        width_exp = self.exp - _LOG2_B
+        i = torch.arange(2 * B, dtype=torch.float64).unsqueeze(0) - B
+        upper = _times_pow2(i + 1, width_exp.unsqueeze(1))  # bin i covers [lower, upper)
+        lower = _times_pow2(i, width_exp.unsqueeze(1))
+        out = (upper <= lo.unsqueeze(1)) | (lower > hi.unsqueeze(1))
+        return int((self.hist * out).sum())
+
     def end_call(self) -> None:
         """Close one forward call (one calibration batch)."""
         self.calls += 1
+        self._flush()
         if self._call_min is not None:
             self._fold(self._call_min, self._call_max)
         self._call_min = self._call_max = None
@@ -84,23 +166,98 @@ class Observer:
             self.min = (1 - c) * self.min + c * lo
             self.max = (1 - c) * self.max + c * hi
 
+    # ---- percentile: a histogram that is the same however the data is cut into calls -----------
+    # Channel c's 2B bins have width 2^exp[c] / B and edges at the multiples of that width, with
+    # exp[c] the smallest exponent such that every |v| seen is below 2^exp[c]. A value v lies in
+    # bin floor(v B / 2^exp) + B. When a larger value raises exp by k, bin i moves to
+    # ((i - B) >> k) + B: floor(floor(y) / 2^k) = floor(y / 2^k), so the merged histogram is exactly
+    # the one that binning every value at the new width would give. exp depends only on the largest
+    # |v|, so the histogram, and the range read from it, depend only on the values seen: not on how
+    # they were cut into calls or time steps, nor on their order.
+    def _hist_add(self, v: torch.Tensor) -> None:
+        C = v.shape[1]
+        B = HIST_HALF_BINS
+        amax = v.abs().amax(0)
+        exp = torch.where(amax > 0, torch.frexp(amax).exponent.to(torch.int64),
+                          torch.full_like(amax, _EXP_NONE, dtype=torch.int64))  # amax < 2^exp
+        if self.hist is None:
+            self.hist = torch.zeros(C, 2 * B, dtype=torch.int64)
+            self.exp = exp
+        else:
+            self._rebin(torch.maximum(self.exp, exp))
+        # v * B / 2^exp is exact (a power-of-two scaling); |v| < 2^exp puts it in [-B, B)
+        idx = torch.floor(_times_pow2(v, _LOG2_B - self.exp)).to(torch.int64)
+        idx = idx.clamp(-B, B - 1) + B + torch.arange(C).unsqueeze(0) * (2 * B)
+        self.hist += torch.bincount(idx.reshape(-1), minlength=C * 2 * B).reshape(C, 2 * B)
+
+    def _rebin(self, exp: torch.Tensor) -> None:
+        """Widen each channel's bins to cover [-2^exp, 2^exp) (exp >= the current one)."""
+        k = (exp - self.exp).clamp(max=62)
+        if bool((k == 0).all()):
+            return
+        B = HIST_HALF_BINS
+        i = torch.arange(2 * B, dtype=torch.int64).unsqueeze(0) - B
+        idx = (i >> k.unsqueeze(1)) + B
+        self.hist = torch.zeros_like(self.hist).scatter_add_(1, idx, self.hist)
+        self.exp = exp
+
+    def _percentile_range(self):
+        """Per channel: the narrowest range of whole bins with at most (100 - percentile)% of the values
+        above it and as many below it, clamped to the seen extremes (never wider than minmax)."""
+        B = HIST_HALF_BINS
+        h = self.hist
+        n = h.sum(1, keepdim=True)
+        allowed = torch.floor(n.double() * (100.0 - self.percentile) / 100.0).to(torch.int64)
+        # above[i]: values in bins > i; below[i]: values in bins < i
+        above = n - h.cumsum(1)
+        below = h.cumsum(1) - h
+        i = torch.arange(2 * B, dtype=torch.int64).unsqueeze(0)
+        hi_bin = torch.where(above <= allowed, i, torch.full_like(i, 2 * B)).amin(1)
+        lo_bin = torch.where(below <= allowed, i, torch.full_like(i, -1)).amax(1)
+        width_exp = self.exp - _LOG2_B
+        hi = _times_pow2((hi_bin - B + 1).to(torch.float64), width_exp)
+        lo = _times_pow2((lo_bin - B).to(torch.float64), width_exp)
+        seen_lo, seen_hi = self.seen_min.reshape(-1), self.seen_max.reshape(-1)
+        lo, hi = torch.maximum(lo, seen_lo), torch.minimum(hi, seen_hi)
+        if not self.channels:
+            lo, hi = lo.reshape(()), hi.reshape(())
+        return lo, hi
+
     def sync(self) -> None:
         """Reduce the statistics over torch.distributed ranks, when a process group is running."""
+        self._flush()
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
         shape = (self.channels,) if self.channels else ()
+        count = torch.tensor(float(self.count), dtype=torch.float64)
+        dist.all_reduce(count, op=dist.ReduceOp.SUM)
+        if count.item() == 0:
+            return
+        # every kind: the exact extremes and the histogram (summed on common bins: what one process
+        # binning all the data would hold)
+        big = torch.finfo(torch.float64).max
+        seen_lo = self.seen_min.clone() if self.seen_min is not None else torch.full(shape, big, dtype=torch.float64)
+        seen_hi = self.seen_max.clone() if self.seen_max is not None else torch.full(shape, -big, dtype=torch.float64)
+        dist.all_reduce(seen_lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(seen_hi, op=dist.ReduceOp.MAX)
+        C = self.channels or 1
+        if self.hist is None:
+            self.hist = torch.zeros(C, 2 * HIST_HALF_BINS, dtype=torch.int64)
+            self.exp = torch.full((C,), _EXP_NONE, dtype=torch.int64)
+        exp = self.exp.clone()
+        dist.all_reduce(exp, op=dist.ReduceOp.MAX)
+        self._rebin(exp)
+        dist.all_reduce(self.hist, op=dist.ReduceOp.SUM)
+        self.seen_min, self.seen_max, self.count = seen_lo, seen_hi, int(count.item())
+        if self.kind == "percentile":
+            return
         saw = torch.tensor(1.0 if self.min is not None else 0.0, dtype=torch.float64)  # 0-dim: keeps shapes
         lo = self.min if self.min is not None else torch.zeros(shape, dtype=torch.float64)
         hi = self.max if self.max is not None else torch.zeros(shape, dtype=torch.float64)
-        count = torch.tensor(float(self.count), dtype=torch.float64)
-        dist.all_reduce(count, op=dist.ReduceOp.SUM)
         ranks_with_data = saw.clone()
         dist.all_reduce(ranks_with_data, op=dist.ReduceOp.SUM)
-        if ranks_with_data.item() == 0:
-            return
         if self.kind == "minmax":
-            big = torch.finfo(torch.float64).max
             lo = lo if self.min is not None else torch.full(shape, big, dtype=torch.float64)
             hi = hi if self.max is not None else torch.full(shape, -big, dtype=torch.float64)
             lo, hi = lo.clone(), hi.clone()
@@ -111,10 +268,13 @@ class Observer:
             dist.all_reduce(lo, op=dist.ReduceOp.SUM)
             dist.all_reduce(hi, op=dist.ReduceOp.SUM)
             lo, hi = lo / ranks_with_data, hi / ranks_with_data
-        self.min, self.max, self.count = lo, hi, int(count.item())
+        self.min, self.max = lo, hi
 
     def range(self):
         """(min, max) as float64 tensors; raises if nothing was observed."""
+        self._flush()
+        if self.kind == "percentile" and self.hist is not None and self.seen_min is not None:
+            self.min, self.max = self._percentile_range()
         if self.min is None:
             if self.calls:
                 raise RuntimeError(f"observer {self.name!r} saw no data in {self.calls} calibration batch(es): "

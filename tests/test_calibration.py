@@ -179,6 +179,110 @@ class TestObserverKinds:
         assert issubclass(qgru.NonFiniteCalibrationError, ValueError)
 
 
+
+# =============================================================================================
+# percentile (the default): weighs data, not calls
+# =============================================================================================
+def _cuts(v: torch.Tensor, seed: int):
+    """v [n, ...] cut into pieces of random sizes (1 to 40 rows), in order."""
+    g = torch.Generator().manual_seed(seed)
+    sizes, left = [], v.shape[0]
+    while left:
+        sizes.append(min(left, int(torch.randint(1, 41, (1,), generator=g))))
+        left -= sizes[-1]
+    return list(v.split(sizes))
+
+
+def _percentile_reference(v: torch.Tensor, p: float):
+    """(lo, hi) bounds by sorting: at most floor(n (100 - p) / 100) values may lie beyond each end,
+    so hi >= the value with that many above it (likewise lo); the observer rounds outwards to
+    its bin edges, at most one bin (2^exp / 256, |v| < 2^exp) further."""
+    v = v.double().reshape(-1)
+    n = v.numel()
+    allowed = int(n * (100.0 - p) / 100.0)
+    s = v.sort().values
+    width = 2.0 ** int(torch.frexp(v.abs().max()).exponent) / 256
+    return s[allowed].item(), s[n - 1 - allowed].item(), width
+
+
+class TestPercentileObserver:
+    def test_default_config_uses_it(self):
+        for name in ("w8a8", "w8a16", "w16a16"):
+            spec = qgru.QuantConfig.load(name).observer
+            assert (spec.kind, spec.percentile) == ("percentile", 99.99)
+
+    @pytest.mark.parametrize("p", [99.99, 99.0, 90.0])
+    def test_range_against_sorted_values(self, p):
+        g = torch.Generator().manual_seed(3)
+        v = torch.randn(50_000, generator=g) * 3 + torch.randn(50_000, generator=g).pow(3)  # heavy tails
+        o = Observer("t", "percentile", percentile=p)
+        o.observe(v)
+        o.end_call()
+        lo, hi = (float(t) for t in o.range())
+        ref_lo, ref_hi, width = _percentile_reference(v, p)
+        allowed = int(v.numel() * (100.0 - p) / 100.0)
+        assert int((v.double() > hi).sum()) <= allowed and int((v.double() < lo).sum()) <= allowed
+        assert ref_hi <= hi <= ref_hi + width and ref_lo - width <= lo <= ref_lo
+        assert v.min() <= lo and hi <= v.max()  # never wider than minmax
+        assert hi < float(v.max()) and lo > float(v.min())  # and it does drop the rarest values
+
+    def test_small_data_equals_minmax(self):
+        v = torch.tensor([-3.0, 0.5, 7.25, 1.0])  # fewer than 10^4 values: nothing may be dropped
+        o = Observer("t", "percentile")
+        o.observe(v)
+        assert tuple(float(t) for t in o.range()) == (-3.0, 7.25)
+
+    @pytest.mark.parametrize("channels", [0, 3])
+    def test_same_range_however_the_data_is_cut(self, channels):
+        g = torch.Generator().manual_seed(5)
+        v = torch.randn(20_000, 3, generator=g) * torch.tensor([1.0, 1e-3, 50.0])
+        v[:7000] *= 0.01  # the first calls see a much narrower range than the later ones
+        v[:, 1][5000:9000] = 0.0
+        data = v if channels else v[:, 0]
+
+        def run(pieces):
+            o = Observer("t", "percentile", channels=channels)
+            for piece in pieces:
+                o.observe(piece)
+                o.end_call()
+            return o
+
+        whole = run([data])
+        for seed in range(3):
+            cuts = _cuts(data, seed)
+            for pieces in (cuts, cuts[::-1], cuts[::2] + cuts[1::2]):  # in order, reversed, shuffled
+                o = run(pieces)
+                assert torch.equal(o.hist, whole.hist) and torch.equal(o.exp, whole.exp)
+                assert all(torch.equal(a, b) for a, b in zip(o.range(), whole.range()))
+        ema_o = Observer("t", "ema", channels=channels)
+        for piece in _cuts(data, 0):
+            ema_o.observe(piece)
+            ema_o.end_call()
+        assert not torch.equal(ema_o.range()[1], whole.range()[1])  # ema does depend on the cutting
+
+    def test_per_channel_against_sorted_values(self):
+        g = torch.Generator().manual_seed(9)
+        v = torch.randn(30_000, 4, generator=g) * torch.tensor([1.0, 10.0, 0.1, 1.0])
+        v[:, 3] = v[:, 3].abs()  # one channel never negative: its range starts at its minimum
+        o = Observer("t", "percentile", channels=4, percentile=99.9)
+        o.observe(v)
+        lo, hi = o.range()
+        assert lo.shape == hi.shape == (4,)
+        for c in range(4):
+            ref_lo, ref_hi, width = _percentile_reference(v[:, c], 99.9)
+            assert ref_hi <= float(hi[c]) <= ref_hi + width and ref_lo - width <= float(lo[c]) <= ref_lo
+        assert float(lo[3]) >= 0.0
+
+    def test_seen_extremes_are_exact_for_every_kind(self):
+        v = torch.tensor([[1.0, -2.0], [3.0, 0.5], [-4.0, 8.0]])
+        for kind in ("percentile", "minmax", "ema", "ema_step"):
+            o = Observer("t", kind, channels=2)
+            for row in v:
+                o.observe(row.unsqueeze(0))
+                o.end_call()
+            o.range()
+            assert o.seen_min.tolist() == [-4.0, -2.0] and o.seen_max.tolist() == [3.0, 8.0], kind
+
 # =============================================================================================
 # Through QuantGRU
 # =============================================================================================
@@ -531,7 +635,7 @@ def _dist_worker(rank: int, world: int, init_method: str, outdir: str) -> None:
         half = DIST_N_BATCHES // world
         mine = data[rank * half:(rank + 1) * half]
         results = {}
-        for kind in ("minmax", "ema"):
+        for kind in ("minmax", "ema", "percentile"):
             m = _dist_model(kind)
             qgru.calibrate(m, mine, progress=False)
             m.convert()
@@ -547,23 +651,23 @@ def _dist_worker(rank: int, world: int, init_method: str, outdir: str) -> None:
             results["per_tensor_ema_out"] = f"{type(e).__name__}: {e}"
         # observer level: known values, and a rank that saw no data
         obs = {}
-        for kind in ("minmax", "ema"):
+        for kind in ("minmax", "ema", "percentile"):
             o = Observer("o", kind)
             o.observe(torch.tensor([-1.0 - rank, 2.0 + 3 * rank]))
             o.end_call()
             o.sync()
-            obs[f"{kind}_scalar"] = (o.min, o.max, o.count)
+            obs[f"{kind}_scalar"] = (*o.range(), o.count)
             oc = Observer("c", kind, channels=2)
             oc.observe(torch.tensor([[rank * 1.0, -rank * 2.0]]))
             oc.end_call()
             oc.sync()
-            obs[f"{kind}_channels"] = (oc.min, oc.max, oc.count)
+            obs[f"{kind}_channels"] = (*oc.range(), oc.count)
             on = Observer("n", kind)
             if rank == 0:
                 on.observe(torch.tensor([-3.0, 5.0]))
                 on.end_call()
             on.sync()
-            obs[f"{kind}_one_rank"] = (on.min, on.max, on.count)
+            obs[f"{kind}_one_rank"] = (*on.range(), on.count)
         results["obs"] = obs
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
@@ -612,6 +716,17 @@ class TestDistributed:
         _assert_export_equal(r0["export_minmax"], single.export().to_dict())
         assert torch.equal(r0["out_minmax"], single(_dist_data()[0])[0])
 
+    def test_percentile_ranks_agree_and_equal_single_process(self, dist_results):
+        """The histograms are summed on common bins: two ranks with half the data each convert
+        exactly as one process with all of it."""
+        r0, r1 = dist_results
+        _assert_export_equal(r0["export_percentile"], r1["export_percentile"])
+        single = _dist_model("percentile")
+        qgru.calibrate(single, _dist_data(), progress=False)
+        single.convert()
+        _assert_export_equal(r0["export_percentile"], single.export().to_dict())
+        assert torch.equal(r0["out_percentile"], single(_dist_data()[0])[0])
+
     def test_minmax_needs_the_reduction(self, dist_results):
         """Without the reduction a rank would convert from half of the data: it differs."""
         half = _dist_model("minmax")
@@ -629,21 +744,24 @@ class TestDistributed:
     def test_observer_sync_values(self, dist_results):
         for r in dist_results:
             obs = r["obs"]
-            lo, hi, n = obs["minmax_scalar"]
-            assert (float(lo), float(hi), n) == (-2.0, 5.0, 4)  # rank0 [-1, 2], rank1 [-2, 5]
+            for kind in ("minmax", "percentile"):  # 4 values: the percentile keeps them all
+                lo, hi, n = obs[f"{kind}_scalar"]
+                assert (float(lo), float(hi), n) == (-2.0, 5.0, 4)  # rank0 [-1, 2], rank1 [-2, 5]
             lo, hi, n = obs["ema_scalar"]
             assert float(lo) == pytest.approx(-1.5) and float(hi) == pytest.approx(3.5) and n == 4
-            lo, hi, n = obs["minmax_channels"]
-            assert lo.tolist() == [0.0, -2.0] and hi.tolist() == [1.0, 0.0] and n == 4
+            for kind in ("minmax", "percentile"):
+                lo, hi, n = obs[f"{kind}_channels"]
+                assert lo.tolist() == [0.0, -2.0] and hi.tolist() == [1.0, 0.0] and n == 4
             lo, hi, n = obs["ema_channels"]
             assert lo.tolist() == [0.5, -1.0] and hi.tolist() == [0.5, -1.0]
-            for kind in ("minmax", "ema"):  # the rank without data adopts the other rank's statistics
+            for kind in ("minmax", "ema", "percentile"):  # the rank without data adopts the other rank's
                 lo, hi, n = obs[f"{kind}_one_rank"]
                 assert (float(lo), float(hi), n) == (-3.0, 5.0, 2)
 
     def test_observer_sync_keeps_shape(self, dist_results):
         for r in dist_results:
-            for key in ("minmax_scalar", "ema_scalar", "minmax_one_rank", "ema_one_rank"):
+            for key in ("minmax_scalar", "ema_scalar", "percentile_scalar", "minmax_one_rank", "ema_one_rank",
+                        "percentile_one_rank"):
                 lo, hi, _ = r["obs"][key]
                 assert lo.shape == () and hi.shape == (), key
 

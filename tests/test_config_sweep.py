@@ -27,7 +27,7 @@ def configs(draw):
             spec["headroom"] = draw(st.sampled_from([1.0, 1.5, 3.0]))
         tensors[name] = spec
     return {"name": "sweep", "scale_mode": draw(st.sampled_from(["pow2", "multiplier"])),
-            "observer": {"kind": draw(st.sampled_from(["minmax", "ema", "ema_step"])),
+            "observer": {"kind": draw(st.sampled_from(["percentile", "minmax", "ema", "ema_step"])),
                          "momentum": draw(st.sampled_from([0.1, 0.5, 1.0]))},
             "tensors": tensors}
 

@@ -185,6 +185,9 @@ def test_to_float_returns_plain_gru_with_equal_state(converted):
     for attr in ("input_size", "hidden_size", "num_layers", "bias", "batch_first", "dropout", "bidirectional"):
         assert getattr(g, attr) == getattr(m, attr), attr
     sd = m.state_dict()
+    # a converted QuantGRU's state_dict also holds its integer parameters, as '_extra_state'
+    assert ("_extra_state" in sd) == converted
+    sd.pop("_extra_state", None)
     assert list(g.state_dict()) == list(sd)
     for k, v in g.state_dict().items():
         assert torch.equal(v, sd[k]), k
@@ -389,9 +392,12 @@ def test_quantize_model_swaps_nested_grus_and_leaves_original_untouched():
     assert type(net.encoder.rnn) is nn.GRU and type(net.extra[0]) is nn.GRU
     for k, v in net.state_dict().items():
         assert torch.equal(v, before[k]), k
-    # same float parameters in the copy; quantized outputs close to the float model
-    for k, v in q.state_dict().items():
-        assert torch.equal(v, before[k]), k
+    # same float parameters in the copy (and, for each converted GRU, its integer ones as extra state)
+    sd = q.state_dict()
+    assert {k for k in sd if k.endswith("_extra_state")} == {"encoder.rnn._extra_state", "extra.0._extra_state"}
+    for k, v in sd.items():
+        if not k.endswith("_extra_state"):
+            assert torch.equal(v, before[k]), k
     x, h0 = batches[0]
     with torch.no_grad():
         ref = net(x, h0)

@@ -254,7 +254,7 @@ class TestConfigErrors:
         with pytest.raises(ValueError, match=rf"scale_mode must be one of .*got '{mode}'"):
             load({"scale_mode": mode})
 
-    @pytest.mark.parametrize("kind", ["max", "EMA", "percentile"])
+    @pytest.mark.parametrize("kind", ["max", "EMA", "histogram"])
     def test_observer_kind_invalid(self, kind):
         with pytest.raises(ValueError, match=rf"observer: kind must be one of .*got '{kind}'"):
             load({"observer": {"kind": kind}})
@@ -263,6 +263,11 @@ class TestConfigErrors:
     def test_observer_momentum_invalid(self, momentum):
         with pytest.raises(ValueError, match=r"momentum must be in \(0, 1\]"):
             load({"observer": {"momentum": momentum}})
+
+    @pytest.mark.parametrize("percentile", [50.0, 0.0, 100.5, True, "99"])
+    def test_observer_percentile_invalid(self, percentile):
+        with pytest.raises(ValueError, match=r"config\.observer: percentile must be (in \(50, 100\]|a number)"):
+            load({"observer": {"percentile": percentile}})
 
     @pytest.mark.parametrize("headroom", [0.5, 0, -2.0, True, "2"])
     def test_headroom_invalid(self, headroom):

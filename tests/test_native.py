@@ -139,7 +139,7 @@ def config_dicts(draw):
             spec["headroom"] = draw(st.sampled_from([1.0, 1.5, 4.0]))
         tensors[n] = spec
     return {"name": "random", "scale_mode": mode,
-            "observer": {"kind": draw(st.sampled_from(["minmax", "ema", "ema_step"])), "momentum": 0.5},
+            "observer": {"kind": draw(st.sampled_from(["percentile", "minmax", "ema", "ema_step"])), "momentum": 0.5},
             "tensors": tensors}
 
 

@@ -75,9 +75,12 @@ int64_t ceil_div(int64_t v, int64_t m) { return (v + m - 1) / m; }
 // TensorImpl on the cached storage) and the cache's TensorImpl never leaves: so the storage's use
 // count is 1 exactly when no tensor or view handed out is alive. (The TensorImpl's own count
 // would not do: torch keeps a returned tensor's Python object, and its reference, alive while
-// C++ holds the tensor.)
+// C++ holds the tensor.) The cache and its aliases are made outside InferenceMode even when the
+// call runs inside it: an inference tensor cached by a call under torch.inference_mode() would be
+// handed out, and written in place, by later calls outside it, which torch forbids.
 at::Tensor reuse_or_empty(at::Tensor& cache, at::IntArrayRef sizes) {
-  if (!(cache.defined() && cache.storage().use_count() == 1 && cache.sizes() == sizes))
+  c10::InferenceMode normal_tensors(false);
+  if (!(cache.defined() && !cache.is_inference() && cache.storage().use_count() == 1 && cache.sizes() == sizes))
     cache = at::empty(sizes, at::TensorOptions().dtype(at::kInt));
   return cache.alias();
 }
