@@ -82,7 +82,8 @@ def _compiler_is_gcc() -> bool:
 
 
 def _machine_id() -> str:
-    """CPU model and feature flags: a -march=native binary must not move to another CPU."""
+    """CPU model and feature flags: the cache key's machine part (aarch64 builds use -march=native,
+    and a binary built for one CPU is not assumed to suit another)."""
     info = platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

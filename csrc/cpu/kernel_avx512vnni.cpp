@@ -39,14 +39,12 @@ namespace {
 
 constexpr int64_t kGroup = 16;
 
-int64_t k_pad(int64_t K) { return (K + kKAlign - 1) / kKAlign * kKAlign; }
-
-int64_t group_bytes(int64_t K) { return kGroup * k_pad(K) + kGroup * 4; }
+int64_t group_bytes(int64_t K) { return kGroup * k_padded(K) + kGroup * 4; }
 
 int64_t packed_bytes(int64_t groups, int64_t K) { return groups * group_bytes(K); }
 
 void pack(const int8_t* W, int64_t ldw, int64_t K, const int64_t* channel, int64_t groups, void* out) {
-  const int64_t Kp = k_pad(K), gb = group_bytes(K);
+  const int64_t Kp = k_padded(K), gb = group_bytes(K);
   int8_t* o = static_cast<int8_t*>(out);
   memset(o, 0, (size_t)packed_bytes(groups, K));
   for (int64_t g = 0; g < groups; ++g) {
@@ -101,7 +99,7 @@ void row_block(const GemmArgs& a, const int8_t* A, int64_t r, const int8_t* B, i
 }
 
 void gemm(const GemmArgs& a) {
-  const int64_t Kp = k_pad(a.K), gb = group_bytes(a.K);
+  const int64_t Kp = k_padded(a.K), gb = group_bytes(a.K);
   const int8_t* A = static_cast<const int8_t*>(a.A);
   const int8_t* B = static_cast<const int8_t*>(a.B);
   for (int64_t g = a.g0; g < a.g1; g += 3) {

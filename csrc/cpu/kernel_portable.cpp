@@ -19,12 +19,10 @@ namespace {
 
 constexpr int64_t kGroup = 8;
 
-int64_t k_pad(int64_t K) { return (K + kKAlign - 1) / kKAlign * kKAlign; }
-
-int64_t packed_bytes(int64_t groups, int64_t K) { return groups * kGroup * k_pad(K); }
+int64_t packed_bytes(int64_t groups, int64_t K) { return groups * kGroup * k_padded(K); }
 
 void pack(const int8_t* W, int64_t ldw, int64_t K, const int64_t* channel, int64_t groups, void* out) {
-  const int64_t Kp = k_pad(K);
+  const int64_t Kp = k_padded(K);
   int8_t* o = static_cast<int8_t*>(out);
   memset(o, 0, (size_t)packed_bytes(groups, K));
   for (int64_t m = 0; m < groups * kGroup; ++m)
@@ -46,7 +44,7 @@ QGRU_NOINLINE void dot4(const int8_t* __restrict a0, const int8_t* __restrict a1
 }
 
 void gemm(const GemmArgs& a) {
-  const int64_t Kp = k_pad(a.K);
+  const int64_t Kp = k_padded(a.K);
   const int8_t* A = static_cast<const int8_t*>(a.A);
   const int8_t* B = static_cast<const int8_t*>(a.B);
   for (int64_t g = a.g0; g < a.g1; ++g)

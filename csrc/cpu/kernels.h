@@ -32,7 +32,7 @@ constexpr int64_t kTaskUnits = kCell32Block;  // hidden units of one fused task 
 //  * B: packed by Kernels::pack, column groups of Kernels::group columns.
 //  * Output, plain (gate_stride == 0): group g's column c of row r at C[r ldc + (g - g0) group + c].
 //    Gates (gate_stride > 0; the groups come as r, z, g of one unit group after another, see
-//    gate_channels): unit group u = (g - g0) / 3, gate q = (g - g0) % 3 at
+//    gate_channels in qgru_cpu.cpp): unit group u = (g - g0) / 3, gate q = (g - g0) % 3 at
 //    C[q gate_stride + r ldc + u group + c]. C is writable for round_up(rows, 16) rows.
 struct GemmArgs {
   const void* A;
@@ -92,6 +92,12 @@ struct ToActArgs {
   int bits, n_limbs, direct;
   void* const* dst;
 };
+
+QGRU_ISA_BEGIN
+// K padded with zeros to whole kKAlign slices: every path's packed weights and activation rows.
+// (In each path's namespace like every inline function the kernel files compile.)
+inline int64_t k_padded(int64_t K) { return (K + kKAlign - 1) / kKAlign * kKAlign; }
+QGRU_ISA_END
 
 struct Kernels {
   const char* name;   // "portable", "avx2", "avx512vnni", "amx"

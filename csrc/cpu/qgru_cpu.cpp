@@ -85,6 +85,25 @@ at::Tensor reuse_or_empty(at::Tensor& cache, at::IntArrayRef sizes) {
   return cache.alias();
 }
 
+// Which weight row each packed column reads (-1: a zero column), in groups of G columns.
+// Plain: all M channels in order. Gates (the fused step's layout): per unit group u of G hidden
+// units, the r, z and g columns of units u G .. u G + G - 1, so a task of units [j0, j0 + nj)
+// reads the consecutive groups 3 j0 / G .. 3 ceil((j0 + nj) / G).
+std::vector<int64_t> plain_channels(int64_t M, int64_t G) {
+  std::vector<int64_t> ch(ceil_div(std::max<int64_t>(M, 1), G) * G);
+  for (int64_t m = 0; m < (int64_t)ch.size(); ++m) ch[m] = m < M ? m : -1;
+  return ch;
+}
+
+std::vector<int64_t> gate_channels(int64_t H, int64_t G) {
+  std::vector<int64_t> ch(ceil_div(std::max<int64_t>(H, 1), G) * 3 * G);
+  for (int64_t m = 0; m < (int64_t)ch.size(); ++m) {
+    const int64_t u = m / (3 * G), q = (m / G) % 3, j = u * G + m % G;
+    ch[m] = j < H ? q * H + j : -1;
+  }
+  return ch;
+}
+
 // The limb GEMMs of one product (W.x or R.h) on one path: weight limbs packed for its kernel.
 struct Gemm {
   const Kernels* k = nullptr;
@@ -112,10 +131,9 @@ struct Gemm {
                   "_direct16 needs one weight limb with K 2^15 max|w| < 2^31");
     }
     K = K_pad;
-    lda = round_up(std::max<int64_t>(K, 1), cpu::kKAlign);
-    groups = ceil_div(M_pad, k->group);
-    std::vector<int64_t> plain(groups * k->group);
-    for (int64_t m = 0; m < (int64_t)plain.size(); ++m) plain[m] = m < M_pad ? m : -1;
+    lda = cpu::k_padded(std::max<int64_t>(K, 1));
+    const std::vector<int64_t> plain = plain_channels(M_pad, k->group);
+    groups = (int64_t)plain.size() / k->group;
     for (int64_t i = 0; i < w.size(0); ++i) packed.push_back(pack(w[i], plain));
 
     at::Tensor pr = lt.pairs(k_name);
@@ -130,16 +148,7 @@ struct Gemm {
       scale.push_back(a[p][2]);
       weight_offset.push_back(a[p][3]);
     }
-    if (P == 1) {
-      // per unit group u of G units: the r, z and g columns of units u G .. u G + G - 1
-      const int64_t G = k->group, units = ceil_div(H, G);
-      std::vector<int64_t> ch(units * 3 * G);
-      for (int64_t m = 0; m < (int64_t)ch.size(); ++m) {
-        const int64_t u = m / (3 * G), q = (m / G) % 3, j = u * G + m % G;
-        ch[m] = j < H ? q * H + j : -1;
-      }
-      gates = pack(w[0], ch);
-    }
+    if (P == 1) gates = pack(w[0], gate_channels(H, k->group));
   }
 
   at::Tensor pack(const at::Tensor& w, const std::vector<int64_t>& channel) const {
@@ -203,7 +212,6 @@ class CpuLayer {
     }
     H_ = lt_.value("H");
     I_ = lt_.value("I");
-    M_pad_ = lt_.value("M_pad");
     ones_col_ = lt_.value("ones_col");
     x_bits_ = (int32_t)lt_.value("x_bits");
     h_bits_ = (int32_t)lt_.value("h_bits");
@@ -403,7 +411,7 @@ class CpuLayer {
   bool fused_ = false;
   Workspace ws_;
   at::Tensor out_;  // the last output, reused once its caller drops it (reuse_or_empty)
-  int64_t H_, I_, M_pad_, ones_col_;
+  int64_t H_, I_, ones_col_;
   int32_t x_bits_, h_bits_;
   bool pow2_, acc32_;
   Gemm wx_, rh_;
@@ -528,19 +536,11 @@ at::Tensor kernel_gemm(const std::string& isa, const at::Tensor& a_in, const at:
   const at::Tensor w = w_in.to(at::kChar).contiguous();
   const int64_t rows = a_in.size(0), K = a_in.size(1), M = w.size(0);
   TORCH_CHECK(!gates || M % 3 == 0, "kernel_gemm: gates need M = 3 H");
-  const int64_t lda = round_up(std::max<int64_t>(K, 1), cpu::kKAlign), G = k->group;
+  const int64_t lda = cpu::k_padded(std::max<int64_t>(K, 1)), G = k->group;
   at::Tensor a = at::zeros({round_up(rows, kTileRows), lda}, at::TensorOptions().dtype(k->act_bytes == 2 ? at::kShort : at::kChar));
   a.narrow(0, 0, rows).narrow(1, 0, K).copy_(a_in);
-  const int64_t H = M / 3, units = ceil_div(std::max<int64_t>(H, 1), G);
-  std::vector<int64_t> ch(gates ? units * 3 * G : ceil_div(std::max<int64_t>(M, 1), G) * G);
-  for (int64_t m = 0; m < (int64_t)ch.size(); ++m) {
-    if (!gates) {
-      ch[m] = m < M ? m : -1;
-    } else {
-      const int64_t u = m / (3 * G), q = (m / G) % 3, j = u * G + m % G;
-      ch[m] = j < H ? q * H + j : -1;
-    }
-  }
+  const int64_t H = M / 3;
+  const std::vector<int64_t> ch = gates ? gate_channels(H, G) : plain_channels(M, G);
   const int64_t groups = (int64_t)ch.size() / G;
   at::Tensor packed = at::empty({k->packed_bytes(groups, K)}, at::TensorOptions().dtype(at::kByte));
   k->pack(w.data_ptr<int8_t>(), K, K, ch.data(), groups, packed.data_ptr<uint8_t>());
