@@ -102,21 +102,20 @@ def _compiled_integer_gru(x, hx, lengths, params: List[torch.Tensor], spec: str)
         return torch.ops.qgru.integer_gru(x, hx, lengths, params, spec)
 
 
-@torch.compiler.disable  # eager code (also when a torch.compile'd model calls it): nothing to trace
-def integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor,
-                    lengths: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The integer GRU of a converted QuantGRU between its float boundaries, on the current backend:
-    time-major float x [T, N, I], h0 [L*D, N, H], lengths or None -> (out [T, N, D*H], h_n) in
-    x's dtype. ``params``: its LayerParams on x's device, [layer][direction]."""
+def _integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor,
+                     lengths: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """integer_forward without torch.compiler.disable's wrapper, whose frame hooks cost a streaming
+    call (one step, batch of one) more than a tenth of its time: QuantGRU's eager forward calls
+    this, having checked that no compiler is tracing."""
     backend = current_backend(x.device.type)
     if backend.name == "cpu" and lengths is None and len(params[0]) == 1:
         # the whole stack in one native call: the same integers, without a Python round trip
         # per quantize, layer and dequantize (they cost more than a streaming step's layer)
         from . import native
-        with torch.no_grad():
-            fast = native.cpu_stack_forward(params, x, hx)
+        fast = native.cpu_stack_forward(params, x, hx)
         if fast is not None:
-            return fast[0].to(x.dtype), fast[1].to(x.dtype)
+            out, h_n = fast  # float32
+            return (out, h_n) if x.dtype == torch.float32 else (out.to(x.dtype), h_n.to(x.dtype))
     ops = backend.boundary  # quantize / dequantize / requantize, golden semantics
     if lengths is not None:
         lengths = lengths.to(x.device)
@@ -136,6 +135,15 @@ def integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     h_n = torch.stack([to_float(q, p) for q, p in zip(q_hn, flat)])
     return out, h_n
+
+
+@torch.compiler.disable  # eager code (also when a torch.compile'd model calls it): nothing to trace
+def integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor,
+                    lengths: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The integer GRU of a converted QuantGRU between its float boundaries, on the current backend:
+    time-major float x [T, N, I], h0 [L*D, N, H], lengths or None -> (out [T, N, D*H], h_n) in
+    x's dtype. ``params``: its LayerParams on x's device, [layer][direction]."""
+    return _integer_forward(params, x, hx, lengths)
 
 
 _EXTRA_STATE = "_extra_state"  # torch.nn.Module's key for get_extra_state()
@@ -635,10 +643,9 @@ class QuantGRU(nn.GRU):
     def _forward_integer(self, x, hx, lengths):
         if torch.jit.is_tracing():
             raise RuntimeError(_NO_TORCHSCRIPT.format(what="torch.jit.trace"))
-        compiled = _compiled_integer_gru(x, hx, lengths, *self._op_params)
-        if compiled is not None:
-            return compiled
-        return integer_forward(self._params_on(x.device), x, hx, lengths)
+        if torch.compiler.is_compiling():
+            return _compiled_integer_gru(x, hx, lengths, *self._op_params)
+        return _integer_forward(self._params_on(x.device), x, hx, lengths)
 
     # ---- TorchScript --------------------------------------------------------------------------
     def __prepare_scriptable__(self):

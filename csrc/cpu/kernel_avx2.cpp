@@ -13,10 +13,8 @@
 //     (K <= 516 with weights up to 127).
 // Packed weights: groups of 8 output columns; for each pair of K values, the 8 columns' two
 // int8 values side by side (16 bytes; sign-extended, one 32-byte row of int16, what vpmaddwd
-// multiplies with a broadcast pair of activations). The micro-kernel computes up to 4 rows x 3 groups (12 accumulators of the 16 ymm
-// registers): in the fused step's gate layout the 3 groups are the r, z and g columns of 8 units.
-// A task's rows are whole row tiles in its buffers (GemmArgs), so the kernel always computes four
-// rows and stores the valid ones.
+// multiplies with a broadcast pair of activations). The micro-kernel computes up to 6 rows x 2
+// groups (12 accumulators of the 16 ymm registers); a batch of one takes 1 row x 3 groups.
 #define QGRU_ISA avx2
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define QGRU_BUILD_AVX2 1
@@ -45,7 +43,7 @@ namespace {
 
 constexpr int64_t kGroup = 8;
 
-// two zero groups past the last: the micro-kernels read three groups at a time
+// two zero groups past the last: micro_1x3 reads three groups at a time, micro_rx2 two
 int64_t packed_bytes(int64_t groups, int64_t K) { return (groups + 2) * kGroup * k_padded(K); }
 
 void pack(const int8_t* W, int64_t ldw, int64_t K, const int64_t* channel, int64_t groups, void* out) {
@@ -71,32 +69,33 @@ inline __m256i weights_at(const int8_t* b) { return _mm256_cvtepi8_epi16(_mm_loa
 
 #define QGRU_MADD(acc, av, bv) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(av, bv))
 
-// Rows r .. r + 3 x the 3 groups from g (24 columns), all twelve accumulators in registers
-// (written out: as an array gcc kept them on the stack). Rows past a.rows are computed from the
-// readable padding rows and not stored; groups past a.g1 read the zero groups that packed_bytes
-// adds at the end and are not stored.
-QGRU_NOINLINE void micro_4x3(const GemmArgs& a, const int16_t* A, int64_t r, const int8_t* B, int64_t Kp, int64_t g) {
-  const __m256i z = _mm256_setzero_si256();
-  __m256i c00 = z, c01 = z, c02 = z, c10 = z, c11 = z, c12 = z, c20 = z, c21 = z, c22 = z, c30 = z, c31 = z, c32 = z;
-  const int64_t gs = kGroup * Kp;  // bytes from one group's block to the next
-  const int16_t *a0 = A + r * a.lda, *a1 = a0 + a.lda, *a2 = a1 + a.lda, *a3 = a2 + a.lda;
-  const int8_t *b0p = B, *b1p = B + gs, *b2p = B + 2 * gs;
+// Rows r .. r + R - 1 x the 2 groups from g (16 columns), R <= 6: up to twelve accumulators in
+// registers (the loops over rows are unrolled at compile time, so the arrays live in registers).
+// Six rows by two groups measured ~1.3x the four-by-three form on an AVX2-only AMD EPYC (Zen 3):
+// per K pair it issues two vpmovsxbw instead of three for the same twelve vpmaddwd, and those
+// share the vector pipes with the multiply-adds. A group past a.g1 reads the zero group that
+// packed_bytes adds at the end and is not stored.
+template <int R>
+QGRU_NOINLINE void micro_rx2(const GemmArgs& a, const int16_t* A, int64_t r, const int8_t* B, int64_t Kp, int64_t g) {
+  __m256i c0[R], c1[R];
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) c0[i] = c1[i] = _mm256_setzero_si256();
+  const int8_t* b1p = B + kGroup * Kp;  // the second group's block
+  const int16_t* a0 = A + r * a.lda;
   for (int64_t kk = 0; kk < Kp / 2; ++kk) {
-    const __m256i b0 = weights_at(b0p + kk * 2 * kGroup);
-    const __m256i b1 = weights_at(b1p + kk * 2 * kGroup);
-    const __m256i b2 = weights_at(b2p + kk * 2 * kGroup);
-    __m256i av = pair_at(a0, kk);
-    QGRU_MADD(c00, av, b0), QGRU_MADD(c01, av, b1), QGRU_MADD(c02, av, b2);
-    av = pair_at(a1, kk);
-    QGRU_MADD(c10, av, b0), QGRU_MADD(c11, av, b1), QGRU_MADD(c12, av, b2);
-    av = pair_at(a2, kk);
-    QGRU_MADD(c20, av, b0), QGRU_MADD(c21, av, b1), QGRU_MADD(c22, av, b2);
-    av = pair_at(a3, kk);
-    QGRU_MADD(c30, av, b0), QGRU_MADD(c31, av, b1), QGRU_MADD(c32, av, b2);
+    const __m256i b0 = weights_at(B + kk * 2 * kGroup), b1 = weights_at(b1p + kk * 2 * kGroup);
+#pragma GCC unroll 6
+    for (int i = 0; i < R; ++i) {
+      const __m256i av = pair_at(a0 + i * a.lda, kk);
+      QGRU_MADD(c0[i], av, b0);
+      QGRU_MADD(c1[i], av, b1);
+    }
   }
-  const __m256i c[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}};
-  for (int64_t i = 0; i < 4 && r + i < a.rows; ++i)
-    for (int64_t j = 0; j < 3 && g + j < a.g1; ++j) _mm256_storeu_si256((__m256i*)gemm_out(a, kGroup, g + j, r + i), c[i][j]);
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_si256((__m256i*)gemm_out(a, kGroup, g, r + i), c0[i]);
+    if (g + 1 < a.g1) _mm256_storeu_si256((__m256i*)gemm_out(a, kGroup, g + 1, r + i), c1[i]);
+  }
 }
 
 // One row x 3 groups: a batch of one (streaming), where four rows would be three wasted.
@@ -123,14 +122,24 @@ void gemm(const GemmArgs& a) {
   const int64_t Kp = k_padded(a.K);  // a multiple of 64: micro_1x3's pairs of K pairs divide it
   const int16_t* A = static_cast<const int16_t*>(a.A);
   const int8_t* B = static_cast<const int8_t*>(a.B);
-  // three groups at a time (their weights stay in L1 while the row blocks stream past)
-  for (int64_t g = a.g0; g < a.g1; g += 3) {
+  if (a.rows == 1) {  // three groups at a time, two chains each
+    for (int64_t g = a.g0; g < a.g1; g += 3) micro_1x3(a, A, 0, B + g * kGroup * Kp, Kp, g);
+    return;
+  }
+  // two groups at a time (their weights stay in L1 while the rows stream past), six rows at a
+  // time and the last 1-5 rows exactly (no row past a.rows is read)
+  for (int64_t g = a.g0; g < a.g1; g += 2) {
     const int8_t* b = B + g * kGroup * Kp;
-    if (a.rows == 1) {
-      micro_1x3(a, A, 0, b, Kp, g);
-      continue;
+    int64_t r = 0;
+    for (; r + 6 <= a.rows; r += 6) micro_rx2<6>(a, A, r, b, Kp, g);
+    switch (a.rows - r) {
+      case 5: micro_rx2<5>(a, A, r, b, Kp, g); break;
+      case 4: micro_rx2<4>(a, A, r, b, Kp, g); break;
+      case 3: micro_rx2<3>(a, A, r, b, Kp, g); break;
+      case 2: micro_rx2<2>(a, A, r, b, Kp, g); break;
+      case 1: micro_rx2<1>(a, A, r, b, Kp, g); break;
+      default: break;
     }
-    for (int64_t r = 0; r < a.rows; r += 4) micro_4x3(a, A, r, b, Kp, g);
   }
 }
 

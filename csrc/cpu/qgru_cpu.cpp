@@ -251,8 +251,11 @@ class CpuLayer {
     // stay small and warm in cache, and are reused across chunks and calls (fresh large buffers
     // cost page faults that measured as much as the arithmetic). The fused path computes W.x
     // inside the steps (only x's activation rows are kept per chunk) once a step fills a 16-row
-    // tile; for fewer rows a tile would be mostly padding, and W.x of the chunk's steps is one GEMM.
-    const bool wx_in_step = fused_ && N >= kTileRows;
+    // tile; for fewer rows a tile would be mostly padding, and W.x of the chunk's steps is one GEMM
+    // (which reads each weight once for all the chunk's steps).
+    // One step alone (a streaming call, T = 1) takes W.x inside the step too, whatever N: a
+    // separate input GEMM would cost a parallel region of its own for one step's rows.
+    const bool wx_in_step = fused_ && (N >= kTileRows || T == 1);
     const int64_t chunk_rows = wx_in_step ? kFusedChunkBytes / (wx_.lda * k_->act_bytes) : kInputChunkRows;
     const int64_t steps = std::max<int64_t>(1, std::min<int64_t>(T, chunk_rows / N));
     ensure_workspace(steps * N, N, !wx_in_step);
