@@ -35,10 +35,8 @@ using cpu::Kernels;
 using cpu::kTaskUnits;
 using cpu::kTileRows;
 
-// The fused path's per-step task counters: the next task to hand out and the tasks finished
-// (separate cache lines: every thread bumps both).
+// The fused path's per-step count of finished tasks (own cache line: every thread bumps it).
 struct StepCounters {
-  alignas(64) std::atomic<int64_t> next{0};
   alignas(64) std::atomic<int64_t> done{0};
 
   // Until all n tasks are done: spin briefly (the usual wait is the tail of another thread's last
@@ -55,6 +53,13 @@ struct StepCounters {
     }
   }
   static constexpr int kSpinsBeforeYield = 256;  // 256 pauses: ~1-20 us, by the CPU's pause latency
+};
+
+// One thread's home share of a step's tasks, [next, end), handed out one at a time: first to its
+// owner, then to any thread that has run out of its own (own cache line each).
+struct TaskSlot {
+  alignas(64) std::atomic<int64_t> next{0};
+  int64_t end = 0;
 };
 
 constexpr int64_t kInputChunkRows = 1024;      // rows of W.x per chunk of steps (unfused paths)
@@ -337,8 +342,12 @@ class CpuLayer {
     // runs out of tasks of step t waits until every task of step t is done (they write the h that
     // step t + 1 reads), then takes tasks of step t + 1. Waiting on the count of finished tasks,
     // not of arrived threads, holds however many threads the region actually gets (one, nested).
-    // Tasks are handed out one at a time, not in fixed halves: on a shared 2-core VM the threads'
-    // speeds differ from step to step, and fixed halves left one waiting (~10% of the step time).
+    // Each thread owns a contiguous share of a step's tasks (tasks are ordered unit block first,
+    // so a share is a range of weight columns): step after step it reads the same weights, which
+    // stay in its own L2 (on a 1 MB L2 the whole layer's do not fit: H = 512 holds 1.2 MB). Tasks
+    // are still handed out one at a time and a thread that runs out takes the rest of another's
+    // share: on a shared 2-core VM the threads' speeds differ from step to step, and fixed halves
+    // left one waiting (~10% of the step time).
     const int64_t n_tasks = HB * RT;
     // threads: at most one per task, and one per kMinStepMacs of a step's work (below that the
     // wait between steps costs more than a second thread saves)
@@ -347,8 +356,14 @@ class CpuLayer {
                                                                     step_macs / kMinStepMacs}));
     const int cur0 = ws_.cur;
     std::vector<StepCounters> counters(tc);
+    std::vector<TaskSlot> slots(tc * threads);
+    for (int64_t t = 0; t < tc; ++t)
+      for (int64_t m = 0; m < threads; ++m) {
+        slots[t * threads + m].next.store(m * n_tasks / threads, std::memory_order_relaxed);
+        slots[t * threads + m].end = (m + 1) * n_tasks / threads;
+      }
     const char* x_base = xacc ? static_cast<const char*>(ws_.x_act[0].data_ptr()) : nullptr;
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    at::parallel_for(0, threads, 1, [&](int64_t home, int64_t) {
       k->thread_init();
       alignas(64) int32_t acc_x[3 * T16 * W], acc_h[3 * T16 * W];  // [gate][row][unit]
       uint8_t active[T16];
@@ -360,18 +375,21 @@ class CpuLayer {
         const int32_t* dwx_t = xacc ? nullptr : ws_.dwx.data_ptr<int32_t>() + (t - t0) * N * 3 * H;
         int32_t* out_t = out.data_ptr<int32_t>() + t * N * H;
         StepCounters& step = counters[t - t0];
-        for (int64_t i; (i = step.next.fetch_add(1, std::memory_order_relaxed)) < n_tasks;) {
-          const int64_t b = i / RT, n0 = (i % RT) * T16;
-          const int64_t rows = std::min(T16, N - n0), j0 = b * W, nj = std::min(W, H - j0);
-          const int64_t g0 = (j0 / G) * 3, g1 = g0 + 3 * ceil_div(nj, G);
-          if (xacc)
-            k->gemm(cpu::GemmArgs{x_t + n0 * ldx * ab, ldx, rows, wx_.K, gates_x, g0, g1, acc_x, W, T16 * W});
-          k->gemm(cpu::GemmArgs{h_in + n0 * lda * ab, lda, rows, rh_.K, gates_h, g0, g1, acc_h, W, T16 * W});
-          for (int64_t r = 0; r < rows; ++r) active[r] = lengths == nullptr || t < lengths[n0 + r];
-          k->cell_tile(cpu::CellTileArgs{&cell_, &acc_x_, j0, nj, rows, active, xacc ? acc_x : dwx_t + n0 * 3 * H,
-                                         acc_h, state + n0 * H, out_t + n0 * H, h_in + n0 * lda * ab,
-                                         h_out + n0 * lda * ab, lda, pow2_, acc32_, xacc});
-          step.done.fetch_add(1, std::memory_order_release);  // publishes this task's h_out, state, out
+        for (int64_t m = 0; m < threads; ++m) {
+          TaskSlot& share = slots[(t - t0) * threads + (home + m) % threads];
+          for (int64_t i; (i = share.next.fetch_add(1, std::memory_order_relaxed)) < share.end;) {
+            const int64_t b = i / RT, n0 = (i % RT) * T16;
+            const int64_t rows = std::min(T16, N - n0), j0 = b * W, nj = std::min(W, H - j0);
+            const int64_t g0 = (j0 / G) * 3, g1 = g0 + 3 * ceil_div(nj, G);
+            if (xacc)
+              k->gemm(cpu::GemmArgs{x_t + n0 * ldx * ab, ldx, rows, wx_.K, gates_x, g0, g1, acc_x, W, T16 * W});
+            k->gemm(cpu::GemmArgs{h_in + n0 * lda * ab, lda, rows, rh_.K, gates_h, g0, g1, acc_h, W, T16 * W});
+            for (int64_t r = 0; r < rows; ++r) active[r] = lengths == nullptr || t < lengths[n0 + r];
+            k->cell_tile(cpu::CellTileArgs{&cell_, &acc_x_, j0, nj, rows, active, xacc ? acc_x : dwx_t + n0 * 3 * H,
+                                           acc_h, state + n0 * H, out_t + n0 * H, h_in + n0 * lda * ab,
+                                           h_out + n0 * lda * ab, lda, pow2_, acc32_, xacc});
+            step.done.fetch_add(1, std::memory_order_release);  // publishes this task's h_out, state, out
+          }
         }
         step.wait_all(n_tasks);
       }
