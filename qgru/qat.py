@@ -216,7 +216,7 @@ def prepare_qat(model: nn.Module, batches=None, config="w8a8", progress: bool = 
                                "calibration batches, prepare_qat(model, batches), or run qgru.calibrate first")
     for g in todo:
         if g.is_qat:
-            raise RuntimeError("prepare_qat(): the model is in QAT mode already")
+            raise RuntimeError("prepare_qat(): the model is already in QAT mode")
         g.start_qat()
     return qmodel
 
