@@ -88,7 +88,7 @@ def _direction(p: LayerParams, S: Dict[str, torch.Tensor], weights, x_sur: torch
     Z = p.zp
     qh0 = _BOUNDARY.quantize(h0, S["h"], Z["h"], p.bits["h"], "h0")
     trace: Dict[str, List[torch.Tensor]] = {}
-    q_out, q_hn = golden.gru_direction(p, qx, qh0, lengths, trace)
+    q_out, _ = golden.gru_direction(p, qx, qh0, lengths, trace)
 
     x = _fake(x_sur.double(), qx, S["x"], Z["x"], p.bits["x"])
     h = _fake(h0.double(), qh0, S["h"], Z["h"], p.bits["h"])
@@ -98,6 +98,8 @@ def _direction(p: LayerParams, S: Dict[str, torch.Tensor], weights, x_sur: torch
     def step_value(name, t, surrogate, clip=True):
         return _fake(surrogate, trace[name][t], S[name], Z[name], p.bits[name] if clip else None)
 
+    # the surrogate of a requantized GEMM is the float GEMM of the golden operands: its value is
+    # (to rounding) the integer accumulator's real value, which is what saturates or not
     Wx_sur = x @ W.t()
     if b_ih is not None:
         Wx_sur = Wx_sur + b_ih.double()

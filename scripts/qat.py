@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--scale-mode", default="pow2", choices=("pow2", "multiplier"))
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--dropout", type=float, default=None,
+                    help="the GRU's inter-layer dropout while training QAT (default: the model's, 0.2)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                     help="one QAT run per seed (shuffling and dropout); default 0 1 2")
     args = ap.parse_args()
@@ -112,6 +114,8 @@ def main() -> None:
     for seed in args.seeds:
         t = time.perf_counter()
         qat = qgru.prepare_qat(model, calib, cfg, progress=False)
+        if args.dropout is not None:
+            qat.gru.dropout = args.dropout
         qat_train(qat, train_x, train_y, args.epochs, args.lr, seed)
         qat_logits = logits_of(qat, test)  # the QAT model's own (eval) forward
         qgru.convert_qat(qat)
