@@ -20,7 +20,11 @@ torch.set_num_threads(1)
 
 
 def config(name: str, mode: str) -> qgru.QuantConfig:
-    return qgru.QuantConfig.load(name, overrides={"scale_mode": mode})
+    """A shipped config in a scale mode; "w2a8" is w8a8 with 2-bit weights (scripts/qat.py's)."""
+    over = {"scale_mode": mode}
+    if name == "w2a8":
+        name, over["tensors"] = "w8a8", {"W": {"bits": 2}, "R": {"bits": 2}}
+    return qgru.QuantConfig.load(name, overrides=over)
 
 
 def make_inputs(form: str, T: int, N: int, I: int, gen: torch.Generator, scale: float = 1.0):
@@ -43,12 +47,12 @@ def cases(draw):
     return dict(T=draw(st.integers(1, 6)), N=draw(st.integers(1, 4)), I=draw(st.integers(1, 6)),
                 H=draw(st.integers(1, 6)), L=draw(st.integers(1, 2)), bidirectional=draw(st.booleans()),
                 bias=draw(st.booleans()), form=draw(st.sampled_from(["time", "batch_first", "packed", "unbatched"])),
-                h0=draw(st.booleans()), cfg=draw(st.sampled_from(["w8a8", "w8a16"])),
+                h0=draw(st.booleans()), cfg=draw(st.sampled_from(["w8a8", "w8a16", "w2a8"])),
                 mode=draw(st.sampled_from(["pow2", "multiplier"])), seed=draw(st.integers(0, 2 ** 16)))
 
 
 @pytest.mark.filterwarnings("ignore::qgru.CalibrationWarning")  # tiny cases: an Rh that is always 0
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_converted_equals_qat_forward(c):
     """The bound is 0: the QAT model's (eval) forward and the converted model's outputs are equal,
@@ -131,6 +135,21 @@ def test_gradients_reach_every_parameter_and_are_finite():
         assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
     for t in (x.data, h0):
         assert t.grad is not None and torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
+
+
+def test_saturated_values_pass_no_gradient():
+    """The clipped STE: an input far beyond the calibrated x grid saturates, so the output does
+    not move with it and its gradient is 0; inputs inside the grid get one."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randn(5, 3, 4, generator=gen) for _ in range(2)]
+    model = qgru.prepare_qat(demo_like(), batches, "w8a8", progress=False).eval()
+    x = 0.5 * batches[0]  # well inside the calibrated range...
+    x[:, 0, 0] = 1e3 * torch.sign(x[:, 0, 0])  # ...but for these
+    x.requires_grad_()
+    out, h_n = model(x)
+    (out.sum() + h_n.sum()).backward()
+    assert torch.all(x.grad[:, 0, 0] == 0)
+    assert torch.all(x.grad[:, 1:] != 0) and torch.all(x.grad[:, 0, 1:] != 0)
 
 
 def test_gradients_are_the_float_grus_where_quantization_is_fine():
