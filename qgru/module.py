@@ -1,8 +1,10 @@
 """QuantGRU: a drop-in torch.nn.GRU that calibrates, converts and runs integer-only inference.
 
-Three modes, one module:
+Four modes, one module:
   float       (default)  forward is torch.nn.GRU's own (same parameters, same kernels, autograd)
   calibrating (inside qgru.calibrate) the step-by-step float reference runs with observers on
+  qat         (start_qat, qgru.prepare_qat; after calibration) forward is the integer GRU's values
+              with straight-through gradients to the float weights (qgru/qat.py)
   converted   (after convert()) forward runs the integer GRU on the selected backend
 
 Input and output stay float at the module boundary: the input and h0 are quantized on entry and
