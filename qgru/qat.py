@@ -130,10 +130,6 @@ def qat_forward(module: QuantGRU, x: torch.Tensor, hx: torch.Tensor,
     """QuantGRU's forward in QAT mode, between its float boundaries: time-major x [T, N, I], h0
     [L*D, N, H], lengths or None -> (out [T, N, D*H], h_n) in x's dtype, whose values are exactly
     the integer model's (convert() of the current weights) and whose gradients are the STE's."""
-    if x.dtype not in (torch.float32, torch.float64):
-        # the converted model's output is float32 (primitives.dequantize) cast to x's dtype; a
-        # narrower float would round the golden values and the bound would no longer hold
-        raise TypeError(f"QAT runs float32 or float64 models, got input of dtype {x.dtype}")
     scales: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = {}
     params = module._derive_params(module._qat, scales)  # convert()'s own path, current weights
     dev = x.device

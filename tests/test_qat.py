@@ -27,14 +27,18 @@ def config(name: str, mode: str) -> qgru.QuantConfig:
     return qgru.QuantConfig.load(name, overrides=over)
 
 
-def make_inputs(form: str, T: int, N: int, I: int, gen: torch.Generator, scale: float = 1.0):
+def make_inputs(form: str, T: int, N: int, I: int, gen: torch.Generator, scale: float = 1.0,
+                dtype=torch.float32):
     """A model input of the given form: time-major, batch_first, packed (lengths T..1) or unbatched."""
+    def randn(*shape):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
     if form == "packed":
         lengths = [max(1, T - i) for i in range(N)]
-        return pack_sequence([torch.randn(L, I, generator=gen) * scale for L in lengths], enforce_sorted=False)
+        return pack_sequence([randn(L, I) for L in lengths], enforce_sorted=False)
     if form == "unbatched":
-        return torch.randn(T, I, generator=gen) * scale
-    x = torch.randn(T, N, I, generator=gen) * scale
+        return randn(T, I)
+    x = randn(T, N, I)
     return x.transpose(0, 1).contiguous() if form == "batch_first" else x
 
 
@@ -48,7 +52,8 @@ def cases(draw):
                 H=draw(st.integers(1, 6)), L=draw(st.integers(1, 2)), bidirectional=draw(st.booleans()),
                 bias=draw(st.booleans()), form=draw(st.sampled_from(["time", "batch_first", "packed", "unbatched"])),
                 h0=draw(st.booleans()), cfg=draw(st.sampled_from(["w8a8", "w8a16", "w2a8"])),
-                mode=draw(st.sampled_from(["pow2", "multiplier"])), seed=draw(st.integers(0, 2 ** 16)))
+                mode=draw(st.sampled_from(["pow2", "multiplier"])), seed=draw(st.integers(0, 2 ** 16)),
+                dtype=draw(st.sampled_from([torch.float32, torch.float64])))
 
 
 @pytest.mark.filterwarnings("ignore::qgru.CalibrationWarning")  # tiny cases: an Rh that is always 0
@@ -62,8 +67,8 @@ def test_converted_equals_qat_forward(c):
     torch.manual_seed(c["seed"])
     form = c["form"]
     gru = nn.GRU(c["I"], c["H"], c["L"], bias=c["bias"], batch_first=form == "batch_first",
-                 dropout=0.3 if c["L"] > 1 else 0.0, bidirectional=c["bidirectional"])
-    calib = [make_inputs(form, c["T"], c["N"], c["I"], gen) for _ in range(2)]
+                 dropout=0.3 if c["L"] > 1 else 0.0, bidirectional=c["bidirectional"], dtype=c["dtype"])
+    calib = [make_inputs(form, c["T"], c["N"], c["I"], gen, dtype=c["dtype"]) for _ in range(2)]
     model = qgru.prepare_qat(gru, calib, config(c["cfg"], c["mode"]), progress=False)
     assert model.is_qat and "qat" in repr(model)
     with torch.no_grad():  # what training does: the weights (and their per-channel grids) move
@@ -72,11 +77,11 @@ def test_converted_equals_qat_forward(c):
     model.eval()
     D = 2 if c["bidirectional"] else 1
     for scale in (1.0, 3.0):
-        x = make_inputs(form, c["T"], c["N"], c["I"], gen, scale)
+        x = make_inputs(form, c["T"], c["N"], c["I"], gen, scale, c["dtype"])
         h0 = None
         if c["h0"]:
             n = () if form == "unbatched" else (x.batch_sizes[0] if form == "packed" else c["N"],)
-            h0 = torch.randn(c["L"] * D, *n, c["H"], generator=gen) * scale
+            h0 = (torch.randn(c["L"] * D, *n, c["H"], generator=gen) * scale).to(c["dtype"])
         m = copy.deepcopy(model)
         out_qat, hn_qat = m(x, h0)
         qgru.convert_qat(m)
@@ -86,7 +91,7 @@ def test_converted_equals_qat_forward(c):
         assert type(out_qat) is type(out_int)
         assert torch.equal(data_of(out_qat), data_of(out_int))
         assert torch.equal(hn_qat, hn_int)
-        assert data_of(out_qat).dtype == torch.float32
+        assert data_of(out_qat).dtype == hn_qat.dtype == c["dtype"]
 
 
 @pytest.fixture(scope="module")
