@@ -125,6 +125,14 @@ def test_converted_equals_qat_forward_on_the_native_backend(cpu_backend):
         got = [model(x_packed), model(x_plain)]
     for (o1, h1), (o2, h2) in zip(want, got):
         assert torch.equal(data_of(o1), data_of(o2)) and torch.equal(h1, h2)
+    # unidirectional, unpacked: the whole stack in one native call (module.integer_forward)
+    torch.manual_seed(1)
+    uni = qgru.prepare_qat(nn.GRU(4, 8, num_layers=2), [torch.randn(6, 3, 4)], "w8a8", progress=False).eval()
+    want = uni(x_plain)
+    qgru.convert_qat(uni)
+    with qgru.backend(cpu_backend), torch.no_grad():
+        got = uni(x_plain)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
 
 
 def test_gradients_reach_every_parameter_and_are_finite():
