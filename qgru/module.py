@@ -422,6 +422,9 @@ class QuantGRU(nn.GRU):
         ranges = self._observed_ranges()
         for (layer, d), r in ranges.items():
             self._warn_degenerate(layer, d, r)
+        # what convert() would refuse (a grid it cannot rescale to) fails here, not in the first
+        # training step; every forward derives the parameters again from the weights it then has
+        self._derive_params(ranges)
         self._qat = ranges
         return self
 

@@ -56,7 +56,6 @@ def cases(draw):
                 dtype=draw(st.sampled_from([torch.float32, torch.float64])))
 
 
-@pytest.mark.filterwarnings("ignore::qgru.CalibrationWarning")  # tiny cases: an Rh that is always 0
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_converted_equals_qat_forward(c):
@@ -68,7 +67,9 @@ def test_converted_equals_qat_forward(c):
     form = c["form"]
     gru = nn.GRU(c["I"], c["H"], c["L"], bias=c["bias"], batch_first=form == "batch_first",
                  dropout=0.3 if c["L"] > 1 else 0.0, bidirectional=c["bidirectional"], dtype=c["dtype"])
-    calib = [make_inputs(form, c["T"], c["N"], c["I"], gen, dtype=c["dtype"]) for _ in range(2)]
+    # calibrated on at least 3 steps: with 1 step, no bias and no h0, Rh is always 0 (a degenerate
+    # range, whose grid convert() may refuse to rescale to: tests/test_errors.py's business)
+    calib = [make_inputs(form, max(c["T"], 3), c["N"], c["I"], gen, dtype=c["dtype"]) for _ in range(2)]
     model = qgru.prepare_qat(gru, calib, config(c["cfg"], c["mode"]), progress=False)
     assert model.is_qat and "qat" in repr(model)
     with torch.no_grad():  # what training does: the weights (and their per-channel grids) move
@@ -292,3 +293,14 @@ def test_errors():
     qgru.convert_qat(qat)
     with pytest.raises(ValueError, match="no QuantGRU in QAT mode"):
         qgru.convert_qat(qat)
+
+
+def test_a_calibration_convert_refuses_fails_at_prepare_qat():
+    """One step, no bias, no h0: Rh was always 0, a degenerate grid that the 2-bit weights' rescale
+    cannot reach. prepare_qat says so (as convert() would), not the first training step."""
+    torch.manual_seed(0)
+    gru = nn.GRU(1, 1, bias=False)
+    with pytest.warns(qgru.CalibrationWarning, match="degenerate"):
+        with pytest.raises(ValueError, match="check the calibration"):
+            qgru.prepare_qat(gru, [torch.randn(1, 1, 1, generator=torch.Generator().manual_seed(0))],
+                             config("w2a8", "pow2"), progress=False)
