@@ -81,12 +81,16 @@ def _rescale(real: torch.Tensor, operand_bound: int, power_of_two: bool) -> Resc
 def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[torch.Tensor],
                         b_hh: Optional[torch.Tensor], ranges: Dict[str, Tuple[torch.Tensor, torch.Tensor]],
                         config: QuantConfig,
-                        prev_h: Sequence[Tuple[torch.Tensor, torch.Tensor]] = ()) -> LayerParams:
+                        prev_h: Sequence[Tuple[torch.Tensor, torch.Tensor]] = (),
+                        scales_out: Optional[Dict[str, torch.Tensor]] = None) -> LayerParams:
     """Integer parameters of one layer and direction.
 
     ``ranges`` maps x, h, Wx, Rh, r_pre, z_pre, g_pre to observed (min, max) (per channel for
     Wx/Rh when their granularity is not per_tensor). ``prev_h`` lists (scale, zero point) of the
     previous layer's h grid per direction, for the rescale of its outputs onto this layer's x grid.
+    ``scales_out``, if given, receives the float64 scale of every tensor (LayerParams keeps only
+    the boundary ones): quantization-aware training (qgru/qat.py) carries its float values on
+    exactly the grids chosen here.
     """
     pow2 = config.power_of_two
     H3, I = w_ih.shape
@@ -134,6 +138,8 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
 
     tables = {n: build_table("sigmoid" if n != "g" else "tanh", bits[f"{n}_pre"], float(S[f"{n}_pre"]),
                              int(Z[f"{n}_pre"]), float(S[n])) for n in ("r", "z", "g")}
+    if scales_out is not None:
+        scales_out.update(S)
     zp = {n: Z[n].to(torch.int64) for n in ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre", "r", "z", "g")}
     return LayerParams(
         input_size=I, hidden_size=H, bits=bits, W=W, R=R, b_x=b_x, b_h=b_h,

@@ -1,8 +1,10 @@
 """QuantGRU: a drop-in torch.nn.GRU that calibrates, converts and runs integer-only inference.
 
-Three modes, one module:
+Four modes, one module:
   float       (default)  forward is torch.nn.GRU's own (same parameters, same kernels, autograd)
   calibrating (inside qgru.calibrate) the step-by-step float reference runs with observers on
+  qat         (start_qat, qgru.prepare_qat; after calibration) forward is the integer GRU's values
+              with straight-through gradients to the float weights (qgru/qat.py)
   converted   (after convert()) forward runs the integer GRU on the selected backend
 
 Input and output stay float at the module boundary: the input and h0 are quantized on entry and
@@ -181,7 +183,9 @@ def _new_quantized_instance(float_cls: type):
 class QuantGRU(nn.GRU):
     """torch.nn.GRU's signature, parameters and state_dict, plus ``config`` (see qgru.QuantConfig)."""
 
-    __jit_unused_properties__ = [*getattr(nn.GRU, "__jit_unused_properties__", []), "is_converted", "num_directions"]
+    __jit_unused_properties__ = [*getattr(nn.GRU, "__jit_unused_properties__", []), "is_converted", "num_directions",
+                                 "is_qat"]
+    _qat = None  # (class default: instances pickled before QAT existed have no such attribute)
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
@@ -203,6 +207,8 @@ class QuantGRU(nn.GRU):
         self._op_params: Tuple[List[torch.Tensor], str] = ([], "")
         # after convert(): what calibration saw ("l0.fwd.x.seen_min", ...; qgru.compare reads it)
         self._calib: Dict[str, torch.Tensor] = {}
+        # QAT mode (start_qat): the activation ranges frozen from calibration, per (layer, direction)
+        self._qat: Optional[Dict[Tuple[int, int], Dict[str, Tuple[torch.Tensor, torch.Tensor]]]] = None
 
     # ---- construction -----------------------------------------------------------------------
     @classmethod
@@ -294,6 +300,7 @@ class QuantGRU(nn.GRU):
         self._calib = dict(state.get("calibration", {}))
         self._observers = None
         self._calibrating = False
+        self._qat = None
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -321,7 +328,8 @@ class QuantGRU(nn.GRU):
         return self._qparams is not None
 
     def extra_repr(self) -> str:
-        state = "converted" if self.is_converted else ("calibrating" if self._calibrating else "float")
+        state = "converted" if self.is_converted else ("calibrating" if self._calibrating else
+                                                        "qat" if self._qat is not None else "float")
         return f"{super().extra_repr()}, config={self.qconfig.name}, {state}"
 
     def _weights(self, layer: int, direction: int):
@@ -334,6 +342,9 @@ class QuantGRU(nn.GRU):
         """Attach fresh observers; forward passes now run the float reference and record ranges."""
         if self.is_converted:
             raise RuntimeError("this QuantGRU is already converted; calibrate a float copy instead")
+        if self._qat is not None:
+            raise RuntimeError("this QuantGRU is in QAT mode, with the activation grids of its calibration "
+                               "frozen: calibrate before qgru.prepare_qat (or prepare a fresh copy)")
         H3 = 3 * self.hidden_size
         obs_spec = self.qconfig.observer
         self._observers = {}
@@ -352,33 +363,83 @@ class QuantGRU(nn.GRU):
         self._calibrating = False
 
     def convert(self) -> "QuantGRU":
-        """Freeze integer parameters from the observers; forward then runs integer-only. Returns self."""
+        """Freeze integer parameters from the observers; forward then runs integer-only. Returns self.
+
+        In QAT mode (qgru.prepare_qat) the activation ranges are the ones frozen when QAT started
+        (the same the observers give), and the weights are the trained ones: the integer model is
+        then exactly the QAT model's forward (docs/spec.md section 14)."""
         if self.is_converted:
             raise RuntimeError("this QuantGRU is already converted")
         if self._observers is None:
             raise RuntimeError("convert() needs calibration first: run qgru.calibrate(model, batches)")
+        if self._qat is not None:
+            ranges = self._qat
+        else:
+            ranges = self._observed_ranges()
+            for (layer, d), r in ranges.items():
+                self._warn_degenerate(layer, d, r)
+        params = self._derive_params(ranges)
+        calib: Dict[str, torch.Tensor] = {}
+        for (layer, d), r in ranges.items():
+            calib.update(self._calibration_record(layer, d, self._observers[(layer, d)], r))
+        self._set_params(params)
+        self._calib = calib
+        self._calibrating = False
+        self._observers = None
+        self._qat = None
+        return self
+
+    def _observed_ranges(self) -> Dict[Tuple[int, int], Dict[str, Tuple[torch.Tensor, torch.Tensor]]]:
+        """The calibrated activation ranges per (layer, direction), on the CPU, after reducing the
+        observers over torch.distributed ranks (once per call: call it once per calibration)."""
         for obs in self._observers.values():
             for o in obs.values():
                 o.sync()
+        return {key: {n: tuple(v.cpu() for v in o.range()) for n, o in obs.items()}
+                for key, obs in self._observers.items()}
+
+    def _derive_params(self, ranges, scales: Optional[Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = None
+                       ) -> List[List[LayerParams]]:
+        """convert()'s integer parameters from the current float weights and ``ranges`` (as
+        _observed_ranges gives them). QAT calls it on every forward, so that its grids are exactly
+        convert()'s; ``scales``, if given, receives every tensor's scale per (layer, direction)."""
         params: List[List[LayerParams]] = []
-        calib: Dict[str, torch.Tensor] = {}
         for layer in range(self.num_layers):
             row = []
             prev = [] if layer == 0 else [(p.scale["h"], p.zp["h"]) for p in params[layer - 1]]
             for d in range(self.num_directions):
                 # integer parameters are derived on the CPU; _params_on() copies them to a device
-                obs = self._observers[(layer, d)]
-                ranges = {n: tuple(v.cpu() for v in o.range()) for n, o in obs.items()}
-                self._warn_degenerate(layer, d, ranges)
                 weights = [w.detach().cpu() if w is not None else None for w in self._weights(layer, d)]
-                row.append(derive_layer_params(*weights, ranges, self.qconfig, prev))
-                calib.update(self._calibration_record(layer, d, obs, ranges))
+                out = None if scales is None else scales.setdefault((layer, d), {})
+                row.append(derive_layer_params(*weights, ranges[(layer, d)], self.qconfig, prev, out))
             params.append(row)
-        self._set_params(params)
-        self._calib = calib
-        self._calibrating = False
-        self._observers = None
+        return params
+
+    def start_qat(self) -> "QuantGRU":
+        """Quantization-aware training mode (qgru.prepare_qat does this for a whole model): the
+        calibrated activation ranges are frozen, and forward becomes the integer GRU's values with
+        the float GRU's straight-through gradients (qgru/qat.py). Needs calibration; returns self."""
+        if self.is_converted:
+            raise RuntimeError("this QuantGRU is already converted: QAT trains the float weights of a "
+                               "calibrated, unconverted QuantGRU (start from the float model)")
+        if self._qat is not None:
+            raise RuntimeError("this QuantGRU is already in QAT mode")
+        if self._observers is None:
+            raise RuntimeError("QAT needs calibration first: run qgru.calibrate(model, batches), or pass "
+                               "calibration batches to qgru.prepare_qat(model, batches)")
+        ranges = self._observed_ranges()
+        for (layer, d), r in ranges.items():
+            self._warn_degenerate(layer, d, r)
+        # what convert() would refuse (a grid it cannot rescale to) fails here, not in the first
+        # training step; every forward derives the parameters again from the weights it then has
+        self._derive_params(ranges)
+        self._qat = ranges
         return self
+
+    @property
+    def is_qat(self) -> bool:
+        """In quantization-aware training mode (see start_qat / qgru.prepare_qat)."""
+        return self._qat is not None
 
     def _warn_degenerate(self, layer: int, d: int, ranges) -> None:
         """Warn (CalibrationWarning) about a calibrated range narrower than primitives.MIN_RANGE, 0
@@ -515,11 +576,14 @@ class QuantGRU(nn.GRU):
             return output, self.permute_hidden(hidden, unsorted_indices)
 
     def _forward(self, input, hx: Optional[torch.Tensor] = None):
-        if not self.is_converted and not self._calibrating:
+        if not self.is_converted and not self._calibrating and self._qat is None:
             self._check_input(input, hx)
             return super().forward(input, hx)
         x, lengths, hx, unbatched, packed = self._prepare(input, hx)
-        if self.is_converted:
+        if self._qat is not None and not self.is_converted:
+            from .qat import qat_forward  # qat imports this module
+            out, h_n = qat_forward(self, x, hx, lengths)
+        elif self.is_converted:
             out, h_n = self._forward_integer(x, hx, lengths)
         else:
             with torch.no_grad():
@@ -653,4 +717,8 @@ class QuantGRU(nn.GRU):
         # nn.GRU it is (forward's TorchScript branch); the integer GRU runs qgru's own kernels
         if self.is_converted or self._calibrating:
             raise RuntimeError(_NO_TORCHSCRIPT.format(what="torch.jit.script"))
+        if self._qat is not None:
+            raise RuntimeError("torch.jit.script: a QuantGRU in QAT mode cannot be TorchScript (its forward "
+                               "runs the golden integer model in Python); script it after convert_qat, or the "
+                               "float model")
         return self
