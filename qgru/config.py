@@ -48,7 +48,7 @@ GRANULARITIES = {
     **{n: ("per_tensor", "per_gate", "per_channel") for n in GEMM_OUTPUTS},
 }
 SCALE_MODES = ("pow2", "multiplier")
-OBSERVER_KINDS = ("percentile", "minmax", "ema", "ema_step")
+OBSERVER_KINDS = ("mse", "percentile", "minmax", "ema", "ema_step")
 BUILTIN_CONFIGS = ("w8a8", "w8a16", "w16a16")
 
 

@@ -12,8 +12,8 @@ import torch
 
 from .config import QuantConfig, TensorSpec
 from .golden import LayerParams, Rescale
-from .observers import WeightObserver
-from .primitives import (choose_qparams, quantize, quantize_multipliers, round_half_up,
+from .observers import Histogram, Observer, WeightObserver
+from .primitives import (choose_qparams, qrange, quantize, quantize_multipliers, round_half_up,
                          saturate)
 from .tables import build_table, output_grid
 
@@ -46,6 +46,157 @@ def activation_qparams(lo: torch.Tensor, hi: torch.Tensor, spec: TensorSpec, hid
         lo = lo.reshape(3, hidden).amin(1).repeat_interleave(hidden)
         hi = hi.reshape(3, hidden).amax(1).repeat_interleave(hidden)
     return choose_qparams(lo, hi, spec.bits, spec.symmetric, power_of_two)
+
+
+# ---------------------------------------------------------------------------------------------
+# Grids chosen by error (observer kind "mse"): docs/spec.md, "Choosing the grids"
+# ---------------------------------------------------------------------------------------------
+SEARCH_OCTAVES = 8  # scales searched: from the full-range grid's down to 2^-8 of it
+MULTIPLIER_STEPS_PER_OCTAVE = 16  # multiplier mode: scales 2^(1/16) (4.4 %) apart
+MAX_ZERO_POINTS = 257  # zero points tried per scale: every one of an 8-bit grid, 257 spread over wider ones
+_CHUNK = 1 << 21  # candidates evaluated at once (memory: ~20 float64 temporaries of this size)
+
+
+def expected_sq_error(h: Histogram, scale: torch.Tensor, zero_point: torch.Tensor, bits: int) -> torch.Tensor:
+    """Expected sum of squared quantization errors of the histogram's values on grids (scale, zero
+    point) [G, K] (K candidate grids per histogram row), float64 [G, K].
+
+    Model: a value inside the grid's range [L, U] = [(qmin - zp) s, (qmax - zp) s] rounds with
+    the error of a uniform rounding, s^2 / 12; a value v beyond it is clipped, error (v - U)^2 or
+    (L - v)^2; exact zeros have none (0 is on every grid). Values are taken as uniform within
+    their bin, so a bin cut by an end of the grid is split exactly. The clipped part uses prefix
+    sums of the bins' moments, so each candidate costs O(1): sum_{bins past U} (m2 - 2 U m1 + U^2 m0).
+    """
+    c = h.counts
+    G, nb = c.shape
+    B = nb // 2
+    w = h.width.unsqueeze(1)
+    a = (torch.arange(nb, dtype=torch.float64) - B).unsqueeze(0) * w  # lower edges [G, 2B]
+    b = a + w
+    zero = torch.zeros(G, 1, dtype=torch.float64)
+    P0 = torch.cat([zero, c.cumsum(1)], 1)
+    P1 = torch.cat([zero, (c * (a + b) / 2).cumsum(1)], 1)
+    P2 = torch.cat([zero, (c * (a * a + a * b + b * b) / 3).cumsum(1)], 1)
+    qmin, qmax = qrange(bits)
+    s, z = scale.double(), zero_point.double()
+    L, U = (qmin - z) * s, (qmax - z) * s
+    take = lambda t, k: torch.gather(t, 1, k)
+    density = c / w
+
+    def beyond(edge, upper: bool):
+        """(count, sum of squared distances to edge) of the values beyond edge."""
+        k = torch.floor(edge / w) + B
+        inside = (k >= 0) & (k < nb)
+        kc = k.clamp(0, nb - 1).to(torch.int64)
+        d = take(density, kc) * inside
+        if upper:  # bins above kc whole, bin kc from edge to its upper end
+            j = torch.where(k < 0, torch.zeros_like(kc), torch.where(k >= nb, torch.full_like(kc, nb), kc + 1))
+            n0, n1, n2 = (P[:, nb:] - take(P, j) for P in (P0, P1, P2))
+            part = (take(b, kc) - edge) * inside
+            count = n0 + d * part
+            sq = n2 - 2 * edge * n1 + edge * edge * n0 + d * part ** 3 / 3
+        else:  # bins below kc whole, bin kc from its lower end to edge
+            j = torch.where(k < 0, torch.zeros_like(kc), torch.where(k >= nb, torch.full_like(kc, nb), kc))
+            n0, n1, n2 = (take(P, j) for P in (P0, P1, P2))
+            part = (edge - take(a, kc)) * inside
+            count = n0 + d * part
+            sq = edge * edge * n0 - 2 * edge * n1 + n2 + d * part ** 3 / 3
+        return count, sq.clamp(min=0.0)  # the moment sums may cancel to a tiny negative
+
+    n_hi, sq_hi = beyond(U, True)
+    n_lo, sq_lo = beyond(L, False)
+    n_in = (P0[:, nb:] - n_hi - n_lo).clamp(min=0.0)
+    return n_in * s * s / 12 + sq_hi + sq_lo
+
+
+def _candidates(h: Histogram, bits: int, symmetric: bool, power_of_two: bool,
+                anchors: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Candidate grids (scale, zero point) [G, K]: the grids of the ``anchors`` ranges (the data's
+    own extremes and the observer's range) and, below the full-range scale, SEARCH_OCTAVES octaves of
+    scales (powers of two in pow2 mode, 2^(1/16) apart otherwise) each with every zero point (up to
+    MAX_ZERO_POINTS of them, spread over the integer range)."""
+    qmin, qmax = qrange(bits)
+    grids = [choose_qparams(lo, hi, bits, symmetric, power_of_two) for lo, hi in anchors]
+    s_full = grids[0][0]
+    steps = 1 if power_of_two else MULTIPLIER_STEPS_PER_OCTAVE
+    f = torch.pow(2.0, -torch.arange(1, SEARCH_OCTAVES * steps + 1, dtype=torch.float64) / steps)
+    scales = s_full.unsqueeze(1) * f  # [G, S]: exact powers of two in pow2 mode
+    if symmetric:
+        zps = torch.zeros(1, dtype=torch.float64)
+    else:
+        zps = torch.unique(torch.round(torch.linspace(qmin, qmax, min(MAX_ZERO_POINTS, qmax - qmin + 1),
+                                                      dtype=torch.float64)))
+    S, Z = scales.shape[1], zps.shape[0]
+    scale = torch.cat([torch.stack([g[0] for g in grids], 1), scales.repeat_interleave(Z, 1)], 1)
+    zp = torch.cat([torch.stack([g[1].double() for g in grids], 1), zps.repeat(S).expand(scales.shape[0], -1)], 1)
+    return scale, zp
+
+
+def search_grid(h: Histogram, bits: int, symmetric: bool, power_of_two: bool,
+                anchors: Sequence[Tuple[torch.Tensor, torch.Tensor]] = ()) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per histogram row, the range (lo, hi) [G] of the grid with the least expected squared error
+    (expected_sq_error) among the candidates: choose_qparams(lo, hi, ...) gives that grid back.
+    Ties go to the earlier candidate: the full-range grid first, then wider scales before narrower."""
+    seen = (h.lo.clamp(max=0.0), h.hi.clamp(min=0.0))
+    scale, zp = _candidates(h, bits, symmetric, power_of_two, [seen, *anchors])
+    G, K = scale.shape
+    step = max(1, _CHUNK // G)
+    err = torch.cat([expected_sq_error(h, scale[:, i:i + step], zp[:, i:i + step], bits)
+                     for i in range(0, K, step)], 1)
+    best = err.argmin(1, keepdim=True)  # argmin returns the first of equal minima
+    s = scale.gather(1, best).squeeze(1)
+    z = zp.gather(1, best).squeeze(1)
+    qmin, qmax = qrange(bits)
+    if symmetric:
+        lo, hi = -qmax * s, qmax * s
+    else:
+        lo, hi = (qmin - z) * s, (qmax - z) * s
+    # a row without nonzero data keeps its extremes (convert() warns about a degenerate range)
+    empty = h.counts.sum(1) == 0
+    return torch.where(empty, seen[0], lo), torch.where(empty, seen[1], hi)
+
+
+def _histogram_rows(spec: TensorSpec) -> int:
+    """How the histogram's channels are grouped for one grid each: per_gate merges each gate's."""
+    return 3 if spec.granularity == "per_gate" else 0
+
+
+def calibrated_range(observer: Observer, spec: TensorSpec, hidden: int, power_of_two: bool,
+                     kind: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The range convert() hands to activation_qparams for one calibrated tensor: the observer's own
+    for percentile, minmax, ema, ema_step; for ``mse``, the range of the grid (this tensor's bits,
+    symmetry, scale mode, granularity) with the least expected squared error over the observer's
+    histogram, the percentile range's grid among the candidates. Headroom widens it afterwards, as
+    any range (activation_qparams)."""
+    lo, hi = (v.cpu() for v in observer.range())
+    if kind != "mse":
+        return lo, hi
+    groups = _histogram_rows(spec)
+    h = observer.histogram(groups)
+    if groups:  # the observer's per-channel range, reduced to the gate's (as activation_qparams does)
+        anchor = (lo.reshape(3, hidden).amin(1), hi.reshape(3, hidden).amax(1))
+    else:
+        anchor = (lo.reshape(-1), hi.reshape(-1))
+    s_lo, s_hi = search_grid(h, spec.bits, spec.symmetric, power_of_two, [anchor])
+    if groups:
+        return s_lo.repeat_interleave(hidden), s_hi.repeat_interleave(hidden)
+    return s_lo.reshape(lo.shape), s_hi.reshape(hi.shape)
+
+
+def grid_error(observer: Observer, scale: torch.Tensor, zero_point: torch.Tensor, bits: int) -> Tuple[float, float]:
+    """(expected sum of squared errors, sum of squares) of the observer's calibration data on the
+    grid (scale, zero point) (scalars, or one per channel): what qgru.compare reports as the grid's
+    expected SQNR on its own calibration data."""
+    h = observer.histogram()
+    G = h.counts.shape[0]
+    s = torch.as_tensor(scale, dtype=torch.float64).reshape(-1).expand(G).unsqueeze(1)
+    z = torch.as_tensor(zero_point, dtype=torch.float64).reshape(-1).expand(G).unsqueeze(1)
+    err = float(expected_sq_error(h, s, z, bits).sum())
+    B = h.counts.shape[1] // 2
+    a = (torch.arange(2 * B, dtype=torch.float64) - B).unsqueeze(0) * h.width.unsqueeze(1)
+    b = a + h.width.unsqueeze(1)
+    power = float((h.counts * (a * a + a * b + b * b) / 3).sum())
+    return err, power
 
 
 def _bits_of(bound: int) -> int:

@@ -18,7 +18,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from .backends import current_backend
 from .config import QuantConfig
-from .convert import activation_qparams, derive_layer_params
+from .convert import activation_qparams, calibrated_range, derive_layer_params, grid_error
 from .float_gru import float_direction
 from .golden import LayerParams
 from .observers import Observer
@@ -360,7 +360,8 @@ class QuantGRU(nn.GRU):
             for d in range(self.num_directions):
                 # integer parameters are derived on the CPU; _params_on() copies them to a device
                 obs = self._observers[(layer, d)]
-                ranges = {n: tuple(v.cpu() for v in o.range()) for n, o in obs.items()}
+                ranges = {n: calibrated_range(o, self.qconfig[n], self.hidden_size, self.qconfig.power_of_two,
+                                              self.qconfig.observer.kind) for n, o in obs.items()}
                 self._warn_degenerate(layer, d, ranges)
                 weights = [w.detach().cpu() if w is not None else None for w in self._weights(layer, d)]
                 row.append(derive_layer_params(*weights, ranges, self.qconfig, prev))
@@ -408,6 +409,10 @@ class QuantGRU(nn.GRU):
             out[pre + n + ".seen_max"] = o.seen_max.cpu()
             out[pre + n + ".count"] = torch.tensor(o.count, dtype=torch.int64)
             out[pre + n + ".clipped"] = torch.tensor(o.count_outside(lo_edge, hi_edge), dtype=torch.int64)
+            # the grid's expected squared error over its own calibration data, and that data's power
+            err, power = grid_error(o, S, Z, spec.bits)
+            out[pre + n + ".grid_err2"] = torch.tensor(err, dtype=torch.float64)
+            out[pre + n + ".calib_power"] = torch.tensor(power, dtype=torch.float64)
         return out
 
     def _set_params(self, params: List[List[LayerParams]]) -> None:
