@@ -85,7 +85,7 @@ def class_features(n: int, T: int, F: int, C: int, g: torch.Generator):
     return x, y, frame_y
 
 
-def fit(model: nn.Module, loss_fn: Callable[[], torch.Tensor], steps: int, lr: float = 5e-3) -> nn.Module:
+def fit(model: nn.Module, loss_fn: Callable[[], torch.Tensor], steps: int, lr: float = 1e-2) -> nn.Module:
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
@@ -316,88 +316,89 @@ class Case:
         self.name, self.model, self.calib, self.test, self.run = name, model, calib, test, run
 
 
-def cases(only: str = "") -> List[Case]:
+def cases(only: str = ""):
+    """Each case, trained on first use (a generator: the table starts while later models train)."""
     g = torch.Generator().manual_seed(0)
-    out = []
 
     def want(name):
         return only.lower() in name.lower()
 
     if want("speechbrain biGRU"):
-        x, y, _ = class_features(256, 50, 20, 5, g)
-        m = SBGRUClassifier()
-        fit(m, lambda: nn.functional.cross_entropy(m(x[:192]), y[:192]), 60)
-        out.append(Case("speechbrain biGRU classifier", m, list(x[:192].split(32)), list(x[192:].split(32))))
+        x, y, _ = class_features(160, 40, 20, 5, g)
+        m = SBGRUClassifier(H=48)
+        fit(m, lambda: nn.functional.cross_entropy(m(x[:128]), y[:128]), 30, lr=1e-2)
+        yield (Case("speechbrain biGRU classifier", m, list(x[:128].split(32)), [x[128:]]))
     if want("speechbrain CRDNN"):
-        x, _, fy = class_features(256, 60, 40, 5, g)
-        m = CRDNN()
-        fit(m, lambda: nn.functional.cross_entropy(m(x[:192]).reshape(-1, 6), fy[:192].reshape(-1)), 60)
-        out.append(Case("speechbrain CRDNN", m, list(x[:192].split(32)), list(x[192:].split(32))))
+        x, _, fy = class_features(160, 40, 40, 5, g)
+        m = CRDNN(H=48)
+        fit(m, lambda: nn.functional.cross_entropy(m(x[:128]).reshape(-1, 6), fy[:128].reshape(-1)), 30, lr=1e-2)
+        yield (Case("speechbrain CRDNN", m, list(x[:128].split(32)), [x[128:]]))
     if want("darts RNNModel"):
         s = series(96, 200, g)
-        m = train_step_model(StepRNN(1, 25, 1), s[:64], False, False, 120)
+        m = train_step_model(StepRNN(1, 25, 1), s[:32, :120], False, False, 80)
         run = lambda mm, v: rollout(mm, v, 24)
         # darts predict: input chunk of 24 steps, then 1-step calls, one series at a time in time order
         calib = [s[i:i + 1, j:j + 24] for i in range(16) for j in range(0, 150, 50)]
-        out.append(Case("darts RNNModel (autoregressive)", m, calib, [s[64:, 100:124]], run))
+        yield (Case("darts RNNModel (autoregressive)", m, calib, [s[64:, 100:124]], run))
     if want("darts BlockRNN"):
         s = series(128, 160, g)
         win = s.unfold(1, 60, 10)  # [n, windows, 60]
         xin, yout = win[..., :48].reshape(-1, 48), win[..., 48:].reshape(-1, 12)
         n_tr = 96 * win.shape[1]
         m = BlockRNN()
-        fit(m, lambda: nn.functional.mse_loss(m(xin[:n_tr]), yout[:n_tr]), 120)
-        out.append(Case("darts BlockRNNModel", m, list(xin[:n_tr].split(128))[:8], [xin[n_tr:]]))
+        pick = lambda: torch.randint(0, n_tr, (128,), generator=g)
+        fit(m, lambda idx=None: (lambda i: nn.functional.mse_loss(m(xin[i]), yout[i]))(pick()), 80)
+        yield (Case("darts BlockRNNModel", m, list(xin[:n_tr].split(128))[:8], [xin[n_tr:]]))
     if want("neuralforecast GRU"):
         s = series(128, 160, g)
         win = s.unfold(1, 60, 10)
         xin, yout = win[..., :48].reshape(-1, 48), win[..., 48:].reshape(-1, 12)
         n_tr = 96 * win.shape[1]
-        m = NFGRU()
-        fit(m, lambda: nn.functional.mse_loss(m(xin[:n_tr]), yout[:n_tr]), 120)
-        out.append(Case("neuralforecast GRU", m, list(xin[:n_tr].split(128))[:8], [xin[n_tr:]]))
+        m = NFGRU(H=48)
+        pick = lambda: torch.randint(0, n_tr, (128,), generator=g)
+        fit(m, lambda: (lambda i: nn.functional.mse_loss(m(xin[i]), yout[i]))(pick()), 80)
+        yield (Case("neuralforecast GRU", m, list(xin[:n_tr].split(128))[:8], [xin[n_tr:]]))
     if want("neuralforecast recurrent"):
         s = series(96, 200, g)
-        m = train_step_model(StepRNN(1, 64, 1, layers=2), s[:64], False, False, 120)
+        m = train_step_model(StepRNN(1, 48, 1, layers=2), s[:32, :120], False, False, 80)
         calib = [s[i * 4:(i + 1) * 4, :48] for i in range(16)]
-        out.append(Case("neuralforecast GRU recurrent=True", m, calib, [s[64:, 100:148]],
+        yield (Case("neuralforecast GRU recurrent=True", m, calib, [s[64:, 100:148]],
                         lambda mm, v: rollout(mm, v, 24)))
     if want("pytorch-forecasting RecurrentNetwork"):
         s = series(96, 200, g)
-        m = train_step_model(StepRNN(3, 32, 1, layers=2), s[:64], True, False, 120)
+        m = train_step_model(StepRNN(3, 32, 1, layers=2), s[:32, :120], True, False, 80)
         calib = [s[i * 4:(i + 1) * 4, :36] for i in range(16)]
-        out.append(Case("pytorch-forecasting RecurrentNetwork", m, calib, [s[64:, 100:136]],
+        yield (Case("pytorch-forecasting RecurrentNetwork", m, calib, [s[64:, 100:136]],
                         lambda mm, v: rollout(mm, v, 12, covariates=True)))
     if want("DeepAR"):
         s = series(96, 200, g)
-        m = train_step_model(StepRNN(3, 32, 2, layers=2), s[:64], True, True, 150)
+        m = train_step_model(StepRNN(3, 32, 2, layers=2), s[:32, :120], True, True, 100)
         calib = [s[i * 4:(i + 1) * 4, :36] for i in range(16)]
-        out.append(Case("pytorch-forecasting DeepAR (mean path)", m, calib, [s[64:, 100:136]],
+        yield (Case("pytorch-forecasting DeepAR (mean path)", m, calib, [s[64:, 100:136]],
                         lambda mm, v: rollout(mm, v, 12, covariates=True)))
         noise = torch.randn(32 * 8, 12, generator=g)
         sampled = lambda mm, v: rollout(mm, v.repeat_interleave(8, 0), 12, covariates=True,
                                         sample_noise=noise[:v.shape[0] * 8])
-        out.append(Case("pytorch-forecasting DeepAR (8 samples)", m, calib, [s[64:, 100:136]], sampled))
+        yield (Case("pytorch-forecasting DeepAR (8 samples)", m, calib, [s[64:, 100:136]], sampled))
     if want("WaveRNN"):
         wav = audio(40, 400, g)
         xin, cls = wavernn_inputs(wav), mulaw_class(wav)
         m = WaveRNNLike()
-        fit(m, lambda: nn.functional.cross_entropy(m(xin[:32])[0].reshape(-1, 256), cls[:32].reshape(-1)), 80)
-        out.append(Case("torchaudio WaveRNN (1-step)", m, [xin[i:i + 4, :200] for i in range(0, 32, 4)],
+        fit(m, lambda: nn.functional.cross_entropy(m(xin[:16, :240])[0].reshape(-1, 256), cls[:16, :240].reshape(-1)), 50)
+        yield (Case("torchaudio WaveRNN (1-step)", m, [xin[i:i + 4, :200] for i in range(0, 32, 4)],
                         [xin[32:, :200]], one_step_calls))
     if want("DPRNN"):
-        a, b = audio(160, 800, g), 0.3 * series(160, 800, g) / 2
+        a, b = audio(64, 600, g), 0.3 * series(64, 600, g) / 2
         mix = a + b
         src = torch.stack([a, b], 1)
         m = DPRNNLike()
 
         def loss():
-            est = m(mix[:128])
+            est = m(mix[:32])
             T = min(est.shape[-1], src.shape[-1])
-            return nn.functional.mse_loss(est[..., :T], src[:128, :, :T])
-        fit(m, loss, 40)
-        out.append(Case("asteroid DPRNN (GRU)", m, list(mix[:128].split(16)), [mix[128:]]))
-    return out
+            return nn.functional.mse_loss(est[..., :T], src[:32, :, :T])
+        fit(m, loss, 30)
+        yield (Case("asteroid DPRNN (GRU)", m, list(mix[:48].split(16)), [mix[48:]]))
 
 
 # ---------------------------------------------------------------------------------------------
