@@ -272,8 +272,10 @@ class Observer:
             seen_lo, seen_hi = seen_lo.reshape(groups, -1).amin(1), seen_hi.reshape(groups, -1).amax(1)
         counts = hist.double()
         counts[:, self.half_bins] -= zeros.double()  # exact zeros: bin [0, width) holds them
-        return Histogram(counts, _times_pow2(torch.ones_like(exp, dtype=torch.float64), exp - self._log2_b),
-                         zeros.double(), seen_lo, seen_hi)
+        # a row that saw only zeros has no nonzero count: any positive width reads the same (none)
+        width = torch.where(exp == _EXP_NONE, torch.ones_like(exp, dtype=torch.float64),
+                            _times_pow2(torch.ones_like(exp, dtype=torch.float64), exp - self._log2_b))
+        return Histogram(counts, width, zeros.double(), seen_lo, seen_hi)
 
     def sync(self) -> None:
         """Reduce the statistics over torch.distributed ranks, when a process group is running."""
