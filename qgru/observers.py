@@ -1,8 +1,13 @@
-"""Calibration observers: range estimates of activation tensors.
+"""Calibration observers: what activation tensors took during calibration.
 
-Four kinds (``config.observer.kind``):
+Five kinds (``config.observer.kind``):
 
-* ``percentile`` (default) -- a histogram of every value seen; the range keeps all but at most
+* ``mse`` (default) -- the histogram below; convert() chooses the tensor's grid (scale and zero
+                  point, at its bits and scale mode) with the least expected squared error over it:
+                  rounding inside the grid, clipping outside (qgru.convert.calibrated_range;
+                  docs/spec.md section 8). ``range()`` gives the percentile range, one of the grids
+                  it compares.
+* ``percentile`` -- a histogram of every value seen; the range keeps all but at most
                   (100 - p)% of the values on each side (``config.observer.percentile`` = p, default
                   99.99), and is never wider than ``minmax``'s.
 * ``minmax``   -- the global min and max of everything seen.
@@ -10,17 +15,26 @@ Four kinds (``config.observer.kind``):
                   across batches: ``min = (1 - c) * min + c * batch_min`` (c = momentum).
 * ``ema_step`` -- seed 001's per-time-step EMA: the same average, updated at every time step.
 
-Why ``percentile`` is the default: an observer must weigh what it has seen by data, not by calls.
-``percentile`` and ``minmax`` see a multiset of values: cutting the same data into calls any
-other way (one big batch, or hundreds of 1-step calls carrying the state, as autoregressive
-forecasters calibrate) gives the same range (exactly; a state passed back as the next call's h0
-is seen once more, which moves a percentile by at most a bin). ``ema`` averages one extreme per
-call, so the newest ~1/c calls decide its range: with many small calls in time order it forgets
-most of the data and clips its own calibration data (tests/test_library_patterns.py: sine series
-calibrated with 1-step calls, where ema's x range clips 15% of the data it saw). Of the two data-weighted kinds, ``percentile`` ignores the rarest
-1e-4 of the values on each side, which keeps a single outlier from widening an 8-bit grid (with
-power-of-two scales that is a whole step: the demo's w8a8 (pow2) loses ~2.5 dB with ``minmax``);
-with fewer than 10^4 values per side it equals ``minmax``. ``ema`` stays available by name.
+The histogram: per channel (or one for a per-tensor observer), 2B bins of width 2^e / B with e the
+smallest exponent above every |v| seen (B = HIST_HALF_BINS_TENSOR = 2048 per tensor, where the
+search needs resolution and one histogram is cheap; HIST_HALF_BINS = 256 per channel), plus the
+count of exact zeros (they lie on every grid: the search must not charge them rounding error).
+A larger value widens the bins by merging them exactly, so the histogram is the one binning all
+values at the final width would give.
+
+Why data-weighted kinds are the default: an observer must weigh what it has seen by data, not by
+calls. ``mse``, ``percentile`` and ``minmax`` see a multiset of values: cutting the same data into
+calls any other way (one big batch, or hundreds of 1-step calls carrying the state, as
+autoregressive forecasters calibrate) gives the same histogram and range (exactly; a state passed
+back as the next call's h0 is seen once more, which moves a percentile by at most a bin). ``ema``
+averages one extreme per call, so the newest ~1/c calls decide its range: with many small calls in
+time order it forgets most of the data and clips its own calibration data
+(tests/test_library_patterns.py: sine series calibrated with 1-step calls, where ema's x range
+clips 15% of the data it saw). ``percentile`` ignores the rarest 1e-4 of the values on each side,
+which keeps a single outlier from widening an 8-bit grid (with power-of-two scales that is a whole
+step: the demo's w8a8 (pow2) loses ~2.5 dB with ``minmax``); with fewer than 10^4 values per side
+it equals ``minmax``. ``mse`` instead weighs what clipping a value costs against the rounding error
+a wider grid adds to every other value, for this tensor's bits. ``ema`` stays available by name.
 
 Why a reverse direction never corrupts a forward one: every (layer, direction, tensor) has its own
 observer object, so statistics never mix across directions. ``ema_step`` is order dependent (a
@@ -32,7 +46,8 @@ Weights have their own observer, ``WeightObserver``: exact per-channel (or per-g
 per-tensor) max |w| of the frozen float weights, read once at convert(); nothing to average.
 
 If ``torch.distributed`` is initialised, ``sync()`` reduces the statistics across ranks (the
-histograms are summed on common bins, so ``percentile`` gives what one process would; min of mins
+histograms and zero counts are summed on common bins, so ``mse`` and ``percentile`` give what one
+process would; min of mins
 and max of maxes for ``minmax``; the mean over ranks that saw data for the averages) so that
 calibration can be spread over processes and every rank converts to the same parameters.
 """
