@@ -12,6 +12,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import qgru
 from qgru import golden
+from qgru.convert import calibrated_range
 from qgru.compare import ROW_ORDER, _grids, _Stat, sqnr_db
 from qgru.convert import activation_qparams
 from qgru.float_gru import float_direction
@@ -208,7 +209,9 @@ def test_recovered_inner_scales(mode):
     cfg = qgru.QuantConfig.load("w8a8", overrides={"scale_mode": mode})
     m = qgru.QuantGRU(I, H, config=cfg)
     qgru.calibrate(m, _batches(), progress=False)
-    ranges = {n: o.range() for n, o in m._observers[(0, 0)].items()}
+    # the ranges convert() hands activation_qparams (for the default mse observer: the searched grids')
+    ranges = {n: calibrated_range(o, cfg[n], H, cfg.power_of_two, cfg.observer.kind)
+              for n, o in m._observers[(0, 0)].items()}
     m.convert()
     got = _grids(m._qparams[0][0], cfg.power_of_two)
     for n in ("Wx", "Rh", "r_pre", "z_pre", "g_pre"):
