@@ -53,7 +53,8 @@ def activation_qparams(lo: torch.Tensor, hi: torch.Tensor, spec: TensorSpec, hid
 # ---------------------------------------------------------------------------------------------
 SEARCH_OCTAVES = 8  # scales searched: from the full-range grid's down to 2^-8 of it
 MULTIPLIER_STEPS_PER_OCTAVE = 16  # multiplier mode: scales 2^(1/16) (4.4 %) apart
-MAX_ZERO_POINTS = 257  # zero points tried per scale: every one of an 8-bit grid, 257 spread over wider ones
+COARSE = 4  # multiplier mode: the first pass tries every 4th scale (2^(1/4) apart)
+COARSE_ZERO_POINTS = 65  # zero points per scale in each pass (8 bits: every 4th, then every one near the best)
 _CHUNK = 1 << 21  # candidates evaluated at once (memory: ~20 float64 temporaries of this size)
 
 
@@ -109,44 +110,66 @@ def expected_sq_error(h: Histogram, scale: torch.Tensor, zero_point: torch.Tenso
     return n_in * s * s / 12 + sq_hi + sq_lo
 
 
-def _candidates(h: Histogram, bits: int, symmetric: bool, power_of_two: bool,
-                anchors: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Candidate grids (scale, zero point) [G, K]: the grids of the ``anchors`` ranges (the data's
-    own extremes and the observer's range) and, below the full-range scale, SEARCH_OCTAVES octaves of
-    scales (powers of two in pow2 mode, 2^(1/16) apart otherwise) each with every zero point (up to
-    MAX_ZERO_POINTS of them, spread over the integer range)."""
-    qmin, qmax = qrange(bits)
-    grids = [choose_qparams(lo, hi, bits, symmetric, power_of_two) for lo, hi in anchors]
-    s_full = grids[0][0]
-    steps = 1 if power_of_two else MULTIPLIER_STEPS_PER_OCTAVE
-    f = torch.pow(2.0, -torch.arange(1, SEARCH_OCTAVES * steps + 1, dtype=torch.float64) / steps)
-    scales = s_full.unsqueeze(1) * f  # [G, S]: exact powers of two in pow2 mode
+def _zero_point_lattice(bits: int, symmetric: bool, count: int) -> torch.Tensor:
+    """Up to ``count`` zero points spread evenly over the integer range (all of them if fewer), float64."""
     if symmetric:
-        zps = torch.zeros(1, dtype=torch.float64)
-    else:
-        zps = torch.unique(torch.round(torch.linspace(qmin, qmax, min(MAX_ZERO_POINTS, qmax - qmin + 1),
-                                                      dtype=torch.float64)))
-    S, Z = scales.shape[1], zps.shape[0]
-    scale = torch.cat([torch.stack([g[0] for g in grids], 1), scales.repeat_interleave(Z, 1)], 1)
-    zp = torch.cat([torch.stack([g[1].double() for g in grids], 1), zps.repeat(S).expand(scales.shape[0], -1)], 1)
-    return scale, zp
+        return torch.zeros(1, dtype=torch.float64)
+    qmin, qmax = qrange(bits)
+    return torch.unique(torch.round(torch.linspace(qmin, qmax, min(count, qmax - qmin + 1), dtype=torch.float64)))
+
+
+def _best(h: Histogram, scale: torch.Tensor, zp: torch.Tensor, bits: int):
+    """(scale [G], zero point [G], error [G]) of the candidate [G, K] with the least expected error
+    (the first of equal minima)."""
+    G, K = scale.shape
+    step = max(1, _CHUNK // G)
+    err = torch.cat([expected_sq_error(h, scale[:, i:i + step], zp[:, i:i + step], bits)
+                     for i in range(0, K, step)], 1)
+    best = err.argmin(1, keepdim=True)
+    return scale.gather(1, best).squeeze(1), zp.gather(1, best).squeeze(1), err.gather(1, best).squeeze(1)
+
+
+def _grid_product(scales: torch.Tensor, zps: torch.Tensor):
+    """Every (scale, zero point) pair: scales [G, S] x zps [G, Z] -> two [G, S * Z] tensors."""
+    G, S, Z = scales.shape[0], scales.shape[1], zps.shape[1]
+    return scales.repeat_interleave(Z, 1), zps.repeat(1, S).expand(G, S * Z)
 
 
 def search_grid(h: Histogram, bits: int, symmetric: bool, power_of_two: bool,
                 anchors: Sequence[Tuple[torch.Tensor, torch.Tensor]] = ()) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per histogram row, the range (lo, hi) [G] of the grid with the least expected squared error
-    (expected_sq_error) among the candidates: choose_qparams(lo, hi, ...) gives that grid back.
-    Ties go to the earlier candidate: the full-range grid first, then wider scales before narrower."""
+    (expected_sq_error) among the candidates; choose_qparams(lo, hi, ...) gives that grid back.
+
+    Candidates: the grids of the data's extremes and of the ``anchors`` ranges (the observer's own),
+    and scales from the extremes' grid down SEARCH_OCTAVES octaves: powers of two in pow2 mode, in
+    multiplier mode 2^(1/16) apart. Searched in two passes, since each candidate costs a few
+    tensor operations and convert() runs this for every tensor of every layer: first every
+    COARSE-th scale with up to COARSE_ZERO_POINTS zero points spread over the range, then every
+    scale and zero point between the best one's neighbours on that coarse lattice. The first minimum
+    wins, so a tie keeps the earlier candidate: the extremes' grid, then wider scales."""
     seen = (h.lo.clamp(max=0.0), h.hi.clamp(min=0.0))
-    scale, zp = _candidates(h, bits, symmetric, power_of_two, [seen, *anchors])
-    G, K = scale.shape
-    step = max(1, _CHUNK // G)
-    err = torch.cat([expected_sq_error(h, scale[:, i:i + step], zp[:, i:i + step], bits)
-                     for i in range(0, K, step)], 1)
-    best = err.argmin(1, keepdim=True)  # argmin returns the first of equal minima
-    s = scale.gather(1, best).squeeze(1)
-    z = zp.gather(1, best).squeeze(1)
+    grids = [choose_qparams(lo, hi, bits, symmetric, power_of_two) for lo, hi in (seen, *anchors)]
+    G = h.counts.shape[0]
+    steps = 1 if power_of_two else MULTIPLIER_STEPS_PER_OCTAVE
+    coarse = 1 if power_of_two else COARSE
+    j = torch.arange(coarse, SEARCH_OCTAVES * steps + 1, coarse, dtype=torch.float64)
+    z1 = _zero_point_lattice(bits, symmetric, COARSE_ZERO_POINTS)
+    s1, zz1 = _grid_product(grids[0][0].unsqueeze(1) * torch.pow(2.0, -j / steps), z1.expand(G, -1))
+    scale = torch.cat([torch.stack([g[0] for g in grids], 1), s1], 1)
+    zp = torch.cat([torch.stack([g[1].double() for g in grids], 1), zz1], 1)
+    s, z, _ = _best(h, scale, zp, bits)
+    # second pass: the scales and zero points between the best one's coarse neighbours
+    f2 = torch.pow(2.0, torch.arange(-coarse + 1, coarse, dtype=torch.float64) / steps)
     qmin, qmax = qrange(bits)
+    if symmetric:
+        z2 = torch.zeros(G, 1, dtype=torch.float64)
+    else:
+        gap = float(z1[1] - z1[0]) if z1.numel() > 1 else 1.0  # the coarse lattice's spacing
+        dz = torch.unique(torch.round(torch.linspace(-gap, gap, min(COARSE_ZERO_POINTS, 2 * int(gap) + 1),
+                                                     dtype=torch.float64)))
+        z2 = (z.unsqueeze(1) + dz).clamp(qmin, qmax)
+    s2, zz2 = _grid_product(s.unsqueeze(1) * f2, z2)
+    s, z, _ = _best(h, torch.cat([s.unsqueeze(1), s2], 1), torch.cat([z.unsqueeze(1), zz2], 1), bits)
     if symmetric:
         lo, hi = -qmax * s, qmax * s
     else:
