@@ -35,12 +35,21 @@ saturation
     range, so it only means sigmoid/tanh itself is within a step of 0 or 1: reported, marked
     ``*``, never blamed. Weights are symmetric over their exact max: not reported.
 
+calib dB (what the grid choice cost)
+    for the calibrated tensors, the SQNR the tensor's grid has on its *own calibration data*,
+    expected from the observer's histogram at convert() (rounding inside the grid, clipping
+    outside: qgru.convert.expected_sq_error): the error convert() chose, before anything
+    accumulates. The ``mse`` observer picks the grid that maximises it; own dB above is the
+    same quantity measured on the compared batches (for x of layer 0 on the calibration data,
+    the two agree).
 calibration clip
     for the calibrated tensors, the share of the tensor's *own calibration data* beyond its grid
     (counted at convert() from the observer's histogram). Above 0.1% the report names the
     observer: it chose a range narrower than the data it saw (``ema`` does that when many small
     calls, e.g. 1-step autoregressive ones, make it follow only the last calls), and worst() blames
-    the observer rather than the tensor's bits.
+    the observer rather than the tensor's bits. Not for ``mse``: it clips exactly where clipping
+    costs less error than the coarser grid that would hold those values (calib dB says what it
+    won), so its clipping is listed as its choice, never blamed.
 
 Scales of the inner tensors
 ---------------------------
@@ -203,7 +212,10 @@ class CompareReport:
     for calibrated tensors also ``observer`` (the config's observer, e.g. "percentile (99.99%)")
     and ``calib_clip``: the share of the tensor's own calibration values that its grid clips
     (counted at convert() from the observer's histogram, whole bins only, so a lower bound; None
-    for a model not calibrated in this process, e.g. from load_params).
+    for a model not calibrated in this process, e.g. from load_params), ``calib_sqnr_db``: the
+    SQNR its grid is expected to have on its own calibration data (the histogram's model of
+    rounding and clipping; None likewise), and ``grid``: (scale, zero point) as floats and ints
+    (per_gate/per_channel: the scale and zero point of the first channel).
     """
     rows: List[Dict[str, Any]]
     batches: int
@@ -248,7 +260,7 @@ class CompareReport:
             return {**r, "reason": "exact", "override": {},
                     "message": "worst: none, every tensor's own grid is exact on these batches"}
         sat = r["saturation"] or 0.0
-        if r["tensor"] in CALIBRATED and (r.get("calib_clip") or 0.0) > saturation_threshold:
+        if r["tensor"] in CALIBRATED and _blames_observer(r, saturation_threshold):
             override, why = _observer_advice(r)
             msg = (f"worst: {_where(r)} clips {100 * r['calib_clip']:.1f}% of its own calibration data "
                    f"(own SQNR {own(r):.1f} dB, the lowest; {100 * sat:.1f}% saturated here): {why} "
@@ -285,7 +297,7 @@ class CompareReport:
         head = f"qgru.compare: {self.batches} batch{'es' if self.batches != 1 else ''}; " + "; ".join(
             f"GRU {_mod(m)!r}: {c}" for m, c in self.configs.items())
         cols = (["module"] if multi else []) + ["layer", "dir", "tensor", "bits", "SQNR dB", "own dB",
-                                                 "cosine", "max |err|", "sat %"]
+                                                 "calib dB", "cosine", "max |err|", "sat %"]
         lines = []
         for r in self.rows:
             sat = "-" if r["saturation"] is None else f"{100 * r['saturation']:.3f}"
@@ -293,7 +305,8 @@ class CompareReport:
                 sat += "*"
             cells = ([_mod(r["module"])] if multi else []) + [
                 "-" if r["layer"] is None else str(r["layer"]), r["direction"] or "-", r["tensor"],
-                str(r["bits"]), _db(r["sqnr_db"]), _db(r["own_sqnr_db"]), f"{r['cosine']:.6f}",
+                str(r["bits"]), _db(r["sqnr_db"]), _db(r["own_sqnr_db"]), _db(r.get("calib_sqnr_db")),
+                f"{r['cosine']:.6f}",
                 f"{r['max_abs_err']:.3g}", sat]
             lines.append(cells)
         width = [max(len(c), *(len(l[i]) for l in lines)) for i, c in enumerate(cols)]
@@ -301,8 +314,8 @@ class CompareReport:
         fmt = lambda cells: "  ".join(c.ljust(w) if n in left else c.rjust(w)
                                       for c, w, n in zip(cells, width, cols)).rstrip()
         out = [head, fmt(cols), fmt(["-" * w for w in width])] + [fmt(l) for l in lines]
-        out.append("SQNR: vs the float model; own: the error this tensor's own grid adds; "
-                   "* r, z, g: the end of the function's range, not clipping")
+        out.append("SQNR: vs the float model; own: the error this tensor's own grid adds; calib: its grid's "
+                   "expected SQNR on its own calibration data; * r, z, g: the end of the function's range, not clipping")
         drift = [r for r in self.rows if r["steps_sqnr_db"]]
         if drift:
             out.append("drift: SQNR dB of h per step (a reverse direction counted in its own order)")
@@ -315,8 +328,13 @@ class CompareReport:
                 out.append(f"  {where:<16}" + "  ".join(f"t={t}: {_db(s[t])}" for t in idx))
         w = self.worst()
         key = lambda r: (r["module"], r["layer"], r["direction"], r["tensor"])
-        clipped = [r for r in self.rows if (r.get("calib_clip") or 0.0) > SATURATION_THRESHOLD
+        clipped = [r for r in self.rows if _blames_observer(r, SATURATION_THRESHOLD)
                    and not (w["reason"] == "observer" and key(r) == key(w))]
+        chosen = [r for r in self.rows if _observer_kind(r) == "mse" and (r.get("calib_clip") or 0.0) > SATURATION_THRESHOLD]
+        if chosen:  # mse clips where that costs less than a coarser grid: reported, not blamed
+            out.append("mse grids clipping by choice (calibration data clipped, expected SQNR on it): " +
+                       ", ".join(f"{_where(r)} {100 * r['calib_clip']:.2f}% ({_db(r['calib_sqnr_db'])} dB)"
+                                 for r in chosen))
         if clipped:  # every tensor whose grid clips its own calibration data, and its observer
             override, why = _observer_advice(clipped[0])
             out.append(("observer: also clipping their own calibration data: " if w["reason"] == "observer" else
@@ -332,6 +350,16 @@ class CompareReport:
         return f"CompareReport({len(self.rows)} rows, {self.batches} batches)"
 
 
+def _observer_kind(r: Dict[str, Any]) -> Optional[str]:
+    return r["observer"].split(" ")[0] if r.get("observer") else None
+
+
+def _blames_observer(r: Dict[str, Any], threshold: float) -> bool:
+    """A range narrower than the tensor's own calibration data is the observer's fault, except for
+    mse, which clips on purpose (where that lowers the expected error)."""
+    return _observer_kind(r) not in (None, "mse") and (r.get("calib_clip") or 0.0) > threshold
+
+
 def _observer_name(config) -> str:
     o = config.observer
     if o.kind == "percentile":
@@ -339,6 +367,24 @@ def _observer_name(config) -> str:
     if o.kind in ("ema", "ema_step"):
         return f"{o.kind} (momentum {o.momentum:g})"
     return o.kind
+
+
+def _calib_sqnr(q: QuantGRU, layer: int, direction: str, tensor: str) -> Optional[float]:
+    """The SQNR the tensor's grid is expected to have on its own calibration data (recorded at
+    convert(); None for a model not calibrated here)."""
+    pre = f"l{layer}.{direction}.{tensor}."
+    calib = getattr(q, "_calib", None) or {}
+    if pre + "grid_err2" not in calib:
+        return None
+    return sqnr_db(float(calib[pre + "calib_power"]), float(calib[pre + "grid_err2"]))
+
+
+def _grid(p, tensor: str) -> Optional[Tuple[float, int]]:
+    """(scale, zero point) of x or h (the grids LayerParams keeps), first channel of a vector."""
+    if tensor not in p.scale or tensor not in p.zp:
+        return None
+    s, z = p.scale[tensor].reshape(-1), p.zp[tensor].reshape(-1)
+    return float(s[0]), int(z[0])
 
 
 def _calib_clip(q: QuantGRU, layer: int, direction: str, tensor: str) -> Optional[float]:
@@ -611,6 +657,9 @@ class _Comparer:
                     "headroom": q.qconfig[t].headroom if t in CALIBRATED else None,
                     "observer": _observer_name(q.qconfig) if t in CALIBRATED else None,
                     "calib_clip": _calib_clip(q, key[1], key[2], t) if t in CALIBRATED else None,
+                    "calib_sqnr_db": _calib_sqnr(q, key[1], key[2], t) if t in CALIBRATED else None,
+                    "grid": (_grid(q._qparams[key[1]][("fwd", "rev").index(key[2])], t)
+                             if t in ("x", "h") and key[1] is not None else None),
                     "scale_mode": q.qconfig.scale_mode,
                 })
         return CompareReport(rows=rows, batches=batches, configs=configs)

@@ -48,7 +48,7 @@ GRANULARITIES = {
     **{n: ("per_tensor", "per_gate", "per_channel") for n in GEMM_OUTPUTS},
 }
 SCALE_MODES = ("pow2", "multiplier")
-OBSERVER_KINDS = ("percentile", "minmax", "ema", "ema_step")
+OBSERVER_KINDS = ("mse", "percentile", "minmax", "ema", "ema_step")
 BUILTIN_CONFIGS = ("w8a8", "w8a16", "w16a16")
 
 
@@ -82,9 +82,9 @@ class TensorSpec:
 class ObserverSpec:
     """Which observer calibrates activations (weights always use exact per-channel min/max).
 
-    Default ``percentile``: data-weighted, the same range however the data is cut into calls
-    (qgru/observers.py says why)."""
-    kind: str = "percentile"
+    Default ``mse``: the grid with the least expected squared error over a data-weighted histogram,
+    the same however the data is cut into calls (qgru/observers.py says why)."""
+    kind: str = "mse"
     momentum: float = 0.1  # ema, ema_step: weight of the newest batch (or time step, for ema_step)
     percentile: float = 99.99  # percentile: the share of values (%) kept inside the range on each side
 
@@ -139,7 +139,7 @@ class QuantConfig:
         for key in ("momentum", "percentile"):
             if key in obs and (isinstance(obs[key], bool) or not isinstance(obs[key], (int, float))):
                 raise ValueError(f"config.observer: {key} must be a number, got {obs[key]!r}")
-        observer = ObserverSpec(kind=obs.get("kind", "percentile"), momentum=float(obs.get("momentum", 0.1)),
+        observer = ObserverSpec(kind=obs.get("kind", "mse"), momentum=float(obs.get("momentum", 0.1)),
                                 percentile=float(obs.get("percentile", 99.99)))
         if observer.kind not in OBSERVER_KINDS:
             raise ValueError(f"config.observer: kind must be one of {OBSERVER_KINDS}, got {observer.kind!r}")

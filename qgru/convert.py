@@ -12,8 +12,8 @@ import torch
 
 from .config import QuantConfig, TensorSpec
 from .golden import LayerParams, Rescale
-from .observers import WeightObserver
-from .primitives import (choose_qparams, quantize, quantize_multipliers, round_half_up,
+from .observers import Histogram, Observer, WeightObserver
+from .primitives import (choose_qparams, qrange, quantize, quantize_multipliers, round_half_up,
                          saturate)
 from .tables import build_table, output_grid
 
@@ -46,6 +46,180 @@ def activation_qparams(lo: torch.Tensor, hi: torch.Tensor, spec: TensorSpec, hid
         lo = lo.reshape(3, hidden).amin(1).repeat_interleave(hidden)
         hi = hi.reshape(3, hidden).amax(1).repeat_interleave(hidden)
     return choose_qparams(lo, hi, spec.bits, spec.symmetric, power_of_two)
+
+
+# ---------------------------------------------------------------------------------------------
+# Grids chosen by error (observer kind "mse"): docs/spec.md, "Choosing the grids"
+# ---------------------------------------------------------------------------------------------
+SEARCH_OCTAVES = 8  # scales searched: from the full-range grid's down to 2^-8 of it
+MULTIPLIER_STEPS_PER_OCTAVE = 16  # multiplier mode: scales 2^(1/16) (4.4 %) apart
+COARSE = 4  # multiplier mode: the first pass tries every 4th scale (2^(1/4) apart)
+COARSE_ZERO_POINTS = 65  # zero points per scale in each pass (8 bits: every 4th, then every one near the best)
+_CHUNK = 1 << 21  # candidates evaluated at once (memory: ~20 float64 temporaries of this size)
+
+
+def expected_sq_error(h: Histogram, scale: torch.Tensor, zero_point: torch.Tensor, bits: int) -> torch.Tensor:
+    """Expected sum of squared quantization errors of the histogram's values on grids (scale, zero
+    point) [G, K] (K candidate grids per histogram row), float64 [G, K].
+
+    Model: a value inside the grid's range [L, U] = [(qmin - zp) s, (qmax - zp) s] rounds with
+    the error of a uniform rounding, s^2 / 12; a value v beyond it is clipped, error (v - U)^2 or
+    (L - v)^2; exact zeros have none (0 is on every grid). Values are taken as uniform within
+    their bin, so a bin cut by an end of the grid is split exactly. The clipped part uses prefix
+    sums of the bins' moments, so each candidate costs O(1): sum_{bins past U} (m2 - 2 U m1 + U^2 m0).
+    """
+    c = h.counts
+    G, nb = c.shape
+    B = nb // 2
+    w = h.width.unsqueeze(1)
+    a = (torch.arange(nb, dtype=torch.float64) - B).unsqueeze(0) * w  # lower edges [G, 2B]
+    b = a + w
+    zero = torch.zeros(G, 1, dtype=torch.float64)
+    P0 = torch.cat([zero, c.cumsum(1)], 1)
+    P1 = torch.cat([zero, (c * (a + b) / 2).cumsum(1)], 1)
+    P2 = torch.cat([zero, (c * (a * a + a * b + b * b) / 3).cumsum(1)], 1)
+    qmin, qmax = qrange(bits)
+    s, z = scale.double(), zero_point.double()
+    L, U = (qmin - z) * s, (qmax - z) * s
+    take = lambda t, k: torch.gather(t, 1, k)
+    density = c / w
+
+    def beyond(edge, upper: bool):
+        """(count, sum of squared distances to edge) of the values beyond edge."""
+        k = torch.floor(edge / w) + B
+        inside = (k >= 0) & (k < nb)
+        kc = k.clamp(0, nb - 1).to(torch.int64)
+        d = take(density, kc) * inside
+        if upper:  # bins above kc whole, bin kc from edge to its upper end
+            j = torch.where(k < 0, torch.zeros_like(kc), torch.where(k >= nb, torch.full_like(kc, nb), kc + 1))
+            n0, n1, n2 = (P[:, nb:] - take(P, j) for P in (P0, P1, P2))
+            part = (take(b, kc) - edge) * inside
+            count = n0 + d * part
+            sq = n2 - 2 * edge * n1 + edge * edge * n0 + d * part ** 3 / 3
+        else:  # bins below kc whole, bin kc from its lower end to edge
+            j = torch.where(k < 0, torch.zeros_like(kc), torch.where(k >= nb, torch.full_like(kc, nb), kc))
+            n0, n1, n2 = (take(P, j) for P in (P0, P1, P2))
+            part = (edge - take(a, kc)) * inside
+            count = n0 + d * part
+            sq = edge * edge * n0 - 2 * edge * n1 + n2 + d * part ** 3 / 3
+        return count, sq.clamp(min=0.0)  # the moment sums may cancel to a tiny negative
+
+    n_hi, sq_hi = beyond(U, True)
+    n_lo, sq_lo = beyond(L, False)
+    n_in = (P0[:, nb:] - n_hi - n_lo).clamp(min=0.0)
+    return n_in * s * s / 12 + sq_hi + sq_lo
+
+
+def _zero_point_lattice(bits: int, symmetric: bool, count: int) -> torch.Tensor:
+    """Up to ``count`` zero points spread evenly over the integer range (all of them if fewer), float64."""
+    if symmetric:
+        return torch.zeros(1, dtype=torch.float64)
+    qmin, qmax = qrange(bits)
+    return torch.unique(torch.round(torch.linspace(qmin, qmax, min(count, qmax - qmin + 1), dtype=torch.float64)))
+
+
+def _best(h: Histogram, scale: torch.Tensor, zp: torch.Tensor, bits: int):
+    """(scale [G], zero point [G], error [G]) of the candidate [G, K] with the least expected error
+    (the first of equal minima)."""
+    G, K = scale.shape
+    step = max(1, _CHUNK // G)
+    err = torch.cat([expected_sq_error(h, scale[:, i:i + step], zp[:, i:i + step], bits)
+                     for i in range(0, K, step)], 1)
+    best = err.argmin(1, keepdim=True)
+    return scale.gather(1, best).squeeze(1), zp.gather(1, best).squeeze(1), err.gather(1, best).squeeze(1)
+
+
+def _grid_product(scales: torch.Tensor, zps: torch.Tensor):
+    """Every (scale, zero point) pair: scales [G, S] x zps [G, Z] -> two [G, S * Z] tensors."""
+    G, S, Z = scales.shape[0], scales.shape[1], zps.shape[1]
+    return scales.repeat_interleave(Z, 1), zps.repeat(1, S).expand(G, S * Z)
+
+
+def search_grid(h: Histogram, bits: int, symmetric: bool, power_of_two: bool,
+                anchors: Sequence[Tuple[torch.Tensor, torch.Tensor]] = ()) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per histogram row, the range (lo, hi) [G] of the grid with the least expected squared error
+    (expected_sq_error) among the candidates; choose_qparams(lo, hi, ...) gives that grid back.
+
+    Candidates: the grids of the data's extremes and of the ``anchors`` ranges (the observer's own),
+    and scales from the extremes' grid down SEARCH_OCTAVES octaves: powers of two in pow2 mode, in
+    multiplier mode 2^(1/16) apart. Searched in two passes, since each candidate costs a few
+    tensor operations and convert() runs this for every tensor of every layer: first every
+    COARSE-th scale with up to COARSE_ZERO_POINTS zero points spread over the range, then every
+    scale and zero point between the best one's neighbours on that coarse lattice. The first minimum
+    wins, so a tie keeps the earlier candidate: the extremes' grid, then wider scales."""
+    seen = (h.lo.clamp(max=0.0), h.hi.clamp(min=0.0))
+    grids = [choose_qparams(lo, hi, bits, symmetric, power_of_two) for lo, hi in (seen, *anchors)]
+    G = h.counts.shape[0]
+    steps = 1 if power_of_two else MULTIPLIER_STEPS_PER_OCTAVE
+    coarse = 1 if power_of_two else COARSE
+    j = torch.arange(coarse, SEARCH_OCTAVES * steps + 1, coarse, dtype=torch.float64)
+    z1 = _zero_point_lattice(bits, symmetric, COARSE_ZERO_POINTS)
+    s1, zz1 = _grid_product(grids[0][0].unsqueeze(1) * torch.pow(2.0, -j / steps), z1.expand(G, -1))
+    scale = torch.cat([torch.stack([g[0] for g in grids], 1), s1], 1)
+    zp = torch.cat([torch.stack([g[1].double() for g in grids], 1), zz1], 1)
+    s, z, _ = _best(h, scale, zp, bits)
+    # second pass: the scales and zero points between the best one's coarse neighbours
+    f2 = torch.pow(2.0, torch.arange(-coarse + 1, coarse, dtype=torch.float64) / steps)
+    qmin, qmax = qrange(bits)
+    if symmetric:
+        z2 = torch.zeros(G, 1, dtype=torch.float64)
+    else:
+        gap = float(z1[1] - z1[0]) if z1.numel() > 1 else 1.0  # the coarse lattice's spacing
+        dz = torch.unique(torch.round(torch.linspace(-gap, gap, min(COARSE_ZERO_POINTS, 2 * int(gap) + 1),
+                                                     dtype=torch.float64)))
+        z2 = (z.unsqueeze(1) + dz).clamp(qmin, qmax)
+    s2, zz2 = _grid_product(s.unsqueeze(1) * f2, z2)
+    s, z, _ = _best(h, torch.cat([s.unsqueeze(1), s2], 1), torch.cat([z.unsqueeze(1), zz2], 1), bits)
+    if symmetric:
+        lo, hi = -qmax * s, qmax * s
+    else:
+        lo, hi = (qmin - z) * s, (qmax - z) * s
+    # a row without nonzero data keeps its extremes (convert() warns about a degenerate range)
+    empty = h.counts.sum(1) == 0
+    return torch.where(empty, seen[0], lo), torch.where(empty, seen[1], hi)
+
+
+def _histogram_rows(spec: TensorSpec) -> int:
+    """How the histogram's channels are grouped for one grid each: per_gate merges each gate's."""
+    return 3 if spec.granularity == "per_gate" else 0
+
+
+def calibrated_range(observer: Observer, spec: TensorSpec, hidden: int, power_of_two: bool,
+                     kind: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The range convert() hands to activation_qparams for one calibrated tensor: the observer's own
+    for percentile, minmax, ema, ema_step; for ``mse``, the range of the grid (this tensor's bits,
+    symmetry, scale mode, granularity) with the least expected squared error over the observer's
+    histogram, the percentile range's grid among the candidates. Headroom widens it afterwards, as
+    any range (activation_qparams)."""
+    lo, hi = (v.cpu() for v in observer.range())
+    if kind != "mse":
+        return lo, hi
+    groups = _histogram_rows(spec)
+    h = observer.histogram(groups)
+    if groups:  # the observer's per-channel range, reduced to the gate's (as activation_qparams does)
+        anchor = (lo.reshape(3, hidden).amin(1), hi.reshape(3, hidden).amax(1))
+    else:
+        anchor = (lo.reshape(-1), hi.reshape(-1))
+    s_lo, s_hi = search_grid(h, spec.bits, spec.symmetric, power_of_two, [anchor])
+    if groups:
+        return s_lo.repeat_interleave(hidden), s_hi.repeat_interleave(hidden)
+    return s_lo.reshape(lo.shape), s_hi.reshape(hi.shape)
+
+
+def grid_error(observer: Observer, scale: torch.Tensor, zero_point: torch.Tensor, bits: int) -> Tuple[float, float]:
+    """(expected sum of squared errors, sum of squares) of the observer's calibration data on the
+    grid (scale, zero point) (scalars, or one per channel): what qgru.compare reports as the grid's
+    expected SQNR on its own calibration data."""
+    h = observer.histogram()
+    G = h.counts.shape[0]
+    s = torch.as_tensor(scale, dtype=torch.float64).reshape(-1).expand(G).unsqueeze(1)
+    z = torch.as_tensor(zero_point, dtype=torch.float64).reshape(-1).expand(G).unsqueeze(1)
+    err = float(expected_sq_error(h, s, z, bits).sum())
+    B = h.counts.shape[1] // 2
+    a = (torch.arange(2 * B, dtype=torch.float64) - B).unsqueeze(0) * h.width.unsqueeze(1)
+    b = a + h.width.unsqueeze(1)
+    power = float((h.counts * (a * a + a * b + b * b) / 3).sum())
+    return err, power
 
 
 def _bits_of(bound: int) -> int:

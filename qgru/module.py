@@ -20,7 +20,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from .backends import current_backend
 from .config import QuantConfig
-from .convert import activation_qparams, derive_layer_params
+from .convert import activation_qparams, calibrated_range, derive_layer_params, grid_error
 from .float_gru import float_direction
 from .golden import LayerParams
 from .observers import Observer
@@ -395,7 +395,9 @@ class QuantGRU(nn.GRU):
         for obs in self._observers.values():
             for o in obs.values():
                 o.sync()
-        return {key: {n: tuple(v.cpu() for v in o.range()) for n, o in obs.items()}
+        q = self.qconfig
+        return {key: {n: calibrated_range(o, q[n], self.hidden_size, q.power_of_two, q.observer.kind)
+                      for n, o in obs.items()}
                 for key, obs in self._observers.items()}
 
     def _derive_params(self, ranges, scales: Optional[Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = None
@@ -477,6 +479,10 @@ class QuantGRU(nn.GRU):
             out[pre + n + ".seen_max"] = o.seen_max.cpu()
             out[pre + n + ".count"] = torch.tensor(o.count, dtype=torch.int64)
             out[pre + n + ".clipped"] = torch.tensor(o.count_outside(lo_edge, hi_edge), dtype=torch.int64)
+            # the grid's expected squared error over its own calibration data, and that data's power
+            err, power = grid_error(o, S, Z, spec.bits)
+            out[pre + n + ".grid_err2"] = torch.tensor(err, dtype=torch.float64)
+            out[pre + n + ".calib_power"] = torch.tensor(power, dtype=torch.float64)
         return out
 
     def _set_params(self, params: List[List[LayerParams]]) -> None:

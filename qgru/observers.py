@@ -1,8 +1,13 @@
-"""Calibration observers: range estimates of activation tensors.
+"""Calibration observers: what activation tensors took during calibration.
 
-Four kinds (``config.observer.kind``):
+Five kinds (``config.observer.kind``):
 
-* ``percentile`` (default) -- a histogram of every value seen; the range keeps all but at most
+* ``mse`` (default) -- the histogram below; convert() chooses the tensor's grid (scale and zero
+                  point, at its bits and scale mode) with the least expected squared error over it:
+                  rounding inside the grid, clipping outside (qgru.convert.calibrated_range;
+                  docs/spec.md section 8). ``range()`` gives the percentile range, one of the grids
+                  it compares.
+* ``percentile`` -- a histogram of every value seen; the range keeps all but at most
                   (100 - p)% of the values on each side (``config.observer.percentile`` = p, default
                   99.99), and is never wider than ``minmax``'s.
 * ``minmax``   -- the global min and max of everything seen.
@@ -10,17 +15,26 @@ Four kinds (``config.observer.kind``):
                   across batches: ``min = (1 - c) * min + c * batch_min`` (c = momentum).
 * ``ema_step`` -- seed 001's per-time-step EMA: the same average, updated at every time step.
 
-Why ``percentile`` is the default: an observer must weigh what it has seen by data, not by calls.
-``percentile`` and ``minmax`` see a multiset of values: cutting the same data into calls any
-other way (one big batch, or hundreds of 1-step calls carrying the state, as autoregressive
-forecasters calibrate) gives the same range (exactly; a state passed back as the next call's h0
-is seen once more, which moves a percentile by at most a bin). ``ema`` averages one extreme per
-call, so the newest ~1/c calls decide its range: with many small calls in time order it forgets
-most of the data and clips its own calibration data (tests/test_library_patterns.py: sine series
-calibrated with 1-step calls, where ema's x range clips 15% of the data it saw). Of the two data-weighted kinds, ``percentile`` ignores the rarest
-1e-4 of the values on each side, which keeps a single outlier from widening an 8-bit grid (with
-power-of-two scales that is a whole step: the demo's w8a8 (pow2) loses ~2.5 dB with ``minmax``);
-with fewer than 10^4 values per side it equals ``minmax``. ``ema`` stays available by name.
+The histogram: per channel (or one for a per-tensor observer), 2B bins of width 2^e / B with e the
+smallest exponent above every |v| seen (B = HIST_HALF_BINS_TENSOR = 2048 per tensor, where the
+search needs resolution and one histogram is cheap; HIST_HALF_BINS = 256 per channel), plus the
+count of exact zeros (they lie on every grid: the search must not charge them rounding error).
+A larger value widens the bins by merging them exactly, so the histogram is the one binning all
+values at the final width would give.
+
+Why data-weighted kinds are the default: an observer must weigh what it has seen by data, not by
+calls. ``mse``, ``percentile`` and ``minmax`` see a multiset of values: cutting the same data into
+calls any other way (one big batch, or hundreds of 1-step calls carrying the state, as
+autoregressive forecasters calibrate) gives the same histogram and range (exactly; a state passed
+back as the next call's h0 is seen once more, which moves a percentile by at most a bin). ``ema``
+averages one extreme per call, so the newest ~1/c calls decide its range: with many small calls in
+time order it forgets most of the data and clips its own calibration data
+(tests/test_library_patterns.py: sine series calibrated with 1-step calls, where ema's x range
+clips 15% of the data it saw). ``percentile`` ignores the rarest 1e-4 of the values on each side,
+which keeps a single outlier from widening an 8-bit grid (with power-of-two scales that is a whole
+step: the demo's w8a8 (pow2) loses ~2.5 dB with ``minmax``); with fewer than 10^4 values per side
+it equals ``minmax``. ``mse`` instead weighs what clipping a value costs against the rounding error
+a wider grid adds to every other value, for this tensor's bits. ``ema`` stays available by name.
 
 Why a reverse direction never corrupts a forward one: every (layer, direction, tensor) has its own
 observer object, so statistics never mix across directions. ``ema_step`` is order dependent (a
@@ -32,13 +46,14 @@ Weights have their own observer, ``WeightObserver``: exact per-channel (or per-g
 per-tensor) max |w| of the frozen float weights, read once at convert(); nothing to average.
 
 If ``torch.distributed`` is initialised, ``sync()`` reduces the statistics across ranks (the
-histograms are summed on common bins, so ``percentile`` gives what one process would; min of mins
+histograms and zero counts are summed on common bins, so ``mse`` and ``percentile`` give what one
+process would; min of mins
 and max of maxes for ``minmax``; the mean over ranks that saw data for the averages) so that
 calibration can be spread over processes and every rank converts to the same parameters.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -47,9 +62,14 @@ class NonFiniteCalibrationError(ValueError):
     """A calibration tensor held NaN or Inf."""
 
 
-HIST_HALF_BINS = 256  # percentile observer: histogram bins on each side of 0 (per channel)
-_LOG2_B = HIST_HALF_BINS.bit_length() - 1
+HIST_HALF_BINS = 256  # histogram bins on each side of 0, per channel of a per-channel observer
+# A per-tensor observer (x, h, the gate pre-activations) holds one histogram, so it can afford 8x
+# finer bins: the mse search (qgru.convert) places an 8-bit grid's ends and judges its rounding from
+# the bins, and a tensor whose bulk is far narrower than its largest value (one outlier 100x the
+# rest) still has its bulk spread over ~20 bins per side instead of ~3.
+HIST_HALF_BINS_TENSOR = 2048
 _PENDING_LIMIT = 1 << 20  # percentile: values held before they are binned
+HISTOGRAM_KINDS = ("percentile", "mse")  # kinds whose statistic is the histogram alone
 _EXP_NONE = -1100  # exponent of a channel that saw only zeros: below every double's (2^-1074)
 
 
@@ -58,6 +78,18 @@ def _times_pow2(v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     two steps, so that neither factor overflows for any exponent a double can need."""
     e1 = torch.div(e, 2, rounding_mode="floor")
     return v * torch.pow(2.0, e1.to(torch.float64)) * torch.pow(2.0, (e - e1).to(torch.float64))
+
+
+class Histogram(NamedTuple):
+    """What the calibration data was, as the grid search reads it: per row (a channel, a gate, or the
+    whole tensor) ``counts`` [G, 2B] of the nonzero values in bins of ``width`` [G] with edges at
+    the multiples of the width (bin j covers [(j - B) width, (j - B + 1) width)), ``zeros`` [G]
+    values exactly 0 (any grid holds 0 exactly), and the exact extremes ``lo``, ``hi`` [G]."""
+    counts: torch.Tensor
+    width: torch.Tensor
+    zeros: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
 
 
 class Observer:
@@ -87,6 +119,8 @@ class Observer:
         self.exp: Optional[torch.Tensor] = None   # percentile: int64 [C]; bins cover [-2^exp, 2^exp)
         self._pending: List[torch.Tensor] = []   # percentile: values not binned yet, [rows, C] float64
         self._pending_numel = 0
+        self.zeros: Optional[torch.Tensor] = None  # int64 [C]: values exactly 0 (in bin [0, width))
+        self.half_bins = HIST_HALF_BINS if channels else HIST_HALF_BINS_TENSOR
 
     def _reduce(self, v: torch.Tensor):
         v = v.detach().double()
@@ -108,7 +142,7 @@ class Observer:
         self._pending_numel += v.numel()
         if self._pending_numel >= _PENDING_LIMIT:
             self._flush()
-        if self.kind == "percentile":
+        if self.kind in HISTOGRAM_KINDS:
             return
         lo, hi = self._reduce(v)
         if self.kind == "ema_step":
@@ -125,6 +159,8 @@ class Observer:
         lo, hi = v.amin(0), v.amax(0)
         if not self.channels:
             lo, hi = lo.reshape(()), hi.reshape(())
+        zeros = (v == 0).sum(0)
+        self.zeros = zeros if self.zeros is None else self.zeros + zeros
         if self.seen_min is None:
             self.seen_min, self.seen_max = lo, hi
         else:
@@ -137,11 +173,11 @@ class Observer:
         self._flush()
         if self.hist is None:
             return 0
-        B = HIST_HALF_BINS
+        B = self.half_bins
         C = self.hist.shape[0]
         lo = torch.as_tensor(lo, dtype=torch.float64).reshape(-1).expand(C)
         hi = torch.as_tensor(hi, dtype=torch.float64).reshape(-1).expand(C)
-        width_exp = self.exp - _LOG2_B
+        width_exp = self.exp - self._log2_b
         i = torch.arange(2 * B, dtype=torch.float64).unsqueeze(0) - B
         upper = _times_pow2(i + 1, width_exp.unsqueeze(1))  # bin i covers [lower, upper)
         lower = _times_pow2(i, width_exp.unsqueeze(1))
@@ -174,9 +210,13 @@ class Observer:
     # the one that binning every value at the new width would give. exp depends only on the largest
     # |v|, so the histogram, and the range read from it, depend only on the values seen: not on how
     # they were cut into calls or time steps, nor on their order.
+    @property
+    def _log2_b(self) -> int:
+        return self.half_bins.bit_length() - 1
+
     def _hist_add(self, v: torch.Tensor) -> None:
         C = v.shape[1]
-        B = HIST_HALF_BINS
+        B = self.half_bins
         amax = v.abs().amax(0)
         exp = torch.where(amax > 0, torch.frexp(amax).exponent.to(torch.int64),
                           torch.full_like(amax, _EXP_NONE, dtype=torch.int64))  # amax < 2^exp
@@ -186,7 +226,7 @@ class Observer:
         else:
             self._rebin(torch.maximum(self.exp, exp))
         # v * B / 2^exp is exact (a power-of-two scaling); |v| < 2^exp puts it in [-B, B)
-        idx = torch.floor(_times_pow2(v, _LOG2_B - self.exp)).to(torch.int64)
+        idx = torch.floor(_times_pow2(v, self._log2_b - self.exp)).to(torch.int64)
         idx = idx.clamp(-B, B - 1) + B + torch.arange(C).unsqueeze(0) * (2 * B)
         self.hist += torch.bincount(idx.reshape(-1), minlength=C * 2 * B).reshape(C, 2 * B)
 
@@ -195,7 +235,7 @@ class Observer:
         k = (exp - self.exp).clamp(max=62)
         if bool((k == 0).all()):
             return
-        B = HIST_HALF_BINS
+        B = self.half_bins
         i = torch.arange(2 * B, dtype=torch.int64).unsqueeze(0) - B
         idx = (i >> k.unsqueeze(1)) + B
         self.hist = torch.zeros_like(self.hist).scatter_add_(1, idx, self.hist)
@@ -204,7 +244,7 @@ class Observer:
     def _percentile_range(self):
         """Per channel: the narrowest range of whole bins with at most (100 - percentile)% of the values
         above it and as many below it, clamped to the seen extremes (never wider than minmax)."""
-        B = HIST_HALF_BINS
+        B = self.half_bins
         h = self.hist
         n = h.sum(1, keepdim=True)
         allowed = torch.floor(n.double() * (100.0 - self.percentile) / 100.0).to(torch.int64)
@@ -214,7 +254,7 @@ class Observer:
         i = torch.arange(2 * B, dtype=torch.int64).unsqueeze(0)
         hi_bin = torch.where(above <= allowed, i, torch.full_like(i, 2 * B)).amin(1)
         lo_bin = torch.where(below <= allowed, i, torch.full_like(i, -1)).amax(1)
-        width_exp = self.exp - _LOG2_B
+        width_exp = self.exp - self._log2_b
         hi = _times_pow2((hi_bin - B + 1).to(torch.float64), width_exp)
         lo = _times_pow2((lo_bin - B).to(torch.float64), width_exp)
         seen_lo, seen_hi = self.seen_min.reshape(-1), self.seen_max.reshape(-1)
@@ -222,6 +262,35 @@ class Observer:
         if not self.channels:
             lo, hi = lo.reshape(()), hi.reshape(())
         return lo, hi
+
+    def histogram(self, groups: int = 0) -> "Histogram":
+        """The histogram as the mse search reads it (qgru.convert): one row per channel, or per group
+        of ``C // groups`` consecutive channels (per_gate: 3 gates of H channels) merged on the
+        group's common bins (each channel rebinned to the group's widest, exactly as a later, larger
+        value would), or one row for a per-tensor observer."""
+        self._flush()
+        if self.hist is None:
+            raise RuntimeError(f"observer {self.name!r} saw no data: run qgru.calibrate() with at "
+                               "least one batch before convert()")
+        hist, exp, zeros = self.hist, self.exp, self.zeros
+        seen_lo, seen_hi = self.seen_min.reshape(-1), self.seen_max.reshape(-1)
+        if groups and groups != hist.shape[0]:
+            C = hist.shape[0]
+            g = torch.arange(C) // (C // groups)
+            wide = exp.reshape(groups, -1).amax(1)
+            k = (wide[g] - exp).clamp(max=62)
+            B = self.half_bins
+            i = torch.arange(2 * B, dtype=torch.int64).unsqueeze(0) - B
+            moved = torch.zeros_like(hist).scatter_add_(1, (i >> k.unsqueeze(1)) + B, hist)
+            hist = moved.reshape(groups, -1, 2 * B).sum(1)
+            exp, zeros = wide, zeros.reshape(groups, -1).sum(1)
+            seen_lo, seen_hi = seen_lo.reshape(groups, -1).amin(1), seen_hi.reshape(groups, -1).amax(1)
+        counts = hist.double()
+        counts[:, self.half_bins] -= zeros.double()  # exact zeros: bin [0, width) holds them
+        # a row that saw only zeros has no nonzero count: any positive width reads the same (none)
+        width = torch.where(exp == _EXP_NONE, torch.ones_like(exp, dtype=torch.float64),
+                            _times_pow2(torch.ones_like(exp, dtype=torch.float64), exp - self._log2_b))
+        return Histogram(counts, width, zeros.double(), seen_lo, seen_hi)
 
     def sync(self) -> None:
         """Reduce the statistics over torch.distributed ranks, when a process group is running."""
@@ -243,14 +312,16 @@ class Observer:
         dist.all_reduce(seen_hi, op=dist.ReduceOp.MAX)
         C = self.channels or 1
         if self.hist is None:
-            self.hist = torch.zeros(C, 2 * HIST_HALF_BINS, dtype=torch.int64)
+            self.hist = torch.zeros(C, 2 * self.half_bins, dtype=torch.int64)
             self.exp = torch.full((C,), _EXP_NONE, dtype=torch.int64)
+            self.zeros = torch.zeros(C, dtype=torch.int64)
         exp = self.exp.clone()
         dist.all_reduce(exp, op=dist.ReduceOp.MAX)
         self._rebin(exp)
         dist.all_reduce(self.hist, op=dist.ReduceOp.SUM)
+        dist.all_reduce(self.zeros, op=dist.ReduceOp.SUM)
         self.seen_min, self.seen_max, self.count = seen_lo, seen_hi, int(count.item())
-        if self.kind == "percentile":
+        if self.kind in HISTOGRAM_KINDS:
             return
         saw = torch.tensor(1.0 if self.min is not None else 0.0, dtype=torch.float64)  # 0-dim: keeps shapes
         lo = self.min if self.min is not None else torch.zeros(shape, dtype=torch.float64)
@@ -273,7 +344,7 @@ class Observer:
     def range(self):
         """(min, max) as float64 tensors; raises if nothing was observed."""
         self._flush()
-        if self.kind == "percentile" and self.hist is not None and self.seen_min is not None:
+        if self.kind in HISTOGRAM_KINDS and self.hist is not None and self.seen_min is not None:
             self.min, self.max = self._percentile_range()
         if self.min is None:
             if self.calls:

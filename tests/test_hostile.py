@@ -222,7 +222,9 @@ def _model(name="2layer"):
     """Converted models whose exports the file tests tamper with (cached: not modified)."""
     if name not in _MODELS:
         if name == "2layer":
-            _MODELS[name] = converted(num_layers=2, bidirectional=True)
+            # pow2 (w8a8's default is multiplier): the power-of-two checks below need pow2 files
+            _MODELS[name] = converted(config=qgru.QuantConfig.load("w8a8", overrides={"scale_mode": "pow2"}),
+                                      num_layers=2, bidirectional=True)
         elif name == "wide":  # 12-bit W (int16 storage), per-channel Wx, multiplier mode, 6-bit R (packed)
             cfg = qgru.QuantConfig.load("w8a16", overrides={"scale_mode": "multiplier", "tensors": {
                 "W": {"bits": 12}, "R": {"bits": 6}, "Wx": {"granularity": "per_channel"}}})
@@ -492,9 +494,11 @@ def converted(config):
     return m.convert()
 
 mod = native.load("cpu")
-base = {name: converted(name)._qparams[0][0] for name in ("w8a8", "w8a16")}
+# pow2, as these layouts were written for (w8a8 and w8a16 default to multiplier scales)
+base = {name: converted(qgru.QuantConfig.load(name, overrides={"scale_mode": "pow2"}))._qparams[0][0]
+        for name in ("w8a8", "w8a16")}
 # 8-bit W.x and R.h too: the int32 path (c32_channels, Wx_rshift, ...)
-base["int32"] = converted(qgru.QuantConfig.load("w8a8", overrides={"tensors": {
+base["int32"] = converted(qgru.QuantConfig.load("w8a8", overrides={"scale_mode": "pow2", "tensors": {
     "Wx": {"bits": 8, "headroom": 1.0}, "Rh": {"bits": 8, "headroom": 1.0}}}))._qparams[0][0]
 assert native.prepare_layer(base["int32"])[1]["acc32"] == 1
 
