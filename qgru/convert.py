@@ -49,7 +49,7 @@ def activation_qparams(lo: torch.Tensor, hi: torch.Tensor, spec: TensorSpec, hid
 
 
 # ---------------------------------------------------------------------------------------------
-# Grids chosen by error (observer kind "mse"): docs/spec.md, "Choosing the grids"
+# Grids chosen by error (observer kind "mse"): docs/spec.md section 8, "Grids chosen by error"
 # ---------------------------------------------------------------------------------------------
 SEARCH_OCTAVES = 8  # scales searched: from the full-range grid's down to 2^-8 of it
 MULTIPLIER_STEPS_PER_OCTAVE = 16  # multiplier mode: scales 2^(1/16) (4.4 %) apart

@@ -635,7 +635,7 @@ def _dist_worker(rank: int, world: int, init_method: str, outdir: str) -> None:
         half = DIST_N_BATCHES // world
         mine = data[rank * half:(rank + 1) * half]
         results = {}
-        for kind in ("minmax", "ema", "percentile"):
+        for kind in ("minmax", "ema", "percentile", "mse"):
             m = _dist_model(kind)
             qgru.calibrate(m, mine, progress=False)
             m.convert()
@@ -726,6 +726,17 @@ class TestDistributed:
         single.convert()
         _assert_export_equal(r0["export_percentile"], single.export().to_dict())
         assert torch.equal(r0["out_percentile"], single(_dist_data()[0])[0])
+
+    def test_mse_ranks_agree_and_equal_single_process(self, dist_results):
+        """The mse search reads the summed histogram (and zero counts): every rank chooses the grids
+        one process with all the data would."""
+        r0, r1 = dist_results
+        _assert_export_equal(r0["export_mse"], r1["export_mse"])
+        single = _dist_model("mse")
+        qgru.calibrate(single, _dist_data(), progress=False)
+        single.convert()
+        _assert_export_equal(r0["export_mse"], single.export().to_dict())
+        assert torch.equal(r0["out_mse"], single(_dist_data()[0])[0])
 
     def test_minmax_needs_the_reduction(self, dist_results):
         """Without the reduction a rank would convert from half of the data: it differs."""

@@ -952,7 +952,8 @@ def _unpack_table(packed: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("overrides", [
     {"scale_mode": "multiplier"},                                              # 16-bit tables, interpolated
-    {"tensors": {"r_pre": {"bits": 4}, "z_pre": {"bits": 8}, "g_pre": {"bits": 11},
+    {"scale_mode": "pow2",                                                     # (w8a16's default is multiplier)
+     "tensors": {"r_pre": {"bits": 4}, "z_pre": {"bits": 8}, "g_pre": {"bits": 11},
                  "r": {"bits": 2}, "z": {"bits": 16}, "g": {"bits": 5}}},       # exact and small tables
 ])
 def test_prepare_layer_rescales_and_tables(overrides):
