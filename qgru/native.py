@@ -81,6 +81,18 @@ def _compiler_is_gcc() -> bool:
     return "Free Software Foundation" in out or out.startswith(("g++", "c++ (GCC)"))
 
 
+def cpu_model_name() -> str:
+    """The CPU's model name as lscpu prints it ("Model name", read from /proc/cpuinfo's "model
+    name"), else what platform knows: every figure the scripts print names the CPU it came from."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _machine_id() -> str:
     """CPU model and feature flags: the cache key's machine part (aarch64 builds use -march=native,
     and a binary built for one CPU is not assumed to suit another)."""

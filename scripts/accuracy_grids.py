@@ -16,6 +16,7 @@ import time
 import torch
 
 import qgru
+from qgru.native import cpu_model_name
 from qgru.demo import batches, dynamic_quant, load_checkpoint, load_dataset
 
 OBSERVERS = ("percentile", "mse")
@@ -93,7 +94,7 @@ def main(argv=None) -> None:
         syn = measure(syn_model, syn_calib, syn_test, ("w8a8", "w8a16"))
     with torch.no_grad():
         float_acc = 100 * float((demo_model(demo_test[0]).argmax(-1) == yte).double().mean())
-    cpu = _cpu_name()
+    cpu = cpu_model_name()
     print(f"\nlogit (demo) / output (synthetic T={args.T} N={args.N} I={args.input} H={args.hidden}) SQNR vs float, "
           f"dB; {args.backend} backend; torch {torch.__version__}, {platform.machine()} {cpu}, "
           f"{torch.get_num_threads()} thread(s)\n")
@@ -106,17 +107,6 @@ def main(argv=None) -> None:
             acc = 100 * float((m(demo_test[0]).argmax(-1) == yte).double().mean())
         print(f"| {col:<28} | {d:>7.2f} | {acc:>10.2f} | {syn[col][0]:>9.2f} | "
               f"{'-' if secs is None else f'{secs:.2f}':>12} |")
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

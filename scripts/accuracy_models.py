@@ -20,12 +20,13 @@ import math
 import platform
 import time
 import zlib
-from typing import Callable, List
+from typing import Callable
 
 import torch
 from torch import nn
 
 import qgru
+from qgru.native import cpu_model_name
 from qgru.demo import dynamic_quant
 from qgru.module import QuantGRU
 
@@ -473,7 +474,7 @@ def main(argv=None) -> None:
         rows.append((case.name, row))
         print(f"  {case.name}: {time.perf_counter() - t:.1f} s", flush=True)
     cols = ["torch dynamic-quant"] + [c for c, _, _ in COLUMNS]
-    print(f"\noutput SQNR vs float (dB); torch {torch.__version__}, {platform.machine()} {_cpu_name()}, "
+    print(f"\noutput SQNR vs float (dB); torch {torch.__version__}, {platform.machine()} {cpu_model_name()}, "
           f"{torch.get_num_threads()} thread(s); {time.perf_counter() - t0:.0f} s in all\n")
     print("| model | " + " | ".join(cols) + " | w8a8 >= dyn-1 | w8a16 >= dyn |")
     print("|---|" + "---:|" * len(cols) + "---|---|")
@@ -482,17 +483,6 @@ def main(argv=None) -> None:
         ok8 = "yes" if row["w8a8 default"] >= dyn - 1 else "NO"
         ok16 = "yes" if row["w8a16 default"] >= dyn else "NO"
         print(f"| {name} | " + " | ".join(f"{row[c]:.1f}" for c in cols) + f" | {ok8} | {ok16} |")
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

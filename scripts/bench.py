@@ -37,17 +37,16 @@ import argparse
 import copy
 import datetime
 import os
-import platform
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 import qgru
+from qgru.native import cpu_model_name
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from accuracy import dynamic_quant_gru  # noqa: E402
@@ -298,17 +297,6 @@ def table(bench: Bench) -> str:
     return "\n".join(lines)
 
 
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        m = re.search(r"^Model name:\s*(.+)$", out, re.M)
-        if m:
-            return m.group(1).strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor() or platform.machine()
-
-
 def section(bench: Bench, args) -> str:
     d = bench.device
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -332,7 +320,7 @@ def section(bench: Bench, args) -> str:
         f"## {title}",
         "",
         f"- date: {now}",
-        f"- machine: {cpu_model()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}{gpu}",
+        f"- machine: {cpu_model_name()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}{gpu}",
         f"- torch {torch.__version__}, qgru {qgru.__version__}, configs {args.configs}",
         f"- command: `{shlex.join(['python', 'scripts/bench.py', *args.argv])}`",
         "",

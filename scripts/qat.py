@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import platform
-import subprocess
 import time
 
 import torch
@@ -34,17 +32,7 @@ from torch.nn.utils.rnn import pack_sequence
 
 import qgru
 from qgru import demo
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or platform.machine()
+from qgru.native import cpu_model_name
 
 
 def logits_of(model: nn.Module, batches) -> torch.Tensor:
@@ -135,7 +123,7 @@ def main() -> None:
     print(f"\nJapanese Vowels demo model (2-layer bidirectional GRU, H=32), test split (370 utterances); "
           f"config {cfg.name} ({args.weight_bits}-bit per-channel W, R; w8a8 otherwise), "
           f"scale mode {args.scale_mode}")
-    print(f"machine: {cpu_name()}, 1 thread, torch {torch.__version__}; {datetime.date.today().isoformat()}\n")
+    print(f"machine: {cpu_model_name()}, 1 thread, torch {torch.__version__}; {datetime.date.today().isoformat()}\n")
     print("| model | test accuracy | logit SQNR vs float | time (s) |")
     print("|---|---|---|---|")
     for name, acc, db, sec in rows:
