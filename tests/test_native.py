@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -454,23 +455,41 @@ def test_cpu_buffers_reused_only_when_dropped(cpu_backend):
     out3, _ = layer(xs[0], qh0, None)
     assert out3.data_ptr() == ptr and torch.equal(out3.long(), want[0])
 
-    mod = native.load("cpu")
-    f = [torch.randn(2, 9, generator=gen) for _ in range(2)]
-    q0 = mod.quantize(f[0], 0.01, 3, 8, "input")
-    q1 = mod.quantize(f[1], 0.01, 3, 8, "input")
-    assert q0.data_ptr() != q1.data_ptr()
-    ref = [primitives.quantize(v, torch.tensor(0.01, dtype=torch.float64), torch.tensor(3), 8) for v in f]
-    assert torch.equal(q0.long(), ref[0]) and torch.equal(q1.long(), ref[1])
-    ptr = q1.data_ptr()
-    del q1
-    assert mod.quantize(f[0], 0.01, 3, 8, "input").data_ptr() == ptr
-    # a module call's pattern: the input, then h0 while the input's result is held; both reused
-    x, h = torch.randn(4, 3, 7, generator=gen), torch.randn(3, 20, generator=gen)
-    qx, qh = mod.quantize(x, 0.01, 3, 8, "input"), mod.quantize(h, 0.01, 3, 8, "h0")
-    ptrs = (qx.data_ptr(), qh.data_ptr())
-    del qx, qh
-    qx, qh = mod.quantize(x, 0.01, 3, 8, "input"), mod.quantize(h, 0.01, 3, 8, "h0")
-    assert (qx.data_ptr(), qh.data_ptr()) == ptrs
+    # The quantize buffers are per thread (a few slots): a fresh thread starts with all of them
+    # free, whatever earlier tests on this thread still hold (with the slots held, every call
+    # would rightly take fresh memory, and the pointers below would not repeat).
+    def quantize_pattern():
+        mod = native.load("cpu")
+        f = [torch.randn(2, 9, generator=gen) for _ in range(2)]
+        q0 = mod.quantize(f[0], 0.01, 3, 8, "input")
+        q1 = mod.quantize(f[1], 0.01, 3, 8, "input")
+        assert q0.data_ptr() != q1.data_ptr()
+        ref = [primitives.quantize(v, torch.tensor(0.01, dtype=torch.float64), torch.tensor(3), 8) for v in f]
+        assert torch.equal(q0.long(), ref[0]) and torch.equal(q1.long(), ref[1])
+        ptr = q1.data_ptr()
+        del q1
+        assert mod.quantize(f[0], 0.01, 3, 8, "input").data_ptr() == ptr
+        # a module call's pattern: the input, then h0 while the input's result is held; both reused
+        x, h = torch.randn(4, 3, 7, generator=gen), torch.randn(3, 20, generator=gen)
+        qx, qh = mod.quantize(x, 0.01, 3, 8, "input"), mod.quantize(h, 0.01, 3, 8, "h0")
+        ptrs = (qx.data_ptr(), qh.data_ptr())
+        del qx, qh
+        qx, qh = mod.quantize(x, 0.01, 3, 8, "input"), mod.quantize(h, 0.01, 3, 8, "h0")
+        assert (qx.data_ptr(), qh.data_ptr()) == ptrs
+
+    errors = []
+
+    def run():
+        try:
+            quantize_pattern()
+        except BaseException as e:  # the assertion, re-raised in the test's own thread
+            errors.append(e)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    if errors:
+        raise errors[0]
 
 
 # ---------------------------------------------------------------------------------------------
