@@ -81,33 +81,58 @@ QGRU_HD int64_t requantize_acc(const AccRequant& a, int64_t c, int64_t product) 
 
 QGRU_ISA_END
 // The same result in int32 lanes (twice as many per vector), for the common case of 8-bit
-// operands (one limb pair) and power-of-two scales where the rescale is a right shift by
-// R = shift - 1 - log2(mult) with 1 <= R <= 30 and K < 2^16 (qgru/native.py checks this).
-// With bias = bias_hi 2^R + bias_lo, 0 <= bias_lo < 2^R:
-//   floor((G + bias) / 2^R) = floor((G + bias_lo) / 2^R) + bias_hi.
-// |G| <= K 2^14 <= 2^30 and |bias| <= 2^31 give |G + bias_lo| <= 2^30 + 2^R - 1 < 2^31 and
-// |v| <= (2^30 + 2^R) / 2^R + 2^31 / 2^R <= 2^29 + 1 + 2^30 < 2^31 - 1: every term fits int32.
-// Then round half up as in rounding_mul_shift: ((v >> (s-1)) + 1) >> 1 with v >> (s-1) the above.
+// operands (one limb pair), in two forms (the template flag POW2; qgru/native.py, _add_acc32,
+// derives the fields and checks every bound below per layer, else the int64 path runs):
+//
+// * pow2 scales, where the rescale is a right shift by R = shift - 1 - log2(mult) with
+//   1 <= R <= 30 and K < 2^16. With bias = bias_hi 2^R + bias_lo, 0 <= bias_lo < 2^R:
+//     floor((G + bias) / 2^R) = floor((G + bias_lo) / 2^R) + bias_hi.
+//   |G| <= K 2^14 <= 2^30 and |bias| <= 2^31 give |G + bias_lo| <= 2^30 + 2^R - 1 < 2^31 and
+//   |v| <= (2^30 + 2^R) / 2^R + 2^31 / 2^R <= 2^29 + 1 + 2^30 < 2^31 - 1: every term fits int32.
+//   Then round half up as in rounding_mul_shift: ((v >> (s-1)) + 1) >> 1 with v >> (s-1) the above.
+// * multiplier scales (m < 2^31, shift s): floor(v m / 2^(s-1)) = floor(mul_hi32(v 2^lsh, m) / 2^rsh)
+//   with lsh = max(0, 33 - s), rsh = max(0, s - 33) (both floors are exact: floor(floor(y / 2^32)
+//   / 2^rsh) = floor(y / 2^(32 + rsh)), and 32 + rsh - lsh = s - 1), where v = G + bias and
+//   (K 2^14 + |bias|) 2^lsh < 2^31 per channel. Then |mul_hi32| < 2^30: every term fits int32.
 struct AccRequant32 {
-  const int32_t* bias_hi;
-  const int32_t* bias_lo;
-  const int32_t* rshift;  // R
+  const int32_t* bias_hi;  // pow2: bias_hi; multiplier: the whole bias
+  const int32_t* bias_lo;  // pow2: bias_lo; multiplier: lsh
+  const int32_t* rshift;   // pow2: R; multiplier: rsh
   const int32_t* zp;
+  const int32_t* mult;     // multiplier: m (pow2: unused)
   int32_t lo, hi;
 };
 QGRU_ISA_BEGIN
 
 QGRU_HD int32_t clamp32(int32_t v, int32_t lo, int32_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-// The int32 requantization of one accumulator from its channel's four values.
-QGRU_HD int32_t requant32(int32_t product, int32_t bias_hi, int32_t bias_lo, int32_t rshift, int32_t zp, int32_t lo,
+// floor(a b / 2^32): the high half of the exact signed 64-bit product (vpmuldq lanes on x86).
+QGRU_HD int32_t mul_hi32(int32_t a, int32_t b) { return (int32_t)(((int64_t)a * (int64_t)b) >> 32); }
+
+// v * 2^k without the undefined behaviour of shifting a negative value (the bounds keep it exact).
+QGRU_HD int32_t shl32(int32_t v, int32_t k) { return (int32_t)((uint32_t)v << k); }
+
+// rounding_mul_shift of v in int32 lanes: pow2, ((v << lsh) >> rsh + 1) >> 1 (m unused);
+// multiplier, (mul_hi32(v << lsh, m) >> rsh + 1) >> 1 (see AccRequant32 for both identities).
+template <bool POW2>
+QGRU_HD int32_t rescale32(int32_t v, int32_t m, int32_t lsh, int32_t rsh) {
+  const int32_t u = shl32(v, lsh);
+  return ((POW2 ? u >> rsh : mul_hi32(u, m) >> rsh) + 1) >> 1;
+}
+
+// The int32 requantization of one accumulator from its channel's fields (AccRequant32's meaning
+// of a0, a1, rsh per form; m only in multiplier form).
+template <bool POW2>
+QGRU_HD int32_t requant32(int32_t product, int32_t a0, int32_t a1, int32_t rsh, int32_t zp, int32_t m, int32_t lo,
                           int32_t hi) {
-  const int32_t v = ((product + bias_lo) >> rshift) + bias_hi;
+  const int32_t v = POW2 ? ((product + a1) >> rsh) + a0 : mul_hi32(shl32(product + a0, a1), m) >> rsh;
   return clamp32(((v + 1) >> 1) + zp, lo, hi) - zp;
 }
 
+template <bool POW2>
 QGRU_HD int32_t requantize_acc32(const AccRequant32& a, int64_t c, int32_t product) {
-  return requant32(product, a.bias_hi[c], a.bias_lo[c], a.rshift[c], a.zp[c], a.lo, a.hi);
+  return requant32<POW2>(product, a.bias_hi[c], a.bias_lo[c], a.rshift[c], a.zp[c], POW2 ? 0 : a.mult[c], a.lo,
+                         a.hi);
 }
 
 // requantize_acc of the limb products at (row, c), for the kernels' template flags (ACC32, set
@@ -115,7 +140,7 @@ QGRU_HD int32_t requantize_acc32(const AccRequant32& a, int64_t c, int32_t produ
 template <int NPAIRS, bool POW2, bool ACC32>
 QGRU_HD int64_t requantize_product(const AccRequant& a, const AccRequant32& a32, const LimbProducts& g,
                                    int64_t row, int64_t c) {
-  if (ACC32) return requantize_acc32(a32, c, g.G[0][row * g.ld + c]);
+  if (ACC32) return requantize_acc32<POW2>(a32, c, g.G[0][row * g.ld + c]);
   return requantize_acc<POW2>(a, c, exact_product<NPAIRS>(g, row, c));
 }
 
@@ -134,19 +159,30 @@ QGRU_ISA_BEGIN
 
 // ---------------------------------------------------------------------------------------------
 // The int32 cell: the same step in int32 lanes, for layers where prepare_layer proved every
-// intermediate fits (the ACC32 flag: 8-bit x/h/W/R, power-of-two multipliers, and the shift
-// bounds below). In pow2 mode a rescale with multiplier 2^L and shift s is
-//   ((v << L) >> (s - 1) + 1) >> 1 = ((v << lsh) >> rsh + 1) >> 1,  R = s - 1 - L,
-// with rsh = max(R, 0), lsh = max(-R, 0) (for R < 0 both sides equal v << (-R - 1)).
-// Bounds (checked in qgru/native.py, _add_acc32): |q - Z| < 2^16 and lsh <= 14 keep (v << lsh)
-// < 2^30; the r * Rh_g product (< 2^32) is never formed: with d_r = 256 a1 + a0 (d_r >= 0, the
-// sigmoid's zero point is qmin), floor(d_r d / 2^R) = floor((a1 d + floor(a0 d / 2^8)) / 2^(R-8))
-// for R >= 8, all terms < 2^25; z * h < 2^(b_z + b_h) <= 2^24; (1 - z) * g lies in
-// [-2^(b_z + b_g - 1), 2^b_z (2^(b_g - 1) - 1)], inside int32 for b_z, b_g <= 16; table terms
-// < 2^29.
+// intermediate fits (the ACC32 flag: 8-bit x/h/W/R and the bounds below), in the two forms of
+// AccRequant32 (template flag POW2).
+// * pow2: a rescale with multiplier 2^L and shift s is
+//     ((v << L) >> (s - 1) + 1) >> 1 = ((v << lsh) >> rsh + 1) >> 1,  R = s - 1 - L,
+//   with rsh = max(R, 0), lsh = max(-R, 0) (for R < 0 both sides equal v << (-R - 1)).
+//   Bounds (checked in qgru/native.py, _add_acc32): |q - Z| < 2^16 and lsh <= 14 keep (v << lsh)
+//   < 2^30; the r * Rh_g product (< 2^32) is never formed: with d_r = 256 a1 + a0 (d_r >= 0, the
+//   sigmoid's zero point is qmin), floor(d_r d / 2^R) = floor((a1 d + floor(a0 d / 2^8)) / 2^(R-8))
+//   for R >= 8, all terms < 2^25; z * h < 2^(b_z + b_h) <= 2^24; (1 - z) * g lies in
+//   [-2^(b_z + b_g - 1), 2^b_z (2^(b_g - 1) - 1)], inside int32 for b_z, b_g <= 16; table terms
+//   < 2^29.
+// * multiplier: a rescale (m, s) is (mul_hi32(v << lsh, m) >> rsh + 1) >> 1 with lsh = max(0, 33 - s),
+//   rsh = max(0, s - 33) (rescale32). Bounds (_add_acc32): every input v of a rescale lies in an
+//   interval [v_lo, v_hi] known from its grids, with v_lo 2^lsh >= -2^31 and v_hi 2^lsh < 2^31;
+//   then |mul_hi32| <= 2^30 and each rounded term is at most 2^29 in magnitude, so the sums of two
+//   terms and a zero point fit int32. r * Rh_g (< 2^32) is formed in int64 (y = d_r d, one
+//   32 x 32 -> 64 product) and rescaled without a 64 x 64 product:
+//     floor(y m / 2^16) = (y >> 16) m + floor((y & 0xFFFF) m / 2^16),
+//   both products 32 x 32 -> 64, then >> (s - 17); s - 1 >= b_r + b_Rh + 2 keeps the result below
+//   2^29.
 //
-// Every per-channel value the int32 cell reads (the rescales' shifts and the int32 requantization
-// of Wx and Rh, 35 in all) lives in one channel-blocked array, [ceil(H / 128)][field][128]
+// Every per-channel value the int32 cell reads (the rescales' shifts, multipliers and the int32
+// requantization of Wx and Rh for each gate, 48 in all; pow2 layers leave the multiplier-only
+// fields at 0) lives in one channel-blocked array, [ceil(H / 128)][field][128]
 // (qgru/native.py, CELL32_FIELDS, in the order of Cell32Field). A CPU loop over the channels of
 // one block then reads every field at a constant offset from one pointer. As 35 separate arrays
 // they took 35 base registers, which gcc kept on the stack and reloaded in every iteration
@@ -157,10 +193,14 @@ enum Cell32Field : int {
   kRWxLsh, kRWxRsh, kRRhLsh, kRRhRsh,  // lsh, rsh of r's rescales from Wx_r and from Rh_r
   kZWxLsh, kZWxRsh, kZRhLsh, kZRhRsh,  // the same for z: kRWxLsh + 4 gate, gate 0 r, 1 z
   kGWxLsh, kGWxRsh,
-  kGRRhRsh,         // R of r * Rh_g -> g_pre (>= 8; no left shift)
+  kGRRhRsh,         // r * Rh_g -> g_pre: pow2, R (>= 8; no left shift); multiplier, s - 17
   kRhRequant = 11,  // Rh of gate q (0 r, 1 z, 2 g): kRhRequant + 4 q + {0 bias_hi, 1 bias_lo, 2 R, 3 zp}
+                    // (multiplier: {0 bias, 1 lsh, 2 rsh, 3 zp}, see AccRequant32)
   kWxRequant = 23,  // the same for Wx
-  kCell32Fields = 35
+  kMult = 35,       // multiplier form only: m of the rescale whose lsh is field f at kMult + f / 2
+                    // (f = kRWxLsh ... kGWxLsh), of r * Rh_g at kMult + 5, of gate q's Rh
+                    // requantization at kMult + 6 + q and of its Wx requantization at kMult + 9 + q
+  kCell32Fields = 47
 };
 
 struct Channel32 {  // one channel's fields: field f at at[f * kCell32Block]
@@ -176,14 +216,17 @@ QGRU_HD Channel32 channel32(const int32_t* blocked, int64_t j) {
 }
 
 // The int32 requantization of gate q's accumulator (group kRhRequant or kWxRequant).
+template <bool POW2>
 QGRU_HD int32_t requant32_at(Channel32 c, int group, int q, int32_t product, int32_t lo, int32_t hi) {
   const int f = group + 4 * q;
-  return requant32(product, field(c, f), field(c, f + 1), field(c, f + 2), field(c, f + 3), lo, hi);
+  const int32_t m = POW2 ? 0 : field(c, kMult + 6 + (group - kRhRequant) / 4 + q);
+  return requant32<POW2>(product, field(c, f), field(c, f + 1), field(c, f + 2), field(c, f + 3), m, lo, hi);
 }
 
-// The pow2 rescale whose shifts are fields lsh_field (lsh) and lsh_field + 1 (rsh).
+// The rescale whose shifts are fields lsh_field (lsh) and lsh_field + 1 (rsh).
+template <bool POW2>
 QGRU_HD int32_t apply32(Channel32 c, int lsh_field, int32_t v) {
-  return (((int32_t)((uint32_t)v << field(c, lsh_field)) >> field(c, lsh_field + 1)) + 1) >> 1;
+  return rescale32<POW2>(v, POW2 ? 0 : field(c, kMult + lsh_field / 2), field(c, lsh_field), field(c, lsh_field + 1));
 }
 
 QGRU_ISA_END
@@ -208,7 +251,8 @@ QGRU_HD int32_t lookup32(const Table32& t, int32_t q) {
 QGRU_ISA_END
 struct Cell32 {
   const int32_t* channels;  // [ceil(H / 128)][kCell32Fields][128], see Cell32Field
-  int32_t zh_rsh, zg_rsh;   // R of z * h and (1 - z) * g -> h (>= 0, lsh = 0)
+  int32_t zh_m, zh_lsh, zh_rsh;  // z * h -> h: multiplier (multiplier form), lsh, rsh
+  int32_t zg_m, zg_lsh, zg_rsh;  // (1 - z) * g -> h
   int32_t pre_zp[3], pre_lo[3], pre_hi[3];  // r_pre, z_pre, g_pre
   Table32 table[3];                         // r, z, g
   int32_t one_z, h_zp, h_lo, h_hi;
@@ -218,36 +262,51 @@ QGRU_ISA_BEGIN
 
 // computeR (gate 0) or computeZ (gate 1) in int32 from the gate's raw R.h accumulator and
 // Wx - Z_Wx: the gate's output relative to its zero point.
+template <bool POW2>
 QGRU_HD int32_t sigmoid_gate32(const Cell32& p, Channel32 ch, int gate, int32_t acc_rh, int32_t d_wx) {
-  const int32_t d_rh = requant32_at(ch, kRhRequant, gate, acc_rh, p.rh_lo, p.rh_hi);
+  const int32_t d_rh = requant32_at<POW2>(ch, kRhRequant, gate, acc_rh, p.rh_lo, p.rh_hi);
   const int f = kRWxLsh + 4 * gate;
-  const int32_t pre = clamp32(apply32(ch, f, d_wx) + apply32(ch, f + 2, d_rh) + p.pre_zp[gate], p.pre_lo[gate],
-                              p.pre_hi[gate]);
+  const int32_t pre = clamp32(apply32<POW2>(ch, f, d_wx) + apply32<POW2>(ch, f + 2, d_rh) + p.pre_zp[gate],
+                              p.pre_lo[gate], p.pre_hi[gate]);
   return lookup32(p.table[gate], pre);
+}
+
+// The rescale of r * Rh_g onto g_pre (see the int32 cell's bounds above).
+template <bool POW2>
+QGRU_HD int32_t rrh32(Channel32 ch, int32_t d_r, int32_t d_rh_g) {
+  if (POW2) {
+    const int32_t a1 = d_r >> 8, a0 = d_r & 255;
+    return (((a1 * d_rh_g + ((a0 * d_rh_g) >> 8)) >> (field(ch, kGRRhRsh) - 8)) + 1) >> 1;
+  }
+  const int64_t y = (int64_t)d_r * d_rh_g;
+  const int32_t m = field(ch, kMult + 5);
+  const int64_t y_m_16 = mul32(y >> 16, m) + (mul32(y & 0xFFFF, m) >> 16);  // floor(y m / 2^16)
+  return ((int32_t)(y_m_16 >> field(ch, kGRRhRsh)) + 1) >> 1;
 }
 
 // computeG and computeH in int32: the new state from g's raw R.h accumulator, Wx_g - Z, the gates
 // r and z (sigmoid_gate32) and the state h.
+template <bool POW2>
 QGRU_HD int32_t candidate_state32(const Cell32& p, Channel32 ch, int32_t acc_rh_g, int32_t d_wx_g, int32_t d_r,
                                   int32_t d_z, int32_t q_h) {
-  const int32_t d_rh_g = requant32_at(ch, kRhRequant, 2, acc_rh_g, p.rh_lo, p.rh_hi);
-  const int32_t a1 = d_r >> 8, a0 = d_r & 255;
-  const int32_t rrh = (((a1 * d_rh_g + ((a0 * d_rh_g) >> 8)) >> (field(ch, kGRRhRsh) - 8)) + 1) >> 1;
-  const int32_t g_pre = clamp32(apply32(ch, kGWxLsh, d_wx_g) + rrh + p.pre_zp[2], p.pre_lo[2], p.pre_hi[2]);
+  const int32_t d_rh_g = requant32_at<POW2>(ch, kRhRequant, 2, acc_rh_g, p.rh_lo, p.rh_hi);
+  const int32_t g_pre =
+      clamp32(apply32<POW2>(ch, kGWxLsh, d_wx_g) + rrh32<POW2>(ch, d_r, d_rh_g) + p.pre_zp[2], p.pre_lo[2], p.pre_hi[2]);
   const int32_t d_g = lookup32(p.table[2], g_pre);
-  const int32_t zh = (((d_z * (q_h - p.h_zp)) >> p.zh_rsh) + 1) >> 1;
-  const int32_t zg = ((((p.one_z - d_z) * d_g) >> p.zg_rsh) + 1) >> 1;
+  const int32_t zh = rescale32<POW2>(d_z * (q_h - p.h_zp), p.zh_m, p.zh_lsh, p.zh_rsh);
+  const int32_t zg = rescale32<POW2>((p.one_z - d_z) * d_g, p.zg_m, p.zg_lsh, p.zg_rsh);
   return clamp32(zh + zg + p.h_zp, p.h_lo, p.h_hi);
 }
 
 // One element of one step from the three gates' int32 R.h accumulators and Wx - Z_Wx: the int32
 // form of gru_cell_acc. (The CPU's fused loop calls the two halves in two loops: a loop with one
 // table gather in its dependency chain instead of two overlaps more iterations, ~15% faster.)
+template <bool POW2>
 QGRU_HD int32_t gru_cell32(const Cell32& p, Channel32 ch, int32_t acc_r, int32_t acc_z, int32_t acc_g, int32_t d_wx_r,
                            int32_t d_wx_z, int32_t d_wx_g, int32_t q_h) {
-  const int32_t d_r = sigmoid_gate32(p, ch, 0, acc_r, d_wx_r);
-  const int32_t d_z = sigmoid_gate32(p, ch, 1, acc_z, d_wx_z);
-  return candidate_state32(p, ch, acc_g, d_wx_g, d_r, d_z, q_h);
+  const int32_t d_r = sigmoid_gate32<POW2>(p, ch, 0, acc_r, d_wx_r);
+  const int32_t d_z = sigmoid_gate32<POW2>(p, ch, 1, acc_z, d_wx_z);
+  return candidate_state32<POW2>(p, ch, acc_g, d_wx_g, d_r, d_z, q_h);
 }
 
 QGRU_ISA_END
@@ -319,7 +378,7 @@ QGRU_HD Channel32 cell32_channel(const CellParams& p, int64_t j) {
 template <bool POW2, bool ACC32>
 QGRU_HD int64_t gru_cell_acc(const CellParams& p, int64_t j, Channel32 ch, int32_t acc_r, int32_t acc_z,
                              int32_t acc_g, int32_t d_wx_r, int32_t d_wx_z, int32_t d_wx_g, int64_t q_h) {
-  if (ACC32) return gru_cell32(p.c32, ch, acc_r, acc_z, acc_g, d_wx_r, d_wx_z, d_wx_g, (int32_t)q_h);
+  if (ACC32) return gru_cell32<POW2>(p.c32, ch, acc_r, acc_z, acc_g, d_wx_r, d_wx_z, d_wx_g, (int32_t)q_h);
   const int64_t H = p.H;
   const int64_t d_r = computeR<POW2>(p, j, d_wx_r, requantize_acc<POW2>(p.rh, j, acc_r));
   const int64_t d_z = computeZ<POW2>(p, j, d_wx_z, requantize_acc<POW2>(p.rh, H + j, acc_z));
@@ -349,8 +408,9 @@ QGRU_HD int64_t gru_cell(const CellParams& p, const LimbProducts& rh_products, i
 }
 
 // Calls f(NPAIRS, POW2, ACC32), as std::integral_constant values, with the kernel template flags
-// of a layer: its limb-pair count, power-of-two multipliers, and the int32 accumulator path (which
-// prepare_layer only enables with one pair and pow2). Host code; both backends dispatch with it.
+// of a layer: its limb-pair count, power-of-two multipliers, and the int32 path (which
+// prepare_layer only enables with one pair; in either scale mode). Host code; both backends
+// dispatch with it.
 template <typename F>
 inline void dispatch_kernel(int64_t pairs, bool pow2, bool acc32, F&& f) {
   using T = std::true_type;
@@ -359,7 +419,7 @@ inline void dispatch_kernel(int64_t pairs, bool pow2, bool acc32, F&& f) {
   using Two = std::integral_constant<int, 2>;
   using Four = std::integral_constant<int, 4>;
   if (pairs == 1) {
-    if (acc32) f(One{}, T{}, T{});
+    if (acc32) pow2 ? f(One{}, T{}, T{}) : f(One{}, Fl{}, T{});
     else if (pow2) f(One{}, T{}, Fl{});
     else f(One{}, Fl{}, Fl{});
   } else if (pairs == 2) {

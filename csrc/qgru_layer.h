@@ -136,28 +136,47 @@ struct LayerTensors {
                   "qgru native layer: table '", g, "' entry ", i, " (", lo, ", difference ", diff, ") is out of range");
     }
   }
-  // The int32 path (qgru/native.py, _add_acc32): its conditions, its arrays, its shift fields.
+  // The int32 path (qgru/native.py, _add_acc32): its conditions, its arrays, its shift fields, in
+  // pow2 or multiplier form (qgru_cell.h, AccRequant32 and the int32 cell). These checks keep
+  // every shift and multiplier where the C++ is defined; the bounds that make the int32 results
+  // equal the int64 ones are _add_acc32's, derived from the same parameters.
   void check_acc32(int64_t H, int64_t I, int64_t px, int64_t ph, bool pow2) const {
-    TORCH_CHECK(pow2 && px == 1 && ph == 1 && value("x_bits") <= 8 && value("h_bits") <= 8 && I < (1 << 16) &&
-                    H < (1 << 16),
-                "qgru native layer: the int32 path needs 8-bit x and h, one limb pair, pow2 and sizes below 2^16");
-    for (const char* f : {"Wx_bias_hi", "Wx_bias_lo", "Wx_zp32"}) host(f, at::kInt, 3 * H);
-    check_values("Wx_rshift", host("Wx_rshift", at::kInt, 3 * H), 1, 30);
-    check_value("zh_rsh", 0, 31);
-    check_value("zg_rsh", 0, 31);
+    TORCH_CHECK(px == 1 && ph == 1 && value("x_bits") <= 8 && value("h_bits") <= 8 && I < (1 << 16) && H < (1 << 16),
+                "qgru native layer: the int32 path needs 8-bit x and h, one limb pair and sizes below 2^16");
+    host("Wx_zp32", at::kInt, 3 * H);
+    const int64_t i32max = INT32_MAX;
+    if (pow2) {
+      for (const char* f : {"Wx_bias_hi", "Wx_bias_lo"}) host(f, at::kInt, 3 * H);
+      check_values("Wx_rshift", host("Wx_rshift", at::kInt, 3 * H), 1, 30);
+    } else {
+      host("Wx_bias_hi", at::kInt, 3 * H);  // the whole bias
+      check_values("Wx_bias_lo", host("Wx_bias_lo", at::kInt, 3 * H), 0, 31);  // lsh
+      check_values("Wx_rshift", host("Wx_rshift", at::kInt, 3 * H), 0, 31);
+      check_values("Wx_mult32", host("Wx_mult32", at::kInt, 3 * H), 0, i32max);
+    }
+    for (const char* k : {"zh", "zg"}) {
+      const std::string n = k;
+      check_value(n + "_rsh", 0, 31);
+      check_value(n + "_lsh", 0, pow2 ? 0 : 31);
+      check_value(n + "_m32", 0, i32max);
+    }
     const int64_t blocks = (H + kCell32Block - 1) / kCell32Block;
     // [field][channel] of the first H channels (padding channels are never read)
     const at::Tensor c = host("c32_channels", at::kInt, blocks * kCell32Fields * kCell32Block)
                              .view({blocks, kCell32Fields, kCell32Block}).permute({1, 0, 2})
                              .reshape({kCell32Fields, blocks * kCell32Block}).narrow(1, 0, H);
     for (int f = 0; f < kCell32Fields; ++f) {
-      int64_t lo = INT32_MIN, hi = INT32_MAX;  // bias_hi, bias_lo, zp: arithmetic only
+      int64_t lo = INT32_MIN, hi = INT32_MAX;  // bias_hi, bias_lo (pow2), bias, zp: arithmetic only
       if (f <= kGWxRsh) {
-        lo = 0, hi = (f % 2 == 0) ? 14 : 31;  // kRWxLsh ... kGWxRsh: (lsh, rsh) pairs
+        lo = 0, hi = (f % 2 == 0 && pow2) ? 14 : 31;  // kRWxLsh ... kGWxRsh: (lsh, rsh) pairs
       } else if (f == kGRRhRsh) {
-        lo = 8, hi = 39;
-      } else if ((f - kRhRequant) % 4 == 2) {
-        lo = 1, hi = 30;  // R of a requantization
+        lo = pow2 ? 8 : 0, hi = pow2 ? 39 : 47;  // a shift of int32 (pow2, by R - 8) or int64
+      } else if (f < kMult && (f - kRhRequant) % 4 == 2) {
+        lo = pow2 ? 1 : 0, hi = pow2 ? 30 : 31;  // R (pow2) or rsh of a requantization
+      } else if (f < kMult && (f - kRhRequant) % 4 == 1 && !pow2) {
+        lo = 0, hi = 31;  // lsh of a requantization
+      } else if (f >= kMult) {
+        lo = 0;  // multipliers (0 in pow2 layers)
       }
       check_values("c32_channels field " + std::to_string(f), c[f], lo, hi);
     }
@@ -196,9 +215,10 @@ struct LayerTensors {
   }
   // The int32 form, when prepare_layer found it exact for this layer ("acc32" = 1).
   AccRequant32 acc32(const std::string& k) const {
-    if (value("acc32") == 0) return AccRequant32{nullptr, nullptr, nullptr, nullptr, 0, 0};
+    if (value("acc32") == 0) return AccRequant32{nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0};
+    const bool pow2 = value("pow2") != 0;
     return AccRequant32{i32(k + "_bias_hi"), i32(k + "_bias_lo"), i32(k + "_rshift"), i32(k + "_zp32"),
-                        (int32_t)value(k + "_lo"), (int32_t)value(k + "_hi")};
+                        pow2 ? nullptr : i32(k + "_mult32"), (int32_t)value(k + "_lo"), (int32_t)value(k + "_hi")};
   }
   SigmoidGate sigmoid(const std::string& k) const {  // k = "r" or "z"
     return SigmoidGate{rescale(k + "_from_wx"), rescale(k + "_from_rh"), value(k + "_pre_zp"), range(k + "_pre"),
@@ -219,7 +239,11 @@ struct LayerTensors {
                 "qgru native layer: c32_channels must be [ceil(H/", kCell32Block, "), ", kCell32Fields, ", ",
                 kCell32Block, "], got ", ch.sizes());
     c.channels = i32("c32_channels");
+    c.zh_m = (int32_t)value("zh_m32");
+    c.zh_lsh = (int32_t)value("zh_lsh");
     c.zh_rsh = (int32_t)value("zh_rsh");
+    c.zg_m = (int32_t)value("zg_m32");
+    c.zg_lsh = (int32_t)value("zg_lsh");
     c.zg_rsh = (int32_t)value("zg_rsh");
     const char* gates[3] = {"r", "z", "g"};
     for (int q = 0; q < 3; ++q) {

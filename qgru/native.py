@@ -358,10 +358,10 @@ def prepare_layer(p: LayerParams, act16: bool = False) -> Tuple[Dict[str, torch.
         t[f"table_{g}"] = pack_table(p.tables[g])
     # the shift-only kernels are used when every multiplier is a power of two (pow2 scale mode)
     v["pow2"] = int(all(bool((x >= 0).all()) for k, x in t.items() if k.endswith("_mult_log2")))
-    v["acc32"] = int(_add_acc32(t, v, b))
     v["one_z"] = int(p.one_z)
     v["h_zp"] = int(zp["h"])
     rng("h", b["h"])
+    v["acc32"] = int(_add_acc32(t, v, b))
     return t, v
 
 
@@ -373,52 +373,143 @@ def _net_shift(t: Dict[str, torch.Tensor], name: str) -> torch.Tensor:
 def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, int]) -> bool:
     """Add the int32 forms (csrc AccRequant32 and Cell32) when they are exact for this layer.
 
-    Conditions (proofs in csrc/qgru_cell.h): one limb pair on both GEMMs (8-bit x, h, W, R),
-    power-of-two multipliers; accumulators: R in [1, 30], K < 2^16; cell: left shifts <= 14 for
-    the pre-activation rescales, R >= 8 for r * Rh_g, R >= 0 for z * h and (1 - z) * g.
+    Common conditions: one limb pair on both GEMMs (8-bit x, h, W, R) and K < 2^16, so every
+    GEMM accumulator G is below K 2^14 <= 2^30 in magnitude. Then the pow2 form (_acc32_pow2) or
+    the multiplier form (_acc32_mult) adds its fields where its own bounds hold (proofs in
+    csrc/qgru_cell.h); otherwise the layer runs the int64 cell.
     """
-    if not v["pow2"] or max(bits["x"], bits["h"], bits["W"], bits["R"]) > 8 or max(v["I"], v["H"]) >= (1 << 16):
+    if max(bits["x"], bits["h"], bits["W"], bits["R"]) > 8 or max(v["I"], v["H"]) >= (1 << 16):
         return False
-    parts = {}
-    for name in ("r_from_wx", "r_from_rh", "z_from_wx", "z_from_rh", "g_from_wx"):
-        r = _net_shift(t, name)
-        if bool((r < -14).any()):
-            return False
-        parts[name + "_lsh"] = (-r).clamp(min=0).to(torch.int32)
-        # shifting a value below 2^31 right by 31 or more gives 0 or -1, the same after rounding
-        # as the exact result: clamped, so no int32 shift reaches the undefined 32
-        parts[name + "_rsh"] = r.clamp(min=0, max=31).to(torch.int32)
-    r = _net_shift(t, "g_from_rrh")
-    if bool((r < 8).any()):
+    parts = _acc32_pow2(t, v) if v["pow2"] else _acc32_mult(t, v, bits)
+    if parts is None:
         return False
-    parts["g_from_rrh_rsh"] = r.clamp(max=39).to(torch.int32)  # shifts by R - 8 <= 31
-    for name in ("zh", "zg"):
-        r = _net_shift(t, name)
-        if bool((r < 0).any()):
-            return False
-        v[name + "_rsh"] = int(r.reshape(-1)[0].clamp(max=31))
-    for name in ("Wx", "Rh"):
-        r = t[name + "_shift"].to(torch.int64) - 1 - t[name + "_mult_log2"].to(torch.int64)
-        if bool((r < 1).any()) or bool((r > 30).any()):
-            return False
-        bias = t[name + "_bias"]
-        hi = torch.div(bias, 1 << r, rounding_mode="floor")
-        parts[name + "_bias_hi"] = hi.to(torch.int32)
-        parts[name + "_bias_lo"] = (bias - hi * (1 << r)).to(torch.int32)
-        parts[name + "_rshift"] = r.to(torch.int32)
-        parts[name + "_zp32"] = t[name + "_zp"].to(torch.int32)
     t["c32_channels"] = _channel_blocks(parts, v["H"])
     # the W.x requantization pass of the unfused paths reads Wx's int32 form over all 3H channels
     t.update({k: x for k, x in parts.items() if k.startswith("Wx_")})
     return True
 
 
+def _acc32_pow2(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[str, torch.Tensor]]:
+    """The pow2 form's fields, or None. Accumulators: R in [1, 30]; cell: left shifts <= 14 for
+    the pre-activation rescales, R >= 8 for r * Rh_g, R >= 0 for z * h and (1 - z) * g."""
+    parts = {}
+    for name in ("r_from_wx", "r_from_rh", "z_from_wx", "z_from_rh", "g_from_wx"):
+        r = _net_shift(t, name)
+        if bool((r < -14).any()):
+            return None
+        parts[name + "_lsh"] = (-r).clamp(min=0).to(torch.int32)
+        # shifting a value below 2^31 right by 31 or more gives 0 or -1, the same after rounding
+        # as the exact result: clamped, so no int32 shift reaches the undefined 32
+        parts[name + "_rsh"] = r.clamp(min=0, max=31).to(torch.int32)
+    r = _net_shift(t, "g_from_rrh")
+    if bool((r < 8).any()):
+        return None
+    parts["g_from_rrh_rsh"] = r.clamp(max=39).to(torch.int32)  # shifts by R - 8 <= 31
+    for name in ("zh", "zg"):
+        r = _net_shift(t, name)
+        if bool((r < 0).any()):
+            return None
+        v[name + "_rsh"] = int(r.reshape(-1)[0].clamp(max=31))
+        v[name + "_lsh"] = v[name + "_m32"] = 0
+    for name in ("Wx", "Rh"):
+        r = _net_shift(t, name)
+        if bool((r < 1).any()) or bool((r > 30).any()):
+            return None
+        bias = t[name + "_bias"]
+        hi = torch.div(bias, 1 << r, rounding_mode="floor")
+        parts[name + "_bias_hi"] = hi.to(torch.int32)
+        parts[name + "_bias_lo"] = (bias - hi * (1 << r)).to(torch.int32)
+        parts[name + "_rshift"] = r.to(torch.int32)
+        parts[name + "_zp32"] = t[name + "_zp"].to(torch.int32)
+    zeros = torch.zeros(v["H"], dtype=torch.int32)  # the multiplier form's fields, unused here
+    parts.update({f"{name}_m": zeros for name in MULT_RESCALES})
+    parts.update({f"{name}_mult32": zeros.repeat(3) for name in ("Wx", "Rh")})
+    return parts
+
+
+# The per-channel rescales of the int32 cell in multiplier form, in the order of their kMult fields.
+MULT_RESCALES = ("r_from_wx", "r_from_rh", "z_from_wx", "z_from_rh", "g_from_wx", "g_from_rrh")
+
+
+def _product_range(a: Tuple, b: Tuple) -> Tuple:
+    """[lo, hi] of x y for x in [a0, a1], y in [b0, b1] (ints or per-channel int64 tensors)."""
+    corners = [torch.as_tensor(x, dtype=torch.int64) * torch.as_tensor(y, dtype=torch.int64)
+               for x in a for y in b]
+    lo, hi = corners[0], corners[0]
+    for c in corners[1:]:
+        lo, hi = torch.minimum(lo, c), torch.maximum(hi, c)
+    return lo, hi
+
+
+def _acc32_mult(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, int]) -> Optional[Dict[str, torch.Tensor]]:
+    """The multiplier form's fields, or None (csrc/qgru_cell.h, the int32 cell's multiplier bounds).
+
+    A rescale (m, s) becomes (mul_hi32(x << lsh, m) >> rsh + 1) >> 1 with lsh = max(0, 33 - s),
+    rsh = max(0, s - 33); it is exact where every input x, known to lie in [x_lo, x_hi] from its
+    grids, keeps x 2^lsh inside int32. r * Rh_g is rescaled in int64 and needs s >= 17 and a
+    result below 2^29."""
+    H = v["H"]
+
+    def shifts(name: str, x_lo, x_hi):
+        m, s = t[name + "_mult"], t[name + "_shift"].to(torch.int64)
+        lsh, rsh = (33 - s).clamp(min=0), (s - 33).clamp(min=0)
+        step = torch.ones_like(lsh) << lsh.clamp(max=32)
+        fits = ((torch.as_tensor(x_lo) * step >= -(1 << 31)) & (torch.as_tensor(x_hi) * step < (1 << 31))
+                & (m >= 0) & (m < (1 << 31)))
+        return (lsh.to(torch.int32), rsh.to(torch.int32), m.to(torch.int32)) if bool(fits.all()) else None
+
+    def rel(name: str, zp):  # [lo - Z, hi - Z] of a grid
+        return v[name + "_lo"] - zp, v[name + "_hi"] - zp
+
+    d_wx = rel("Wx", t["Wx_zp"])  # per channel [3H]
+    d_rh = rel("Rh", t["Rh_zp"])
+    gate = {g: slice(q * H, (q + 1) * H) for q, g in enumerate("rzg")}
+    parts = {}
+    for name, (lo, hi) in (
+            ("r_from_wx", d_wx), ("z_from_wx", d_wx), ("g_from_wx", d_wx), ("r_from_rh", d_rh), ("z_from_rh", d_rh)):
+        g = gate[name[0]]
+        f = shifts(name, lo[g], hi[g])
+        if f is None:
+            return None
+        parts[name + "_lsh"], parts[name + "_rsh"], parts[name + "_m"] = f
+    # r * Rh_g in int64: floor(y m / 2^16) then >> (s - 17); |y| m / 2^(s - 1) < 2^29 keeps it in int32
+    y_lo, y_hi = _product_range(rel("r", v["r_zp"]), (d_rh[0][gate["g"]], d_rh[1][gate["g"]]))
+    m, s = t["g_from_rrh_mult"], t["g_from_rrh_shift"].to(torch.int64)
+    y_max = torch.maximum(-y_lo, y_hi)
+    if bool((s < 17).any()) or bool((m < 0).any()) or bool((m >= (1 << 31)).any()) \
+            or bool(((y_max * m) >> (s - 1) >= (1 << 29)).any()):
+        return None
+    parts["g_from_rrh_rsh"], parts["g_from_rrh_m"] = (s - 17).to(torch.int32), m.to(torch.int32)
+    for name, (x_lo, x_hi) in (
+            ("zh", _product_range(rel("z", v["z_zp"]), rel("h", v["h_zp"]))),
+            ("zg", _product_range((v["one_z"] - (v["z_hi"] - v["z_zp"]), v["one_z"] - (v["z_lo"] - v["z_zp"])),
+                                  rel("g", v["g_zp"])))):
+        f = shifts(name, x_lo, x_hi)
+        if f is None:
+            return None
+        v[name + "_lsh"], v[name + "_rsh"], v[name + "_m32"] = (int(x.reshape(-1)[0]) for x in f)
+    for name, K in (("Wx", v["I"]), ("Rh", H)):
+        bias = t[name + "_bias"]
+        acc_max = K * (1 << 14) + bias.abs()  # |G + bias|
+        f = shifts(name, -acc_max, acc_max)
+        if f is None or bool((bias.abs() >= (1 << 31)).any()):
+            return None
+        parts[name + "_bias_hi"] = bias.to(torch.int32)  # the whole bias
+        parts[name + "_bias_lo"], parts[name + "_rshift"], parts[name + "_mult32"] = f  # lsh, rsh, m
+        parts[name + "_zp32"] = t[name + "_zp"].to(torch.int32)
+    return parts
+
+
 # The fields of csrc Cell32's channel-blocked array, in the order of csrc/qgru_cell.h's
 # Cell32Field; "{name}:{q}" is gate q's slice (channels q H .. q H + H - 1) of a [3H] tensor.
+# In multiplier form bias_hi holds the whole bias, bias_lo the left shift and rshift the right
+# shift of a requantization (qgru_cell.h, AccRequant32); pow2 layers leave the "_m" and "_mult32"
+# fields at 0.
 CELL32_FIELDS = (
     "r_from_wx_lsh", "r_from_wx_rsh", "r_from_rh_lsh", "r_from_rh_rsh", "z_from_wx_lsh", "z_from_wx_rsh",
     "z_from_rh_lsh", "z_from_rh_rsh", "g_from_wx_lsh", "g_from_wx_rsh", "g_from_rrh_rsh",
     *(f"{acc}_{f}:{q}" for acc in ("Rh", "Wx") for q in range(3) for f in ("bias_hi", "bias_lo", "rshift", "zp32")),
+    *(f"{name}_m" for name in MULT_RESCALES), *(f"{acc}_mult32:{q}" for acc in ("Rh", "Wx") for q in range(3)),
 )
 CELL32_BLOCK = 128  # csrc kCell32Block
 

@@ -501,6 +501,9 @@ base = {name: converted(qgru.QuantConfig.load(name, overrides={"scale_mode": "po
 base["int32"] = converted(qgru.QuantConfig.load("w8a8", overrides={"scale_mode": "pow2", "tensors": {
     "Wx": {"bits": 8, "headroom": 1.0}, "Rh": {"bits": 8, "headroom": 1.0}}}))._qparams[0][0]
 assert native.prepare_layer(base["int32"])[1]["acc32"] == 1
+# w8a8's default multiplier scales: the int32 path's multiplier form
+base["int32m"] = converted(qgru.QuantConfig.load("w8a8"))._qparams[0][0]
+assert native.prepare_layer(base["int32m"])[1]["acc32"] == 1
 
 def cut(k, n):
     return lambda t, v: t.__setitem__(k, t[k][:n].clone())
@@ -532,6 +535,8 @@ CASES = {
     "range_wide": ("w8a8", setv("r_pre_lo", -40000)), "ones_col": ("w8a16", lambda t, v: v.__setitem__("ones_col", v["M_pad"])),
     "M_pad": ("w8a8", setv("M_pad", 4)), "zp_value": ("w8a8", setv("h_zp", 1000)),
     "c32_shift": ("int32", edit("c32_channels", 1, 40)), "missing": ("w8a8", drop("g_from_rrh_shift")),
+    "c32_mult": ("int32", edit("c32_channels", 35 * 128 + 1, -5)),  # a multiplier field (Cell32Field kMult)
+    "lsh": ("int32m", edit("Wx_bias_lo", 2, 40)),  # multiplier form: Wx_bias_lo holds the left shift
     "rshift": ("int32", edit("Wx_rshift", 0, 31)), "dtype": ("w8a8", lambda t, v: t.__setitem__("Wx_zp", t["Wx_zp"].to(torch.int32))),
 }
 out = {}
@@ -584,6 +589,8 @@ NATIVE_EXPECT = {
     "M_pad": r"M_pad = 4 must lie in \[3H, 3H \+ 64\]",
     "zp_value": r"'h_zp' = 1000 is outside \[-128, 127\]",
     "c32_shift": r"c32_channels field 0' holds values in \[\d+, 40\], outside \[0, 14\]",
+    "c32_mult": r"c32_channels field 35' holds values in \[-5, \d+\], outside \[0, 2147483647\]",
+    "lsh": r"'Wx_bias_lo' holds values in \[\d+, 40\], outside \[0, 31\]",
     "missing": r"missing tensor 'g_from_rrh_shift'",
     "rshift": r"'Wx_rshift' holds values in \[.*, 31\], outside \[1, 30\]",
     "dtype": r"'Wx_zp' must be a contiguous Long tensor",

@@ -373,6 +373,47 @@ def test_integer_worst_case_accumulators(kind, cfg, mode, K, sign):
         assert torch.equal(got[1].cpu().long(), want[1])
 
 
+@settings(max_examples=_examples(2000), **_SETTINGS)
+@given(v=st.integers(-(2 ** 31), 2 ** 31 - 1), m=st.integers(0, 2 ** 31 - 1), s=st.integers(1, 62))
+def test_int32_multiplier_rescale_identity(v, m, s):
+    """The int32 cell's multiplier form (csrc rescale32 / requant32, qgru/native.py _acc32_mult):
+    floor(v m / 2^(s-1)) = floor(floor(v 2^lsh m / 2^32) / 2^rsh) with lsh = max(0, 33 - s),
+    rsh = max(0, s - 33), wherever v 2^lsh fits int32; and the r * Rh_g form
+    floor(floor(y m / 2^16) / 2^(s-17)) with floor(y m / 2^16) = (y >> 16) m + ((y & 0xFFFF) m >> 16).
+    Python integers are exact: this checks the identities, not the C++."""
+    lsh, rsh = max(0, 33 - s), max(0, s - 33)
+    want = (v * m) >> (s - 1)
+    if -(2 ** 31) <= v * 2 ** lsh < 2 ** 31:
+        assert ((v * 2 ** lsh * m) >> 32) >> rsh == want
+    if s >= 17:
+        assert ((v >> 16) * m + (((v & 0xFFFF) * m) >> 16)) >> (s - 17) == want
+
+
+@pytest.mark.parametrize("k,j", [(-6, 0), (-2, 0), (0, 0), (1, 0), (2, 0), (4, 0), (9, 0), (20, 0),
+                                 (0, -8), (0, -13), (0, -14), (0, -16), (2, 6)])
+def test_int32_multiplier_cell_taken_and_exact(kind, k, j):
+    """8-bit x, h, W, R in multiplier scale mode take the int32 cell (acc32) where its bounds hold
+    and the int64 cell where they do not, and both equal the golden model on inputs at the grids'
+    ends. The Wx / Rh grids range from 2^-6 to 2^20 times a plain grid (k), which moves the
+    accumulators' shifts across lsh = 0 (s = 33) and past the int32 bound; the gate grids from
+    2^-16 to 2^6 times theirs (j), which moves the pre-activation rescales' left shifts up to
+    where a 16-bit Wx no longer fits int32 after them."""
+    config = QuantConfig.load("w8a8", overrides={"scale_mode": "multiplier"})
+    I, H = 40, 24
+    one = lambda lo, hi: (torch.tensor(float(lo), dtype=torch.float64), torch.tensor(float(hi), dtype=torch.float64))
+    per = lambda lo, hi: (torch.full((3 * H,), float(lo), dtype=torch.float64),
+                          torch.full((3 * H,), float(hi), dtype=torch.float64))
+    f, g = 2.0 ** k, 2.0 ** (k + j)
+    ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-4 * f, 5 * f), "Rh": per(-3 * f, 2 * f),
+              "r_pre": one(-6 * g, 6 * g), "z_pre": one(-6 * g, 6 * g), "g_pre": one(-5 * g, 7 * g)}
+    p = _random_layer(config, I, H, ranges, w_exp=-2, b_exp=-2 + max(k, 0), zero_row=False, seed=k + 100)
+    acc32 = native.prepare_layer(p)[1]["acc32"]
+    # grids of ordinary size take the int32 cell (the fast path is not lost); the extremes do not
+    assert acc32 == (1 if k <= 9 and j >= -13 else 0), (k, j)
+    for T, N, lengths in ((6, 3, True), (1, 1, False), (4, 37, True)):
+        _check_integer(kind, p, T, N, lengths, seed=T * 10 + N + k)
+
+
 def test_cpu_path_follows_isa_switch(cpu_backend, monkeypatch):
     """QGRU_CPU_ISA (or isa=) picks the path; auto takes the first usable one in the order amx,
     avx512vnni, avx2, portable; a path this CPU cannot run, or an unknown name, is a clear error;

@@ -105,7 +105,7 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
     const Cell32 c32 = p.c32;
     const int32_t* fields = cell32_channel<ACC32>(p, j0).at;  // channel j0 + c's at fields + c
     const auto d_wx = [&](Channel32 ch, int q, int32_t v) {
-      return XACC ? requant32_at(ch, kWxRequant, q, v, c32.wx_lo, c32.wx_hi) : v;
+      return XACC ? requant32_at<POW2>(ch, kWxRequant, q, v, c32.wx_lo, c32.wx_hi) : v;
     };
     alignas(64) int32_t d_r[kTileRows * W], d_z[kTileRows * W];  // row r's at [r * W]
     for (int64_t r = 0; r < rows; ++r) {
@@ -114,8 +114,8 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
 #pragma omp simd
       for (int64_t c = 0; c < nj; ++c) {
         const Channel32 ch{fields + c};
-        d_r[rh + c] = sigmoid_gate32(c32, ch, 0, acc_h[rh + c], d_wx(ch, 0, x[rx + c]));
-        d_z[rh + c] = sigmoid_gate32(c32, ch, 1, acc_h[rh + gs + c], d_wx(ch, 1, x[rx + xs + c]));
+        d_r[rh + c] = sigmoid_gate32<POW2>(c32, ch, 0, acc_h[rh + c], d_wx(ch, 0, x[rx + c]));
+        d_z[rh + c] = sigmoid_gate32<POW2>(c32, ch, 1, acc_h[rh + gs + c], d_wx(ch, 1, x[rx + xs + c]));
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -124,7 +124,7 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
 #pragma omp simd
       for (int64_t c = 0; c < nj; ++c) {
         const Channel32 ch{fields + c};
-        const int32_t h_new = candidate_state32(c32, ch, acc_h[rh + 2 * gs + c], d_wx(ch, 2, x[rx + 2 * xs + c]),
+        const int32_t h_new = candidate_state32<POW2>(c32, ch, acc_h[rh + 2 * gs + c], d_wx(ch, 2, x[rx + 2 * xs + c]),
                                                 d_r[rh + c], d_z[rh + c], s[rs + c]);
         s[rs + c] = h_new;
         o[rs + c] = h_new;
@@ -173,9 +173,12 @@ void cell_tile_t(const CellTileArgs& a) {
 #define QGRU_CELL_TILE(P2, A32, XA)                                                                       \
   cell_tile<P2, A32, XA, A>(*a.p, *a.wx, a.j0, a.nj, a.rows, a.active, a.x, a.acc_h, a.s, a.o, h_in, h_out, \
                             a.lda)
-  if (a.acc32) {
+  if (a.acc32 && a.pow2) {
     if (a.xacc) QGRU_CELL_TILE(true, true, true);
     else QGRU_CELL_TILE(true, true, false);
+  } else if (a.acc32) {
+    if (a.xacc) QGRU_CELL_TILE(false, true, true);
+    else QGRU_CELL_TILE(false, true, false);
   } else if (a.pow2) {
     if (a.xacc) QGRU_CELL_TILE(true, false, true);
     else QGRU_CELL_TILE(true, false, false);
