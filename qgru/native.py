@@ -648,9 +648,6 @@ def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torc
     trips, which for one step of a batch of one cost more than the layer itself."""
     if any(len(row) != 1 for row in params):
         return None
-    if torch.is_inference_mode_enabled():  # as gru_direction: Layers and workspaces outside it
-        with torch.inference_mode(False), torch.no_grad():
-            return cpu_stack_forward(params, x, hx)
     req = cpu_isa_request()
     cache = params[0][0].__dict__.setdefault("_native", {})  # beside the first layer's Layers
     # keyed by the stack's layers too: one LayerParams may head stacks of other depths (qgru.compare
@@ -658,6 +655,12 @@ def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torc
     key = ("cpu-stack", req, tuple(id(p) for (p,) in params))
     plan = cache.get(key)
     if plan is None:
+        if torch.is_inference_mode_enabled():  # as gru_direction: Layers are made outside it
+            with torch.inference_mode(False), torch.no_grad():
+                return cpu_stack_forward(params, x, hx)
+        # (later calls run in the caller's mode: the Layers' workspaces and reused buffers are
+        # made outside inference mode by the C++ itself, and leaving it here cost a streaming
+        # call ~5 us of its ~40)
         rows = []
         for layer, (p,) in enumerate(params):
             m, s = (1, 1)

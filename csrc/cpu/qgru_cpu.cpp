@@ -296,6 +296,7 @@ class CpuLayer {
   // whole row tiles plus one (the GemmArgs contract; a fused step's last row tile may read up to
   // 15 rows past its step's rows).
   void ensure_workspace(int64_t rows, int64_t N, bool with_wx) {
+    c10::InferenceMode normal_tensors(false);  // kept across calls: never inference tensors (reuse_or_empty)
     auto i32 = at::TensorOptions().dtype(at::kInt);
     if (ws_.rows < rows) {
       ws_.x_act.clear();
