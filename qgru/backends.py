@@ -134,6 +134,11 @@ def backend(name: str) -> Iterator[Backend]:
         _forced.name = previous
 
 
+def forced_backend_name() -> Optional[str]:
+    """The backend qgru.backend() forces on this thread, or None."""
+    return getattr(_forced, "name", None)
+
+
 def current_backend(device_type: str = "cpu") -> Backend:
     """The forced backend, else the native backend for ``device_type``, else reference (warned once)."""
     name = getattr(_forced, "name", None)

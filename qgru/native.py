@@ -640,37 +640,54 @@ def _cpu_layer(p: LayerParams, isa_request: str) -> "NativeLayer":
     return cache[key]
 
 
-def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor):
-    """A unidirectional stack without padding in one native call (float x [T, N, I] and h0
-    [L, N, H] in; float32 output [T, N, H] and h_n [L, N, H] out), or None where it does not
-    apply (a direction-wise or per-channel requantization between layers: the general path runs).
-    The same integers as the layer-by-layer path (tests/test_native.py), without its Python round
-    trips, which for one step of a batch of one cost more than the layer itself."""
-    if any(len(row) != 1 for row in params):
+def cpu_stack_plan(params: List[List[LayerParams]], req: str):
+    """The native call's arguments for a unidirectional stack on CPU path request ``req``: (the
+    layers' native Layers, per-layer grid rows), made once and cached beside the first layer's
+    Layers; None where the one-call form does not apply (a bidirectional stack, or a per-channel
+    requantization between layers). Made outside inference mode (the Layers keep tensors)."""
+    if len(params[0]) != 1:
         return None
-    req = cpu_isa_request()
     cache = params[0][0].__dict__.setdefault("_native", {})  # beside the first layer's Layers
     # keyed by the stack's layers too: one LayerParams may head stacks of other depths (qgru.compare
     # runs a model's first layers alone)
-    key = ("cpu-stack", req, tuple(id(p) for (p,) in params))
+    key = ("cpu-stack", req, tuple(map(id, params)))
     plan = cache.get(key)
     if plan is None:
-        if torch.is_inference_mode_enabled():  # as gru_direction: Layers are made outside it
+        if any(len(row) != 1 for row in params):
+            return None
+        if torch.is_inference_mode_enabled():
             with torch.inference_mode(False), torch.no_grad():
-                return cpu_stack_forward(params, x, hx)
-        # (later calls run in the caller's mode: the Layers' workspaces and reused buffers are
-        # made outside inference mode by the C++ itself, and leaving it here cost a streaming
-        # call ~5 us of its ~40)
+                return cpu_stack_plan(params, req)
         rows = []
         for layer, (p,) in enumerate(params):
             m, s = (1, 1)
             if layer > 0:
                 r = p.rescale["in_0"]
                 if r.multiplier.numel() != 1:
+                    cache[key] = False
                     return None
                 m, s = int(r.multiplier), int(r.shift)
             rows.append([float(p.scale["x"]), float(int(p.zp["x"])), float(p.bits["x"]), float(p.scale["h"]),
                          float(int(p.zp["h"])), float(p.bits["h"]), float(m), float(s)])
         plan = ([_cpu_layer(p, req).layer for (p,) in params], rows)
         cache[key] = plan
+    return plan or None
+
+
+def loaded_cpu_module():
+    """The cpu extension if it is loaded already (no build, no lock), else None."""
+    return _state.modules.get("cpu")
+
+
+def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor):
+    """A unidirectional stack without padding in one native call (float x [T, N, I] and h0
+    [L, N, H] in; float32 output [T, N, H] and h_n [L, N, H] out), or None where it does not
+    apply (cpu_stack_plan). The same integers as the layer-by-layer path (tests/test_native.py),
+    without its Python round trips, which for one step of a batch of one cost more than the layer
+    itself. It runs in the caller's mode: the C++ makes what it keeps across calls (workspaces,
+    reused buffers) outside inference mode itself (leaving inference mode here for every call cost
+    a streaming call ~5 us of its ~40)."""
+    plan = cpu_stack_plan(params, cpu_isa_request())
+    if plan is None:
+        return None
     return load("cpu").stack_forward(plan[0], resolved(x), resolved(hx), plan[1])

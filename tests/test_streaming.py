@@ -138,3 +138,80 @@ def test_round_trip_bound_is_tight_enough():
     assert worst <= F(1, 2 ** 24) + F(1, 2 ** 51)
     assert (2 ** 16 - 1) * (F(1, 2 ** 24) + F(1, 2 ** 51)) < F(1, 2 ** 8) + F(1, 2 ** 35) < F(1, 2)
     assert torch.finfo(torch.float32).eps == 2 ** -23  # unit roundoff 2^-24
+
+
+# ---------------------------------------------------------------------------------------------
+# The one-call fast path (QuantGRU._cpu_one_call): a streaming call skips the general path's
+# Python checks and dispatch; it must take every call it can, give the general path's results,
+# and hand everything else to the general path (which raises what it must)
+# ---------------------------------------------------------------------------------------------
+def _general_only(monkeypatch):
+    monkeypatch.setattr(qgru.QuantGRU, "_cpu_one_call", lambda self, input, hx: None)
+
+
+def _refuse_general(monkeypatch):
+    def refuse(self, input, hx):
+        raise AssertionError("the general path ran")
+    monkeypatch.setattr(qgru.QuantGRU, "_check_input", refuse)
+
+
+@pytest.mark.parametrize("config,mode,layers", list(itertools.product(CONFIGS, MODES, (1, 2))))
+@pytest.mark.parametrize("mode_ctx", ["grad", "no_grad", "inference_mode"])
+def test_one_call_path_taken_and_equal_to_general(monkeypatch, config, mode, layers, mode_ctx):
+    """Time-major float32 CPU calls (T = 1 and T = 23, h0 given or not) take the one-call path
+    (the general path's _check_input would raise here) and equal the general path bit for bit."""
+    if not _cpu_available():
+        pytest.skip(f"cpu backend unavailable: {qgru.backends()['cpu']['why']}")
+    m = _model(config, mode, layers, False)
+    gen = torch.Generator().manual_seed(11)
+    ctx = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode_ctx]
+    calls = [(torch.randn(1, 1, I, generator=gen), torch.randn(layers, 1, H, generator=gen)),
+             (torch.randn(T, N, I, generator=gen), None)]
+    with monkeypatch.context() as mp:
+        _general_only(mp)
+        with ctx():
+            want = [m(x, h) for x, h in calls]
+    with monkeypatch.context() as mp:
+        _refuse_general(mp)
+        with ctx():
+            got = [m(x, h) for x, h in calls]
+    for (o, h), (wo, wh) in zip(got, want):
+        assert torch.equal(o, wo) and torch.equal(h, wh)
+        assert o.dtype == torch.float32 and o.shape == wo.shape and h.shape == wh.shape
+
+
+@pytest.mark.parametrize("case", ["batch_first", "float64", "unbatched", "packed", "T0", "bad_I", "bad_h0",
+                                  "h0_float64", "neg_view", "reference", "bidirectional"])
+def test_one_call_path_leaves_other_calls_to_the_general_path(monkeypatch, case):
+    """Every call outside the fast path's form reaches the general path (which checks it, and
+    raises nn.GRU's errors where it must): the fast path never accepts what it does not check."""
+    if not _cpu_available():
+        pytest.skip(f"cpu backend unavailable: {qgru.backends()['cpu']['why']}")
+    m = _model("w8a8", "multiplier", 1, case == "batch_first")
+    if case == "bidirectional":
+        torch.manual_seed(0)
+        m = qgru.QuantGRU(I, H, bidirectional=True)
+        qgru.calibrate(m, [torch.randn(T, N, I)], progress=False)
+        m.convert()
+    x, h = torch.randn(T, N, I), torch.zeros(1 + (case == "bidirectional"), N, H)
+    x, h, ctx = {
+        "batch_first": (x.transpose(0, 1), h, None), "float64": (x.double(), h, None),
+        "unbatched": (x[:, 0], h[:, 0], None),
+        "packed": (torch.nn.utils.rnn.pack_padded_sequence(x, torch.full((N,), T), enforce_sorted=False), h, None),
+        "T0": (x[:0], h, None), "bad_I": (x[..., :-1], h, None), "bad_h0": (x, h[:, :-1], None),
+        "h0_float64": (x, h.double(), None), "neg_view": (torch._neg_view(x), h, None),
+        "reference": (x, h, "reference"), "bidirectional": (x, h, None),
+    }[case]
+    seen = []
+
+    def check(self, input, hx):
+        seen.append(case)
+        raise RuntimeError("general path")
+    monkeypatch.setattr(qgru.QuantGRU, "_check_input", check)
+    with pytest.raises(RuntimeError, match="general path"):
+        if ctx is None:
+            m(x, h)
+        else:
+            with qgru.backend(ctx):
+                m(x, h)
+    assert seen == [case]

@@ -544,7 +544,7 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<CpuLayer*>& l
     out = std::get<0>(res);
     h_n.push_back(dequantize(std::get<1>(res), q[l][3], (int64_t)q[l][4]));
   }
-  return {dequantize(out, q[L - 1][3], (int64_t)q[L - 1][4]), at::stack(h_n)};
+  return {dequantize(out, q[L - 1][3], (int64_t)q[L - 1][4]), L == 1 ? h_n[0].unsqueeze(0) : at::stack(h_n)};
 }
 
 // One path's GEMM on its own, for the tests: C [rows, M] = A [rows, K] . W [M, K]^T with W int8 and
