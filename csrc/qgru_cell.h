@@ -106,7 +106,9 @@ QGRU_ISA_BEGIN
 
 QGRU_HD int32_t clamp32(int32_t v, int32_t lo, int32_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-// floor(a b / 2^32): the high half of the exact signed 64-bit product (vpmuldq lanes on x86).
+// floor(a b / 2^32): the high half of the exact signed 64-bit product. (gcc 12 vectorises it with
+// 64-bit lane multiplies: in the benchmark layer it is most of what the multiplier form costs
+// beyond the pow2 form, docs/spec.md.)
 QGRU_HD int32_t mul_hi32(int32_t a, int32_t b) { return (int32_t)(((int64_t)a * (int64_t)b) >> 32); }
 
 // v * 2^k without the undefined behaviour of shifting a negative value (the bounds keep it exact).
@@ -177,11 +179,11 @@ QGRU_ISA_BEGIN
 //   terms and a zero point fit int32. r * Rh_g (< 2^32) is formed in int64 (y = d_r d, one
 //   32 x 32 -> 64 product) and rescaled without a 64 x 64 product:
 //     floor(y m / 2^16) = (y >> 16) m + floor((y & 0xFFFF) m / 2^16),
-//   both products 32 x 32 -> 64, then >> (s - 17); s - 1 >= b_r + b_Rh + 2 keeps the result below
-//   2^29.
+//   both products 32 x 32 -> 64, then >> (s - 17), for s >= 17 and max|y| m / 2^(s-1) < 2^29 (so
+//   the result fits int32 beside the other terms).
 //
 // Every per-channel value the int32 cell reads (the rescales' shifts, multipliers and the int32
-// requantization of Wx and Rh for each gate, 48 in all; pow2 layers leave the multiplier-only
+// requantization of Wx and Rh for each gate, 47 in all; pow2 layers leave the multiplier-only
 // fields at 0) lives in one channel-blocked array, [ceil(H / 128)][field][128]
 // (qgru/native.py, CELL32_FIELDS, in the order of Cell32Field). A CPU loop over the channels of
 // one block then reads every field at a constant offset from one pointer. As 35 separate arrays

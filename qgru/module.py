@@ -623,10 +623,12 @@ class QuantGRU(nn.GRU):
                 or self._flat_weights[0].device.type != "cpu"):
             return None
         from . import native
-        mod = native.loaded_cpu_module()
         params = self._qparams_on.get("cpu")
-        if mod is None or params is None:
+        # the cpu backend as current_backend decides it (an unavailable one: the general path falls
+        # back to reference and warns, or raises where cpu is forced)
+        if params is None or native.why_unavailable("cpu"):
             return None
+        mod = native.load("cpu")
         plan = native.cpu_stack_plan(params, native.cpu_isa_request())  # cached on the params
         if plan is None:
             return None

@@ -674,11 +674,6 @@ def cpu_stack_plan(params: List[List[LayerParams]], req: str):
     return plan or None
 
 
-def loaded_cpu_module():
-    """The cpu extension if it is loaded already (no build, no lock), else None."""
-    return _state.modules.get("cpu")
-
-
 def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor):
     """A unidirectional stack without padding in one native call (float x [T, N, I] and h0
     [L, N, H] in; float32 output [T, N, H] and h_n [L, N, H] out), or None where it does not
