@@ -79,8 +79,8 @@ def test_gptq_beats_nearest_and_approaches_brute_force():
         cand = (lo[r] + choices).clamp(-127, 127)  # [2^K, K]
         e = cand * s[r] - w[r]
         best[r] = ((e @ M) * e).sum(1).min()
-    assert float(err_g.sum()) < 0.2 * float(err_n.sum())
-    assert float(err_g.sum()) < 2.0 * float(best.sum())
+    assert float(err_g.sum()) < 0.3 * float(err_n.sum())  # measured 0.19
+    assert float(err_g.sum()) < 1.3 * float(best.sum())  # measured 1.10
     assert (best <= err_g * (1 + 1e-9)).all()
     assert q_g.abs().max() <= 127
 
