@@ -11,6 +11,9 @@ the grid is chosen. Wide (16-bit) tensors have resolution to spare, and widening
 inference inputs beyond the calibration extremes from saturating; the shipped configs use
 headroom 1.5 on every 16-bit activation and none on 8-bit ones, where resolution matters more.
 
+Top-level ``weight_rounding`` ("gptq", the default, or "nearest") says how W and R are rounded
+onto their grids at convert() (qgru.convert.gptq_round; docs/spec.md section 8).
+
 Unknown keys are errors, never ignored. The tensors (names as in docs/spec.md):
 
 ==========  ==========================================  =======================================
