@@ -11,6 +11,9 @@ the grid is chosen. Wide (16-bit) tensors have resolution to spare, and widening
 inference inputs beyond the calibration extremes from saturating; the shipped configs use
 headroom 1.5 on every 16-bit activation and none on 8-bit ones, where resolution matters more.
 
+Top-level ``weight_rounding`` ("gptq", the default, or "nearest") says how W and R are rounded
+onto their grids at convert() (qgru.convert.gptq_round; docs/spec.md section 8).
+
 Unknown keys are errors, never ignored. The tensors (names as in docs/spec.md):
 
 ==========  ==========================================  =======================================
@@ -49,6 +52,7 @@ GRANULARITIES = {
 }
 SCALE_MODES = ("pow2", "multiplier")
 OBSERVER_KINDS = ("mse", "percentile", "minmax", "ema", "ema_step")
+WEIGHT_ROUNDINGS = ("gptq", "nearest")
 BUILTIN_CONFIGS = ("w8a8", "w8a16", "w16a16")
 
 
@@ -95,6 +99,10 @@ class QuantConfig:
     scale_mode: str
     observer: ObserverSpec
     tensors: Mapping[str, TensorSpec] = field(default_factory=dict)
+    # how W and R are rounded onto their grids at convert(): "gptq" (default) uses calibration's
+    # E[x x^T], E[h h^T] to make the products' error small (qgru.convert.gptq_round); "nearest"
+    # rounds each weight alone. The scales are the same (max |w| / qmax) either way.
+    weight_rounding: str = "gptq"
 
     def __getitem__(self, tensor: str) -> TensorSpec:
         return self.tensors[tensor]
@@ -130,7 +138,7 @@ class QuantConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping, default_name: str = "custom") -> "QuantConfig":
-        _check_keys(d, {"name", "scale_mode", "observer", "tensors"}, "config")
+        _check_keys(d, {"name", "scale_mode", "observer", "tensors", "weight_rounding"}, "config")
         scale_mode = d.get("scale_mode", "pow2")
         if scale_mode not in SCALE_MODES:
             raise ValueError(f"config: scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
@@ -147,6 +155,9 @@ class QuantConfig:
             raise ValueError(f"config.observer: momentum must be in (0, 1], got {observer.momentum}")
         if not 50.0 < observer.percentile <= 100.0:
             raise ValueError(f"config.observer: percentile must be in (50, 100], got {observer.percentile}")
+        weight_rounding = d.get("weight_rounding", "gptq")
+        if weight_rounding not in WEIGHT_ROUNDINGS:
+            raise ValueError(f"config: weight_rounding must be one of {WEIGHT_ROUNDINGS}, got {weight_rounding!r}")
         raw = d.get("tensors", {})
         _check_keys(raw, set(TENSOR_NAMES), "config.tensors")
         missing = [n for n in TENSOR_NAMES if n not in raw]
@@ -154,10 +165,10 @@ class QuantConfig:
             raise ValueError(f"config.tensors: missing {', '.join(missing)}")
         tensors = {n: _tensor_spec(n, raw[n]) for n in TENSOR_NAMES}
         return cls(name=str(d.get("name", default_name)), scale_mode=scale_mode,
-                   observer=observer, tensors=tensors)
+                   observer=observer, tensors=tensors, weight_rounding=weight_rounding)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"name": self.name, "scale_mode": self.scale_mode,
+        return {"name": self.name, "scale_mode": self.scale_mode, "weight_rounding": self.weight_rounding,
                 "observer": {"kind": self.observer.kind, "momentum": self.observer.momentum,
                              "percentile": self.observer.percentile},
                 "tensors": {n: ({"bits": s.bits} if n in GATE_OUTPUTS else s.to_dict())

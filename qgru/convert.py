@@ -20,17 +20,68 @@ from .tables import build_table, output_grid
 BIAS_BITS = 32
 
 
-def weight_qparams(w: torch.Tensor, spec: TensorSpec, power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def weight_qparams(w: torch.Tensor, spec: TensorSpec, power_of_two: bool,
+                   second_moment: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-output-row (scale [rows] float64, q_W int64) of a weight matrix, symmetric.
 
     per_channel: one scale per row; per_group: rows in consecutive groups of ``group_size`` share
     one; per_tensor: one for all (the scale vector is still expanded to one entry per row).
+    The scale is always max |w| / qmax. The integers: nearest rounding of w / scale, or, given
+    ``second_moment`` (E[v v^T] [K, K] of the operand v the matrix multiplies, from calibration),
+    ``gptq_round``: the rounding that makes the product's error E|(q s - w) v|^2 small.
     """
     observer = WeightObserver("weight", spec.granularity, spec.group_size)
     observer.observe(w)
     scale, _ = choose_qparams(*observer.range(), spec.bits, True, power_of_two)
+    if second_moment is not None:
+        return scale, gptq_round(w, scale, second_moment, spec.bits)
     q = quantize(w.detach().double(), scale.unsqueeze(1), torch.zeros(1, dtype=torch.int64), spec.bits)
     return scale, q
+
+
+GPTQ_DAMP = 0.01  # gptq_round: the second moment's diagonal is raised by this share of its mean
+
+
+def gptq_round(w: torch.Tensor, scale: torch.Tensor, second_moment: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integers q [rows, K] (int64, in [-qmax, qmax]) for w [rows, K] on the per-row grids ``scale``
+    chosen to make E|(q s - w) v|^2 small over the operand's calibration data, given its second
+    moment M = E[v v^T] (docs/spec.md section 8, "Weight rounding").
+
+    Nearest rounding makes each weight's error alone small; the product's error is e M e^T (e a
+    row's error), which nearest rounding leaves to chance. This is OPTQ/GPTQ's column-by-column
+    rounding (Frantar et al., 2022): columns are rounded in order of decreasing M_jj, each to the
+    nearest grid point, and the error just made is compensated on the columns not yet rounded
+    (the least-squares update w_rest -= e_j (M^-1)_{j,rest} / (M^-1)_jj, done with the upper
+    Cholesky factor of M^-1). M is damped by GPTQ_DAMP of its mean diagonal, so that it is
+    positive definite (an input never seen has M_jj = damping and no coupling: it is rounded to
+    nearest). Rows are independent (each has its own scale); the scale itself is not changed.
+    Without information (M all zero or not finite) it is nearest rounding.
+    """
+    qmax = (1 << (bits - 1)) - 1
+    W = w.detach().double().clone()
+    s = scale.double().reshape(-1, 1)
+    M = second_moment.detach().double().clone()
+    K = W.shape[1]
+    mean_diag = float(M.diagonal().mean()) if K else 0.0
+    nearest = lambda v: round_half_up(v / s).clamp(-qmax, qmax).double()
+    if not (mean_diag > 0 and torch.isfinite(M).all()):
+        return nearest(W).to(torch.int64)
+    M += GPTQ_DAMP * mean_diag * torch.eye(K, dtype=torch.float64)
+    order = torch.argsort(M.diagonal(), descending=True, stable=True)
+    M = M[order][:, order]
+    W = W[:, order]
+    try:
+        U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(M)), upper=True)
+    except RuntimeError:  # numerically not positive definite: no compensation
+        return nearest(w.detach().double()).to(torch.int64)
+    Q = torch.empty_like(W)
+    for j in range(K):
+        Q[:, j] = nearest(W[:, j:j + 1]).squeeze(1)
+        e = (W[:, j] - Q[:, j] * s.squeeze(1)) / U[j, j]
+        W[:, j + 1:] -= e.unsqueeze(1) * U[j, j + 1:].unsqueeze(0)
+    q = torch.empty_like(Q)
+    q[:, order] = Q
+    return q.to(torch.int64)
 
 
 def activation_qparams(lo: torch.Tensor, hi: torch.Tensor, spec: TensorSpec, hidden: int,
@@ -256,7 +307,8 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
                         b_hh: Optional[torch.Tensor], ranges: Dict[str, Tuple[torch.Tensor, torch.Tensor]],
                         config: QuantConfig,
                         prev_h: Sequence[Tuple[torch.Tensor, torch.Tensor]] = (),
-                        scales_out: Optional[Dict[str, torch.Tensor]] = None) -> LayerParams:
+                        scales_out: Optional[Dict[str, torch.Tensor]] = None,
+                        second_moments: Optional[Dict[str, torch.Tensor]] = None) -> LayerParams:
     """Integer parameters of one layer and direction.
 
     ``ranges`` maps x, h, Wx, Rh, r_pre, z_pre, g_pre to observed (min, max) (per channel for
@@ -264,7 +316,8 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
     previous layer's h grid per direction, for the rescale of its outputs onto this layer's x grid.
     ``scales_out``, if given, receives the float64 scale of every tensor (LayerParams keeps only
     the boundary ones): quantization-aware training (qgru/qat.py) carries its float values on
-    exactly the grids chosen here.
+    exactly the grids chosen here. ``second_moments``, if given, maps "x" and "h" to their E[v v^T]
+    from calibration: W and R are then rounded by ``gptq_round`` (config.weight_rounding "gptq").
     """
     pow2 = config.power_of_two
     H3, I = w_ih.shape
@@ -273,8 +326,9 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
     S, Z = {}, {}
     for n in ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre"):
         S[n], Z[n] = activation_qparams(*ranges[n], config[n], H, pow2)
-    S["W"], W = weight_qparams(w_ih, config["W"], pow2)
-    S["R"], R = weight_qparams(w_hh, config["R"], pow2)
+    mom = second_moments or {}
+    S["W"], W = weight_qparams(w_ih, config["W"], pow2, mom.get("x"))
+    S["R"], R = weight_qparams(w_hh, config["R"], pow2, mom.get("h"))
 
     def bias(b, w_scale, act_scale):
         if b is None:

@@ -10,19 +10,22 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .observers import Observer
+from .observers import Observer, SecondMoment
 
 
 def float_direction(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[torch.Tensor],
                     b_hh: Optional[torch.Tensor], x: torch.Tensor, h0: torch.Tensor,
                     lengths: Optional[torch.Tensor] = None,
                     observers: Optional[Dict[str, Observer]] = None,
-                    trace: Optional[Dict[str, List[torch.Tensor]]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                    trace: Optional[Dict[str, List[torch.Tensor]]] = None,
+                    moments: Optional[Dict[str, SecondMoment]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """One direction over time: x [T, N, I], h0 [N, H] -> (outputs [T, N, H], h_n [N, H]).
 
     ``trace`` (optional, for qgru.compare): a dict to which every step appends its float Wx, Rh,
     r_pre, r, z_pre, z, g_pre, g and h (the new state, before any padding mask): the same names
-    as golden.gru_step's trace. Tracing changes no result.
+    as golden.gru_step's trace. Tracing changes no result. ``moments`` (optional, calibration):
+    "x" and "h" SecondMoment accumulators, fed every valid row of the operands of W and R (x[t],
+    and the state h entering step t).
     """
     H = w_hh.shape[1]
     Wx = x @ w_ih.t()
@@ -67,4 +70,15 @@ def float_direction(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[torch
     if obs:
         see("h", h, None)
     out = torch.stack(outs) if outs else x.new_zeros((0,) + tuple(h0.shape))
+    if moments and outs:
+        h_in = torch.cat([h0.unsqueeze(0), out[:-1]])  # the state each step multiplies by R
+        if lengths is not None:
+            valid = torch.arange(x.shape[0], device=x.device).unsqueeze(1) < lengths.to(x.device).unsqueeze(0)
+            x_rows, h_rows = x[valid], h_in[valid]
+        else:
+            x_rows, h_rows = x, h_in
+        if "x" in moments:
+            moments["x"].observe(x_rows)
+        if "h" in moments:
+            moments["h"].observe(h_rows)
     return out, h

@@ -23,7 +23,7 @@ from .config import QuantConfig
 from .convert import activation_qparams, calibrated_range, derive_layer_params, grid_error
 from .float_gru import float_direction
 from .golden import LayerParams
-from .observers import Observer
+from .observers import Observer, SecondMoment
 from .primitives import qrange
 
 _ACT_OBSERVED = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre")
@@ -200,6 +200,8 @@ class QuantGRU(nn.GRU):
         becomes its quantized class, see quantized_class)."""
         self.qconfig = QuantConfig.load(config)
         self._observers: Optional[Dict[Tuple[int, int], Dict[str, Observer]]] = None
+        # calibration: E[v v^T] of x and h per (layer, direction), for weight_rounding "gptq"
+        self._moments: Dict[Tuple[int, int], Dict[str, SecondMoment]] = {}
         self._calibrating = False
         self._qparams: Optional[List[List[LayerParams]]] = None
         self._qparams_on: Dict[str, List[List[LayerParams]]] = {}
@@ -299,6 +301,7 @@ class QuantGRU(nn.GRU):
         self._set_params([list(row) for row in params.layers])
         self._calib = dict(state.get("calibration", {}))
         self._observers = None
+        self._moments = {}
         self._calibrating = False
         self._qat = None
 
@@ -348,6 +351,7 @@ class QuantGRU(nn.GRU):
         H3 = 3 * self.hidden_size
         obs_spec = self.qconfig.observer
         self._observers = {}
+        self._moments = {}
         for layer in range(self.num_layers):
             for d in range(self.num_directions):
                 obs = {}
@@ -357,6 +361,11 @@ class QuantGRU(nn.GRU):
                     obs[n] = Observer(label, obs_spec.kind, obs_spec.momentum, H3 if per_channel else 0,
                                       obs_spec.percentile)
                 self._observers[(layer, d)] = obs
+                if self.qconfig.weight_rounding == "gptq":
+                    label = f"layer {layer}{' reverse' if d else ''}"
+                    size_x = self.input_size if layer == 0 else self.hidden_size * self.num_directions
+                    self._moments[(layer, d)] = {"x": SecondMoment(label + " x", size_x),
+                                                 "h": SecondMoment(label + " h", self.hidden_size)}
         self._calibrating = True
 
     def stop_calibration(self) -> None:
@@ -372,13 +381,15 @@ class QuantGRU(nn.GRU):
             raise RuntimeError("this QuantGRU is already converted")
         if self._observers is None:
             raise RuntimeError("convert() needs calibration first: run qgru.calibrate(model, batches)")
-        if self._qat is not None:
+        moments = None
+        if self._qat is not None:  # QAT's forward rounds the weights to nearest: so does its convert
             ranges = self._qat
         else:
             ranges = self._observed_ranges()
             for (layer, d), r in ranges.items():
                 self._warn_degenerate(layer, d, r)
-        params = self._derive_params(ranges)
+            moments = self._second_moments()
+        params = self._derive_params(ranges, moments=moments)
         calib: Dict[str, torch.Tensor] = {}
         for (layer, d), r in ranges.items():
             calib.update(self._calibration_record(layer, d, self._observers[(layer, d)], r))
@@ -386,8 +397,21 @@ class QuantGRU(nn.GRU):
         self._calib = calib
         self._calibrating = False
         self._observers = None
+        self._moments = {}
         self._qat = None
         return self
+
+    def _second_moments(self) -> Optional[Dict[Tuple[int, int], Dict[str, torch.Tensor]]]:
+        """E[v v^T] of x and h per (layer, direction) from calibration (reduced over ranks), or None
+        when the config rounds weights to nearest."""
+        if not self._moments:
+            return None
+        out = {}
+        for key, mom in self._moments.items():
+            for m in mom.values():
+                m.sync()
+            out[key] = {n: v for n, v in ((n, m.value()) for n, m in mom.items()) if v is not None}
+        return out
 
     def _observed_ranges(self) -> Dict[Tuple[int, int], Dict[str, Tuple[torch.Tensor, torch.Tensor]]]:
         """The calibrated activation ranges per (layer, direction), on the CPU, after reducing the
@@ -400,11 +424,13 @@ class QuantGRU(nn.GRU):
                       for n, o in obs.items()}
                 for key, obs in self._observers.items()}
 
-    def _derive_params(self, ranges, scales: Optional[Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = None
+    def _derive_params(self, ranges, scales: Optional[Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = None,
+                       moments: Optional[Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = None
                        ) -> List[List[LayerParams]]:
         """convert()'s integer parameters from the current float weights and ``ranges`` (as
         _observed_ranges gives them). QAT calls it on every forward, so that its grids are exactly
-        convert()'s; ``scales``, if given, receives every tensor's scale per (layer, direction)."""
+        convert()'s; ``scales``, if given, receives every tensor's scale per (layer, direction);
+        ``moments`` (convert(), weight_rounding "gptq"): E[x x^T], E[h h^T] per (layer, direction)."""
         params: List[List[LayerParams]] = []
         for layer in range(self.num_layers):
             row = []
@@ -413,7 +439,8 @@ class QuantGRU(nn.GRU):
                 # integer parameters are derived on the CPU; _params_on() copies them to a device
                 weights = [w.detach().cpu() if w is not None else None for w in self._weights(layer, d)]
                 out = None if scales is None else scales.setdefault((layer, d), {})
-                row.append(derive_layer_params(*weights, ranges[(layer, d)], self.qconfig, prev, out))
+                mom = None if moments is None else moments.get((layer, d))
+                row.append(derive_layer_params(*weights, ranges[(layer, d)], self.qconfig, prev, out, mom))
             params.append(row)
         return params
 
@@ -729,7 +756,8 @@ class QuantGRU(nn.GRU):
     def _forward_float_reference(self, x, hx, lengths):
         def run(layer, d, inp, h0):
             inp = inp if layer == 0 else torch.cat(inp, dim=-1)
-            return float_direction(*self._weights(layer, d), inp, h0, lengths, self._observers[(layer, d)])
+            return float_direction(*self._weights(layer, d), inp, h0, lengths, self._observers[(layer, d)],
+                                   moments=self._moments.get((layer, d)))
 
         outs, h_n = self._run_stack(x, hx, lengths, run)
         for obs in self._observers.values():

@@ -386,3 +386,42 @@ class WeightObserver:
         if self.amax is None:
             raise RuntimeError(f"weight observer {self.name!r} saw no weight")
         return -self.amax, self.amax
+
+
+class SecondMoment:
+    """E[v v^T] of a GEMM operand (x or h of one layer and direction) over every calibration row:
+    the sum of v v^T and the row count, so that it is the same however the data is cut into calls
+    (up to float64 rounding). convert() rounds the weights that multiply v with it (config
+    ``weight_rounding = "gptq"``, qgru.convert.gptq_round). Reduced over torch.distributed ranks
+    by summing, like the histograms."""
+
+    def __init__(self, name: str, size: int):
+        self.name = name
+        self.size = size
+        self.count = 0
+        self.sum: Optional[torch.Tensor] = None  # float64 [size, size]
+
+    def observe(self, v: torch.Tensor) -> None:
+        """Rows v [..., size] (already restricted to valid ones)."""
+        v = v.detach().reshape(-1, self.size)
+        if v.shape[0] == 0:
+            return
+        v = v.to(device="cpu", dtype=torch.float64)  # on the CPU, as the histograms
+        s = v.t() @ v
+        self.sum = s if self.sum is None else self.sum + s
+        self.count += v.shape[0]
+
+    def sync(self) -> None:
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        s = self.sum if self.sum is not None else torch.zeros(self.size, self.size, dtype=torch.float64)
+        n = torch.tensor(float(self.count), dtype=torch.float64)
+        dist.all_reduce(s, op=dist.ReduceOp.SUM)
+        dist.all_reduce(n, op=dist.ReduceOp.SUM)
+        self.sum, self.count = s, int(n.item())
+
+    def value(self) -> Optional[torch.Tensor]:
+        """E[v v^T] (float64 [size, size]), or None if nothing was observed."""
+        return None if self.count == 0 or self.sum is None else self.sum / self.count
+

@@ -30,11 +30,15 @@ from qgru.native import cpu_model_name
 from qgru.demo import dynamic_quant
 from qgru.module import QuantGRU
 
+NEAREST = {"weight_rounding": "nearest"}
 COLUMNS = [  # (column, config, overrides)
-    ("w8a8 default", "w8a8", {}),  # multiplier scales, mse grids
-    ("w8a8 pow2", "w8a8", {"scale_mode": "pow2"}),  # the other scale mode, mse grids
-    ("w8a8 pow2 percentile (old default)", "w8a8", {"scale_mode": "pow2", "observer": {"kind": "percentile"}}),
+    ("w8a8 default", "w8a8", {}),  # multiplier scales, mse grids, gptq weight rounding
+    ("w8a8 nearest", "w8a8", NEAREST),  # the same, weights rounded to nearest (the previous default)
+    ("w8a8 pow2", "w8a8", {"scale_mode": "pow2"}),  # the other scale mode, mse grids, gptq
+    ("w8a8 pow2 percentile nearest (old default)", "w8a8",
+     {"scale_mode": "pow2", "observer": {"kind": "percentile"}, **NEAREST}),
     ("w8a16 default", "w8a16", {}),
+    ("w8a16 nearest", "w8a16", NEAREST),
 ]
 
 

@@ -277,14 +277,31 @@ def test_load_params_rejects_other_format_version(tmp_path):
         qgru.load_params(path)
 
 
+def _nearest_rounded(m: qgru.QuantGRU, cfg: qgru.QuantConfig) -> qgru.QuantGRU:
+    """``m``'s float weights converted again with weight_rounding "nearest" (same calibration data)."""
+    nearest = qgru.QuantConfig.load(cfg, overrides={"weight_rounding": "nearest"})
+    f = qgru.QuantGRU.from_float(m.to_float(), nearest)
+    batches = [make_input(m.batch_first, 7, 3, seed) for seed in range(4)]
+    qgru.calibrate(f, batches, progress=False)
+    return f.convert()
+
+
 def test_dequantized_weights_close_to_float(case):
-    m, cfg = case
+    """Nearest rounding: every weight within half a step of its float value, the scales tight. The
+    default (gptq) moves weights by more (qgru.convert.gptq_round; tests/test_weight_rounding.py)
+    but keeps the same scales and range."""
+    m_default, cfg = case
+    assert cfg.weight_rounding == "gptq"
+    m = _nearest_rounded(m_default, cfg)
     params = m.export()
-    for li, d, p in layer_params(params):
+    for (li, d, p), (_, _, p_default) in zip(layer_params(params), layer_params(m_default.export())):
         for name, q, w in zip(("W", "R"), (p.W, p.R), float_weights(m, li, d)):
             scale = p.scale[name]
             assert scale.dtype == torch.float64 and tuple(scale.shape) == (q.shape[0],)
             assert (scale > 0).all()
+            assert torch.equal(p_default.scale[name], scale)
+            qmax_default = qrange(cfg[name].bits)[1]
+            assert int(getattr(p_default, name).abs().max()) <= qmax_default
             err = (q.double() * scale.unsqueeze(1) - w).abs()
             assert (err <= scale.unsqueeze(1) / 2 * (1 + 1e-9)).all(), (li, d, name, float(err.max()))
             # the scale is tight: the largest |w| of each scale group uses (nearly) the full range
