@@ -20,12 +20,14 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
 import textwrap
 import threading
 import warnings
+from fractions import Fraction
 from pathlib import Path
 from typing import Optional
 
@@ -67,6 +69,26 @@ def _backend(kind: str) -> str:
 CPU_PATHS = ("portable", "avx2", "avx512vnni", "amx")
 
 
+def _cuda_must_be_available(name: str, why: str) -> None:
+    """Where torch sees a CUDA device, an unavailable cuda backend (a build or link failure) is a
+    failure with its reason, never a skip: a skip would leave every CUDA case unrun and the suite
+    green."""
+    if name == "cuda" and torch.cuda.is_available():
+        pytest.fail(f"torch sees a CUDA device ({torch.cuda.get_device_name()}) but the cuda backend is "
+                    f"unavailable: {why}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def cuda_backend():
+    """For the CUDA-only tests: skipped without a CUDA device, a failure if one is there and the
+    backend does not load."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device (torch.cuda.is_available() is False)")
+    why = qgru.backends()["cuda"]["why"]
+    _cuda_must_be_available("cuda", why)
+    return "cuda"
+
+
 @pytest.fixture(scope="module", params=("cuda",) + tuple(f"cpu:{p}" for p in CPU_PATHS))
 def kind(request):
     """Each native backend, and the cpu backend once per instruction-set path (QGRU_CPU_ISA);
@@ -75,6 +97,7 @@ def kind(request):
     name = _backend(request.param)
     why = qgru.backends()[name]["why"]
     if why:
+        _cuda_must_be_available(name, why)
         pytest.skip(f"{name} backend unavailable: {why}")
     if name != "cpu":
         yield request.param
@@ -268,11 +291,17 @@ def _random_ints(shape, bits: int, gen: torch.Generator) -> torch.Tensor:
     return torch.where(u < 0.17, lo, torch.where(u < 0.34, hi, q))
 
 
-def _check_integer(kind: str, p: golden.LayerParams, T: int, N: int, with_lengths: bool, seed: int):
-    gen = torch.Generator().manual_seed(seed)
+def _random_inputs(p: golden.LayerParams, T: int, N: int, with_lengths: bool, gen: torch.Generator):
+    """qx [T, N, I], qh0 [N, H] over their whole ranges, and lengths [N] in [0, T] (or None)."""
     qx = _random_ints((T, N, p.input_size), p.bits["x"], gen)
     qh0 = _random_ints((N, p.hidden_size), p.bits["h"], gen)
     lengths = torch.randint(0, T + 1, (N,), generator=gen) if with_lengths else None
+    return qx, qh0, lengths
+
+
+def _check_integer(kind: str, p: golden.LayerParams, T: int, N: int, with_lengths: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    qx, qh0, lengths = _random_inputs(p, T, N, with_lengths, gen)
     want_out, want_h = golden.gru_direction(p, qx, qh0, lengths)
     dev = _device(kind)
     pd = p if dev.type == "cpu" else p.to(dev)
@@ -636,16 +665,74 @@ def _boundary_floats(n: int, scale: float, zp: int, bits: int, dtype, gen: torch
     return torch.cat([v, special])
 
 
+class _ScalarBoundary:
+    """The boundary arithmetic of docs/spec.md one value at a time, in Python floats and exact
+    integers and fractions: a computation independent of primitives.py (and of torch's kernels),
+    for a backend whose boundary is the reference's own code on another device (cuda today), where
+    comparing with the reference would compare it with itself. Checked against the reference on
+    the CPU by test_scalar_boundary_is_the_reference."""
+
+    @staticmethod
+    def quantize(x, scale, zp, bits, what):
+        lo, hi = qrange(bits)
+        s, z = float(scale), int(zp)
+        out = []
+        for v in x.double().reshape(-1).tolist():
+            assert v == v, "NaN"
+            d = v / s  # the float64 quotient (one IEEE division, as the spec's)
+            if d >= hi - z + 1:  # +inf included: saturates
+                q = hi
+            elif d <= lo - z - 1:
+                q = lo
+            else:  # round half up, exactly: floor(d + 1/2) of the quotient's exact value
+                q = min(max(math.floor(Fraction(d) + Fraction(1, 2)) + z, lo), hi)
+            out.append(q)
+        return torch.tensor(out, dtype=torch.int64).reshape(x.shape)
+
+    @staticmethod
+    def dequantize(q, scale, zp):
+        s, z = float(scale), int(zp)
+        # (q - zp) is exact in float64 (|q - zp| < 2^17); one IEEE product; then rounded to float32
+        return torch.tensor([float(v - z) * s for v in q.reshape(-1).tolist()],
+                            dtype=torch.float64).reshape(q.shape).to(torch.float32)
+
+    @staticmethod
+    def requantize(q, from_zp, rescale, to_zp, bits):
+        lo, hi = qrange(bits)
+        m, sh, fz, tz = int(rescale.multiplier), int(rescale.shift), int(from_zp), int(to_zp)
+        # round_half_up(v m / 2^sh) in exact integers (Python's >> floors, as an arithmetic shift)
+        return torch.tensor([min(max((((v - fz) * m + (1 << (sh - 1))) >> sh) + tz, lo), hi) for v in q.reshape(-1).tolist()],
+                            dtype=torch.int64).reshape(q.shape)
+
+
+_BOUNDARY_GIVEN = dict(bits=st.integers(2, 16), pow2=st.booleans(), exp=st.integers(-24, 6), mant=st.floats(1.0, 2.0),
+                       zp_frac=st.floats(0.0, 1.0), dtype=st.sampled_from([torch.float32, torch.float64]),
+                       shape=st.sampled_from([(0,), (1,), (7, 3), (2, 5, 33)]), seed=st.integers(0, 2 ** 16))
+
+
 @settings(max_examples=_examples(150), **_SETTINGS)
-@given(bits=st.integers(2, 16), pow2=st.booleans(), exp=st.integers(-24, 6), mant=st.floats(1.0, 2.0),
-       zp_frac=st.floats(0.0, 1.0), dtype=st.sampled_from([torch.float32, torch.float64]),
-       shape=st.sampled_from([(0,), (1,), (7, 3), (2, 5, 33)]), seed=st.integers(0, 2 ** 16))
+@given(**_BOUNDARY_GIVEN)
 def test_boundary_ops_match_reference(kind, bits, pow2, exp, mant, zp_frac, dtype, shape, seed):
-    ref = backends_mod.BoundaryOps()
     ops = backends_mod._REGISTRY[_backend(kind)].boundary
     if _backend(kind) == "cpu":  # the cpu backend has one-pass C++ versions: comparing reference with itself proves nothing
         assert type(ops) is not backends_mod.BoundaryOps
-    dev = _device(kind)
+    # a backend that runs the reference's own boundary code (on its device) is compared with the
+    # independent scalar computation instead
+    ref = _ScalarBoundary() if type(ops) is backends_mod.BoundaryOps else backends_mod.BoundaryOps()
+    _check_boundary(ops, ref, _device(kind), bits, pow2, exp, mant, zp_frac, dtype, shape, seed)
+
+
+@settings(max_examples=_examples(40), **_SETTINGS)
+@given(**_BOUNDARY_GIVEN)
+def test_scalar_boundary_is_the_reference(bits, pow2, exp, mant, zp_frac, dtype, shape, seed):
+    """The scalar oracle above gives the reference's integers and floats (on the CPU), so a CUDA
+    mismatch against it is the device's, not the oracle's."""
+    _check_boundary(backends_mod.BoundaryOps(), _ScalarBoundary(), torch.device("cpu"), bits, pow2, exp, mant,
+                    zp_frac, dtype, shape, seed)
+
+
+def _check_boundary(ops, ref, dev, bits, pow2, exp, mant, zp_frac, dtype, shape, seed):
+    """ops (on ``dev``) against ref (on the CPU): quantize, dequantize, requantize."""
     gen = torch.Generator().manual_seed(seed)
     lo, hi = qrange(bits)
     scale = torch.tensor(2.0 ** exp * (1.0 if pow2 else mant), dtype=torch.float64)
@@ -694,6 +781,8 @@ def test_backends_report():
         assert isinstance(rep["cuda"]["why"], str) and rep["cuda"]["why"].strip()
     if torch.version.cuda is None:
         assert "CPU-only" in rep["cuda"]["why"]
+    if torch.cuda.is_available():  # a build or link failure must show here, with its reason
+        assert rep["cuda"]["available"] is True, rep["cuda"]["why"]
 
 
 def test_default_backend_is_native_cpu(cpu_backend, monkeypatch):
