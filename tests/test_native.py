@@ -522,6 +522,225 @@ def test_cpu_buffers_reused_only_when_dropped(cpu_backend):
 
 
 # ---------------------------------------------------------------------------------------------
+# CUDA only: one Layer over many calls (plan reuse, graph replay), streams, threads, a user's
+# graph capture, cuBLAS workspaces, large shapes. Skipped without a CUDA device; where there is
+# one, an unavailable backend fails (cuda_backend).
+# ---------------------------------------------------------------------------------------------
+def _cuda_layer(p: golden.LayerParams, graph: bool, monkeypatch) -> native.NativeLayer:
+    """A CUDA Layer of p with qgru's own CUDA graph on or off (QGRU_CUDA_GRAPH, read when the
+    Layer is made)."""
+    monkeypatch.setenv("QGRU_CUDA_GRAPH", "1" if graph else "0")
+    return native.NativeLayer("cuda", p, torch.device("cuda"))
+
+
+def _on_cuda(*ts):
+    return tuple(None if t is None else t.cuda() for t in ts)
+
+
+def _assert_golden(got, p: golden.LayerParams, qx, qh0, lengths, what: str = "") -> None:
+    """A CUDA Layer's (out, h_n) equals golden's for these (CPU) inputs."""
+    want_out, want_h = golden.gru_direction(p, qx, qh0, lengths)
+    out, h = got[0].cpu().long(), got[1].cpu().long()
+    assert got[0].dtype == torch.int32 and out.shape == want_out.shape, what
+    bad = (out != want_out).nonzero()
+    assert torch.equal(out, want_out), f"{what}: outputs differ at [t, n, j] {bad[:5].tolist()} ({len(bad)} of {out.numel()})"
+    assert torch.equal(h, want_h), f"{what}: h_n differs at {(h != want_h).nonzero()[:5].tolist()}"
+
+
+def _plain_layer(cfg: str, mode: str, I: int, H: int, seed: int, w_exp: int = -2) -> golden.LayerParams:
+    config = QuantConfig.load(cfg, overrides={"scale_mode": mode})
+    one = lambda lo, hi: (torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64))
+    per = lambda lo, hi: (torch.full((3 * H,), lo, dtype=torch.float64), torch.full((3 * H,), hi, dtype=torch.float64))
+    ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-4, 5), "Rh": per(-3, 2),
+              "r_pre": one(-6, 6), "z_pre": one(-6, 6), "g_pre": one(-5, 7)}
+    return _random_layer(config, I, H, ranges, w_exp=w_exp, b_exp=-2, zero_row=False, seed=seed)
+
+
+@pytest.mark.parametrize("cfg", ["w8a8", "w16a16"])
+def test_cuda_graph_replay_matches_eager_on_later_calls(cuda_backend, monkeypatch, cfg):
+    """One Layer with qgru's CUDA graph and one without (QGRU_CUDA_GRAPH=0), called again and again
+    with new data and new lengths every call: a shape that keeps its plan (call 1 makes the plan and
+    runs eagerly, call 2 captures the graph, calls 3 and 4 replay it), a change of shape and a
+    return to the first. Every call equals golden, and every result is still intact after all the
+    later calls (results are copies, never the plan's buffers)."""
+    p = _converted(_cfg(cfg, scale_mode="multiplier"), 23, 37)._qparams[0][0]
+    layers = {"graph": _cuda_layer(p, True, monkeypatch), "eager": _cuda_layer(p, False, monkeypatch)}
+    gen = torch.Generator().manual_seed(13)
+    shapes = [(9, 5, True)] * 4 + [(9, 5, False)] * 3 + [(4, 17, True)] * 3 + [(9, 5, True)] * 3
+    kept = []
+    for i, (T, N, with_lengths) in enumerate(shapes):
+        inputs = _random_inputs(p, T, N, with_lengths, gen)
+        for name, layer in layers.items():
+            got = layer(*_on_cuda(*inputs))
+            _assert_golden(got, p, *inputs, what=f"call {i + 1} {(T, N, with_lengths)} {name}")
+            kept.append((got, inputs, f"call {i + 1} {name}"))
+    for got, inputs, what in kept:
+        _assert_golden(got, p, *inputs, what=what + ", checked again after the later calls")
+    graph, eager = layers["graph"].layer.counters, layers["eager"].layer.counters
+    # 4 shapes in a row: every run of a shape after its first two calls is a replay
+    assert graph["captures"] == 4 and graph["replays"] == 13 - 4 - 4, graph
+    assert eager["captures"] == 0 and eager["replays"] == 0 and eager["eager_runs"] == 13, eager
+
+
+def _same_then_alternating(a, b):
+    """Call shapes for the stream and thread tests: one shape (one plan), then pairs of two shapes
+    (each change replaces the plan while the other stream may still be using the old one)."""
+    return [a] * 6, [a, a, b, b] * 2
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_cuda_one_layer_two_streams(cuda_backend, monkeypatch, graph):
+    """Calls on two streams of one Layer with no host sync between them, both streams held back
+    (torch.cuda._sleep) so the calls' GPU work would overlap: unordered, the second call's copies
+    and steps would overwrite the plan's buffers while the first call still reads them."""
+    p = _converted(_cfg("w8a8"), 23, 37)._qparams[0][0]
+    layer = _cuda_layer(p, graph, monkeypatch)
+    gen = torch.Generator().manual_seed(17)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for shapes in _same_then_alternating((20, 8, True), (12, 3, False)):
+        cases = [_random_inputs(p, T, N, L, gen) for T, N, L in shapes]
+        dev_cases = [_on_cuda(*c) for c in cases]
+        torch.cuda.synchronize()  # the inputs are on the device before either stream reads them
+        results = []
+        for i, c in enumerate(dev_cases):
+            with torch.cuda.stream(streams[i % 2]):
+                torch.cuda._sleep(20_000_000)  # some ms of GPU time before this call's work
+                results.append(layer(*c))
+        torch.cuda.synchronize()
+        for i, (got, c) in enumerate(zip(results, cases)):
+            _assert_golden(got, p, *c, what=f"call {i + 1} {shapes[i]} on stream {i % 2}")
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_cuda_one_layer_two_threads(cuda_backend, monkeypatch, graph):
+    """Two threads, each on a stream of its own, call one Layer: the same shape, then alternating
+    shapes in one of them. Every result equals golden."""
+    p = _converted(_cfg("w8a16"), 23, 37)._qparams[0][0]
+    layer = _cuda_layer(p, graph, monkeypatch)
+    same, alternating = _same_then_alternating((20, 8, True), (7, 2, False))
+    results, errors = [], []
+
+    def work(seed, shapes):
+        try:
+            gen = torch.Generator().manual_seed(seed)
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                for T, N, L in shapes:
+                    c = _random_inputs(p, T, N, L, gen)
+                    dev = _on_cuda(*c)  # copied on s: ordered before the call
+                    torch.cuda._sleep(5_000_000)
+                    results.append((layer(*dev), c, f"thread {seed} {(T, N, L)}"))
+            s.synchronize()
+        except BaseException as e:  # re-raised in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(1, same)), threading.Thread(target=work, args=(2, alternating))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    torch.cuda.synchronize()
+    assert len(results) == len(same) + len(alternating)
+    for got, c, what in results:
+        _assert_golden(got, p, *c, what=what)
+
+
+def test_cuda_call_inside_torch_cuda_graph(cuda_backend, monkeypatch):
+    """Inside a user's torch.cuda.graph capture a call runs eagerly on the capturing stream, caching
+    no plan and launching no graph of qgru's own, also when the Layer already has a plan and a
+    graph of that shape (which a cached path would launch, joining its side stream into the
+    capture). The user's graph then replays new inputs exactly (two calls in it, the second fed
+    the first's h_n), and the Layer still works after the capture."""
+    p = _converted(_cfg("w8a16"), 23, 37)._qparams[0][0]
+    layer = _cuda_layer(p, True, monkeypatch)
+    gen = torch.Generator().manual_seed(19)
+    T, N = 7, 6
+    for _ in range(2):  # a plan and a graph of qgru's own for this shape exist before the capture
+        c = _random_inputs(p, T, N, True, gen)
+        _assert_golden(layer(*_on_cuda(*c)), p, *c, "before the capture")
+    static = [t.clone() for t in _on_cuda(*_random_inputs(p, T, N, True, gen))]
+    side = torch.cuda.Stream()  # torch's advice: warm up on a side stream before capturing
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    before = dict(layer.layer.counters)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out1, h1 = layer(*static)
+        out2, h2 = layer(static[0], h1, static[2])  # a second call of the same shape in the capture
+    after = dict(layer.layer.counters)
+    assert after["in_foreign_capture"] == before["in_foreign_capture"] + 2, (before, after)
+    assert {k: v for k, v in after.items() if k != "in_foreign_capture"} == \
+        {k: v for k, v in before.items() if k != "in_foreign_capture"}, (before, after)
+    for r in range(2):
+        qx, qh0, lengths = _random_inputs(p, T, N, True, gen)
+        for dst, src in zip(static, (qx, qh0, lengths)):
+            dst.copy_(src)
+        g.replay()
+        torch.cuda.synchronize()
+        _, want_h1 = golden.gru_direction(p, qx, qh0, lengths)
+        _assert_golden((out1, h1), p, qx, qh0, lengths, f"replay {r + 1}, first call")
+        _assert_golden((out2, h2), p, qx, want_h1, lengths, f"replay {r + 1}, second call")
+    c = _random_inputs(p, T, N, True, gen)
+    _assert_golden(layer(*_on_cuda(*c)), p, *c, "after the capture")
+
+
+def test_cuda_after_clearing_cublas_workspaces(cuda_backend, monkeypatch):
+    """torch._C._cuda_clearCublasWorkspaces() frees PyTorch's cuBLAS workspaces. qgru's captured
+    graph owns its workspace, so later replays stay exact and do not write memory handed out again
+    after the clear (filled with a pattern here and checked)."""
+    p = _converted(_cfg("w16a16"), 64, 96)._qparams[0][0]
+    layer = _cuda_layer(p, True, monkeypatch)
+    gen = torch.Generator().manual_seed(23)
+    T, N = 12, 40
+    for i in range(2):  # the plan, then the graph's capture
+        c = _random_inputs(p, T, N, True, gen)
+        _assert_golden(layer(*_on_cuda(*c)), p, *c, f"call {i + 1}")
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()  # the freed workspaces go back to the driver and can come back below
+    fill = [torch.full((64 << 20,), 0x5A, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    torch.mm(torch.randn(256, 256, device="cuda"), torch.randn(256, 256, device="cuda"))  # torch's new workspace
+    for i in range(2, 5):
+        c = _random_inputs(p, T, N, True, gen)
+        _assert_golden(layer(*_on_cuda(*c)), p, *c, f"call {i + 1}, after the clear")
+    torch.cuda.synchronize()
+    assert all(bool((f == 0x5A).all()) for f in fill), "memory handed out after the clear was written"
+    assert layer.layer.counters["replays"] == 3
+
+
+@pytest.mark.parametrize("cfg,mode", [("w8a8", "pow2"), ("w16a16", "multiplier")])
+def test_cuda_large_layer(cuda_backend, monkeypatch, cfg, mode):
+    """H = I = 1024, N = 64, T = 300 with lengths (19200 rows of x: two W.x chunks): calls 1-3 on one
+    Layer (eager, capture, replay) with new data, each equal to golden."""
+    p = _plain_layer(cfg, mode, 1024, 1024, seed=29, w_exp=-5)
+    layer = _cuda_layer(p, True, monkeypatch)
+    gen = torch.Generator().manual_seed(29)
+    for i in range(3):
+        c = _random_inputs(p, 300, 64, True, gen)
+        _assert_golden(layer(*_on_cuda(*c)), p, *c, f"call {i + 1}")
+    assert layer.layer.counters["replays"] == 1
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_cuda_wx_over_two_chunks(cuda_backend, monkeypatch, graph):
+    """T N above the W.x chunk (the extension's wx_chunk_rows) and at most two of them: the second
+    chunk's rows (and the partial tile at its end) reach the right steps; three calls, new data."""
+    chunk = native.load("cuda").wx_chunk_rows
+    T, N = 700, 25
+    assert chunk < T * N <= 2 * chunk, (chunk, T * N)
+    p = _converted(_cfg("w8a16", scale_mode="multiplier"), 30, 20)._qparams[0][0]
+    layer = _cuda_layer(p, graph, monkeypatch)
+    gen = torch.Generator().manual_seed(31)
+    for i in range(3):
+        c = _random_inputs(p, T, N, True, gen)
+        _assert_golden(layer(*_on_cuda(*c)), p, *c, f"call {i + 1}")
+
+
+# ---------------------------------------------------------------------------------------------
 # 1b. Module level: a converted QuantGRU on each native backend == on the reference backend
 # ---------------------------------------------------------------------------------------------
 @settings(max_examples=_examples(300), **_SETTINGS)
