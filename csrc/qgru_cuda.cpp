@@ -21,6 +21,22 @@ void check_cuda(cudaError_t e, const char* what) {
   TORCH_CHECK(e == cudaSuccess, "qgru cuda: ", what, ": ", cudaGetErrorString(e));
 }
 
+void check_cublas(cublasStatus_t s, const char* what) {
+  TORCH_CHECK(s == CUBLAS_STATUS_SUCCESS, "qgru cuda: ", what, " failed with cuBLAS status ", (int)s);
+}
+
+// The cuBLAS loaded at run time (qgru/native.py links the one torch runs) must have the major
+// version of the headers this file was compiled with: its API and ABI are those of a major version.
+void check_cublas_version() {
+  int major = -1, minor = -1, patch = -1;
+  check_cublas(cublasGetProperty(MAJOR_VERSION, &major), "cublasGetProperty");
+  check_cublas(cublasGetProperty(MINOR_VERSION, &minor), "cublasGetProperty");
+  check_cublas(cublasGetProperty(PATCH_LEVEL, &patch), "cublasGetProperty");
+  TORCH_CHECK(major == CUBLAS_VER_MAJOR, "qgru cuda: compiled against the cuBLAS ", CUBLAS_VER_MAJOR, ".",
+              CUBLAS_VER_MINOR, " headers, but the loaded libcublas is ", major, ".", minor, ".", patch,
+              ": rebuild with the CUDA toolkit of torch's CUDA version (", "python -m qgru build --kind cuda)");
+}
+
 cuda::GemmDesc gemm_desc(const LayerTensors& lt, const std::string& k) {
   const at::Tensor& w = lt.tensor(k + "_weight_limbs");
   TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 3 && w.is_contiguous(), "qgru cuda: bad ", k, "_weight_limbs");
@@ -28,8 +44,10 @@ cuda::GemmDesc gemm_desc(const LayerTensors& lt, const std::string& k) {
   g.weight_limbs = w.data_ptr<int8_t>();
   g.M_pad = w.size(1);
   g.K_pad = w.size(2);
-  TORCH_CHECK(g.M_pad % cuda::kPad == 0 && g.K_pad % cuda::kPad == 0, "qgru cuda: weight limbs must be padded to ",
-              cuda::kPad);
+  TORCH_CHECK(g.M_pad % cuda::kPad == 0 && g.K_pad % cuda::kPad == 0 && g.M_pad >= cuda::kMinGemmDim &&
+                  g.K_pad >= cuda::kMinGemmDim,
+              "qgru cuda: ", k, "_weight_limbs [", g.M_pad, ", ", g.K_pad, "] must be padded to multiples of ", cuda::kPad,
+              ", at least ", cuda::kMinGemmDim, " (prepare_layer(gemm_min=CUDA_GEMM_MIN))");
   at::Tensor pr = lt.pairs(k);
   g.P = (int)pr.size(0);
   TORCH_CHECK(g.P == 1 || g.P == 2 || g.P == 4, "qgru cuda: unsupported number of limb pairs ", g.P);
@@ -193,6 +211,9 @@ class CudaLayer {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "qgru CUDA backend (bit-exact with qgru/golden.py)";
   m.attr("built_for_torch") = QGRU_TORCH_VERSION;
+  m.attr("wx_chunk_rows") = qgru::cuda::kChunkRows;  // rows of x per W.x GEMM (the tests span two)
+  m.def("check_cublas", &qgru::check_cublas_version,
+        "raise unless the loaded cuBLAS has the major version of the headers the extension was built with");
   pybind11::class_<qgru::CudaLayer>(m, "Layer")
       .def(pybind11::init<qgru::TensorMap, qgru::IntMap>())
       .def("forward", &qgru::CudaLayer::forward, pybind11::arg("qx"), pybind11::arg("qh0"),

@@ -1158,6 +1158,29 @@ def test_no_build_env_falls_back_in_subprocess(tmp_path):
     assert r.returncode == 0 and "SUBPROCESS-OK" in r.stdout, r.stdout + r.stderr
 
 
+def test_find_cublas_links_the_library_torch_runs(tmp_path):
+    """The CUDA build links the cuBLAS torch has loaded (a pip-only install has only
+    libcublas.so.<major>, no unversioned libcublas.so for -lcublas), else the toolkit's of torch's
+    CUDA major; another major, or none, is an error naming what was looked for."""
+    pip = "/venv/lib/python3.11/site-packages/nvidia/cu13/lib/libcublas.so.13"
+    maps = "\n".join([
+        f"7f00-7f10 r--p 00000000 08:01 123 {pip.replace('libcublas.so', 'libcublasLt.so')}",
+        f"7f10-7f20 r-xp 00001000 08:01 124 {pip}",
+        "7f20-7f30 rw-p 00000000 00:00 0 ",
+    ])
+    assert native.find_cublas(maps, None, "13.0") == Path(pip)
+    with pytest.raises(RuntimeError, match="cuBLAS 13, but reports CUDA 12.8"):
+        native.find_cublas(maps, None, "12.8")
+    toolkit = tmp_path / "cuda"
+    (toolkit / "lib64").mkdir(parents=True)
+    (toolkit / "lib64" / "libcublas.so.12").write_bytes(b"")
+    assert native.find_cublas("", str(toolkit), "12.8") == toolkit / "lib64" / "libcublas.so.12"
+    with pytest.raises(RuntimeError, match=r"no cuBLAS 13 .*lib64/libcublas.so.13"):
+        native.find_cublas("", str(toolkit), "13.0")
+    with pytest.raises(RuntimeError, match="CPU-only"):
+        native.find_cublas(maps, None, None)
+
+
 # ---------------------------------------------------------------------------------------------
 # 8. Layer preparation: the int8 weight limbs and the constant terms
 # ---------------------------------------------------------------------------------------------
@@ -1166,13 +1189,16 @@ def _act_limbs(q: torch.Tensor, bits: int):
     return [(l.to(torch.int64), s, c) for l, s, c in split_int8_limbs(q, bits)]
 
 
+@pytest.mark.parametrize("gemm_min", [native.GEMM_PAD, native.CUDA_GEMM_MIN])
 @pytest.mark.parametrize("w_bits,a_bits", [(8, 8), (8, 16), (16, 8), (16, 16), (4, 12), (12, 4)])
-def test_prepare_layer_limbs_reconstruct_weights(w_bits, a_bits):
+def test_prepare_layer_limbs_reconstruct_weights(w_bits, a_bits, gemm_min):
+    """The limbs, pairs and folded constants rebuild W q + b exactly; gemm_min (the CUDA backend's
+    32) pads the reduction (K = H = 13 here) and the channels further, with zeros."""
     H, I = 13, 21
     config = QuantConfig.load("w8a8", overrides={"tensors": {
         "W": {"bits": w_bits}, "R": {"bits": w_bits}, "x": {"bits": a_bits}, "h": {"bits": a_bits}}})
     p = _converted(config.to_json(), I, H)._qparams[0][0]
-    t, v = native.prepare_layer(p)
+    t, v = native.prepare_layer(p, gemm_min=gemm_min)
     gen = torch.Generator().manual_seed(w_bits * 100 + a_bits)
     for pre, Wq, K, bias_name, comp, b in (("x", p.W, I, "Wx", p.W_zp_comp, p.b_x),
                                            ("h", p.R, H, "Rh", p.R_zp_comp, p.b_h)):
@@ -1180,8 +1206,8 @@ def test_prepare_layer_limbs_reconstruct_weights(w_bits, a_bits):
         pairs = t[f"{pre}_pairs"]
         assert limbs.dtype == torch.int8 and limbs.dim() == 3
         L, M_pad, K_pad = limbs.shape
-        assert M_pad == v["M_pad"] and M_pad % native.GEMM_PAD == 0 and M_pad >= 3 * H
-        assert K_pad % native.GEMM_PAD == 0 and K_pad >= K
+        assert M_pad == v["M_pad"] and M_pad % native.GEMM_PAD == 0 and M_pad >= max(3 * H, gemm_min)
+        assert K_pad % native.GEMM_PAD == 0 and K_pad >= max(K, gemm_min)
         assert L == (1 if w_bits <= 8 else 2)
         # the weights, from the pairs of activation limb 0 (scale 1): sum of scale * (limb + offset)
         a0 = [(j, s, d) for i, j, s, d in pairs.tolist() if i == 0]
