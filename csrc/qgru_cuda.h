@@ -1,7 +1,7 @@
 // qgru CUDA backend, torch-free part (haste's split): kernels, cuBLAS int8 GEMMs and the forward
 // driver take plain structs of raw device pointers, a stream and a cuBLAS handle. The torch
-// binding (qgru_cuda.cpp) owns the memory, picks PyTorch's stream and handle, and captures the
-// forward in a CUDA graph. Errors are thrown as std::runtime_error with the failing call named.
+// binding (qgru_cuda.cpp) owns the memory, picks the stream and the handle (PyTorch's, or its own
+// with a workspace it owns for what it captures), and captures the forward in a CUDA graph. Errors are thrown as std::runtime_error with the failing call named.
 #pragma once
 
 #include <cublas_v2.h>

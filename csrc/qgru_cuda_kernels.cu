@@ -154,8 +154,9 @@ WorkspaceSizes workspace_sizes(const LayerDesc& d, int64_t T, int64_t N) {
 void forward(const LayerDesc& d, const Workspace& ws, const int64_t* qx, int64_t T, int64_t N, int32_t* state,
              int32_t* out, const int64_t* lengths, cudaStream_t stream, cublasHandle_t handle) {
   if (T == 0 || N == 0) return;
-  // `handle` must already be bound to `stream` with a workspace (PyTorch's handle is): calling
-  // cublasSetStream here would reset that workspace, and cuBLAS would allocate inside a graph capture.
+  // `handle` must already be bound to `stream` with a workspace (qgru_cuda.cpp binds its own handle;
+  // PyTorch's comes bound): calling cublasSetStream here would reset that workspace, and cuBLAS would
+  // allocate inside a graph capture.
   const int64_t H = d.H, H3 = 3 * H, rows_total = T * N;
   // W.x for all steps, in chunks of rows (seed 001 steps 1-2)
   for (int64_t r0 = 0; r0 < rows_total; r0 += ws.chunk_rows) {
