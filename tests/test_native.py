@@ -304,7 +304,12 @@ def _check_integer(kind: str, p: golden.LayerParams, T: int, N: int, with_length
     qx, qh0, lengths = _random_inputs(p, T, N, with_lengths, gen)
     want_out, want_h = golden.gru_direction(p, qx, qh0, lengths)
     dev = _device(kind)
-    pd = p if dev.type == "cpu" else p.to(dev)
+    pd = p
+    if dev.type != "cpu":  # one device copy of p, so its native Layer (and plan) serve every call with it
+        copies = p.__dict__.setdefault("_test_device_copies", {})
+        if str(dev) not in copies:
+            copies[str(dev)] = p.to(dev)
+        pd = copies[str(dev)]
     got_out, got_h = native.gru_direction(_backend(kind))(pd, qx.to(dev), qh0.to(dev), _to(lengths, dev))
     assert {layer.gemm for layer in pd.__dict__["_native"].values()} == {_expected_gemm(kind, p)}
     assert got_out.dtype == torch.int32 and got_h.dtype == torch.int32
