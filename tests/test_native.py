@@ -78,6 +78,18 @@ def _cuda_must_be_available(name: str, why: str) -> None:
                     f"unavailable: {why}", pytrace=False)
 
 
+def test_unavailable_cuda_backend_fails_where_torch_sees_a_gpu(monkeypatch):
+    """The rule the fixtures apply, checked here without a GPU: with a device, an unavailable cuda
+    backend is a failure carrying its reason; without one, the caller skips."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a test GPU")
+    with pytest.raises(pytest.fail.Exception, match=r"a test GPU.*unavailable: the link failed \(test\)"):
+        _cuda_must_be_available("cuda", "the link failed (test)")
+    _cuda_must_be_available("cpu", "not built (test)")  # only cuda has the rule
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _cuda_must_be_available("cuda", "the link failed (test)")
+
+
 @pytest.fixture(scope="module")
 def cuda_backend():
     """For the CUDA-only tests: skipped without a CUDA device, a failure if one is there and the
