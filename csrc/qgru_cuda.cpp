@@ -105,8 +105,8 @@ Buffers make_buffers(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_le
   return b;
 }
 
-// qgru's own cuBLAS handle, one per device, for the runs that use a plan's own workspace (the
-// first call of a shape and the capture of its graph). A graph captured on PyTorch's handle would
+// qgru's own cuBLAS handle, one per device, for the runs on a workspace qgru owns (the first call of
+// a shape, the capture of its graph, and calls inside a caller's capture). A graph captured on PyTorch's handle would
 // bake in PyTorch's workspace for that stream, which torch._C._cuda_clearCublasWorkspaces(), a
 // pooled stream's reuse, or torch's own workspace policy can free while the graph lives. The handle
 // is not thread-safe: `mu` is held from cublasSetStream to the last GEMM enqueued. Never destroyed:
@@ -196,6 +196,9 @@ class CudaLayer {
     device_ = lt_.tensor("Wx_bias").device();
     const char* env = std::getenv("QGRU_CUDA_GRAPH");
     use_graph_ = env == nullptr || std::string(env) != "0";
+    // qgru's own cuBLAS handle exists from here on: creating it inside a graph capture would fail
+    c10::cuda::CUDAGuard guard(device_);
+    own_handle(device_.index());
   }
 
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx, const at::Tensor& qh0,
@@ -244,7 +247,7 @@ class CudaLayer {
       // the first call of a shape runs eagerly on the handle and workspace its graph will capture
       // with: cuBLAS's lazy set-up (kernel loading, heuristics) happens here, not in the capture
       ++counters_.eager_runs;
-      run_owned(p, cur, false);
+      run_owned(p.b, p.cublas_ws, cur, nullptr);
     } else {
       // graphs cannot be captured on the legacy default stream: capture and replay on a side stream
       // ordered after the copies above and before the copies out
@@ -252,7 +255,7 @@ class CudaLayer {
       check_cuda(cudaEventRecord(p.ready, cur), "cudaEventRecord");
       check_cuda(cudaStreamWaitEvent(side.stream(), p.ready, 0), "cudaStreamWaitEvent");
       if (p.exec == nullptr) {
-        run_owned(p, side.stream(), true);
+        run_owned(p.b, p.cublas_ws, side.stream(), &p.exec);
         ++counters_.captures;
       } else {
         ++counters_.replays;
@@ -291,23 +294,24 @@ class CudaLayer {
                   b.lengths.defined() ? b.lengths.data_ptr<int64_t>() : nullptr, stream, handle);
   }
 
-  // The forward on `stream` with qgru's own cuBLAS handle and the plan's workspace; with `capture`,
-  // captured into p.exec (not run).
-  void run_owned(Plan& p, cudaStream_t stream, bool capture) {
+  // The forward on `stream` with qgru's own cuBLAS handle and `workspace` as its cuBLAS workspace;
+  // with `capture_into`, captured into that graph (not run).
+  void run_owned(const Buffers& b, const at::Tensor& workspace, cudaStream_t stream,
+                 cudaGraphExec_t* capture_into) {
     OwnHandle& own = own_handle(device_.index());
     std::lock_guard<std::mutex> lock(own.mu);
     // cublasSetStream resets the handle's workspace to cuBLAS's default pool: set ours after it
     check_cublas(cublasSetStream(own.handle, stream), "cublasSetStream");
-    check_cublas(cublasSetWorkspace(own.handle, p.cublas_ws.data_ptr(), (size_t)p.cublas_ws.numel()),
+    check_cublas(cublasSetWorkspace(own.handle, workspace.data_ptr(), (size_t)workspace.numel()),
                  "cublasSetWorkspace");
-    if (!capture) {
-      run(p.b, stream, own.handle);
+    if (capture_into == nullptr) {
+      run(b, stream, own.handle);
       return;
     }
     cudaGraph_t graph = nullptr;
     check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
     try {
-      run(p.b, stream, own.handle);
+      run(b, stream, own.handle);
     } catch (...) {
       cudaStreamEndCapture(stream, &graph);
       if (graph != nullptr) cudaGraphDestroy(graph);
@@ -315,18 +319,18 @@ class CudaLayer {
     }
     check_cuda(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
     // no memory nodes in the graph (all buffers are the plan's), so no auto-free flag is needed
-    cudaError_t e = cudaGraphInstantiate(&p.exec, graph, 0);
+    cudaError_t e = cudaGraphInstantiate(capture_into, graph, 0);
     cudaGraphDestroy(graph);
     check_cuda(e, "cudaGraphInstantiate");
   }
 
   // Inside a capture of the caller's (torch.cuda.graph): everything on the capturing stream, in
-  // buffers of this call from PyTorch's allocator (the capture's memory pool, alive as long as the
-  // caller's graph), and no plan cached or used: a plan's buffers baked into the caller's graph would
-  // be shared with later calls, and launching a graph of qgru's own on its side stream would join
-  // that stream into the caller's capture and break it. PyTorch's cuBLAS handle, which PyTorch binds
-  // to the capturing stream with a workspace it keeps for the capture (what a torch matmul captured
-  // in the same graph uses).
+  // buffers of this call from PyTorch's allocator (the capture's memory pool, kept for the caller's
+  // graph as long as it lives), and no plan cached or used: a plan's buffers baked into the caller's
+  // graph would be shared with later calls, and launching a graph of qgru's own on its side stream
+  // would join that stream into the caller's capture and break it. The GEMMs run on qgru's own
+  // handle (made with the Layer, outside any capture) with a workspace from the same pool, so
+  // nothing depends on whether or how PyTorch's handle for this thread and stream was set up.
   std::tuple<at::Tensor, at::Tensor> forward_in_capture(const at::Tensor& qx, const at::Tensor& qh0,
                                                         const c10::optional<at::Tensor>& lengths, cudaStream_t cur) {
     ++counters_.in_foreign_capture;
@@ -334,7 +338,8 @@ class CudaLayer {
     b.qx.copy_(qx);
     b.state.copy_(qh0);
     if (lengths.has_value()) b.lengths.copy_(*lengths);
-    run(b, cur, at::cuda::getCurrentCUDABlasHandle());
+    at::Tensor workspace = at::empty({cublas_workspace_bytes(device_.index())}, qx.options().dtype(at::kByte));
+    run_owned(b, workspace, cur, nullptr);
     return {b.out, b.state};  // this call's own tensors: no copies needed
   }
 
