@@ -543,8 +543,8 @@ class NativeLayer:
     """One layer and direction on one native backend: the C++ Layer and the tensors it points into.
 
     ``isa`` (CPU only): the instruction-set path (None: QGRU_CPU_ISA, default "auto", the fastest
-    usable one). ``gemm`` says which path the layer took ("avx2-fused", "portable", ...; "-fused":
-    one pass per step)."""
+    usable one). ``gemm`` says which path the layer took, as the built Layer reports it ("avx2-fused",
+    "portable", ...; "-fused": one pass per step; "cublas" on CUDA)."""
 
     def __init__(self, kind: str, p: LayerParams, device: torch.device, isa: Optional[str] = None) -> None:
         mod = load(kind)
