@@ -6,12 +6,11 @@
 #include <type_traits>
 
 #include "qgru_cuda.h"
+#include "qgru_cuda_launch.h"
 
 namespace qgru {
 namespace cuda {
 namespace {
-
-constexpr int kThreads = 256;
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("qgru cuda: ") + what + ": " + cudaGetErrorString(e));
@@ -22,25 +21,14 @@ void check(cublasStatus_t s, const char* what) {
     throw std::runtime_error(std::string("qgru cuda: ") + what + " failed with cuBLAS status " + std::to_string((int)s));
 }
 
-int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
-
-// The launch shape of the element-wise kernels over a [rows, cols] array: x (threads and blocks)
-// along the columns, which cover cols exactly once, y along the rows, with a grid-stride loop over
-// them. Every element's (row, column) comes from the thread's coordinates, with no 64-bit `/` or `%`
-// per element (a 64-bit division is a long instruction sequence on the GPU). Narrow arrays get
-// narrow, taller blocks, so a block still holds kThreads useful threads. cols is a channel or input
-// count (< 3 * 2^17, LayerTensors::validate), so the x grid stays far below its limit.
 struct Launch2D {
   dim3 grid, block;
 };
 
+// qgru_cuda_launch.h: columns along x, exactly once; rows along y with a grid-stride loop
 Launch2D launch_2d(int64_t rows, int64_t cols) {
-  const int64_t bx = cols < kThreads ? round_up(cols > 0 ? cols : 1, 32) : kThreads;
-  const int64_t by = kThreads / bx;
-  const int64_t gx = (cols + bx - 1) / bx;
-  int64_t gy = (rows + by - 1) / by;
-  gy = gy < 1 ? 1 : (gy > 65535 ? 65535 : gy);  // gridDim.y's limit; the row loop covers the rest
-  return {dim3((unsigned)(gx > 0 ? gx : 1), (unsigned)gy), dim3((unsigned)bx, (unsigned)by)};
+  const Launch2DShape s = launch_2d_shape(rows, cols);
+  return {dim3((unsigned)s.grid_x, (unsigned)s.grid_y), dim3((unsigned)s.block_x, (unsigned)s.block_y)};
 }
 
 // The column of this thread (kernels return when it is >= cols) and the rows it visits:
