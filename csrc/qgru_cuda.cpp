@@ -1,15 +1,25 @@
-// qgru CUDA backend, torch binding: owns the parameter tensors and per-shape buffers, runs the
-// torch-free driver (qgru_cuda_kernels.cu) on PyTorch's current stream and cuBLAS handle, and
-// replays the whole forward as a CUDA graph from the second call of a shape on: launch latency,
-// not arithmetic, bounds a per-step design (one GEMM + one cell kernel per step).
+// qgru CUDA backend, torch binding: owns the parameter tensors and per-shape buffers (a "plan"),
+// runs the torch-free driver (qgru_cuda_kernels.cu) on PyTorch's current stream, and replays the
+// whole forward as a CUDA graph from the second call of a shape on: launch latency, not
+// arithmetic, bounds a per-step design (one GEMM + one cell kernel per step).
+//
+// Ordering: calls may come from several threads and streams. A mutex orders the host side; on the
+// device every use of a plan's buffers waits for the previous call's last use (an event), and a
+// plan is freed only after its last use. The graph's GEMMs run on qgru's own cuBLAS handle with a
+// workspace the plan owns, so nothing PyTorch frees can be baked into the graph. Inside a capture
+// of the caller's (torch.cuda.graph) a call runs eagerly on the capturing stream with buffers of
+// its own and touches no plan.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "qgru_cuda.h"
 #include "qgru_layer.h"
@@ -21,6 +31,22 @@ void check_cuda(cudaError_t e, const char* what) {
   TORCH_CHECK(e == cudaSuccess, "qgru cuda: ", what, ": ", cudaGetErrorString(e));
 }
 
+void check_cublas(cublasStatus_t s, const char* what) {
+  TORCH_CHECK(s == CUBLAS_STATUS_SUCCESS, "qgru cuda: ", what, " failed with cuBLAS status ", (int)s);
+}
+
+// The cuBLAS loaded at run time (qgru/native.py links the one torch runs) must have the major
+// version of the headers this file was compiled with: its API and ABI are those of a major version.
+void check_cublas_version() {
+  int major = -1, minor = -1, patch = -1;
+  check_cublas(cublasGetProperty(MAJOR_VERSION, &major), "cublasGetProperty");
+  check_cublas(cublasGetProperty(MINOR_VERSION, &minor), "cublasGetProperty");
+  check_cublas(cublasGetProperty(PATCH_LEVEL, &patch), "cublasGetProperty");
+  TORCH_CHECK(major == CUBLAS_VER_MAJOR, "qgru cuda: compiled against the cuBLAS ", CUBLAS_VER_MAJOR, ".",
+              CUBLAS_VER_MINOR, " headers, but the loaded libcublas is ", major, ".", minor, ".", patch,
+              ": rebuild with the CUDA toolkit of torch's CUDA version (python -m qgru build --kind cuda)");
+}
+
 cuda::GemmDesc gemm_desc(const LayerTensors& lt, const std::string& k) {
   const at::Tensor& w = lt.tensor(k + "_weight_limbs");
   TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 3 && w.is_contiguous(), "qgru cuda: bad ", k, "_weight_limbs");
@@ -28,8 +54,10 @@ cuda::GemmDesc gemm_desc(const LayerTensors& lt, const std::string& k) {
   g.weight_limbs = w.data_ptr<int8_t>();
   g.M_pad = w.size(1);
   g.K_pad = w.size(2);
-  TORCH_CHECK(g.M_pad % cuda::kPad == 0 && g.K_pad % cuda::kPad == 0, "qgru cuda: weight limbs must be padded to ",
-              cuda::kPad);
+  TORCH_CHECK(g.M_pad % cuda::kPad == 0 && g.K_pad % cuda::kPad == 0 && g.M_pad >= cuda::kMinGemmDim &&
+                  g.K_pad >= cuda::kMinGemmDim,
+              "qgru cuda: ", k, "_weight_limbs [", g.M_pad, ", ", g.K_pad, "] must be padded to multiples of ", cuda::kPad,
+              ", at least ", cuda::kMinGemmDim, " (prepare_layer(gemm_min=CUDA_GEMM_MIN))");
   at::Tensor pr = lt.pairs(k);
   g.P = (int)pr.size(0);
   TORCH_CHECK(g.P == 1 || g.P == 2 || g.P == 4, "qgru cuda: unsupported number of limb pairs ", g.P);
@@ -43,19 +71,109 @@ cuda::GemmDesc gemm_desc(const LayerTensors& lt, const std::string& k) {
   return g;
 }
 
+// Device buffers for one forward of shape (T, N): a plan's (kept between calls), or one call's
+// own inside a foreign graph capture.
+struct Buffers {
+  at::Tensor qx, state, out, lengths, x_limbs, Gx, h_limbs, Gh, dwx;
+  cuda::Workspace ws{};
+};
+
+Buffers make_buffers(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_lengths, const at::TensorOptions& opts) {
+  Buffers b;
+  const cuda::WorkspaceSizes s = cuda::workspace_sizes(d, T, N);
+  auto i8 = opts.dtype(at::kChar), i32 = opts.dtype(at::kInt), i64 = opts.dtype(at::kLong);
+  b.qx = at::empty({T, N, d.I}, i64);
+  b.state = at::empty({N, d.H}, i32);
+  b.out = at::empty({T, N, d.H}, i32);
+  if (has_lengths) b.lengths = at::empty({N}, i64);
+  // limb buffers zeroed once: their padding (K and rows) must read as 0 in every GEMM
+  b.x_limbs = at::zeros({2, s.x_limb}, i8);
+  b.h_limbs = at::zeros({2, s.h_limb}, i8);
+  b.Gx = at::empty({d.wx.P, s.Gx}, i32);
+  b.Gh = at::empty({d.rh.P, s.Gh}, i32);
+  b.dwx = at::empty({s.dwx}, i32);
+  cuda::Workspace& ws = b.ws;
+  ws.chunk_rows = s.chunk_rows;
+  ws.N_pad = s.N_pad;
+  for (int i = 0; i < 2; ++i) {
+    ws.x_limbs[i] = b.x_limbs[i].data_ptr<int8_t>();
+    ws.h_limbs[i] = b.h_limbs[i].data_ptr<int8_t>();
+  }
+  for (int i = 0; i < d.wx.P; ++i) ws.Gx[i] = b.Gx[i].data_ptr<int32_t>();
+  for (int i = 0; i < d.rh.P; ++i) ws.Gh[i] = b.Gh[i].data_ptr<int32_t>();
+  ws.dwx = b.dwx.data_ptr<int32_t>();
+  return b;
+}
+
+// qgru's own cuBLAS handle, one per device, for the runs on a workspace qgru owns (the first call of
+// a shape, the capture of its graph, and calls inside a caller's capture). A graph captured on PyTorch's handle would
+// bake in PyTorch's workspace for that stream, which torch._C._cuda_clearCublasWorkspaces(), a
+// pooled stream's reuse, or torch's own workspace policy can free while the graph lives. The handle
+// is not thread-safe: `mu` is held from cublasSetStream to the last GEMM enqueued. Never destroyed:
+// cuBLAS may be unloaded before static destructors run at exit.
+struct OwnHandle {
+  std::mutex mu;
+  cublasHandle_t handle = nullptr;
+};
+
+OwnHandle& own_handle(c10::DeviceIndex device) {
+  static std::mutex mu;
+  static std::map<c10::DeviceIndex, OwnHandle*> handles;
+  std::lock_guard<std::mutex> lock(mu);
+  OwnHandle*& h = handles[device];
+  if (h == nullptr) {
+    cublasHandle_t created = nullptr;
+    check_cublas(cublasCreate(&created), "cublasCreate");  // on `device` (the caller's CUDAGuard)
+    h = new OwnHandle;
+    h->handle = created;
+  }
+  return *h;
+}
+
+// cuBLAS's recommended workspace (cublasSetWorkspace): 32 MiB on Hopper and later, 4 MiB before.
+int64_t cublas_workspace_bytes(c10::DeviceIndex device) {
+  return at::cuda::getDeviceProperties(device)->major >= 9 ? (int64_t)32 << 20 : (int64_t)4 << 20;
+}
+
 struct Plan {  // buffers (and the captured graph) for one (T, N, lengths?) shape
   int64_t T = -1, N = -1;
   bool has_lengths = false;
-  at::Tensor qx, state, out, lengths, x_limbs, Gx, h_limbs, Gh, dwx;
-  cuda::Workspace ws{};
+  Buffers b;
+  at::Tensor cublas_ws;  // the workspace of the graph's GEMMs (and of the eager run before its capture)
   cudaGraphExec_t exec = nullptr;
   cudaEvent_t ready = nullptr, done = nullptr;
+  // recorded on the caller's stream after every call's last use of the buffers (the output copies);
+  // the next call, on whichever stream, waits for it before touching them
+  cudaEvent_t last_use = nullptr;
 
   ~Plan() {
+    // The caching allocator hands the buffers' memory out again on the stream they were allocated
+    // on, which need not be ordered after their last use (a later call on another stream, or the
+    // graph on a side stream): wait for it on the host before they are freed (after this body).
+    if (last_use != nullptr) cudaEventSynchronize(last_use);
     if (exec != nullptr) cudaGraphExecDestroy(exec);
-    if (ready != nullptr) cudaEventDestroy(ready);
-    if (done != nullptr) cudaEventDestroy(done);
+    for (cudaEvent_t e : {ready, done, last_use})
+      if (e != nullptr) cudaEventDestroy(e);
   }
+};
+
+// Records `event` on `stream` when the scope ends, also when it ends by an exception: the next call
+// must wait for whatever this one enqueued.
+class RecordOnExit {
+ public:
+  RecordOnExit(cudaEvent_t event, cudaStream_t stream) : event_(event), stream_(stream) {}
+  void record() {
+    recorded_ = true;
+    check_cuda(cudaEventRecord(event_, stream_), "cudaEventRecord");
+  }
+  ~RecordOnExit() {
+    if (!recorded_) cudaEventRecord(event_, stream_);
+  }
+
+ private:
+  cudaEvent_t event_;
+  cudaStream_t stream_;
+  bool recorded_ = false;
 };
 
 class CudaLayer {
@@ -78,101 +196,164 @@ class CudaLayer {
     device_ = lt_.tensor("Wx_bias").device();
     const char* env = std::getenv("QGRU_CUDA_GRAPH");
     use_graph_ = env == nullptr || std::string(env) != "0";
+    // qgru's own cuBLAS handle exists from here on: creating it inside a graph capture would fail
+    c10::cuda::CUDAGuard guard(device_);
+    own_handle(device_.index());
   }
 
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx, const at::Tensor& qh0,
                                              const c10::optional<at::Tensor>& lengths) {
     TORCH_CHECK(qx.is_cuda() && qh0.is_cuda(), "qgru cuda: inputs must be CUDA tensors");
-    TORCH_CHECK(qx.device() == device_, "qgru cuda: input on ", qx.device(), ", parameters on ", device_);
+    TORCH_CHECK(qx.device() == device_ && qh0.device() == device_, "qgru cuda: inputs on ", qx.device(), " and ",
+                qh0.device(), ", parameters on ", device_);
     TORCH_CHECK(qx.dim() == 3 && qx.size(2) == d_.I, "qgru cuda: qx must be [T, N, ", d_.I, "]");
     TORCH_CHECK(qh0.dim() == 2 && qh0.size(0) == qx.size(1) && qh0.size(1) == d_.H, "qgru cuda: qh0 must be [N, ",
                 d_.H, "]");
+    const bool has_lengths = lengths.has_value();
+    if (has_lengths)
+      TORCH_CHECK(lengths->device() == device_ && lengths->dim() == 1 && lengths->size(0) == qx.size(1),
+                  "qgru cuda: lengths must be [N] on ", device_);
     c10::cuda::CUDAGuard guard(device_);
-    std::lock_guard<std::mutex> lock(mu_);  // the plan's buffers serve one call at a time
     const int64_t T = qx.size(0), N = qx.size(1);
     if (T == 0 || N == 0)
       return {at::empty({T, N, d_.H}, qx.options().dtype(at::kInt)), qh0.to(at::kInt).clone()};
-    const bool has_lengths = lengths.has_value();
+    cudaStream_t cur = at::cuda::getCurrentCUDAStream().stream();
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(cur, &capture), "cudaStreamIsCapturing");
+    TORCH_CHECK(capture != cudaStreamCaptureStatusInvalidated,
+                "qgru cuda: the current stream's graph capture was invalidated (by an earlier error in it)");
+    if (capture == cudaStreamCaptureStatusActive) return forward_in_capture(qx, qh0, lengths, cur);
+
+    std::lock_guard<std::mutex> lock(mu_);  // one call at a time enqueues work on the plan
     bool fresh = false;
     if (!plan_ || plan_->T != T || plan_->N != N || plan_->has_lengths != has_lengths) {
-      make_plan(T, N, has_lengths, qx.options());
+      plan_.reset();  // the old shape's buffers and graph go first (after their last use: ~Plan)
+      plan_ = make_plan(T, N, has_lengths, qx.options());
       fresh = true;
     }
     Plan& p = *plan_;
-    p.qx.copy_(qx);
-    p.state.copy_(qh0);
-    if (has_lengths) p.lengths.copy_(*lengths);
-    const int64_t* len_ptr = has_lengths ? p.lengths.data_ptr<int64_t>() : nullptr;
-    cudaStream_t cur = at::cuda::getCurrentCUDAStream().stream();
-    if (!use_graph_ || fresh) {
-      // eager: the first call of a shape also warms cuBLAS up before anything is captured
-      cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
-      cuda::forward(d_, p.ws, p.qx.data_ptr<int64_t>(), T, N, p.state.data_ptr<int32_t>(), p.out.data_ptr<int32_t>(),
-                    len_ptr, cur, handle);
+    // The mutex orders only the host side. On the device, every use of the plan's buffers (the
+    // copies in, the run, eager or graph, and the copies out) is ordered after the previous call's
+    // last use, whichever stream or thread that call ran on.
+    check_cuda(cudaStreamWaitEvent(cur, p.last_use, 0), "cudaStreamWaitEvent");
+    RecordOnExit last_use(p.last_use, cur);
+    p.b.qx.copy_(qx);
+    p.b.state.copy_(qh0);
+    if (has_lengths) p.b.lengths.copy_(*lengths);
+    if (!use_graph_) {
+      ++counters_.eager_runs;
+      run(p.b, cur, at::cuda::getCurrentCUDABlasHandle());  // PyTorch's handle: no graph keeps its workspace
+    } else if (fresh) {
+      // the first call of a shape runs eagerly on the handle and workspace its graph will capture
+      // with: cuBLAS's lazy set-up (kernel loading, heuristics) happens here, not in the capture
+      ++counters_.eager_runs;
+      run_owned(p.b, p.cublas_ws, cur, nullptr);
     } else {
       // graphs cannot be captured on the legacy default stream: capture and replay on a side stream
-      // ordered after the copies above and before the caller's next work
+      // ordered after the copies above and before the copies out
       c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device_.index());
       check_cuda(cudaEventRecord(p.ready, cur), "cudaEventRecord");
       check_cuda(cudaStreamWaitEvent(side.stream(), p.ready, 0), "cudaStreamWaitEvent");
       if (p.exec == nullptr) {
-        c10::cuda::CUDAStreamGuard sg(side);
-        cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();  // bound to `side`, with workspace
-        cudaGraph_t graph = nullptr;
-        check_cuda(cudaStreamBeginCapture(side.stream(), cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
-        try {
-          cuda::forward(d_, p.ws, p.qx.data_ptr<int64_t>(), T, N, p.state.data_ptr<int32_t>(),
-                        p.out.data_ptr<int32_t>(), len_ptr, side.stream(), handle);
-        } catch (...) {
-          cudaStreamEndCapture(side.stream(), &graph);
-          if (graph != nullptr) cudaGraphDestroy(graph);
-          throw;
-        }
-        check_cuda(cudaStreamEndCapture(side.stream(), &graph), "cudaStreamEndCapture");
-        cudaError_t e = cudaGraphInstantiate(&p.exec, graph, 0);
-        cudaGraphDestroy(graph);
-        check_cuda(e, "cudaGraphInstantiate");
+        run_owned(p.b, p.cublas_ws, side.stream(), &p.exec);
+        ++counters_.captures;
+      } else {
+        ++counters_.replays;
       }
       check_cuda(cudaGraphLaunch(p.exec, side.stream()), "cudaGraphLaunch");
       check_cuda(cudaEventRecord(p.done, side.stream()), "cudaEventRecord");
       check_cuda(cudaStreamWaitEvent(cur, p.done, 0), "cudaStreamWaitEvent");
     }
     // the plan's buffers are reused by the next call: hand out copies
-    return {p.out.clone(), p.state.clone()};
+    at::Tensor out = p.b.out.clone(), state = p.b.state.clone();
+    last_use.record();
+    return {out, state};
+  }
+
+  std::map<std::string, int64_t> counters() const {
+    return {{"plans", counters_.plans.load()},
+            {"eager_runs", counters_.eager_runs.load()},
+            {"captures", counters_.captures.load()},
+            {"replays", counters_.replays.load()},
+            {"in_foreign_capture", counters_.in_foreign_capture.load()}};
   }
 
  private:
-  void make_plan(int64_t T, int64_t N, bool has_lengths, const at::TensorOptions& opts) {
-    plan_.reset();  // frees the previous shape's buffers and graph first
+  // What the calls took (Layer.counters; the tests check which path ran).
+  struct Counters {
+    std::atomic<int64_t> plans{0};               // plans made (a new shape)
+    std::atomic<int64_t> eager_runs{0};          // runs on the caller's stream without a graph
+    std::atomic<int64_t> captures{0};            // graphs captured (each launched at once)
+    std::atomic<int64_t> replays{0};             // launches of a graph captured by an earlier call
+    std::atomic<int64_t> in_foreign_capture{0};  // calls inside a capture of the caller's
+  };
+
+  void run(const Buffers& b, cudaStream_t stream, cublasHandle_t handle) const {
+    const int64_t T = b.qx.size(0), N = b.qx.size(1);
+    cuda::forward(d_, b.ws, b.qx.data_ptr<int64_t>(), T, N, b.state.data_ptr<int32_t>(), b.out.data_ptr<int32_t>(),
+                  b.lengths.defined() ? b.lengths.data_ptr<int64_t>() : nullptr, stream, handle);
+  }
+
+  // The forward on `stream` with qgru's own cuBLAS handle and `workspace` as its cuBLAS workspace;
+  // with `capture_into`, captured into that graph (not run).
+  void run_owned(const Buffers& b, const at::Tensor& workspace, cudaStream_t stream,
+                 cudaGraphExec_t* capture_into) {
+    OwnHandle& own = own_handle(device_.index());
+    std::lock_guard<std::mutex> lock(own.mu);
+    // cublasSetStream resets the handle's workspace to cuBLAS's default pool: set ours after it
+    check_cublas(cublasSetStream(own.handle, stream), "cublasSetStream");
+    check_cublas(cublasSetWorkspace(own.handle, workspace.data_ptr(), (size_t)workspace.numel()),
+                 "cublasSetWorkspace");
+    if (capture_into == nullptr) {
+      run(b, stream, own.handle);
+      return;
+    }
+    cudaGraph_t graph = nullptr;
+    check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+    try {
+      run(b, stream, own.handle);
+    } catch (...) {
+      cudaStreamEndCapture(stream, &graph);
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      throw;
+    }
+    check_cuda(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
+    // no memory nodes in the graph (all buffers are the plan's), so no auto-free flag is needed
+    cudaError_t e = cudaGraphInstantiate(capture_into, graph, 0);
+    cudaGraphDestroy(graph);
+    check_cuda(e, "cudaGraphInstantiate");
+  }
+
+  // Inside a capture of the caller's (torch.cuda.graph): everything on the capturing stream, in
+  // buffers of this call from PyTorch's allocator (the capture's memory pool, kept for the caller's
+  // graph as long as it lives), and no plan cached or used: a plan's buffers baked into the caller's
+  // graph would be shared with later calls, and launching a graph of qgru's own on its side stream
+  // would join that stream into the caller's capture and break it. The GEMMs run on qgru's own
+  // handle (made with the Layer, outside any capture) with a workspace from the same pool, so
+  // nothing depends on whether or how PyTorch's handle for this thread and stream was set up.
+  std::tuple<at::Tensor, at::Tensor> forward_in_capture(const at::Tensor& qx, const at::Tensor& qh0,
+                                                        const c10::optional<at::Tensor>& lengths, cudaStream_t cur) {
+    ++counters_.in_foreign_capture;
+    Buffers b = make_buffers(d_, qx.size(0), qx.size(1), lengths.has_value(), qx.options());
+    b.qx.copy_(qx);
+    b.state.copy_(qh0);
+    if (lengths.has_value()) b.lengths.copy_(*lengths);
+    at::Tensor workspace = at::empty({cublas_workspace_bytes(device_.index())}, qx.options().dtype(at::kByte));
+    run_owned(b, workspace, cur, nullptr);
+    return {b.out, b.state};  // this call's own tensors: no copies needed
+  }
+
+  std::unique_ptr<Plan> make_plan(int64_t T, int64_t N, bool has_lengths, const at::TensorOptions& opts) {
     auto p = std::make_unique<Plan>();
     p->T = T;
     p->N = N;
     p->has_lengths = has_lengths;
-    const cuda::WorkspaceSizes s = cuda::workspace_sizes(d_, T, N);
-    auto i8 = opts.dtype(at::kChar), i32 = opts.dtype(at::kInt), i64 = opts.dtype(at::kLong);
-    p->qx = at::empty({T, N, d_.I}, i64);
-    p->state = at::empty({N, d_.H}, i32);
-    p->out = at::empty({T, N, d_.H}, i32);
-    if (has_lengths) p->lengths = at::empty({N}, i64);
-    // limb buffers zeroed once: their padding (K and rows) must read as 0 in every GEMM
-    p->x_limbs = at::zeros({2, s.x_limb}, i8);
-    p->h_limbs = at::zeros({2, s.h_limb}, i8);
-    p->Gx = at::empty({d_.wx.P, s.Gx}, i32);
-    p->Gh = at::empty({d_.rh.P, s.Gh}, i32);
-    p->dwx = at::empty({s.dwx}, i32);
-    cuda::Workspace& ws = p->ws;
-    ws.chunk_rows = s.chunk_rows;
-    ws.N_pad = s.N_pad;
-    for (int i = 0; i < 2; ++i) {
-      ws.x_limbs[i] = p->x_limbs[i].data_ptr<int8_t>();
-      ws.h_limbs[i] = p->h_limbs[i].data_ptr<int8_t>();
-    }
-    for (int i = 0; i < d_.wx.P; ++i) ws.Gx[i] = p->Gx[i].data_ptr<int32_t>();
-    for (int i = 0; i < d_.rh.P; ++i) ws.Gh[i] = p->Gh[i].data_ptr<int32_t>();
-    ws.dwx = p->dwx.data_ptr<int32_t>();
-    check_cuda(cudaEventCreateWithFlags(&p->ready, cudaEventDisableTiming), "cudaEventCreate");
-    check_cuda(cudaEventCreateWithFlags(&p->done, cudaEventDisableTiming), "cudaEventCreate");
-    plan_ = std::move(p);
+    p->b = make_buffers(d_, T, N, has_lengths, opts);
+    if (use_graph_) p->cublas_ws = at::empty({cublas_workspace_bytes(device_.index())}, opts.dtype(at::kByte));
+    for (cudaEvent_t* e : {&p->ready, &p->done, &p->last_use})
+      check_cuda(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate");
+    ++counters_.plans;
+    return p;
   }
 
   LayerTensors lt_;
@@ -181,6 +362,7 @@ class CudaLayer {
   bool use_graph_ = true;
   std::mutex mu_;
   std::unique_ptr<Plan> plan_;
+  Counters counters_;
 };
 
 }  // namespace
@@ -193,8 +375,14 @@ class CudaLayer {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "qgru CUDA backend (bit-exact with qgru/golden.py)";
   m.attr("built_for_torch") = QGRU_TORCH_VERSION;
+  m.attr("wx_chunk_rows") = qgru::cuda::kChunkRows;  // rows of x per W.x GEMM (the tests span two)
+  m.def("check_cublas", &qgru::check_cublas_version,
+        "raise unless the loaded cuBLAS has the major version of the headers the extension was built with");
   pybind11::class_<qgru::CudaLayer>(m, "Layer")
       .def(pybind11::init<qgru::TensorMap, qgru::IntMap>())
       .def("forward", &qgru::CudaLayer::forward, pybind11::arg("qx"), pybind11::arg("qh0"),
-           pybind11::arg("lengths") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
+           pybind11::arg("lengths") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>())
+      // the GEMM path, as the CPU Layer reports its own (NativeLayer.gemm; the tests check it)
+      .def_property_readonly("gemm", [](const qgru::CudaLayer&) { return std::string("cublas"); })
+      .def_property_readonly("counters", &qgru::CudaLayer::counters);
 }

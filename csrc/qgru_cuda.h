@@ -1,7 +1,7 @@
 // qgru CUDA backend, torch-free part (haste's split): kernels, cuBLAS int8 GEMMs and the forward
 // driver take plain structs of raw device pointers, a stream and a cuBLAS handle. The torch
-// binding (qgru_cuda.cpp) owns the memory, picks PyTorch's stream and handle, and captures the
-// forward in a CUDA graph. Errors are thrown as std::runtime_error with the failing call named.
+// binding (qgru_cuda.cpp) owns the memory, picks the stream and the handle (PyTorch's, or its own
+// with a workspace it owns for what it captures), and captures the forward in a CUDA graph. Errors are thrown as std::runtime_error with the failing call named.
 #pragma once
 
 #include <cublas_v2.h>
@@ -13,6 +13,19 @@ namespace qgru {
 namespace cuda {
 
 constexpr int kPad = 16;  // rows, channels and K are padded to multiples of 16 (int8 tensor cores)
+// ...and to at least 32: every GEMM dimension (m = channels, n = rows, k) is >= 32. PyTorch's own
+// int8 GEMM (_int_mm) refuses 16 or fewer rows ("cuBLAS is currently broken for some combination
+// of transposed inputs") and a K of 16 or less; rather than prove those shapes safe on every cuBLAS
+// version, qgru never asks for them. The weight limbs come padded by prepare_layer (gemm_min);
+// the row counts are padded here (gemm_rows).
+constexpr int64_t kMinGemmDim = 32;
+constexpr int64_t kChunkRows = 16384;  // input rows (steps x batch) per W.x GEMM chunk, a multiple of kPad
+
+// Rows of a GEMM over `rows` rows of activations: a multiple of kPad, at least kMinGemmDim.
+inline int64_t gemm_rows(int64_t rows) {
+  const int64_t r = (rows + kPad - 1) / kPad * kPad;
+  return r < kMinGemmDim ? kMinGemmDim : r;
+}
 
 struct GemmDesc {              // one product (W.x or R.h) as int8 limb GEMMs
   const int8_t* weight_limbs;  // [n_weight_limbs, M_pad, K_pad], row-major, zero padded
@@ -38,8 +51,8 @@ struct LayerDesc {
 // Device buffers for one forward of shape (T, N); sizes from workspace_sizes(). Limb buffers must
 // be zeroed once at allocation (their padding is never written).
 struct Workspace {
-  int64_t chunk_rows;      // input rows per W.x GEMM chunk (multiple of kPad)
-  int64_t N_pad;           // batch rows of the R.h GEMM (multiple of kPad)
+  int64_t chunk_rows;      // input rows per W.x GEMM chunk (gemm_rows of at most kChunkRows rows)
+  int64_t N_pad;           // batch rows of the R.h GEMM (gemm_rows(N))
   int8_t* x_limbs[2];      // [chunk_rows, wx.K_pad]
   int32_t* Gx[kMaxPairs];  // [chunk_rows, M_pad]
   int8_t* h_limbs[2];      // [N_pad, rh.K_pad]

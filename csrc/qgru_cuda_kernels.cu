@@ -6,12 +6,11 @@
 #include <type_traits>
 
 #include "qgru_cuda.h"
+#include "qgru_cuda_launch.h"
 
 namespace qgru {
 namespace cuda {
 namespace {
-
-constexpr int kThreads = 256;
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("qgru cuda: ") + what + ": " + cudaGetErrorString(e));
@@ -22,12 +21,21 @@ void check(cublasStatus_t s, const char* what) {
     throw std::runtime_error(std::string("qgru cuda: ") + what + " failed with cuBLAS status " + std::to_string((int)s));
 }
 
-int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+struct Launch2D {
+  dim3 grid, block;
+};
 
-unsigned blocks_for(int64_t n) {
-  const int64_t b = (n + kThreads - 1) / kThreads;
-  return (unsigned)(b < 65535 * 8 ? (b > 0 ? b : 1) : 65535 * 8);
+// qgru_cuda_launch.h: columns along x, exactly once; rows along y with a grid-stride loop
+Launch2D launch_2d(int64_t rows, int64_t cols) {
+  const Launch2DShape s = launch_2d_shape(rows, cols);
+  return {dim3((unsigned)s.grid_x, (unsigned)s.grid_y), dim3((unsigned)s.block_x, (unsigned)s.block_y)};
 }
+
+// The column of this thread (kernels return when it is >= cols) and the rows it visits:
+// for (int64_t r = first_row(); r < rows; r += row_stride()).
+__device__ __forceinline__ int32_t this_col() { return (int32_t)(blockIdx.x * blockDim.x + threadIdx.x); }
+__device__ __forceinline__ int64_t first_row() { return (int64_t)blockIdx.y * blockDim.y + threadIdx.y; }
+__device__ __forceinline__ int64_t row_stride() { return (int64_t)gridDim.y * blockDim.y; }
 
 // C [rows, M_pad] int32 = act [rows, K_pad] int8 . weight [M_pad, K_pad]^T, in cuBLAS's column-major
 // terms C^T = W . act^T: op(A) = T on W (lda = K_pad), op(B) = N on act (ldb = K_pad), ldc = M_pad.
@@ -43,36 +51,36 @@ void gemm_s8(cublasHandle_t handle, const int8_t* act, const int8_t* weight, int
 }
 
 // limbs[i][r, k] = act_limb(src[r, k]) for r < rows, k < K (padding stays zero).
-__global__ void split_limbs_kernel(const int64_t* __restrict__ src, int64_t rows, int64_t K, int32_t bits,
+__global__ void split_limbs_kernel(const int64_t* __restrict__ src, int64_t rows, int32_t K, int32_t bits,
                                    int8_t* __restrict__ lo, int8_t* __restrict__ hi, int64_t ld) {
-  for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < rows * K;
-       idx += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = idx / K, k = idx % K;
-    const int64_t v = src[idx];
+  const int32_t k = this_col();
+  if (k >= K) return;
+  for (int64_t r = first_row(); r < rows; r += row_stride()) {
+    const int64_t v = src[r * K + k];
     lo[r * ld + k] = act_limb(v, bits, 0);
     if (hi != nullptr) hi[r * ld + k] = act_limb(v, bits, 1);
   }
 }
 
 // The limbs of the initial state (int32 [N, H]) for the first R.h GEMM.
-__global__ void state_limbs_kernel(const int32_t* __restrict__ state, int64_t N, int64_t H, int32_t bits,
+__global__ void state_limbs_kernel(const int32_t* __restrict__ state, int64_t N, int32_t H, int32_t bits,
                                    int8_t* __restrict__ lo, int8_t* __restrict__ hi, int64_t ld) {
-  for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < N * H;
-       idx += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t n = idx / H, j = idx % H;
-    lo[n * ld + j] = act_limb(state[idx], bits, 0);
-    if (hi != nullptr) hi[n * ld + j] = act_limb(state[idx], bits, 1);
+  const int32_t j = this_col();
+  if (j >= H) return;
+  for (int64_t n = first_row(); n < N; n += row_stride()) {
+    const int32_t v = state[n * H + j];
+    lo[n * ld + j] = act_limb(v, bits, 0);
+    if (hi != nullptr) hi[n * ld + j] = act_limb(v, bits, 1);
   }
 }
 
 template <int NP, bool POW2, bool ACC32>
-__global__ void input_epilogue_kernel(AccRequant a, AccRequant32 a32, LimbProducts lp, int64_t rows, int64_t H3,
+__global__ void input_epilogue_kernel(AccRequant a, AccRequant32 a32, LimbProducts lp, int64_t rows, int32_t H3,
                                       int32_t* __restrict__ dwx) {
-  for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < rows * H3;
-       idx += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = idx / H3, c = idx % H3;
-    dwx[idx] = (int32_t)requantize_product<NP, POW2, ACC32>(a, a32, lp, r, c);
-  }
+  const int32_t c = this_col();
+  if (c >= H3) return;
+  for (int64_t r = first_row(); r < rows; r += row_stride())
+    dwx[r * H3 + c] = (int32_t)requantize_product<NP, POW2, ACC32>(a, a32, lp, r, c);
 }
 
 // One time step for every (n, j): the shared cell, then the new state, its output copy and the
@@ -81,16 +89,18 @@ template <int NP, bool POW2, bool ACC32>
 __global__ void cell_kernel(CellParams p, LimbProducts lp, int64_t N, int64_t t, const int32_t* __restrict__ dwx_t,
                             int32_t* __restrict__ state, int32_t* __restrict__ out_t, const int64_t* __restrict__ lengths,
                             int32_t h_bits, int8_t* __restrict__ h_lo, int8_t* __restrict__ h_hi, int64_t ld) {
-  const int64_t H = p.H;
-  for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < N * H;
-       idx += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t n = idx / H, j = idx % H;
+  const int32_t H = (int32_t)p.H;
+  const int32_t j = this_col();
+  if (j >= H) return;
+  const Channel32 ch = cell32_channel<ACC32>(p, j);  // the channel's fields, the same for every row
+  for (int64_t n = first_row(); n < N; n += row_stride()) {
+    const int64_t idx = n * H + j;
     const int32_t q_h = state[idx];
     if (lengths != nullptr && t >= lengths[n]) {
       out_t[idx] = q_h;
       continue;
     }
-    const int32_t h_new = (int32_t)gru_cell<NP, POW2, ACC32>(p, lp, n, j, cell32_channel<ACC32>(p, j), dwx_t + n * 3 * H, q_h);
+    const int32_t h_new = (int32_t)gru_cell<NP, POW2, ACC32>(p, lp, n, j, ch, dwx_t + n * 3 * H, q_h);
     state[idx] = h_new;
     out_t[idx] = h_new;
     h_lo[n * ld + j] = act_limb(h_new, h_bits, 0);
@@ -119,8 +129,8 @@ LimbProducts run_gemms(const GemmDesc& g, int8_t* const act_limbs[2], int32_t* c
 WorkspaceSizes workspace_sizes(const LayerDesc& d, int64_t T, int64_t N) {
   WorkspaceSizes s;
   const int64_t rows = T * N;
-  s.chunk_rows = round_up(rows < 16384 ? (rows > 0 ? rows : 1) : 16384, kPad);
-  s.N_pad = round_up(N > 0 ? N : 1, kPad);
+  s.chunk_rows = gemm_rows(rows < kChunkRows ? (rows > 0 ? rows : 1) : kChunkRows);
+  s.N_pad = gemm_rows(N > 0 ? N : 1);
   s.x_limb = s.chunk_rows * d.wx.K_pad;
   s.Gx = s.chunk_rows * d.wx.M_pad;
   s.h_limb = s.N_pad * d.rh.K_pad;
@@ -132,32 +142,36 @@ WorkspaceSizes workspace_sizes(const LayerDesc& d, int64_t T, int64_t N) {
 void forward(const LayerDesc& d, const Workspace& ws, const int64_t* qx, int64_t T, int64_t N, int32_t* state,
              int32_t* out, const int64_t* lengths, cudaStream_t stream, cublasHandle_t handle) {
   if (T == 0 || N == 0) return;
-  // `handle` must already be bound to `stream` with a workspace (PyTorch's handle is): calling
-  // cublasSetStream here would reset that workspace, and cuBLAS would allocate inside a graph capture.
+  // `handle` must already be bound to `stream` with a workspace (qgru_cuda.cpp binds its own handle;
+  // PyTorch's comes bound): calling cublasSetStream here would reset that workspace, and cuBLAS would
+  // allocate inside a graph capture.
   const int64_t H = d.H, H3 = 3 * H, rows_total = T * N;
   // W.x for all steps, in chunks of rows (seed 001 steps 1-2)
   for (int64_t r0 = 0; r0 < rows_total; r0 += ws.chunk_rows) {
     const int64_t rows = rows_total - r0 < ws.chunk_rows ? rows_total - r0 : ws.chunk_rows;
-    split_limbs_kernel<<<blocks_for(rows * d.I), kThreads, 0, stream>>>(
-        qx + r0 * d.I, rows, d.I, d.x_bits, ws.x_limbs[0], d.x_bits > 8 ? ws.x_limbs[1] : nullptr, d.wx.K_pad);
+    const Launch2D lx = launch_2d(rows, d.I);
+    split_limbs_kernel<<<lx.grid, lx.block, 0, stream>>>(qx + r0 * d.I, rows, (int32_t)d.I, d.x_bits, ws.x_limbs[0],
+                                                         d.x_bits > 8 ? ws.x_limbs[1] : nullptr, d.wx.K_pad);
     check(cudaGetLastError(), "split_limbs_kernel launch");
-    // rows padded to kPad: the extra rows hold stale limbs, their outputs are never read
-    const LimbProducts lp = run_gemms(d.wx, ws.x_limbs, ws.Gx, round_up(rows, kPad), d.ones_col, handle);
+    // rows padded (gemm_rows): the extra rows hold stale or zero limbs, their outputs are never read
+    const LimbProducts lp = run_gemms(d.wx, ws.x_limbs, ws.Gx, gemm_rows(rows), d.ones_col, handle);
+    const Launch2D le = launch_2d(rows, H3);
     dispatch_kernel(d.wx.P, d.pow2, d.acc32, [&](auto np, auto pow2, auto acc32) {
       input_epilogue_kernel<decltype(np)::value, decltype(pow2)::value, decltype(acc32)::value>
-          <<<blocks_for(rows * H3), kThreads, 0, stream>>>(d.acc_x, d.acc_x32, lp, rows, H3, ws.dwx + r0 * H3);
+          <<<le.grid, le.block, 0, stream>>>(d.acc_x, d.acc_x32, lp, rows, (int32_t)H3, ws.dwx + r0 * H3);
     });
     check(cudaGetLastError(), "input_epilogue_kernel launch");
   }
   // h0's limbs, then one R.h GEMM + one cell kernel per step (seed 001 step 3)
-  state_limbs_kernel<<<blocks_for(N * H), kThreads, 0, stream>>>(state, N, H, d.h_bits, ws.h_limbs[0],
-                                                                  d.h_bits > 8 ? ws.h_limbs[1] : nullptr, d.rh.K_pad);
+  const Launch2D lh = launch_2d(N, H);
+  state_limbs_kernel<<<lh.grid, lh.block, 0, stream>>>(state, N, (int32_t)H, d.h_bits, ws.h_limbs[0],
+                                                       d.h_bits > 8 ? ws.h_limbs[1] : nullptr, d.rh.K_pad);
   check(cudaGetLastError(), "state_limbs_kernel launch");
   for (int64_t t = 0; t < T; ++t) {
     const LimbProducts lp = run_gemms(d.rh, ws.h_limbs, ws.Gh, ws.N_pad, d.ones_col, handle);
     dispatch_kernel(d.rh.P, d.pow2, d.acc32, [&](auto np, auto pow2, auto acc32) {
       cell_kernel<decltype(np)::value, decltype(pow2)::value, decltype(acc32)::value>
-          <<<blocks_for(N * H), kThreads, 0, stream>>>(d.cell, lp, N, t, ws.dwx + t * N * H3, state, out + t * N * H,
+          <<<lh.grid, lh.block, 0, stream>>>(d.cell, lp, N, t, ws.dwx + t * N * H3, state, out + t * N * H,
                                                        lengths, d.h_bits, ws.h_limbs[0],
                                                        d.h_bits > 8 ? ws.h_limbs[1] : nullptr, d.rh.K_pad);
     });

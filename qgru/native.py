@@ -43,9 +43,12 @@ _SOURCES = {
     "cpu": ["cpu/qgru_cpu.cpp", "cpu/isa.cpp"] + [f"cpu/kernel_{p}.cpp" for p in _CPU_PATHS],
     "cuda": ["qgru_cuda.cpp", "qgru_cuda_kernels.cu"],
 }
-_HEADERS = ["qgru_fixedpoint.h", "qgru_cell.h", "qgru_layer.h", "qgru_cuda.h", "cpu/kernels.h", "cpu/cell_loops.h",
+_HEADERS = ["qgru_fixedpoint.h", "qgru_cell.h", "qgru_layer.h", "qgru_cuda.h", "qgru_cuda_launch.h", "cpu/kernels.h", "cpu/cell_loops.h",
             "cpu/isa.h", "cpu/quantize_block.h"]
 GEMM_PAD = 16  # channel and reduction padding: int8 tensor-core GEMMs want multiples of 16
+# the CUDA backend's smallest GEMM dimension (csrc/qgru_cuda.h kMinGemmDim: cuBLAS is never asked
+# for 16 or fewer channels, rows or K, shapes PyTorch's own int8 GEMM refuses)
+CUDA_GEMM_MIN = 32
 
 
 def csrc_dir() -> Path:
@@ -171,6 +174,46 @@ def _find_binary(kind: str) -> Optional[Path]:
     return hits[0] if hits else None
 
 
+def find_cublas(maps: str, cuda_home: Optional[str], cuda_version: Optional[str]) -> Path:
+    """The cuBLAS library the CUDA backend links: the one this torch process has loaded (``maps``:
+    the text of /proc/self/maps), else the toolkit's (``cuda_home``) of torch's CUDA major version.
+
+    Not ``-lcublas``: that needs an unversioned libcublas.so on the linker path, which a pip-only
+    CUDA install (torch with the nvidia-* wheels) does not have; it has libcublas.so.<major>, the
+    library torch itself runs. Linking that file records its soname, so at run time the extension
+    shares torch's cuBLAS. cuBLAS's major version is CUDA's (11, 12, 13): a library of another
+    major than torch.version.cuda is refused, naming both. Raises RuntimeError with the reason."""
+    import re
+    if not cuda_version:
+        raise RuntimeError("torch has no CUDA version (a CPU-only build): no cuBLAS to link")
+    major = cuda_version.split(".")[0]
+    pattern = re.compile(r"(\S*/libcublas\.so\.(\d+)(?:\.[\d.]+)?)$")
+    for line in maps.splitlines():
+        m = pattern.search(line.strip())
+        if m:
+            if m.group(2) != major:
+                raise RuntimeError(f"torch runs {m.group(1)}, cuBLAS {m.group(2)}, but reports CUDA {cuda_version}")
+            return Path(m.group(1))
+    if cuda_home:
+        for lib in ("lib64", "lib", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib"):
+            p = Path(cuda_home) / lib / f"libcublas.so.{major}"
+            if p.exists():
+                return p
+    raise RuntimeError(f"no cuBLAS {major} (torch's CUDA {cuda_version}) found: torch has not loaded one and "
+                       f"the toolkit ({cuda_home or 'CUDA_HOME unset'}) has no lib64/libcublas.so.{major}")
+
+
+def _cublas_link_flags() -> List[str]:
+    if not sys.platform.startswith("linux"):
+        return ["cublas.lib" if sys.platform == "win32" else "-lcublas"]  # the toolkit's import library
+    from torch.utils.cpp_extension import CUDA_HOME
+    torch.cuda.init()  # torch's CUDA libraries (cuBLAS among them) are loaded by now
+    maps = Path("/proc/self/maps").read_text()
+    lib = find_cublas(maps, CUDA_HOME, torch.version.cuda)
+    # the full path links the file itself; the rpath finds it again if torch has not loaded it
+    return [str(lib), f"-Wl,-rpath,{lib.parent}"]
+
+
 def _compile(kind: str, verbose: bool):
     from torch.utils import cpp_extension
     d = build_dir(kind)
@@ -183,7 +226,7 @@ def _compile(kind: str, verbose: bool):
               extra_cflags=_cpu_flags() + define, extra_ldflags=["-fopenmp"])
     if kind == "cuda":
         kw["extra_cuda_cflags"] = ["-O3"] + define
-        kw["extra_ldflags"] = ["-fopenmp", "-lcublas"]
+        kw["extra_ldflags"] = ["-fopenmp"] + _cublas_link_flags()
     print(f"qgru: compiling the {kind} backend into {d} (once; about a minute)...", file=sys.stderr, flush=True)
     mod = cpp_extension.load(**kw)
     _prune_stale(kind, d)
@@ -232,6 +275,10 @@ def load(kind: str, build: bool = True):
                                        f"rerun with QGRU_VERBOSE_BUILD=1 python -m qgru build for the compiler output")
                 if getattr(mod, "built_for_torch", None) != torch.__version__:
                     raise RuntimeError("freshly built extension reports another torch version")
+            if kind == "cuda":
+                # the cuBLAS loaded at run time must be the major version the headers were (raises
+                # with both versions otherwise)
+                mod.check_cublas()
             _state.modules[kind] = mod
             return mod
         except RuntimeError as e:
@@ -270,11 +317,13 @@ def direct16_fits(weights: torch.Tensor, w_bits: int, act_bits: int) -> bool:
 
 
 def _limb_gemm(prefix: str, weights: torch.Tensor, w_bits: int, act_bits: int, M_pad: int,
-               ones_col: int, act_direct: bool = False) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+               ones_col: int, act_direct: bool = False,
+               gemm_min: int = GEMM_PAD) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
     """Weight limb matrices [L, M_pad, K_pad] int8, limb pairs [P, 4], constant per-channel terms [M].
-    act_direct: the activations (up to 16 bits) enter whole, as one int16 limb."""
+    act_direct: the activations (up to 16 bits) enter whole, as one int16 limb. K_pad: a multiple
+    of GEMM_PAD, at least gemm_min."""
     M, K = weights.shape
-    K_pad = _round_up(max(K, 1), GEMM_PAD)
+    K_pad = max(_round_up(max(K, 1), GEMM_PAD), gemm_min)
     w_limbs = split_int8_limbs(weights.to(torch.int64), w_bits)
     any_offset = any(c for _, _, c in w_limbs)
     # as csrc act_limb()
@@ -302,25 +351,28 @@ def pack_table(entries: torch.Tensor) -> torch.Tensor:
     return (diff * (1 << 32) + (lo & 0xFFFFFFFF)).contiguous()
 
 
-def prepare_layer(p: LayerParams, act16: bool = False) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
+def prepare_layer(p: LayerParams, act16: bool = False,
+                  gemm_min: int = GEMM_PAD) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
     """The C++ Layer's arguments for one layer and direction (CPU tensors; move them as needed).
 
     act16: the kernel takes int16 activations (the CPU's avx2 path), so a 16-bit x or h times 8-bit
-    weights is one GEMM where ``direct16_fits`` proves its int32 sums exact."""
+    weights is one GEMM where ``direct16_fits`` proves its int32 sums exact. gemm_min: the smallest
+    padded channel count (M_pad) and reduction length (K_pad), CUDA_GEMM_MIN for the CUDA backend
+    (zero padding: the same integers)."""
     H, I = p.hidden_size, p.input_size
     H3 = 3 * H
     b, zp, rs = p.bits, p.zp, p.rescale
     needs_ones = b["W"] > 8 or b["R"] > 8
     ones_col = H3
-    M_pad = _round_up(H3 + (1 if needs_ones else 0), GEMM_PAD)
+    M_pad = max(_round_up(H3 + (1 if needs_ones else 0), GEMM_PAD), gemm_min)
     t: Dict[str, torch.Tensor] = {}
     v: Dict[str, int] = {"H": H, "I": I, "M_pad": M_pad, "ones_col": ones_col if needs_ones else 0,
                          "x_bits": b["x"], "h_bits": b["h"]}
     x_direct = act16 and direct16_fits(p.W, b["W"], b["x"])
     h_direct = act16 and direct16_fits(p.R, b["R"], b["h"])
     v["x_direct16"], v["h_direct16"] = int(x_direct), int(h_direct)
-    gx, const_x = _limb_gemm("x", p.W, b["W"], b["x"], M_pad, ones_col, x_direct)
-    gh, const_h = _limb_gemm("h", p.R, b["R"], b["h"], M_pad, ones_col, h_direct)
+    gx, const_x = _limb_gemm("x", p.W, b["W"], b["x"], M_pad, ones_col, x_direct, gemm_min)
+    gh, const_h = _limb_gemm("h", p.R, b["R"], b["h"], M_pad, ones_col, h_direct, gemm_min)
     t.update(gx)
     t.update(gh)
 
@@ -582,8 +634,8 @@ class NativeLayer:
     """One layer and direction on one native backend: the C++ Layer and the tensors it points into.
 
     ``isa`` (CPU only): the instruction-set path (None: QGRU_CPU_ISA, default "auto", the fastest
-    usable one). ``gemm`` says which path the layer took ("avx2-fused", "portable", ...; "-fused":
-    one pass per step)."""
+    usable one). ``gemm`` says which path the layer took, as the built Layer reports it ("avx2-fused",
+    "portable", ...; "-fused": one pass per step; "cublas" on CUDA)."""
 
     def __init__(self, kind: str, p: LayerParams, device: torch.device, isa: Optional[str] = None) -> None:
         mod = load(kind)
@@ -593,10 +645,12 @@ class NativeLayer:
             tensors, values = prepare_layer(p.to("cpu"), act16=info["act_bytes"] == 2)
             self.layer = mod.Layer(tensors, values, str(info["name"]))
         else:
-            tensors, values = prepare_layer(p.to("cpu"))
+            tensors, values = prepare_layer(p.to("cpu"), gemm_min=CUDA_GEMM_MIN)
             self.layer = mod.Layer({k: x.to(device) for k, x in tensors.items()}, values)
         self.kind = kind
-        self.gemm = getattr(self.layer, "gemm", "cublas")
+        # what the built Layer reports (no default here: a Layer without it is a build mismatch,
+        # and the tests' check of the path must see what the extension says)
+        self.gemm = self.layer.gemm
 
     def __call__(self, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor]):
         return self.layer.forward(qx, qh0, lengths)

@@ -88,3 +88,69 @@ def test_cuda_binding_type_checks_against_torch(tmp_path):
     cmd.append(str(csrc_dir() / "qgru_cuda.cpp"))
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-4000:]}"
+
+
+_LAUNCH_CHECK = r"""
+#include <cstdio>
+#include <vector>
+#include "qgru_cuda_launch.h"
+
+// The kernels' index loops (qgru_cuda_kernels.cu: this_col, first_row, row_stride), run on the
+// host over the launch shape: every element of [rows, cols] must be visited exactly once.
+static int check(long long rows, long long cols) {
+  const qgru::cuda::Launch2DShape s = qgru::cuda::launch_2d_shape(rows, cols);
+  if (s.block_x * s.block_y != qgru::cuda::kThreads || s.block_x % 32 != 0 || s.grid_y < 1 ||
+      s.grid_y > 65535 || s.grid_x < 1 || s.grid_x > 2147483647LL || s.grid_x * s.block_x < cols) {
+    std::printf("bad shape for rows %lld cols %lld: grid %lld x %lld, block %lld x %lld\n", rows, cols,
+                (long long)s.grid_x, (long long)s.grid_y, (long long)s.block_x, (long long)s.block_y);
+    return 1;
+  }
+  std::vector<unsigned char> seen((size_t)(rows * cols), 0);
+  for (long long by = 0; by < s.grid_y; ++by)
+    for (long long ty = 0; ty < s.block_y; ++ty)
+      for (long long bx = 0; bx < s.grid_x; ++bx)
+        for (long long tx = 0; tx < s.block_x; ++tx) {
+          const long long c = bx * s.block_x + tx;
+          if (c >= cols) continue;
+          for (long long r = by * s.block_y + ty; r < rows; r += s.grid_y * s.block_y)
+            if (seen[(size_t)(r * cols + c)]++ != 0) {
+              std::printf("rows %lld cols %lld: (%lld, %lld) visited twice\n", rows, cols, r, c);
+              return 1;
+            }
+        }
+  for (long long i = 0; i < rows * cols; ++i)
+    if (seen[(size_t)i] != 1) {
+      std::printf("rows %lld cols %lld: (%lld, %lld) never visited\n", rows, cols, i / cols, i % cols);
+      return 1;
+    }
+  return 0;
+}
+
+int main() {
+  const long long rows[] = {1, 2, 7, 8, 9, 31, 32, 33, 64, 100, 16384, 65535LL * 8 + 3, 65535LL * 256 + 5};
+  const long long cols[] = {1, 2, 3, 5, 20, 31, 32, 33, 63, 64, 100, 129, 255, 256, 257, 387, 1024, 3072};
+  int bad = 0;
+  for (long long r : rows)
+    for (long long c : cols)
+      if (r * c <= 40000000LL) bad |= check(r, c);
+  bad |= check(3, 3 * 131071);  // the widest: 3H at the largest H
+  if (!bad) std::printf("LAUNCH-OK\n");
+  return bad;
+}
+"""
+
+
+def test_cuda_launch_shapes_visit_every_element_once(tmp_path):
+    """Item 10 of issue 13: the element-wise kernels index [rows, cols] by a 2-D launch without
+    64-bit division; their launch shape (csrc/qgru_cuda_launch.h) and index loops, compiled for the
+    host and run here, cover every element exactly once: narrow and wide arrays, partial blocks,
+    and more rows than grid y reaches (the grid-stride loop)."""
+    src = tmp_path / "launch_check.cpp"
+    src.write_text(_LAUNCH_CHECK)
+    exe = tmp_path / "launch_check"
+    cxx = os.environ.get("CXX", "c++")
+    r = subprocess.run([cxx, "-std=c++17", "-O2", "-Wall", "-Werror", "-I", str(csrc_dir()), str(src), "-o", str(exe)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "LAUNCH-OK" in r.stdout, r.stdout + r.stderr

@@ -20,12 +20,14 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
 import textwrap
 import threading
 import warnings
+from fractions import Fraction
 from pathlib import Path
 from typing import Optional
 
@@ -67,6 +69,38 @@ def _backend(kind: str) -> str:
 CPU_PATHS = ("portable", "avx2", "avx512vnni", "amx")
 
 
+def _cuda_must_be_available(name: str, why: str) -> None:
+    """Where torch sees a CUDA device, an unavailable cuda backend (a build or link failure) is a
+    failure with its reason, never a skip: a skip would leave every CUDA case unrun and the suite
+    green."""
+    if name == "cuda" and torch.cuda.is_available():
+        pytest.fail(f"torch sees a CUDA device ({torch.cuda.get_device_name()}) but the cuda backend is "
+                    f"unavailable: {why}", pytrace=False)
+
+
+def test_unavailable_cuda_backend_fails_where_torch_sees_a_gpu(monkeypatch):
+    """The rule the fixtures apply, checked here without a GPU: with a device, an unavailable cuda
+    backend is a failure carrying its reason; without one, the caller skips."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a test GPU")
+    with pytest.raises(pytest.fail.Exception, match=r"a test GPU.*unavailable: the link failed \(test\)"):
+        _cuda_must_be_available("cuda", "the link failed (test)")
+    _cuda_must_be_available("cpu", "not built (test)")  # only cuda has the rule
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _cuda_must_be_available("cuda", "the link failed (test)")
+
+
+@pytest.fixture(scope="module")
+def cuda_backend():
+    """For the CUDA-only tests: skipped without a CUDA device, a failure if one is there and the
+    backend does not load."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device (torch.cuda.is_available() is False)")
+    why = qgru.backends()["cuda"]["why"]
+    _cuda_must_be_available("cuda", why)
+    return "cuda"
+
+
 @pytest.fixture(scope="module", params=("cuda",) + tuple(f"cpu:{p}" for p in CPU_PATHS))
 def kind(request):
     """Each native backend, and the cpu backend once per instruction-set path (QGRU_CPU_ISA);
@@ -75,6 +109,7 @@ def kind(request):
     name = _backend(request.param)
     why = qgru.backends()[name]["why"]
     if why:
+        _cuda_must_be_available(name, why)
         pytest.skip(f"{name} backend unavailable: {why}")
     if name != "cpu":
         yield request.param
@@ -268,14 +303,25 @@ def _random_ints(shape, bits: int, gen: torch.Generator) -> torch.Tensor:
     return torch.where(u < 0.17, lo, torch.where(u < 0.34, hi, q))
 
 
-def _check_integer(kind: str, p: golden.LayerParams, T: int, N: int, with_lengths: bool, seed: int):
-    gen = torch.Generator().manual_seed(seed)
+def _random_inputs(p: golden.LayerParams, T: int, N: int, with_lengths: bool, gen: torch.Generator):
+    """qx [T, N, I], qh0 [N, H] over their whole ranges, and lengths [N] in [0, T] (or None)."""
     qx = _random_ints((T, N, p.input_size), p.bits["x"], gen)
     qh0 = _random_ints((N, p.hidden_size), p.bits["h"], gen)
     lengths = torch.randint(0, T + 1, (N,), generator=gen) if with_lengths else None
+    return qx, qh0, lengths
+
+
+def _check_integer(kind: str, p: golden.LayerParams, T: int, N: int, with_lengths: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    qx, qh0, lengths = _random_inputs(p, T, N, with_lengths, gen)
     want_out, want_h = golden.gru_direction(p, qx, qh0, lengths)
     dev = _device(kind)
-    pd = p if dev.type == "cpu" else p.to(dev)
+    pd = p
+    if dev.type != "cpu":  # one device copy of p, so its native Layer (and plan) serve every call with it
+        copies = p.__dict__.setdefault("_test_device_copies", {})
+        if str(dev) not in copies:
+            copies[str(dev)] = p.to(dev)
+        pd = copies[str(dev)]
     got_out, got_h = native.gru_direction(_backend(kind))(pd, qx.to(dev), qh0.to(dev), _to(lengths, dev))
     assert {layer.gemm for layer in pd.__dict__["_native"].values()} == {_expected_gemm(kind, p)}
     assert got_out.dtype == torch.int32 and got_h.dtype == torch.int32
@@ -534,6 +580,225 @@ def test_cpu_buffers_reused_only_when_dropped(cpu_backend):
 
 
 # ---------------------------------------------------------------------------------------------
+# CUDA only: one Layer over many calls (plan reuse, graph replay), streams, threads, a user's
+# graph capture, cuBLAS workspaces, large shapes. Skipped without a CUDA device; where there is
+# one, an unavailable backend fails (cuda_backend).
+# ---------------------------------------------------------------------------------------------
+def _cuda_layer(p: golden.LayerParams, graph: bool, monkeypatch) -> native.NativeLayer:
+    """A CUDA Layer of p with qgru's own CUDA graph on or off (QGRU_CUDA_GRAPH, read when the
+    Layer is made)."""
+    monkeypatch.setenv("QGRU_CUDA_GRAPH", "1" if graph else "0")
+    return native.NativeLayer("cuda", p, torch.device("cuda"))
+
+
+def _on_cuda(*ts):
+    return tuple(None if t is None else t.cuda() for t in ts)
+
+
+def _assert_golden(got, p: golden.LayerParams, qx, qh0, lengths, what: str = "") -> None:
+    """A CUDA Layer's (out, h_n) equals golden's for these (CPU) inputs."""
+    want_out, want_h = golden.gru_direction(p, qx, qh0, lengths)
+    out, h = got[0].cpu().long(), got[1].cpu().long()
+    assert got[0].dtype == torch.int32 and out.shape == want_out.shape, what
+    bad = (out != want_out).nonzero()
+    assert torch.equal(out, want_out), f"{what}: outputs differ at [t, n, j] {bad[:5].tolist()} ({len(bad)} of {out.numel()})"
+    assert torch.equal(h, want_h), f"{what}: h_n differs at {(h != want_h).nonzero()[:5].tolist()}"
+
+
+def _plain_layer(cfg: str, mode: str, I: int, H: int, seed: int, w_exp: int = -2) -> golden.LayerParams:
+    config = QuantConfig.load(cfg, overrides={"scale_mode": mode})
+    one = lambda lo, hi: (torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64))
+    per = lambda lo, hi: (torch.full((3 * H,), lo, dtype=torch.float64), torch.full((3 * H,), hi, dtype=torch.float64))
+    ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-4, 5), "Rh": per(-3, 2),
+              "r_pre": one(-6, 6), "z_pre": one(-6, 6), "g_pre": one(-5, 7)}
+    return _random_layer(config, I, H, ranges, w_exp=w_exp, b_exp=-2, zero_row=False, seed=seed)
+
+
+@pytest.mark.parametrize("cfg", ["w8a8", "w16a16"])
+def test_cuda_graph_replay_matches_eager_on_later_calls(cuda_backend, monkeypatch, cfg):
+    """One Layer with qgru's CUDA graph and one without (QGRU_CUDA_GRAPH=0), called again and again
+    with new data and new lengths every call: a shape that keeps its plan (call 1 makes the plan and
+    runs eagerly, call 2 captures the graph, calls 3 and 4 replay it), a change of shape and a
+    return to the first. Every call equals golden, and every result is still intact after all the
+    later calls (results are copies, never the plan's buffers)."""
+    p = _converted(_cfg(cfg, scale_mode="multiplier"), 23, 37)._qparams[0][0]
+    layers = {"graph": _cuda_layer(p, True, monkeypatch), "eager": _cuda_layer(p, False, monkeypatch)}
+    gen = torch.Generator().manual_seed(13)
+    shapes = [(9, 5, True)] * 4 + [(9, 5, False)] * 3 + [(4, 17, True)] * 3 + [(9, 5, True)] * 3
+    kept = []
+    for i, (T, N, with_lengths) in enumerate(shapes):
+        inputs = _random_inputs(p, T, N, with_lengths, gen)
+        for name, layer in layers.items():
+            got = layer(*_on_cuda(*inputs))
+            _assert_golden(got, p, *inputs, what=f"call {i + 1} {(T, N, with_lengths)} {name}")
+            kept.append((got, inputs, f"call {i + 1} {name}"))
+    for got, inputs, what in kept:
+        _assert_golden(got, p, *inputs, what=what + ", checked again after the later calls")
+    graph, eager = layers["graph"].layer.counters, layers["eager"].layer.counters
+    # 4 shapes in a row: every run of a shape after its first two calls is a replay
+    assert graph["captures"] == 4 and graph["replays"] == 13 - 4 - 4, graph
+    assert eager["captures"] == 0 and eager["replays"] == 0 and eager["eager_runs"] == 13, eager
+
+
+def _same_then_alternating(a, b):
+    """Call shapes for the stream and thread tests: one shape (one plan), then pairs of two shapes
+    (each change replaces the plan while the other stream may still be using the old one)."""
+    return [a] * 6, [a, a, b, b] * 2
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_cuda_one_layer_two_streams(cuda_backend, monkeypatch, graph):
+    """Calls on two streams of one Layer with no host sync between them, both streams held back
+    (torch.cuda._sleep) so the calls' GPU work would overlap: unordered, the second call's copies
+    and steps would overwrite the plan's buffers while the first call still reads them."""
+    p = _converted(_cfg("w8a8"), 23, 37)._qparams[0][0]
+    layer = _cuda_layer(p, graph, monkeypatch)
+    gen = torch.Generator().manual_seed(17)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for shapes in _same_then_alternating((20, 8, True), (12, 3, False)):
+        cases = [_random_inputs(p, T, N, L, gen) for T, N, L in shapes]
+        dev_cases = [_on_cuda(*c) for c in cases]
+        torch.cuda.synchronize()  # the inputs are on the device before either stream reads them
+        results = []
+        for i, c in enumerate(dev_cases):
+            with torch.cuda.stream(streams[i % 2]):
+                torch.cuda._sleep(20_000_000)  # some ms of GPU time before this call's work
+                results.append(layer(*c))
+        torch.cuda.synchronize()
+        for i, (got, c) in enumerate(zip(results, cases)):
+            _assert_golden(got, p, *c, what=f"call {i + 1} {shapes[i]} on stream {i % 2}")
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_cuda_one_layer_two_threads(cuda_backend, monkeypatch, graph):
+    """Two threads, each on a stream of its own, call one Layer: the same shape, then alternating
+    shapes in one of them. Every result equals golden."""
+    p = _converted(_cfg("w8a16"), 23, 37)._qparams[0][0]
+    layer = _cuda_layer(p, graph, monkeypatch)
+    same, alternating = _same_then_alternating((20, 8, True), (7, 2, False))
+    results, errors = [], []
+
+    def work(seed, shapes):
+        try:
+            gen = torch.Generator().manual_seed(seed)
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                for T, N, L in shapes:
+                    c = _random_inputs(p, T, N, L, gen)
+                    dev = _on_cuda(*c)  # copied on s: ordered before the call
+                    torch.cuda._sleep(5_000_000)
+                    results.append((layer(*dev), c, f"thread {seed} {(T, N, L)}"))
+            s.synchronize()
+        except BaseException as e:  # re-raised in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(1, same)), threading.Thread(target=work, args=(2, alternating))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    torch.cuda.synchronize()
+    assert len(results) == len(same) + len(alternating)
+    for got, c, what in results:
+        _assert_golden(got, p, *c, what=what)
+
+
+def test_cuda_call_inside_torch_cuda_graph(cuda_backend, monkeypatch):
+    """Inside a user's torch.cuda.graph capture a call runs eagerly on the capturing stream, caching
+    no plan and launching no graph of qgru's own, also when the Layer already has a plan and a
+    graph of that shape (which a cached path would launch, joining its side stream into the
+    capture). The user's graph then replays new inputs exactly (two calls in it, the second fed
+    the first's h_n), and the Layer still works after the capture."""
+    p = _converted(_cfg("w8a16"), 23, 37)._qparams[0][0]
+    layer = _cuda_layer(p, True, monkeypatch)
+    gen = torch.Generator().manual_seed(19)
+    T, N = 7, 6
+    for _ in range(2):  # a plan and a graph of qgru's own for this shape exist before the capture
+        c = _random_inputs(p, T, N, True, gen)
+        _assert_golden(layer(*_on_cuda(*c)), p, *c, "before the capture")
+    static = [t.clone() for t in _on_cuda(*_random_inputs(p, T, N, True, gen))]
+    side = torch.cuda.Stream()  # torch's advice: warm up on a side stream before capturing
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    before = dict(layer.layer.counters)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out1, h1 = layer(*static)
+        out2, h2 = layer(static[0], h1, static[2])  # a second call of the same shape in the capture
+    after = dict(layer.layer.counters)
+    assert after["in_foreign_capture"] == before["in_foreign_capture"] + 2, (before, after)
+    assert {k: v for k, v in after.items() if k != "in_foreign_capture"} == \
+        {k: v for k, v in before.items() if k != "in_foreign_capture"}, (before, after)
+    for r in range(2):
+        qx, qh0, lengths = _random_inputs(p, T, N, True, gen)
+        for dst, src in zip(static, (qx, qh0, lengths)):
+            dst.copy_(src)
+        g.replay()
+        torch.cuda.synchronize()
+        _, want_h1 = golden.gru_direction(p, qx, qh0, lengths)
+        _assert_golden((out1, h1), p, qx, qh0, lengths, f"replay {r + 1}, first call")
+        _assert_golden((out2, h2), p, qx, want_h1, lengths, f"replay {r + 1}, second call")
+    c = _random_inputs(p, T, N, True, gen)
+    _assert_golden(layer(*_on_cuda(*c)), p, *c, "after the capture")
+
+
+def test_cuda_after_clearing_cublas_workspaces(cuda_backend, monkeypatch):
+    """torch._C._cuda_clearCublasWorkspaces() frees PyTorch's cuBLAS workspaces. qgru's captured
+    graph owns its workspace, so later replays stay exact and do not write memory handed out again
+    after the clear (filled with a pattern here and checked)."""
+    p = _converted(_cfg("w16a16"), 64, 96)._qparams[0][0]
+    layer = _cuda_layer(p, True, monkeypatch)
+    gen = torch.Generator().manual_seed(23)
+    T, N = 12, 40
+    for i in range(2):  # the plan, then the graph's capture
+        c = _random_inputs(p, T, N, True, gen)
+        _assert_golden(layer(*_on_cuda(*c)), p, *c, f"call {i + 1}")
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()  # the freed workspaces go back to the driver and can come back below
+    fill = [torch.full((64 << 20,), 0x5A, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    torch.mm(torch.randn(256, 256, device="cuda"), torch.randn(256, 256, device="cuda"))  # torch's new workspace
+    for i in range(2, 5):
+        c = _random_inputs(p, T, N, True, gen)
+        _assert_golden(layer(*_on_cuda(*c)), p, *c, f"call {i + 1}, after the clear")
+    torch.cuda.synchronize()
+    assert all(bool((f == 0x5A).all()) for f in fill), "memory handed out after the clear was written"
+    assert layer.layer.counters["replays"] == 3
+
+
+@pytest.mark.parametrize("cfg,mode", [("w8a8", "pow2"), ("w16a16", "multiplier")])
+def test_cuda_large_layer(cuda_backend, monkeypatch, cfg, mode):
+    """H = I = 1024, N = 64, T = 300 with lengths (19200 rows of x: two W.x chunks): calls 1-3 on one
+    Layer (eager, capture, replay) with new data, each equal to golden."""
+    p = _plain_layer(cfg, mode, 1024, 1024, seed=29, w_exp=-5)
+    layer = _cuda_layer(p, True, monkeypatch)
+    gen = torch.Generator().manual_seed(29)
+    for i in range(3):
+        c = _random_inputs(p, 300, 64, True, gen)
+        _assert_golden(layer(*_on_cuda(*c)), p, *c, f"call {i + 1}")
+    assert layer.layer.counters["replays"] == 1
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_cuda_wx_over_two_chunks(cuda_backend, monkeypatch, graph):
+    """T N above the W.x chunk (the extension's wx_chunk_rows) and at most two of them: the second
+    chunk's rows (and the partial tile at its end) reach the right steps; three calls, new data."""
+    chunk = native.load("cuda").wx_chunk_rows
+    T, N = 700, 25
+    assert chunk < T * N <= 2 * chunk, (chunk, T * N)
+    p = _converted(_cfg("w8a16", scale_mode="multiplier"), 30, 20)._qparams[0][0]
+    layer = _cuda_layer(p, graph, monkeypatch)
+    gen = torch.Generator().manual_seed(31)
+    for i in range(3):
+        c = _random_inputs(p, T, N, True, gen)
+        _assert_golden(layer(*_on_cuda(*c)), p, *c, f"call {i + 1}")
+
+
+# ---------------------------------------------------------------------------------------------
 # 1b. Module level: a converted QuantGRU on each native backend == on the reference backend
 # ---------------------------------------------------------------------------------------------
 @settings(max_examples=_examples(300), **_SETTINGS)
@@ -677,16 +942,74 @@ def _boundary_floats(n: int, scale: float, zp: int, bits: int, dtype, gen: torch
     return torch.cat([v, special])
 
 
+class _ScalarBoundary:
+    """The boundary arithmetic of docs/spec.md one value at a time, in Python floats and exact
+    integers and fractions: a computation independent of primitives.py (and of torch's kernels),
+    for a backend whose boundary is the reference's own code on another device (cuda today), where
+    comparing with the reference would compare it with itself. Checked against the reference on
+    the CPU by test_scalar_boundary_is_the_reference."""
+
+    @staticmethod
+    def quantize(x, scale, zp, bits, what):
+        lo, hi = qrange(bits)
+        s, z = float(scale), int(zp)
+        out = []
+        for v in x.double().reshape(-1).tolist():
+            assert v == v, "NaN"
+            d = v / s  # the float64 quotient (one IEEE division, as the spec's)
+            if d >= hi - z + 1:  # +inf included: saturates
+                q = hi
+            elif d <= lo - z - 1:
+                q = lo
+            else:  # round half up, exactly: floor(d + 1/2) of the quotient's exact value
+                q = min(max(math.floor(Fraction(d) + Fraction(1, 2)) + z, lo), hi)
+            out.append(q)
+        return torch.tensor(out, dtype=torch.int64).reshape(x.shape)
+
+    @staticmethod
+    def dequantize(q, scale, zp):
+        s, z = float(scale), int(zp)
+        # (q - zp) is exact in float64 (|q - zp| < 2^17); one IEEE product; then rounded to float32
+        return torch.tensor([float(v - z) * s for v in q.reshape(-1).tolist()],
+                            dtype=torch.float64).reshape(q.shape).to(torch.float32)
+
+    @staticmethod
+    def requantize(q, from_zp, rescale, to_zp, bits):
+        lo, hi = qrange(bits)
+        m, sh, fz, tz = int(rescale.multiplier), int(rescale.shift), int(from_zp), int(to_zp)
+        # round_half_up(v m / 2^sh) in exact integers (Python's >> floors, as an arithmetic shift)
+        return torch.tensor([min(max((((v - fz) * m + (1 << (sh - 1))) >> sh) + tz, lo), hi) for v in q.reshape(-1).tolist()],
+                            dtype=torch.int64).reshape(q.shape)
+
+
+_BOUNDARY_GIVEN = dict(bits=st.integers(2, 16), pow2=st.booleans(), exp=st.integers(-24, 6), mant=st.floats(1.0, 2.0),
+                       zp_frac=st.floats(0.0, 1.0), dtype=st.sampled_from([torch.float32, torch.float64]),
+                       shape=st.sampled_from([(0,), (1,), (7, 3), (2, 5, 33)]), seed=st.integers(0, 2 ** 16))
+
+
 @settings(max_examples=_examples(150), **_SETTINGS)
-@given(bits=st.integers(2, 16), pow2=st.booleans(), exp=st.integers(-24, 6), mant=st.floats(1.0, 2.0),
-       zp_frac=st.floats(0.0, 1.0), dtype=st.sampled_from([torch.float32, torch.float64]),
-       shape=st.sampled_from([(0,), (1,), (7, 3), (2, 5, 33)]), seed=st.integers(0, 2 ** 16))
+@given(**_BOUNDARY_GIVEN)
 def test_boundary_ops_match_reference(kind, bits, pow2, exp, mant, zp_frac, dtype, shape, seed):
-    ref = backends_mod.BoundaryOps()
     ops = backends_mod._REGISTRY[_backend(kind)].boundary
     if _backend(kind) == "cpu":  # the cpu backend has one-pass C++ versions: comparing reference with itself proves nothing
         assert type(ops) is not backends_mod.BoundaryOps
-    dev = _device(kind)
+    # a backend that runs the reference's own boundary code (on its device) is compared with the
+    # independent scalar computation instead
+    ref = _ScalarBoundary() if type(ops) is backends_mod.BoundaryOps else backends_mod.BoundaryOps()
+    _check_boundary(ops, ref, _device(kind), bits, pow2, exp, mant, zp_frac, dtype, shape, seed)
+
+
+@settings(max_examples=_examples(40), **_SETTINGS)
+@given(**_BOUNDARY_GIVEN)
+def test_scalar_boundary_is_the_reference(bits, pow2, exp, mant, zp_frac, dtype, shape, seed):
+    """The scalar oracle above gives the reference's integers and floats (on the CPU), so a CUDA
+    mismatch against it is the device's, not the oracle's."""
+    _check_boundary(backends_mod.BoundaryOps(), _ScalarBoundary(), torch.device("cpu"), bits, pow2, exp, mant,
+                    zp_frac, dtype, shape, seed)
+
+
+def _check_boundary(ops, ref, dev, bits, pow2, exp, mant, zp_frac, dtype, shape, seed):
+    """ops (on ``dev``) against ref (on the CPU): quantize, dequantize, requantize."""
     gen = torch.Generator().manual_seed(seed)
     lo, hi = qrange(bits)
     scale = torch.tensor(2.0 ** exp * (1.0 if pow2 else mant), dtype=torch.float64)
@@ -735,6 +1058,8 @@ def test_backends_report():
         assert isinstance(rep["cuda"]["why"], str) and rep["cuda"]["why"].strip()
     if torch.version.cuda is None:
         assert "CPU-only" in rep["cuda"]["why"]
+    if torch.cuda.is_available():  # a build or link failure must show here, with its reason
+        assert rep["cuda"]["available"] is True, rep["cuda"]["why"]
 
 
 def test_default_backend_is_native_cpu(cpu_backend, monkeypatch):
@@ -891,6 +1216,29 @@ def test_no_build_env_falls_back_in_subprocess(tmp_path):
     assert r.returncode == 0 and "SUBPROCESS-OK" in r.stdout, r.stdout + r.stderr
 
 
+def test_find_cublas_links_the_library_torch_runs(tmp_path):
+    """The CUDA build links the cuBLAS torch has loaded (a pip-only install has only
+    libcublas.so.<major>, no unversioned libcublas.so for -lcublas), else the toolkit's of torch's
+    CUDA major; another major, or none, is an error naming what was looked for."""
+    pip = "/venv/lib/python3.11/site-packages/nvidia/cu13/lib/libcublas.so.13"
+    maps = "\n".join([
+        f"7f00-7f10 r--p 00000000 08:01 123 {pip.replace('libcublas.so', 'libcublasLt.so')}",
+        f"7f10-7f20 r-xp 00001000 08:01 124 {pip}",
+        "7f20-7f30 rw-p 00000000 00:00 0 ",
+    ])
+    assert native.find_cublas(maps, None, "13.0") == Path(pip)
+    with pytest.raises(RuntimeError, match="cuBLAS 13, but reports CUDA 12.8"):
+        native.find_cublas(maps, None, "12.8")
+    toolkit = tmp_path / "cuda"
+    (toolkit / "lib64").mkdir(parents=True)
+    (toolkit / "lib64" / "libcublas.so.12").write_bytes(b"")
+    assert native.find_cublas("", str(toolkit), "12.8") == toolkit / "lib64" / "libcublas.so.12"
+    with pytest.raises(RuntimeError, match=r"no cuBLAS 13 .*lib64/libcublas.so.13"):
+        native.find_cublas("", str(toolkit), "13.0")
+    with pytest.raises(RuntimeError, match="CPU-only"):
+        native.find_cublas(maps, None, None)
+
+
 # ---------------------------------------------------------------------------------------------
 # 8. Layer preparation: the int8 weight limbs and the constant terms
 # ---------------------------------------------------------------------------------------------
@@ -899,13 +1247,16 @@ def _act_limbs(q: torch.Tensor, bits: int):
     return [(l.to(torch.int64), s, c) for l, s, c in split_int8_limbs(q, bits)]
 
 
+@pytest.mark.parametrize("gemm_min", [native.GEMM_PAD, native.CUDA_GEMM_MIN])
 @pytest.mark.parametrize("w_bits,a_bits", [(8, 8), (8, 16), (16, 8), (16, 16), (4, 12), (12, 4)])
-def test_prepare_layer_limbs_reconstruct_weights(w_bits, a_bits):
+def test_prepare_layer_limbs_reconstruct_weights(w_bits, a_bits, gemm_min):
+    """The limbs, pairs and folded constants rebuild W q + b exactly; gemm_min (the CUDA backend's
+    32) pads the reduction (K = H = 13 here) and the channels further, with zeros."""
     H, I = 13, 21
     config = QuantConfig.load("w8a8", overrides={"tensors": {
         "W": {"bits": w_bits}, "R": {"bits": w_bits}, "x": {"bits": a_bits}, "h": {"bits": a_bits}}})
     p = _converted(config.to_json(), I, H)._qparams[0][0]
-    t, v = native.prepare_layer(p)
+    t, v = native.prepare_layer(p, gemm_min=gemm_min)
     gen = torch.Generator().manual_seed(w_bits * 100 + a_bits)
     for pre, Wq, K, bias_name, comp, b in (("x", p.W, I, "Wx", p.W_zp_comp, p.b_x),
                                            ("h", p.R, H, "Rh", p.R_zp_comp, p.b_h)):
@@ -913,8 +1264,8 @@ def test_prepare_layer_limbs_reconstruct_weights(w_bits, a_bits):
         pairs = t[f"{pre}_pairs"]
         assert limbs.dtype == torch.int8 and limbs.dim() == 3
         L, M_pad, K_pad = limbs.shape
-        assert M_pad == v["M_pad"] and M_pad % native.GEMM_PAD == 0 and M_pad >= 3 * H
-        assert K_pad % native.GEMM_PAD == 0 and K_pad >= K
+        assert M_pad == v["M_pad"] and M_pad % native.GEMM_PAD == 0 and M_pad >= max(3 * H, gemm_min)
+        assert K_pad % native.GEMM_PAD == 0 and K_pad >= max(K, gemm_min)
         assert L == (1 if w_bits <= 8 else 2)
         # the weights, from the pairs of activation limb 0 (scale 1): sum of scale * (limb + offset)
         a0 = [(j, s, d) for i, j, s, d in pairs.tolist() if i == 0]
