@@ -22,6 +22,7 @@ Scenarios (issue targets in brackets):
     python scripts/bench.py                        # cpu (+ cuda when available), writes BENCHMARKS.md
     python scripts/bench.py --quick --no-write     # small shapes, few repeats: a smoke test
     python scripts/bench.py --device cuda --configs w8a8,w8a16
+    python scripts/bench.py --configs w8a8,w8a8:pow2   # a config in the other scale mode too
     python scripts/bench.py --T 50 --N 32 --hidden 256 --threads 4 --out /tmp/b.md
 
 The cpu backend is timed once per instruction-set path the CPU runs (rows `cpu:amx`, `cpu:avx2`,
@@ -220,8 +221,15 @@ def cpu_kind(args) -> str:
     return "cpu-" + next(str(i["name"]) for i in native.cpu_paths() if i["usable"])
 
 
+def config_of(name: str) -> qgru.QuantConfig:
+    """A --configs entry: a built-in config, or NAME:MODE for it with another scale mode
+    (w8a8:pow2: every rescale a shift)."""
+    base, _, mode = name.partition(":")
+    return qgru.QuantConfig.load(base, overrides={"scale_mode": mode} if mode else None)
+
+
 def quantized(gru, calib, configs):
-    return {cfg: qgru.quantize_model(gru, calib, config=cfg, progress=False) for cfg in configs}
+    return {cfg: qgru.quantize_model(gru, calib, config=config_of(cfg), progress=False) for cfg in configs}
 
 
 def bench_cpu(args, configs) -> Bench:
@@ -355,7 +363,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda", "all"], default=None,
                     help="default: cpu, plus cuda when available")
-    ap.add_argument("--configs", default="w8a8")
+    ap.add_argument("--configs", default="w8a8", help="comma-separated built-in configs; NAME:MODE for another "
+                    "scale mode (w8a8:pow2)")
     ap.add_argument("--paths", default="", help="cpu backend paths to time, comma-separated (default: every "
                                                  "path this CPU runs: amx, avx512vnni, avx2, portable)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -380,6 +389,11 @@ def main(argv=None) -> None:
     if "cuda" in devices and not torch.cuda.is_available():
         sys.exit("--device cuda: torch.cuda.is_available() is False")
     configs = args.configs.split(",")
+    for c in configs:  # a bad name is an error before anything runs
+        try:
+            config_of(c)
+        except (ValueError, TypeError) as e:
+            sys.exit(f"--configs {c}: {e}")
 
     sections = {}
     for d in devices:
