@@ -50,27 +50,17 @@ void gemm_s8(cublasHandle_t handle, const int8_t* act, const int8_t* weight, int
         "cublasGemmEx (int8 -> int32)");
 }
 
-// limbs[i][r, k] = act_limb(src[r, k]) for r < rows, k < K (padding stays zero).
-__global__ void split_limbs_kernel(const int64_t* __restrict__ src, int64_t rows, int32_t K, int32_t bits,
-                                   int8_t* __restrict__ lo, int8_t* __restrict__ hi, int64_t ld) {
+// limbs[i][r, k] = act_limb(src[r, k]) for r < rows, k < K (padding stays zero): x's limbs (int64
+// qx [rows, I]) for W.x, and the initial state's (int32 [N, H]) for the first R.h GEMM.
+template <typename T>
+__global__ void limbs_kernel(const T* __restrict__ src, int64_t rows, int32_t K, int32_t bits,
+                             int8_t* __restrict__ lo, int8_t* __restrict__ hi, int64_t ld) {
   const int32_t k = this_col();
   if (k >= K) return;
   for (int64_t r = first_row(); r < rows; r += row_stride()) {
     const int64_t v = src[r * K + k];
     lo[r * ld + k] = act_limb(v, bits, 0);
     if (hi != nullptr) hi[r * ld + k] = act_limb(v, bits, 1);
-  }
-}
-
-// The limbs of the initial state (int32 [N, H]) for the first R.h GEMM.
-__global__ void state_limbs_kernel(const int32_t* __restrict__ state, int64_t N, int32_t H, int32_t bits,
-                                   int8_t* __restrict__ lo, int8_t* __restrict__ hi, int64_t ld) {
-  const int32_t j = this_col();
-  if (j >= H) return;
-  for (int64_t n = first_row(); n < N; n += row_stride()) {
-    const int32_t v = state[n * H + j];
-    lo[n * ld + j] = act_limb(v, bits, 0);
-    if (hi != nullptr) hi[n * ld + j] = act_limb(v, bits, 1);
   }
 }
 
@@ -150,9 +140,9 @@ void forward(const LayerDesc& d, const Workspace& ws, const int64_t* qx, int64_t
   for (int64_t r0 = 0; r0 < rows_total; r0 += ws.chunk_rows) {
     const int64_t rows = rows_total - r0 < ws.chunk_rows ? rows_total - r0 : ws.chunk_rows;
     const Launch2D lx = launch_2d(rows, d.I);
-    split_limbs_kernel<<<lx.grid, lx.block, 0, stream>>>(qx + r0 * d.I, rows, (int32_t)d.I, d.x_bits, ws.x_limbs[0],
+    limbs_kernel<int64_t><<<lx.grid, lx.block, 0, stream>>>(qx + r0 * d.I, rows, (int32_t)d.I, d.x_bits, ws.x_limbs[0],
                                                          d.x_bits > 8 ? ws.x_limbs[1] : nullptr, d.wx.K_pad);
-    check(cudaGetLastError(), "split_limbs_kernel launch");
+    check(cudaGetLastError(), "limbs_kernel (x) launch");
     // rows padded (gemm_rows): the extra rows hold stale or zero limbs, their outputs are never read
     const LimbProducts lp = run_gemms(d.wx, ws.x_limbs, ws.Gx, gemm_rows(rows), d.ones_col, handle);
     const Launch2D le = launch_2d(rows, H3);
@@ -164,9 +154,9 @@ void forward(const LayerDesc& d, const Workspace& ws, const int64_t* qx, int64_t
   }
   // h0's limbs, then one R.h GEMM + one cell kernel per step (seed 001 step 3)
   const Launch2D lh = launch_2d(N, H);
-  state_limbs_kernel<<<lh.grid, lh.block, 0, stream>>>(state, N, (int32_t)H, d.h_bits, ws.h_limbs[0],
+  limbs_kernel<int32_t><<<lh.grid, lh.block, 0, stream>>>(state, N, (int32_t)H, d.h_bits, ws.h_limbs[0],
                                                        d.h_bits > 8 ? ws.h_limbs[1] : nullptr, d.rh.K_pad);
-  check(cudaGetLastError(), "state_limbs_kernel launch");
+  check(cudaGetLastError(), "limbs_kernel (state) launch");
   for (int64_t t = 0; t < T; ++t) {
     const LimbProducts lp = run_gemms(d.rh, ws.h_limbs, ws.Gh, ws.N_pad, d.ones_col, handle);
     dispatch_kernel(d.rh.P, d.pow2, d.acc32, [&](auto np, auto pow2, auto acc32) {
