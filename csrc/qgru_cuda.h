@@ -53,6 +53,8 @@ struct LayerDesc {
 struct Workspace {
   int64_t chunk_rows;      // input rows per W.x GEMM chunk (gemm_rows of at most kChunkRows rows)
   int64_t N_pad;           // batch rows of the R.h GEMM (gemm_rows(N))
+  // limb and product buffers each from one allocation, consecutive (one GEMM per product spans
+  // them: run_gemms in qgru_cuda_kernels.cu checks the layout)
   int8_t* x_limbs[2];      // [chunk_rows, wx.K_pad]
   int32_t* Gx[kMaxPairs];  // [chunk_rows, M_pad]
   int8_t* h_limbs[2];      // [N_pad, rh.K_pad]

@@ -98,18 +98,29 @@ __global__ void cell_kernel(CellParams p, LimbProducts lp, int64_t N, int64_t t,
   }
 }
 
-// The limb GEMMs of one product and their LimbProducts view.
+// Every limb pair of one product in one GEMM (qgru_cuda_launch.h, one_gemm_for_pairs), and their
+// LimbProducts view: w8a16 and w16a16 launch one GEMM per product and step instead of 2 and 4.
+// The activation limbs are consecutive buffers of `buffer_rows` rows (act_limbs[1] = act_limbs[0]
+// + buffer_rows K_pad), the weight limbs consecutive [M_pad, K_pad] matrices, and G the pair
+// buffers of one allocation ([P][buffer_rows M_pad], which holds the GEMM's n_act buffer_rows x
+// n_w M_pad output): checked here.
 LimbProducts run_gemms(const GemmDesc& g, int8_t* const act_limbs[2], int32_t* const G[kMaxPairs], int64_t rows,
-                       int64_t ones_col, cublasHandle_t handle) {
+                       int64_t buffer_rows, int64_t ones_col, cublasHandle_t handle) {
+  PairGemm pg{};
+  bool ok = one_gemm_for_pairs(g.P, g.act_limb, g.weight_limb, rows, buffer_rows, g.M_pad, &pg);
+  for (int p = 0; ok && p < g.P; ++p) {
+    ok = ok && (g.act_limb[p] == 0 || act_limbs[1] == act_limbs[0] + buffer_rows * g.K_pad);
+    ok = ok && G[p] == G[0] + (int64_t)p * buffer_rows * g.M_pad;
+  }
+  if (!ok) throw std::runtime_error("qgru cuda: limb buffers are not laid out for one GEMM per product");
+  gemm_s8(handle, act_limbs[0], g.weight_limbs, G[0], pg.gemm_rows, pg.ld, g.K_pad);
   LimbProducts lp{};
   for (int p = 0; p < g.P; ++p) {
-    gemm_s8(handle, act_limbs[g.act_limb[p]], g.weight_limbs + g.weight_limb[p] * g.M_pad * g.K_pad, G[p], rows,
-            g.M_pad, g.K_pad);
-    lp.G[p] = G[p];
+    lp.G[p] = G[0] + pg.offset[p];
     lp.scale[p] = g.scale[p];
     lp.weight_offset[p] = g.weight_offset[p];
   }
-  lp.ld = g.M_pad;
+  lp.ld = pg.ld;
   lp.ones_col = ones_col;
   return lp;
 }
@@ -144,7 +155,7 @@ void forward(const LayerDesc& d, const Workspace& ws, const int64_t* qx, int64_t
                                                          d.x_bits > 8 ? ws.x_limbs[1] : nullptr, d.wx.K_pad);
     check(cudaGetLastError(), "limbs_kernel (x) launch");
     // rows padded (gemm_rows): the extra rows hold stale or zero limbs, their outputs are never read
-    const LimbProducts lp = run_gemms(d.wx, ws.x_limbs, ws.Gx, gemm_rows(rows), d.ones_col, handle);
+    const LimbProducts lp = run_gemms(d.wx, ws.x_limbs, ws.Gx, gemm_rows(rows), ws.chunk_rows, d.ones_col, handle);
     const Launch2D le = launch_2d(rows, H3);
     dispatch_kernel(d.wx.P, d.pow2, d.acc32, [&](auto np, auto pow2, auto acc32) {
       input_epilogue_kernel<decltype(np)::value, decltype(pow2)::value, decltype(acc32)::value>
@@ -158,7 +169,7 @@ void forward(const LayerDesc& d, const Workspace& ws, const int64_t* qx, int64_t
                                                        d.h_bits > 8 ? ws.h_limbs[1] : nullptr, d.rh.K_pad);
   check(cudaGetLastError(), "limbs_kernel (state) launch");
   for (int64_t t = 0; t < T; ++t) {
-    const LimbProducts lp = run_gemms(d.rh, ws.h_limbs, ws.Gh, ws.N_pad, d.ones_col, handle);
+    const LimbProducts lp = run_gemms(d.rh, ws.h_limbs, ws.Gh, ws.N_pad, ws.N_pad, d.ones_col, handle);
     dispatch_kernel(d.rh.P, d.pow2, d.acc32, [&](auto np, auto pow2, auto acc32) {
       cell_kernel<decltype(np)::value, decltype(pow2)::value, decltype(acc32)::value>
           <<<lh.grid, lh.block, 0, stream>>>(d.cell, lp, N, t, ws.dwx + t * N * H3, state, out + t * N * H,

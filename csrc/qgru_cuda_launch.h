@@ -1,6 +1,8 @@
-// Launch shapes of the CUDA backend's element-wise kernels (qgru_cuda_kernels.cu). Host code
-// without CUDA headers, so that tests/test_cuda_compile.py can compile it with the host compiler
-// and check, for many shapes, that the kernels' index loops visit every element exactly once.
+// Host-side shapes of the CUDA backend (qgru_cuda_kernels.cu): the element-wise kernels' launch
+// shapes and the layout of the one GEMM per product. Host code without CUDA headers, so that
+// tests/test_cuda_compile.py can compile it with the host compiler and check, for many shapes,
+// that the kernels' index loops visit every element exactly once and that the GEMM's blocks are
+// the limb pairs' products.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +33,41 @@ inline Launch2DShape launch_2d_shape(int64_t rows, int64_t cols) {
   int64_t gy = (rows + by - 1) / by;
   gy = gy < 1 ? 1 : (gy > 65535 ? 65535 : gy);  // gridDim.y's limit; the row loop covers the rest
   return {gx, gy, bx, by};
+}
+
+// Every limb pair of one product as one GEMM (run_gemms). The activation limbs are consecutive
+// buffers of buffer_rows rows each (limb i's rows start at row i buffer_rows of the stacked
+// matrix), the weight limbs consecutive [M_pad, K] matrices (n_w M_pad channels stacked). The GEMM
+// runs over gemm_rows = (n_act - 1) buffer_rows + rows stacked activation rows and all n_w M_pad
+// channels, output row stride ld = n_w M_pad; pair p = (activation limb i, weight limb j) is the
+// block starting at offset[p] = i buffer_rows ld + j M_pad (its row r, channel c at
+// offset[p] + r ld + c). Valid when the pairs are every (i, j) combination (prepare_layer makes
+// them so) and rows <= buffer_rows; returns false otherwise. The rows of limb i past `rows` are
+// computed and never read.
+struct PairGemm {
+  int64_t gemm_rows, ld;
+  int64_t offset[4];
+};
+
+inline bool one_gemm_for_pairs(int P, const int* act_limb, const int* weight_limb, int64_t rows, int64_t buffer_rows,
+                               int64_t M_pad, PairGemm* out) {
+  if (P < 1 || P > 4 || rows > buffer_rows) return false;
+  int n_act = 1, n_w = 1;
+  for (int p = 0; p < P; ++p) {
+    if (act_limb[p] < 0 || act_limb[p] > 1 || weight_limb[p] < 0 || weight_limb[p] > 1) return false;
+    n_act = act_limb[p] + 1 > n_act ? act_limb[p] + 1 : n_act;
+    n_w = weight_limb[p] + 1 > n_w ? weight_limb[p] + 1 : n_w;
+  }
+  for (int i = 0; i < n_act; ++i)  // every combination, once
+    for (int j = 0; j < n_w; ++j) {
+      int seen = 0;
+      for (int p = 0; p < P; ++p) seen += act_limb[p] == i && weight_limb[p] == j;
+      if (seen != 1) return false;
+    }
+  out->ld = n_w * M_pad;
+  out->gemm_rows = (n_act - 1) * buffer_rows + rows;
+  for (int p = 0; p < P; ++p) out->offset[p] = act_limb[p] * buffer_rows * out->ld + weight_limb[p] * M_pad;
+  return true;
 }
 
 }  // namespace cuda

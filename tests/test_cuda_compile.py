@@ -154,3 +154,87 @@ def test_cuda_launch_shapes_visit_every_element_once(tmp_path):
     assert r.returncode == 0, r.stderr
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "LAUNCH-OK" in r.stdout, r.stdout + r.stderr
+
+
+_PAIR_GEMM_CHECK = r"""
+#include <cstdio>
+#include <cstdint>
+#include <vector>
+#include "qgru_cuda_launch.h"
+
+// run_gemms' one GEMM per product (qgru_cuda_kernels.cu), emulated on the host with the layout of
+// csrc/qgru_cuda_launch.h: activation limbs in consecutive buffers of buffer_rows rows, weight
+// limbs in consecutive [M_pad, K] matrices, C = stacked activations . stacked weights^T with row
+// stride ld over gemm_rows rows. Each pair's block must be that pair's own product.
+static int check(int n_act, int n_w, long long rows, long long buffer_rows, long long M_pad, long long K) {
+  int act[4], w[4], P = 0;
+  for (int j = 0; j < n_w; ++j)  // prepare_layer's order: weight limb outer, activation limb inner
+    for (int i = 0; i < n_act; ++i) { act[P] = i; w[P] = j; ++P; }
+  qgru::cuda::PairGemm g{};
+  if (!qgru::cuda::one_gemm_for_pairs(P, act, w, rows, buffer_rows, M_pad, &g)) {
+    std::printf("layout refused: %d x %d, rows %lld\n", n_act, n_w, rows);
+    return 1;
+  }
+  std::vector<int> A((size_t)(n_act * buffer_rows * K)), W((size_t)(n_w * M_pad * K));
+  unsigned s = 12345;
+  for (int& v : A) { s = s * 1103515245u + 12345u; v = (int)((s >> 16) % 256) - 128; }
+  for (int& v : W) { s = s * 1103515245u + 12345u; v = (int)((s >> 16) % 255) - 127; }
+  // the one GEMM, over its stacked rows and channels (what cuBLAS computes)
+  const long long C_size = (n_act * buffer_rows) * g.ld;
+  if (g.gemm_rows * g.ld > C_size || g.ld != n_w * M_pad) { std::printf("output does not fit\n"); return 1; }
+  std::vector<long long> C((size_t)C_size, 0);
+  for (long long r = 0; r < g.gemm_rows; ++r)
+    for (long long c = 0; c < g.ld; ++c) {
+      long long acc = 0;
+      for (long long k = 0; k < K; ++k) acc += (long long)A[(size_t)(r * K + k)] * W[(size_t)(c * K + k)];
+      C[(size_t)(r * g.ld + c)] = acc;
+    }
+  for (int p = 0; p < P; ++p)
+    for (long long r = 0; r < rows; ++r)
+      for (long long c = 0; c < M_pad; ++c) {
+        long long want = 0;
+        for (long long k = 0; k < K; ++k)
+          want += (long long)A[(size_t)((act[p] * buffer_rows + r) * K + k)] * W[(size_t)((w[p] * M_pad + c) * K + k)];
+        if (C[(size_t)(g.offset[p] + r * g.ld + c)] != want) {
+          std::printf("pair %d (%d, %d) row %lld channel %lld: block holds another product\n", p, act[p], w[p], r, c);
+          return 1;
+        }
+      }
+  return 0;
+}
+
+int main() {
+  int bad = 0;
+  for (int n_act = 1; n_act <= 2; ++n_act)
+    for (int n_w = 1; n_w <= 2; ++n_w) {
+      bad |= check(n_act, n_w, 32, 32, 48, 32);  // R.h: rows = buffer rows
+      bad |= check(n_act, n_w, 32, 64, 32, 48);  // a last W.x chunk shorter than its buffer
+      bad |= check(n_act, n_w, 48, 48, 64, 16);
+    }
+  int act[2] = {0, 1}, w[2] = {0, 0};
+  qgru::cuda::PairGemm g{};
+  bad |= qgru::cuda::one_gemm_for_pairs(2, act, w, 64, 32, 32, &g);  // rows past the buffer: refused
+  int dup_a[2] = {0, 0}, dup_w[2] = {0, 0};
+  bad |= qgru::cuda::one_gemm_for_pairs(2, dup_a, dup_w, 32, 32, 32, &g);  // a pair twice: refused
+  int miss_a[3] = {0, 1, 0}, miss_w[3] = {0, 0, 1};
+  bad |= qgru::cuda::one_gemm_for_pairs(3, miss_a, miss_w, 32, 32, 32, &g);  // (1, 1) missing: refused
+  if (!bad) std::printf("PAIRS-OK\n");
+  return bad;
+}
+"""
+
+
+def test_cuda_one_gemm_per_product_layout(tmp_path):
+    """Item 8 of issue 13: the CUDA backend multiplies every limb pair of a product in one GEMM
+    (run_gemms); the layout (csrc/qgru_cuda_launch.h, one_gemm_for_pairs), compiled for the host
+    and run here with an emulated GEMM, places each pair's own product in that pair's block, for
+    every limb count, a W.x chunk shorter than its buffer, and refuses layouts it cannot serve."""
+    src = tmp_path / "pair_gemm_check.cpp"
+    src.write_text(_PAIR_GEMM_CHECK)
+    exe = tmp_path / "pair_gemm_check"
+    cxx = os.environ.get("CXX", "c++")
+    r = subprocess.run([cxx, "-std=c++17", "-O2", "-Wall", "-Werror", "-I", str(csrc_dir()), str(src), "-o", str(exe)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "PAIRS-OK" in r.stdout, r.stdout + r.stderr
