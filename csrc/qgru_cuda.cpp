@@ -82,7 +82,7 @@ Buffers make_buffers(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_le
   Buffers b;
   const cuda::WorkspaceSizes s = cuda::workspace_sizes(d, T, N);
   auto i8 = opts.dtype(at::kChar), i32 = opts.dtype(at::kInt), i64 = opts.dtype(at::kLong);
-  b.qx = at::empty({T, N, d.I}, i64);
+  b.qx = at::empty({T, N, d.I}, i32);  // quantized x: at most 16 bits
   b.state = at::empty({N, d.H}, i32);
   b.out = at::empty({T, N, d.H}, i32);
   if (has_lengths) b.lengths = at::empty({N}, i64);
@@ -93,6 +93,7 @@ Buffers make_buffers(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_le
   b.Gh = at::empty({d.rh.P, s.Gh}, i32);
   b.dwx = at::empty({s.dwx}, i32);
   cuda::Workspace& ws = b.ws;
+  ws.window_steps = s.window_steps;
   ws.chunk_rows = s.chunk_rows;
   ws.N_pad = s.N_pad;
   for (int i = 0; i < 2; ++i) {
@@ -290,7 +291,7 @@ class CudaLayer {
 
   void run(const Buffers& b, cudaStream_t stream, cublasHandle_t handle) const {
     const int64_t T = b.qx.size(0), N = b.qx.size(1);
-    cuda::forward(d_, b.ws, b.qx.data_ptr<int64_t>(), T, N, b.state.data_ptr<int32_t>(), b.out.data_ptr<int32_t>(),
+    cuda::forward(d_, b.ws, b.qx.data_ptr<int32_t>(), T, N, b.state.data_ptr<int32_t>(), b.out.data_ptr<int32_t>(),
                   b.lengths.defined() ? b.lengths.data_ptr<int64_t>() : nullptr, stream, handle);
   }
 
@@ -375,7 +376,7 @@ class CudaLayer {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "qgru CUDA backend (bit-exact with qgru/golden.py)";
   m.attr("built_for_torch") = QGRU_TORCH_VERSION;
-  m.attr("wx_chunk_rows") = qgru::cuda::kChunkRows;  // rows of x per W.x GEMM (the tests span two)
+  m.attr("wx_chunk_rows") = qgru::cuda::kChunkRows;  // rows of x per window (the tests span two windows)
   m.def("check_cublas", &qgru::check_cublas_version,
         "raise unless the loaded cuBLAS has the major version of the headers the extension was built with");
   pybind11::class_<qgru::CudaLayer>(m, "Layer")

@@ -19,7 +19,7 @@ constexpr int kPad = 16;  // rows, channels and K are padded to multiples of 16 
 // version, qgru never asks for them. The weight limbs come padded by prepare_layer (gemm_min);
 // the row counts are padded here (gemm_rows).
 constexpr int64_t kMinGemmDim = 32;
-constexpr int64_t kChunkRows = 16384;  // input rows (steps x batch) per W.x GEMM chunk, a multiple of kPad
+constexpr int64_t kChunkRows = 16384;  // input rows (steps x batch) of one window's W.x GEMM, a multiple of kPad
 
 // Rows of a GEMM over `rows` rows of activations: a multiple of kPad, at least kMinGemmDim.
 inline int64_t gemm_rows(int64_t rows) {
@@ -51,7 +51,8 @@ struct LayerDesc {
 // Device buffers for one forward of shape (T, N); sizes from workspace_sizes(). Limb buffers must
 // be zeroed once at allocation (their padding is never written).
 struct Workspace {
-  int64_t chunk_rows;      // input rows per W.x GEMM chunk (gemm_rows of at most kChunkRows rows)
+  int64_t window_steps;    // steps per window: W.x of a window's steps, then their recurrence
+  int64_t chunk_rows;      // buffer rows of a window's x limbs and W.x GEMM (gemm_rows of its rows)
   int64_t N_pad;           // batch rows of the R.h GEMM (gemm_rows(N))
   // limb and product buffers each from one allocation, consecutive (one GEMM per product spans
   // them: run_gemms in qgru_cuda_kernels.cu checks the layout)
@@ -59,19 +60,19 @@ struct Workspace {
   int32_t* Gx[kMaxPairs];  // [chunk_rows, M_pad]
   int8_t* h_limbs[2];      // [N_pad, rh.K_pad]
   int32_t* Gh[kMaxPairs];  // [N_pad, M_pad]
-  int32_t* dwx;            // [T * N, 3H]  Wx - Z_Wx of every step
+  int32_t* dwx;            // [window_steps * N, 3H]  Wx - Z_Wx of the current window's steps
 };
 
 struct WorkspaceSizes {    // element counts
-  int64_t chunk_rows, N_pad, x_limb, Gx, h_limb, Gh, dwx;
+  int64_t window_steps, chunk_rows, N_pad, x_limb, Gx, h_limb, Gh, dwx;
 };
 
 WorkspaceSizes workspace_sizes(const LayerDesc& d, int64_t T, int64_t N);
 
 // out[t] and state: int32 [N, H] (state holds q_h0 on entry and q_h_T on return).
-// qx: int64 [T, N, I] on the device. lengths: int64 [N] or nullptr.
+// qx: int32 [T, N, I] on the device (values of at most 16 bits). lengths: int64 [N] or nullptr.
 // Only kernel launches and cuBLAS calls on `stream`: safe to capture in a CUDA graph.
-void forward(const LayerDesc& d, const Workspace& ws, const int64_t* qx, int64_t T, int64_t N, int32_t* state,
+void forward(const LayerDesc& d, const Workspace& ws, const int32_t* qx, int64_t T, int64_t N, int32_t* state,
              int32_t* out, const int64_t* lengths, cudaStream_t stream, cublasHandle_t handle);
 
 }  // namespace cuda

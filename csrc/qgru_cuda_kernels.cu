@@ -129,54 +129,62 @@ LimbProducts run_gemms(const GemmDesc& g, int8_t* const act_limbs[2], int32_t* c
 
 WorkspaceSizes workspace_sizes(const LayerDesc& d, int64_t T, int64_t N) {
   WorkspaceSizes s;
-  const int64_t rows = T * N;
-  s.chunk_rows = gemm_rows(rows < kChunkRows ? (rows > 0 ? rows : 1) : kChunkRows);
-  s.N_pad = gemm_rows(N > 0 ? N : 1);
+  const int64_t n = N > 0 ? N : 1;
+  // a window: as many steps as fit kChunkRows rows of x (at least one), at most T
+  s.window_steps = kChunkRows / n > 1 ? kChunkRows / n : 1;
+  if (T > 0 && s.window_steps > T) s.window_steps = T;
+  const int64_t window_rows = s.window_steps * n;
+  s.chunk_rows = gemm_rows(window_rows);
+  s.N_pad = gemm_rows(n);
   s.x_limb = s.chunk_rows * d.wx.K_pad;
   s.Gx = s.chunk_rows * d.wx.M_pad;
   s.h_limb = s.N_pad * d.rh.K_pad;
   s.Gh = s.N_pad * d.rh.M_pad;
-  s.dwx = rows * 3 * d.H;
+  s.dwx = window_rows * 3 * d.H;
   return s;
 }
 
-void forward(const LayerDesc& d, const Workspace& ws, const int64_t* qx, int64_t T, int64_t N, int32_t* state,
+void forward(const LayerDesc& d, const Workspace& ws, const int32_t* qx, int64_t T, int64_t N, int32_t* state,
              int32_t* out, const int64_t* lengths, cudaStream_t stream, cublasHandle_t handle) {
   if (T == 0 || N == 0) return;
   // `handle` must already be bound to `stream` with a workspace (qgru_cuda.cpp binds its own handle;
   // PyTorch's comes bound): calling cublasSetStream here would reset that workspace, and cuBLAS would
   // allocate inside a graph capture.
-  const int64_t H = d.H, H3 = 3 * H, rows_total = T * N;
-  // W.x for all steps, in chunks of rows (seed 001 steps 1-2)
-  for (int64_t r0 = 0; r0 < rows_total; r0 += ws.chunk_rows) {
-    const int64_t rows = rows_total - r0 < ws.chunk_rows ? rows_total - r0 : ws.chunk_rows;
-    const Launch2D lx = launch_2d(rows, d.I);
-    limbs_kernel<int64_t><<<lx.grid, lx.block, 0, stream>>>(qx + r0 * d.I, rows, (int32_t)d.I, d.x_bits, ws.x_limbs[0],
-                                                         d.x_bits > 8 ? ws.x_limbs[1] : nullptr, d.wx.K_pad);
-    check(cudaGetLastError(), "limbs_kernel (x) launch");
-    // rows padded (gemm_rows): the extra rows hold stale or zero limbs, their outputs are never read
-    const LimbProducts lp = run_gemms(d.wx, ws.x_limbs, ws.Gx, gemm_rows(rows), ws.chunk_rows, d.ones_col, handle);
-    const Launch2D le = launch_2d(rows, H3);
-    dispatch_kernel(d.wx.P, d.pow2, d.acc32, [&](auto np, auto pow2, auto acc32) {
-      input_epilogue_kernel<decltype(np)::value, decltype(pow2)::value, decltype(acc32)::value>
-          <<<le.grid, le.block, 0, stream>>>(d.acc_x, d.acc_x32, lp, rows, (int32_t)H3, ws.dwx + r0 * H3);
-    });
-    check(cudaGetLastError(), "input_epilogue_kernel launch");
-  }
-  // h0's limbs, then one R.h GEMM + one cell kernel per step (seed 001 step 3)
+  const int64_t H = d.H, H3 = 3 * H;
+  // h0's limbs for the first R.h GEMM
   const Launch2D lh = launch_2d(N, H);
   limbs_kernel<int32_t><<<lh.grid, lh.block, 0, stream>>>(state, N, (int32_t)H, d.h_bits, ws.h_limbs[0],
                                                        d.h_bits > 8 ? ws.h_limbs[1] : nullptr, d.rh.K_pad);
   check(cudaGetLastError(), "limbs_kernel (state) launch");
-  for (int64_t t = 0; t < T; ++t) {
-    const LimbProducts lp = run_gemms(d.rh, ws.h_limbs, ws.Gh, ws.N_pad, ws.N_pad, d.ones_col, handle);
-    dispatch_kernel(d.rh.P, d.pow2, d.acc32, [&](auto np, auto pow2, auto acc32) {
-      cell_kernel<decltype(np)::value, decltype(pow2)::value, decltype(acc32)::value>
-          <<<lh.grid, lh.block, 0, stream>>>(d.cell, lp, N, t, ws.dwx + t * N * H3, state, out + t * N * H,
-                                                       lengths, d.h_bits, ws.h_limbs[0],
-                                                       d.h_bits > 8 ? ws.h_limbs[1] : nullptr, d.rh.K_pad);
+  // Windows of steps: W.x of a window's steps in one GEMM (seed 001 steps 1-2), then their
+  // recurrence, one R.h GEMM + one cell kernel per step (step 3). Wx - Z_Wx is kept for one window
+  // only (at most kChunkRows rows), not for all T steps.
+  for (int64_t t0 = 0; t0 < T; t0 += ws.window_steps) {
+    const int64_t steps = T - t0 < ws.window_steps ? T - t0 : ws.window_steps;
+    const int64_t rows = steps * N;
+    const Launch2D lx = launch_2d(rows, d.I);
+    limbs_kernel<int32_t><<<lx.grid, lx.block, 0, stream>>>(qx + t0 * N * d.I, rows, (int32_t)d.I, d.x_bits,
+                                                         ws.x_limbs[0], d.x_bits > 8 ? ws.x_limbs[1] : nullptr,
+                                                         d.wx.K_pad);
+    check(cudaGetLastError(), "limbs_kernel (x) launch");
+    // rows padded (gemm_rows): the extra rows hold stale or zero limbs, their outputs are never read
+    const LimbProducts lx_p = run_gemms(d.wx, ws.x_limbs, ws.Gx, gemm_rows(rows), ws.chunk_rows, d.ones_col, handle);
+    const Launch2D le = launch_2d(rows, H3);
+    dispatch_kernel(d.wx.P, d.pow2, d.acc32, [&](auto np, auto pow2, auto acc32) {
+      input_epilogue_kernel<decltype(np)::value, decltype(pow2)::value, decltype(acc32)::value>
+          <<<le.grid, le.block, 0, stream>>>(d.acc_x, d.acc_x32, lx_p, rows, (int32_t)H3, ws.dwx);
     });
-    check(cudaGetLastError(), "cell_kernel launch");
+    check(cudaGetLastError(), "input_epilogue_kernel launch");
+    for (int64_t t = t0; t < t0 + steps; ++t) {
+      const LimbProducts lp = run_gemms(d.rh, ws.h_limbs, ws.Gh, ws.N_pad, ws.N_pad, d.ones_col, handle);
+      dispatch_kernel(d.rh.P, d.pow2, d.acc32, [&](auto np, auto pow2, auto acc32) {
+        cell_kernel<decltype(np)::value, decltype(pow2)::value, decltype(acc32)::value>
+            <<<lh.grid, lh.block, 0, stream>>>(d.cell, lp, N, t, ws.dwx + (t - t0) * N * H3, state, out + t * N * H,
+                                               lengths, d.h_bits, ws.h_limbs[0],
+                                               d.h_bits > 8 ? ws.h_limbs[1] : nullptr, d.rh.K_pad);
+      });
+      check(cudaGetLastError(), "cell_kernel launch");
+    }
   }
 }
 

@@ -785,8 +785,9 @@ def test_cuda_large_layer(cuda_backend, monkeypatch, cfg, mode):
 
 @pytest.mark.parametrize("graph", [True, False])
 def test_cuda_wx_over_two_chunks(cuda_backend, monkeypatch, graph):
-    """T N above the W.x chunk (the extension's wx_chunk_rows) and at most two of them: the second
-    chunk's rows (and the partial tile at its end) reach the right steps; three calls, new data."""
+    """T N above the W.x chunk (the extension's wx_chunk_rows) and at most two of them: W.x runs in
+    two windows of steps, each followed by its steps' recurrence; the second window's rows (and the
+    partial tile at its end) reach the right steps; three calls, new data."""
     chunk = native.load("cuda").wx_chunk_rows
     T, N = 700, 25
     assert chunk < T * N <= 2 * chunk, (chunk, T * N)
