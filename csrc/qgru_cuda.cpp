@@ -366,6 +366,40 @@ class CudaLayer {
   Counters counters_;
 };
 
+// The float boundary (BoundaryOps of the cuda backend, qgru/backends.py): one kernel pass each on
+// the current stream, the arithmetic of qgru_fixedpoint.h shared with the CPU backend. NaN is an
+// error, as on every backend: reading the device flag waits for the pass (one small copy, where
+// the reference boundary's isnan(x).any() waited too).
+at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bits, const std::string& what) {
+  TORCH_CHECK(x_in.is_cuda() && x_in.is_floating_point(), "qgru cuda quantize: a floating-point CUDA tensor expected");
+  TORCH_CHECK(bits >= 2 && bits <= 16 && zp >= -(int64_t(1) << 16) && zp <= (int64_t(1) << 16) && scale > 0,
+              "qgru cuda quantize: bits ", bits, ", zero point ", zp, ", scale ", scale, " out of range");
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = (x_in.scalar_type() == at::kDouble ? x_in : x_in.to(at::kFloat)).contiguous();
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kInt));
+  at::Tensor nan = at::zeros({1}, x.options().dtype(at::kInt));
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  if (x.scalar_type() == at::kDouble)
+    cuda::quantize(x.data_ptr<double>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, (int32_t)bits,
+                   nan.data_ptr<int32_t>(), stream);
+  else
+    cuda::quantize(x.data_ptr<float>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, (int32_t)bits,
+                   nan.data_ptr<int32_t>(), stream);
+  TORCH_CHECK_VALUE(nan.item<int32_t>() == 0, "QuantGRU ", what, " contains NaN, which has no quantized value ",
+                    "(out-of-range and infinite values saturate)");
+  return q;
+}
+
+at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
+  TORCH_CHECK(q_in.is_cuda() && !q_in.is_floating_point(), "qgru cuda dequantize: an integer CUDA tensor expected");
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = q_in.to(at::kInt).contiguous();  // values of at most 16 bits
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  cuda::dequantize(q.data_ptr<int32_t>(), out.data_ptr<float>(), q.numel(), scale, zp,
+                   at::cuda::getCurrentCUDAStream().stream());
+  return out;
+}
+
 }  // namespace
 }  // namespace qgru
 
@@ -377,6 +411,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "qgru CUDA backend (bit-exact with qgru/golden.py)";
   m.attr("built_for_torch") = QGRU_TORCH_VERSION;
   m.attr("wx_chunk_rows") = qgru::cuda::kChunkRows;  // rows of x per window (the tests span two windows)
+  m.def("quantize", &qgru::quantize, "float CUDA tensor -> int32 on (scale, zp, bits); NaN raises ValueError",
+        pybind11::arg("x"), pybind11::arg("scale"), pybind11::arg("zp"), pybind11::arg("bits"), pybind11::arg("what"));
+  m.def("dequantize", &qgru::dequantize, "integer CUDA tensor -> float32 (q - zp) * scale", pybind11::arg("q"),
+        pybind11::arg("scale"), pybind11::arg("zp"));
   m.def("check_cublas", &qgru::check_cublas_version,
         "raise unless the loaded cuBLAS has the major version of the headers the extension was built with");
   pybind11::class_<qgru::CudaLayer>(m, "Layer")

@@ -75,5 +75,14 @@ WorkspaceSizes workspace_sizes(const LayerDesc& d, int64_t T, int64_t N);
 void forward(const LayerDesc& d, const Workspace& ws, const int32_t* qx, int64_t T, int64_t N, int32_t* state,
              int32_t* out, const int64_t* lengths, cudaStream_t stream, cublasHandle_t handle);
 
+// The float boundary (primitives.quantize / dequantize) in one pass each, on `stream`: x [n] float32
+// or float64 -> q int32 on the grid (scale, zp, bits), *nan_flag (device int32, zeroed by the
+// caller) set to 1 if any x is NaN; q int32 [n] -> out float32.
+void quantize(const float* x, int32_t* q, int64_t n, double scale, int64_t zp, int32_t bits, int32_t* nan_flag,
+              cudaStream_t stream);
+void quantize(const double* x, int32_t* q, int64_t n, double scale, int64_t zp, int32_t bits, int32_t* nan_flag,
+              cudaStream_t stream);
+void dequantize(const int32_t* q, float* out, int64_t n, double scale, int64_t zp, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace qgru

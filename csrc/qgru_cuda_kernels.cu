@@ -98,6 +98,39 @@ __global__ void cell_kernel(CellParams p, LimbProducts lp, int64_t N, int64_t t,
   }
 }
 
+// The float boundary in one pass each (issue 13 item 7): qgru_fixedpoint.h's quantize_value and
+// dequantize_value, the functions the CPU backend's boundary computes too. A grid-stride loop over
+// the elements; a NaN sets *nan_flag (the binding raises).
+template <typename T>
+__global__ void quantize_kernel(const T* __restrict__ x, int32_t* __restrict__ q, int64_t n, double scale, int64_t zp,
+                                Range r, double lo, double hi, int32_t* __restrict__ nan_flag) {
+  bool nan = false;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    q[i] = quantize_value((double)x[i], scale, zp, r, lo, hi, &nan);
+  if (nan) *nan_flag = 1;
+}
+
+__global__ void dequantize_kernel(const int32_t* __restrict__ q, float* __restrict__ out, int64_t n, double scale,
+                                  double zp) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    out[i] = dequantize_value(q[i], scale, zp);
+}
+
+unsigned elementwise_blocks(int64_t n) {
+  const int64_t b = (n + kThreads - 1) / kThreads;
+  return (unsigned)(b < 1 ? 1 : (b > 65535 ? 65535 : b));  // the grid-stride loop covers the rest
+}
+
+template <typename T>
+void quantize_t(const T* x, int32_t* q, int64_t n, double scale, int64_t zp, int32_t bits, int32_t* nan_flag,
+                cudaStream_t stream) {
+  const Range r{-(int64_t(1) << (bits - 1)), (int64_t(1) << (bits - 1)) - 1};
+  const double lo = (double)(r.lo - zp - 1), hi = (double)(r.hi - zp + 1);
+  if (n == 0) return;
+  quantize_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(x, q, n, scale, zp, r, lo, hi, nan_flag);
+  check(cudaGetLastError(), "quantize_kernel launch");
+}
+
 // Every limb pair of one product in one GEMM (qgru_cuda_launch.h, one_gemm_for_pairs), and their
 // LimbProducts view: w8a16 and w16a16 launch one GEMM per product and step instead of 2 and 4.
 // The activation limbs are consecutive buffers of `buffer_rows` rows (act_limbs[1] = act_limbs[0]
@@ -186,6 +219,22 @@ void forward(const LayerDesc& d, const Workspace& ws, const int32_t* qx, int64_t
       check(cudaGetLastError(), "cell_kernel launch");
     }
   }
+}
+
+void quantize(const float* x, int32_t* q, int64_t n, double scale, int64_t zp, int32_t bits, int32_t* nan_flag,
+              cudaStream_t stream) {
+  quantize_t(x, q, n, scale, zp, bits, nan_flag, stream);
+}
+
+void quantize(const double* x, int32_t* q, int64_t n, double scale, int64_t zp, int32_t bits, int32_t* nan_flag,
+              cudaStream_t stream) {
+  quantize_t(x, q, n, scale, zp, bits, nan_flag, stream);
+}
+
+void dequantize(const int32_t* q, float* out, int64_t n, double scale, int64_t zp, cudaStream_t stream) {
+  if (n == 0) return;
+  dequantize_kernel<<<elementwise_blocks(n), kThreads, 0, stream>>>(q, out, n, scale, (double)zp);
+  check(cudaGetLastError(), "dequantize_kernel launch");
 }
 
 }  // namespace cuda

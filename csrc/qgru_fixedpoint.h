@@ -51,6 +51,30 @@ QGRU_HD int64_t rounding_mul_shift(int64_t x, int64_t m, int32_t s) {
   return (((x * m) >> (s - 1)) + 1) >> 1;
 }
 
+// The float boundary (primitives.quantize / dequantize), one element; the CPU paths' vector forms
+// (csrc/cpu/quantize_block.h) compute the same float64 operations lane by lane.
+// quantize: saturate(round_half_up(x / scale) + zp) on the range r, with x / scale clamped first
+// to [lo, hi] = [r.lo - zp - 1, r.hi - zp + 1] (so +-inf saturate); NaN gives 0 and sets *nan.
+QGRU_HD int32_t quantize_value(double x, double scale, int64_t zp, Range r, double lo, double hi, bool* nan) {
+  double v = x / scale;
+  if (v != v) {
+    *nan = true;
+    v = 0.0;
+  }
+  v = v < lo ? lo : (v > hi ? hi : v);
+#if defined(__CUDA_ARCH__)
+  const double f = floor(v);
+#else
+  const double f = __builtin_floor(v);
+#endif
+  const int64_t rounded = (int64_t)f + ((v - f) >= 0.5 ? 1 : 0);  // round half up, exact
+  return (int32_t)saturate(rounded + zp, r);
+}
+
+// dequantize: float32((q - zp) * scale) with the product in float64; (double)q - (double)zp is the
+// int64 difference exactly (both below 2^53).
+QGRU_HD float dequantize_value(int32_t q, double scale, double zp) { return (float)(((double)q - zp) * scale); }
+
 // round_half_up(v / 2^s) for s >= 0; s = 0 returns v (primitives.rounding_shift).
 QGRU_HD int64_t rounding_shift(int64_t v, int32_t s) { return (v + ((int64_t(1) << s) >> 1)) >> s; }
 

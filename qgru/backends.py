@@ -62,6 +62,33 @@ class _NativeCpuBoundaryOps(BoundaryOps):
                                    int(to_zp), int(bits))
 
 
+def _host_scalar(t, kind=float):
+    """A one-element scalar parameter as a Python number, read once per tensor: device parameters
+    (LayerParams.to("cuda")) would otherwise cost a device-to-host copy per call."""
+    if not isinstance(t, torch.Tensor):
+        return kind(t)
+    v = getattr(t, "_qgru_host_value", None)
+    if v is None:
+        v = kind(t.item())
+        t._qgru_host_value = v
+    return v
+
+
+class _NativeCudaBoundaryOps(BoundaryOps):
+    """One kernel pass each for quantize and dequantize (csrc/qgru_cuda.cpp), on the arithmetic of
+    csrc/qgru_fixedpoint.h that the CPU backend's boundary computes too; the layer-to-layer
+    requantization stays the reference's (torch integer ops on the device)."""
+
+    def __init__(self, mod) -> None:
+        self.mod = mod
+
+    def quantize(self, x, scale, zp, bits, what):
+        return self.mod.quantize(native.resolved(x), _host_scalar(scale), _host_scalar(zp, int), int(bits), what)
+
+    def dequantize(self, q, scale, zp):
+        return self.mod.dequantize(native.resolved(q), _host_scalar(scale), _host_scalar(zp, int))
+
+
 _REFERENCE_BOUNDARY = BoundaryOps()
 
 
@@ -84,6 +111,8 @@ class Backend:
     def boundary(self) -> BoundaryOps:
         if self.name == "cpu" and self.available:
             return _NativeCpuBoundaryOps(native.load("cpu"))
+        if self.name == "cuda" and self.available:
+            return _NativeCudaBoundaryOps(native.load("cuda"))
         return _REFERENCE_BOUNDARY
 
     @property

@@ -946,9 +946,9 @@ def _boundary_floats(n: int, scale: float, zp: int, bits: int, dtype, gen: torch
 class _ScalarBoundary:
     """The boundary arithmetic of docs/spec.md one value at a time, in Python floats and exact
     integers and fractions: a computation independent of primitives.py (and of torch's kernels),
-    for a backend whose boundary is the reference's own code on another device (cuda today), where
-    comparing with the reference would compare it with itself. Checked against the reference on
-    the CPU by test_scalar_boundary_is_the_reference."""
+    for a backend whose boundary is partly the reference's own code on another device (the cuda
+    backend's requantize), where comparing with the reference would compare it with itself.
+    Checked against the reference on the CPU by test_scalar_boundary_is_the_reference."""
 
     @staticmethod
     def quantize(x, scale, zp, bits, what):
@@ -992,11 +992,12 @@ _BOUNDARY_GIVEN = dict(bits=st.integers(2, 16), pow2=st.booleans(), exp=st.integ
 @given(**_BOUNDARY_GIVEN)
 def test_boundary_ops_match_reference(kind, bits, pow2, exp, mant, zp_frac, dtype, shape, seed):
     ops = backends_mod._REGISTRY[_backend(kind)].boundary
-    if _backend(kind) == "cpu":  # the cpu backend has one-pass C++ versions: comparing reference with itself proves nothing
-        assert type(ops) is not backends_mod.BoundaryOps
-    # a backend that runs the reference's own boundary code (on its device) is compared with the
-    # independent scalar computation instead
-    ref = _ScalarBoundary() if type(ops) is backends_mod.BoundaryOps else backends_mod.BoundaryOps()
+    # both native backends have one-pass versions (C++, CUDA kernels): comparing the reference with
+    # itself would prove nothing
+    assert type(ops) is not backends_mod.BoundaryOps
+    # the cuda backend's requantize is the reference's own code (on the device): it is compared
+    # with the independent scalar computation, and so are its native quantize and dequantize
+    ref = _ScalarBoundary() if _backend(kind) == "cuda" else backends_mod.BoundaryOps()
     _check_boundary(ops, ref, _device(kind), bits, pow2, exp, mant, zp_frac, dtype, shape, seed)
 
 

@@ -18,20 +18,6 @@ namespace qgru {
 namespace cpu {
 QGRU_ISA_BEGIN
 
-// primitives.quantize of one element (lo, hi: the clamp bounds just beyond the integer range,
-// so that +-inf saturate); NaN gives 0 and sets *nan.
-inline int32_t quantize_one(double x, double scale, int64_t zp, Range r, double lo, double hi, bool* nan) {
-  double v = x / scale;
-  if (v != v) {
-    *nan = true;
-    v = 0.0;
-  }
-  v = v < lo ? lo : (v > hi ? hi : v);
-  const double f = __builtin_floor(v);
-  const int64_t rounded = (int64_t)f + ((v - f) >= 0.5 ? 1 : 0);  // round half up, exact
-  return (int32_t)saturate(rounded + zp, r);
-}
-
 // Elements [0, n) of x into q; false if any is NaN. Values have at most 16 bits (r).
 template <typename T>
 bool quantize_block(const T* x, int32_t* q, int64_t n, double scale, int64_t zp, Range r) {
@@ -89,7 +75,7 @@ bool quantize_block(const T* x, int32_t* q, int64_t n, double scale, int64_t zp,
   }
   nan = any_nan != 0;
 #endif
-  for (; i < n; ++i) q[i] = quantize_one((double)x[i], scale, zp, r, lo, hi, &nan);
+  for (; i < n; ++i) q[i] = quantize_value((double)x[i], scale, zp, r, lo, hi, &nan);  // qgru_fixedpoint.h
   return !nan;
 }
 
