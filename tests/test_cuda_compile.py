@@ -145,15 +145,21 @@ def test_cuda_launch_shapes_visit_every_element_once(tmp_path):
     64-bit division; their launch shape (csrc/qgru_cuda_launch.h) and index loops, compiled for the
     host and run here, cover every element exactly once: narrow and wide arrays, partial blocks,
     and more rows than grid y reaches (the grid-stride loop)."""
-    src = tmp_path / "launch_check.cpp"
-    src.write_text(_LAUNCH_CHECK)
-    exe = tmp_path / "launch_check"
+    _host_check(tmp_path, "launch_check", _LAUNCH_CHECK, "LAUNCH-OK")
+
+
+def _host_check(tmp_path, name: str, source: str, ok: str) -> None:
+    """Compile a check program against csrc/ with the host compiler, run it, and require `ok` in
+    its output (a failing check prints what it found)."""
+    src = tmp_path / f"{name}.cpp"
+    src.write_text(source)
+    exe = tmp_path / name
     cxx = os.environ.get("CXX", "c++")
     r = subprocess.run([cxx, "-std=c++17", "-O2", "-Wall", "-Werror", "-I", str(csrc_dir()), str(src), "-o", str(exe)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "LAUNCH-OK" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and ok in r.stdout, r.stdout + r.stderr
 
 
 _PAIR_GEMM_CHECK = r"""
@@ -229,12 +235,4 @@ def test_cuda_one_gemm_per_product_layout(tmp_path):
     (run_gemms); the layout (csrc/qgru_cuda_launch.h, one_gemm_for_pairs), compiled for the host
     and run here with an emulated GEMM, places each pair's own product in that pair's block, for
     every limb count, a W.x chunk shorter than its buffer, and refuses layouts it cannot serve."""
-    src = tmp_path / "pair_gemm_check.cpp"
-    src.write_text(_PAIR_GEMM_CHECK)
-    exe = tmp_path / "pair_gemm_check"
-    cxx = os.environ.get("CXX", "c++")
-    r = subprocess.run([cxx, "-std=c++17", "-O2", "-Wall", "-Werror", "-I", str(csrc_dir()), str(src), "-o", str(exe)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "PAIRS-OK" in r.stdout, r.stdout + r.stderr
+    _host_check(tmp_path, "pair_gemm_check", _PAIR_GEMM_CHECK, "PAIRS-OK")
