@@ -50,15 +50,14 @@ void gemm_s8(cublasHandle_t handle, const int8_t* act, const int8_t* weight, int
         "cublasGemmEx (int8 -> int32)");
 }
 
-// limbs[i][r, k] = act_limb(src[r, k]) for r < rows, k < K (padding stays zero): x's limbs (int64
+// limbs[i][r, k] = act_limb(src[r, k]) for r < rows, k < K (padding stays zero): x's limbs (int32
 // qx [rows, I]) for W.x, and the initial state's (int32 [N, H]) for the first R.h GEMM.
-template <typename T>
-__global__ void limbs_kernel(const T* __restrict__ src, int64_t rows, int32_t K, int32_t bits,
+__global__ void limbs_kernel(const int32_t* __restrict__ src, int64_t rows, int32_t K, int32_t bits,
                              int8_t* __restrict__ lo, int8_t* __restrict__ hi, int64_t ld) {
   const int32_t k = this_col();
   if (k >= K) return;
   for (int64_t r = first_row(); r < rows; r += row_stride()) {
-    const int64_t v = src[r * K + k];
+    const int32_t v = src[r * K + k];
     lo[r * ld + k] = act_limb(v, bits, 0);
     if (hi != nullptr) hi[r * ld + k] = act_limb(v, bits, 1);
   }
@@ -186,7 +185,7 @@ void forward(const LayerDesc& d, const Workspace& ws, const int32_t* qx, int64_t
   const int64_t H = d.H, H3 = 3 * H;
   // h0's limbs for the first R.h GEMM
   const Launch2D lh = launch_2d(N, H);
-  limbs_kernel<int32_t><<<lh.grid, lh.block, 0, stream>>>(state, N, (int32_t)H, d.h_bits, ws.h_limbs[0],
+  limbs_kernel<<<lh.grid, lh.block, 0, stream>>>(state, N, (int32_t)H, d.h_bits, ws.h_limbs[0],
                                                        d.h_bits > 8 ? ws.h_limbs[1] : nullptr, d.rh.K_pad);
   check(cudaGetLastError(), "limbs_kernel (state) launch");
   // Windows of steps: W.x of a window's steps in one GEMM (seed 001 steps 1-2), then their
@@ -196,7 +195,7 @@ void forward(const LayerDesc& d, const Workspace& ws, const int32_t* qx, int64_t
     const int64_t steps = T - t0 < ws.window_steps ? T - t0 : ws.window_steps;
     const int64_t rows = steps * N;
     const Launch2D lx = launch_2d(rows, d.I);
-    limbs_kernel<int32_t><<<lx.grid, lx.block, 0, stream>>>(qx + t0 * N * d.I, rows, (int32_t)d.I, d.x_bits,
+    limbs_kernel<<<lx.grid, lx.block, 0, stream>>>(qx + t0 * N * d.I, rows, (int32_t)d.I, d.x_bits,
                                                          ws.x_limbs[0], d.x_bits > 8 ? ws.x_limbs[1] : nullptr,
                                                          d.wx.K_pad);
     check(cudaGetLastError(), "limbs_kernel (x) launch");

@@ -43,8 +43,8 @@ _SOURCES = {
     "cpu": ["cpu/qgru_cpu.cpp", "cpu/isa.cpp"] + [f"cpu/kernel_{p}.cpp" for p in _CPU_PATHS],
     "cuda": ["qgru_cuda.cpp", "qgru_cuda_kernels.cu"],
 }
-_HEADERS = ["qgru_fixedpoint.h", "qgru_cell.h", "qgru_layer.h", "qgru_cuda.h", "qgru_cuda_launch.h", "cpu/kernels.h", "cpu/cell_loops.h",
-            "cpu/isa.h", "cpu/quantize_block.h"]
+_HEADERS = ["qgru_fixedpoint.h", "qgru_cell.h", "qgru_layer.h", "qgru_cuda.h", "qgru_cuda_launch.h", "cpu/kernels.h",
+            "cpu/cell_loops.h", "cpu/isa.h", "cpu/quantize_block.h"]
 GEMM_PAD = 16  # channel and reduction padding: int8 tensor-core GEMMs want multiples of 16
 # the CUDA backend's smallest GEMM dimension (csrc/qgru_cuda.h kMinGemmDim: cuBLAS is never asked
 # for 16 or fewer channels, rows or K, shapes PyTorch's own int8 GEMM refuses)
@@ -432,7 +432,7 @@ def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, in
     """
     if max(bits["x"], bits["h"], bits["W"], bits["R"]) > 8 or max(v["I"], v["H"]) >= (1 << 16):
         return False
-    parts = _acc32_pow2(t, v) if v["pow2"] else _acc32_mult(t, v, bits)
+    parts = _acc32_pow2(t, v) if v["pow2"] else _acc32_mult(t, v)
     if parts is None:
         return False
     t["c32_channels"] = _channel_blocks(parts, v["H"])
@@ -493,7 +493,7 @@ def _product_range(a: Tuple, b: Tuple) -> Tuple:
     return lo, hi
 
 
-def _acc32_mult(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, int]) -> Optional[Dict[str, torch.Tensor]]:
+def _acc32_mult(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[str, torch.Tensor]]:
     """The multiplier form's fields, or None (csrc/qgru_cell.h, the int32 cell's multiplier bounds).
 
     A rescale (m, s) becomes (mul_hi32(x << lsh, m) >> rsh + 1) >> 1 with lsh = max(0, 33 - s),
@@ -704,7 +704,7 @@ def cpu_stack_plan(params: List[List[LayerParams]], req: str):
     cache = params[0][0].__dict__.setdefault("_native", {})  # beside the first layer's Layers
     # keyed by the stack's layers too: one LayerParams may head stacks of other depths (qgru.compare
     # runs a model's first layers alone)
-    key = ("cpu-stack", req, tuple(map(id, params)))
+    key = ("cpu-stack", req, tuple(id(row[0]) for row in params))
     plan = cache.get(key)
     if plan is None:
         if any(len(row) != 1 for row in params):
