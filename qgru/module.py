@@ -104,6 +104,18 @@ def _compiled_integer_gru(x, hx, lengths, params: List[torch.Tensor], spec: str)
         return torch.ops.qgru.integer_gru(x, hx, lengths, params, spec)
 
 
+def _native_module():
+    """qgru.native (imported on first use: it imports this module's neighbours)."""
+    global _NATIVE
+    if _NATIVE is None:
+        from . import native
+        _NATIVE = native
+    return _NATIVE
+
+
+_NATIVE = None
+
+
 def _integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor,
                      lengths: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """integer_forward without torch.compiler.disable's wrapper, whose frame hooks cost a streaming
@@ -635,29 +647,30 @@ class QuantGRU(nn.GRU):
         tracing or compiling; for it these are all of _check_input's checks, and then it calls
         native.cpu_stack_forward, as the general path does. It skips ~10 us of Python checks and
         dispatch that a streaming call (one step of a batch of one, ~30 us in all) otherwise pays."""
-        if (self.batch_first or self.num_directions != 1 or self._qat is not None or self._calibrating
-                or type(input) is not torch.Tensor or input.dtype is not torch.float32 or input.dim() != 3
-                or input.device.type != "cpu" or input.shape[2] != self.input_size or input.shape[0] == 0
+        if (type(input) is not torch.Tensor or input.dtype is not torch.float32 or input.is_cuda
+                or self.batch_first or self.num_directions != 1 or self._qat is not None or self._calibrating):
+            return None
+        shape = input.shape
+        if (len(shape) != 3 or shape[2] != self.input_size or shape[0] == 0 or input.device.type != "cpu"
                 or input.is_neg()):
             return None
-        N = input.shape[1]
         if hx is not None and (type(hx) is not torch.Tensor or hx.dtype is not torch.float32
-                               or hx.device.type != "cpu" or hx.shape != (self.num_layers, N, self.hidden_size)
-                               or hx.is_neg()):
+                               or hx.shape != (self.num_layers, shape[1], self.hidden_size)
+                               or hx.device.type != "cpu" or hx.is_neg()):
             return None
-        forced = forced_backend_name()
-        if (forced not in (None, "cpu") or torch.jit.is_tracing() or torch.compiler.is_compiling()
-                or self._flat_weights[0].device.type != "cpu"):
-            return None
-        from . import native
         params = self._qparams_on.get("cpu")
+        if (params is None or forced_backend_name() not in (None, "cpu") or torch.jit.is_tracing()
+                or torch.compiler.is_compiling() or self._flat_weights[0].device.type != "cpu"):
+            return None
+        native = _native_module()
         # the cpu backend as current_backend decides it (an unavailable one: the general path falls
         # back to reference and warns, or raises where cpu is forced)
-        if params is None or native.why_unavailable("cpu"):
+        if native.why_unavailable("cpu"):
             return None
         if hx is None:
-            hx = input.new_zeros(self.num_layers, N, self.hidden_size)
-        return native.cpu_stack_forward(params, input, hx)  # None where the one-call form does not apply
+            hx = input.new_zeros(self.num_layers, shape[1], self.hidden_size)
+        # None where the one-call form does not apply; x and hx were checked: no negative views
+        return native.cpu_stack_forward(params, input, hx, resolve=False)
 
     def _check_input(self, input, hx) -> None:
         """Refuse what torch.nn.GRU refuses, with the exception types it raises (QGRUInputError,

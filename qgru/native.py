@@ -695,10 +695,10 @@ def _cpu_layer(p: LayerParams, isa_request: str) -> "NativeLayer":
 
 
 def cpu_stack_plan(params: List[List[LayerParams]], req: str):
-    """The native call's arguments for a unidirectional stack on CPU path request ``req``: (the
-    layers' native Layers, per-layer grid rows), made once and cached beside the first layer's
-    Layers; None where the one-call form does not apply (a bidirectional stack, or a per-channel
-    requantization between layers). Made outside inference mode (the Layers keep tensors)."""
+    """The native Stack (the layers' native Layers and per-layer grid values) of a unidirectional
+    stack on CPU path request ``req``, made once and cached beside the first layer's Layers; None
+    where the one-call form does not apply (a bidirectional stack, or a per-channel requantization
+    between layers). Made outside inference mode (the Layers keep tensors)."""
     if len(params[0]) != 1:
         return None
     cache = params[0][0].__dict__.setdefault("_native", {})  # beside the first layer's Layers
@@ -723,20 +723,21 @@ def cpu_stack_plan(params: List[List[LayerParams]], req: str):
                 m, s = int(r.multiplier), int(r.shift)
             rows.append([float(p.scale["x"]), float(int(p.zp["x"])), float(p.bits["x"]), float(p.scale["h"]),
                          float(int(p.zp["h"])), float(p.bits["h"]), float(m), float(s)])
-        plan = ([_cpu_layer(p, req).layer for (p,) in params], rows)
+        plan = load("cpu").Stack([_cpu_layer(p, req).layer for (p,) in params], rows)
         cache[key] = plan
     return plan or None
 
 
-def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor):
+def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor, resolve: bool = True):
     """A unidirectional stack without padding in one native call (float x [T, N, I] and h0
     [L, N, H] in; float32 output [T, N, H] and h_n [L, N, H] out), or None where it does not
     apply (cpu_stack_plan). The same integers as the layer-by-layer path (tests/test_native.py),
     without its Python round trips, which for one step of a batch of one cost more than the layer
     itself. It runs in the caller's mode: the C++ makes what it keeps across calls (workspaces,
     reused buffers) outside inference mode itself (leaving inference mode here for every call cost
-    a streaming call ~5 us of its ~40)."""
+    a streaming call ~5 us of its ~40). ``resolve=False``: the caller has checked that neither x
+    nor hx is a negative view (float tensors are never conjugate views)."""
     plan = cpu_stack_plan(params, cpu_isa_request())
     if plan is None:
         return None
-    return load("cpu").stack_forward(plan[0], resolved(x), resolved(hx), plan[1])
+    return plan.forward(resolved(x), resolved(hx)) if resolve else plan.forward(x, hx)

@@ -550,6 +550,24 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<CpuLayer*>& l
   return {dequantize(out, q[L - 1][3], (int64_t)q[L - 1][4]), L == 1 ? h_n[0].unsqueeze(0) : at::stack(h_n)};
 }
 
+// A stack's Layers and per-layer values, held for its one call per forward: a streaming call
+// (one step of a batch of one, ~20 us) then converts no Python lists. The Layers are the Python
+// objects' (kept alive with the Stack, pybind keep_alive).
+class Stack {
+ public:
+  Stack(std::vector<CpuLayer*> layers, std::vector<std::vector<double>> q) : layers_(std::move(layers)), q_(std::move(q)) {
+    TORCH_CHECK(!layers_.empty() && layers_.size() == q_.size(), "qgru cpu Stack: one parameter row per Layer");
+    for (const auto* l : layers_) TORCH_CHECK(l != nullptr, "qgru cpu Stack: a Layer is None");
+  }
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& h0) const {
+    return stack_forward(layers_, x, h0, q_);
+  }
+
+ private:
+  std::vector<CpuLayer*> layers_;
+  std::vector<std::vector<double>> q_;
+};
+
 // One path's GEMM on its own, for the tests: C [rows, M] = A [rows, K] . W [M, K]^T with W int8 and
 // A int32 values of the path's activation type (int8, or int16 on a path with int16 operands),
 // packed, padded and run as a layer runs them (plain layout; gates: the fused step's per-unit-group
@@ -621,8 +639,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("requantize", &qgru::requantize, "golden.requantize_input, per-tensor factor", release_gil());
   m.def("kernel_gemm", &qgru::kernel_gemm, "one CPU path's GEMM alone (tests)", pybind11::arg("isa"),
         pybind11::arg("a"), pybind11::arg("w"), pybind11::arg("gates") = false);
-  m.def("stack_forward", &qgru::stack_forward, "a unidirectional stack, float in and out, in one call",
-        release_gil());
+  pybind11::class_<qgru::Stack>(m, "Stack")
+      .def(pybind11::init<std::vector<qgru::CpuLayer*>, std::vector<std::vector<double>>>(), pybind11::arg("layers"),
+           pybind11::arg("values"), pybind11::keep_alive<1, 2>())
+      .def("forward", &qgru::Stack::forward, pybind11::arg("x"), pybind11::arg("h0"), release_gil());
   pybind11::class_<qgru::CpuLayer>(m, "Layer")
       .def(pybind11::init<qgru::TensorMap, qgru::IntMap, std::string>(), pybind11::arg("tensors"),
            pybind11::arg("values"), pybind11::arg("isa") = "auto")
