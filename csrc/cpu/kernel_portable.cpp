@@ -43,19 +43,31 @@ QGRU_NOINLINE void dot4(const int8_t* __restrict a0, const int8_t* __restrict a1
   acc[0] = s0, acc[1] = s1, acc[2] = s2, acc[3] = s3;
 }
 
+QGRU_NOINLINE int32_t dot1(const int8_t* __restrict a0, const int8_t* __restrict w, int64_t K) {
+  int32_t s0 = 0;
+#pragma omp simd reduction(+ : s0)
+  for (int64_t k = 0; k < K; ++k) s0 += (int32_t)a0[k] * (int32_t)w[k];
+  return s0;
+}
+
 void gemm(const GemmArgs& a) {
   const int64_t Kp = k_padded(a.K);
   const int8_t* A = static_cast<const int8_t*>(a.A);
   const int8_t* B = static_cast<const int8_t*>(a.B);
-  for (int64_t g = a.g0; g < a.g1; ++g)
-    for (int64_t r = 0; r < a.rows; r += 4) {  // rows past a.rows are readable (whole row tiles)
+  const int64_t rows4 = a.rows / 4 * 4;
+  for (int64_t g = a.g0; g < a.g1; ++g) {
+    for (int64_t r = 0; r < rows4; r += 4) {
       for (int64_t c = 0; c < kGroup; ++c) {
         int32_t acc[4];
         const int8_t* ar = A + r * a.lda;
         dot4(ar, ar + a.lda, ar + 2 * a.lda, ar + 3 * a.lda, B + (g * kGroup + c) * Kp, Kp, acc);
-        for (int64_t i = 0; i < 4 && r + i < a.rows; ++i) gemm_out(a, kGroup, g, r + i)[c] = acc[i];
+        for (int64_t i = 0; i < 4; ++i) gemm_out(a, kGroup, g, r + i)[c] = acc[i];
       }
     }
+    // the last 1-3 rows one at a time (a batch of one: four rows would be three wasted)
+    for (int64_t r = rows4; r < a.rows; ++r)
+      for (int64_t c = 0; c < kGroup; ++c) gemm_out(a, kGroup, g, r)[c] = dot1(A + r * a.lda, B + (g * kGroup + c) * Kp, Kp);
+  }
 }
 
 void no_init() {}
