@@ -625,8 +625,11 @@ def cpu_gemm_detail() -> str:
     why = ("forced by QGRU_CPU_ISA" if cpu_isa_request() != "auto"
            else "the fastest path this CPU and OS offer")
     skipped = [f"{i['name']}: {i['why']}" for i in cpu_paths() if not i["usable"]]
+    usable = {str(i["name"]) for i in cpu_paths() if i["usable"]}
+    one_row = ("; a streaming step of a batch of one takes avx512vnni's GEMMs (a 16-row AMX tile would hold "
+               "one real row)" if info["name"] == "amx" and "avx512vnni" in usable else "")
     return (f"path {info['name']}: {_PATH_TEXT.get(str(info['name']), info['name'])}, {why}; one fused pass per "
-            f"step where x, h, W and R take one limb each; CPU: {mod.cpu_model()}"
+            f"step where x, h, W and R take one limb each{one_row}; CPU: {mod.cpu_model()}"
             + (f"; not usable here: {'; '.join(skipped)}" if skipped else ""))
 
 
@@ -651,6 +654,8 @@ class NativeLayer:
         # what the built Layer reports (no default here: a Layer without it is a build mismatch,
         # and the tests' check of the path must see what the extension says)
         self.gemm = self.layer.gemm
+        # CPU: the path whose GEMMs a one-step call of a batch of one runs instead ("": gemm's)
+        self.one_row_gemm = self.layer.one_row_gemm if kind == "cpu" else ""
 
     def __call__(self, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor]):
         return self.layer.forward(qx, qh0, lengths)

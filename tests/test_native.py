@@ -460,6 +460,26 @@ def test_int32_multiplier_cell_taken_and_exact(kind, k, j):
         _check_integer(kind, p, T, N, lengths, seed=T * 10 + N + k)
 
 
+@pytest.mark.parametrize("name,mode", [("w8a8", "multiplier"), ("w8a8", "pow2")])
+def test_amx_batch_of_one_takes_vnni_gemms(cpu_backend, name, mode):
+    """On AMX a one-step call of a batch of one runs AVX-512 VNNI's GEMMs on a second packing of
+    the fused step's weights (a 16-row tile would hold one real row): the golden integers, and the
+    layer's other calls (more rows, more steps) before and after it unchanged."""
+    usable = {str(i["name"]) for i in native.cpu_paths() if i["usable"]}
+    if not {"amx", "avx512vnni"} <= usable:
+        pytest.skip("needs a CPU with AMX and AVX-512 VNNI")
+    p = _converted(_cfg(name, scale_mode=mode), 37, 150)._qparams[0][0]
+    layer = native.NativeLayer("cpu", p, torch.device("cpu"), isa="amx")
+    assert layer.gemm == "amx-fused" and layer.one_row_gemm == "avx512vnni"
+    assert native.NativeLayer("cpu", p, torch.device("cpu"), isa="avx512vnni").one_row_gemm == ""
+    gen = torch.Generator().manual_seed(7)
+    for T, N in ((1, 1), (1, 17), (1, 1), (3, 1), (1, 2), (1, 1)):
+        qx, qh0, _ = _random_inputs(p, T, N, False, gen)
+        want_out, want_h = golden.gru_direction(p, qx, qh0, None)
+        got_out, got_h = layer(qx, qh0, None)
+        assert torch.equal(got_out.long(), want_out) and torch.equal(got_h.long(), want_h), (T, N)
+
+
 def test_cpu_path_follows_isa_switch(cpu_backend, monkeypatch):
     """QGRU_CPU_ISA (or isa=) picks the path; auto takes the first usable one in the order amx,
     avx512vnni, avx2, portable; a path this CPU cannot run, or an unknown name, is a clear error;

@@ -156,11 +156,18 @@ struct Gemm {
     if (P == 1) gates = pack(w[0], gate_channels(H, k->group));
   }
 
-  at::Tensor pack(const at::Tensor& w, const std::vector<int64_t>& channel) const {
-    const int64_t g = (int64_t)channel.size() / k->group;
-    at::Tensor out = at::empty({k->packed_bytes(g, K)}, at::TensorOptions().dtype(at::kByte));
-    k->pack(w.data_ptr<int8_t>(), w.size(1), K, channel.data(), g, out.data_ptr<uint8_t>());
+  at::Tensor pack(const at::Tensor& w, const std::vector<int64_t>& channel, const Kernels* kern = nullptr) const {
+    const Kernels* kk = kern != nullptr ? kern : k;
+    const int64_t g = (int64_t)channel.size() / kk->group;
+    at::Tensor out = at::empty({kk->packed_bytes(g, K)}, at::TensorOptions().dtype(at::kByte));
+    kk->pack(w.data_ptr<int8_t>(), w.size(1), K, channel.data(), g, out.data_ptr<uint8_t>());
     return out;
+  }
+
+  // The fused step's weights (gates) packed for another path's kernel (same group width and
+  // activation type).
+  at::Tensor gates_for(const LayerTensors& lt, const std::string& k_name, const Kernels* kern, int64_t H) const {
+    return pack(lt.tensor(k_name + "_weight_limbs")[0], gate_channels(H, kern->group), kern);
   }
 
   at::ScalarType act_type() const { return k->act_bytes == 2 ? at::kShort : at::kChar; }
@@ -228,12 +235,25 @@ class CpuLayer {
     acc_x32_ = lt_.acc32("Wx");
     cell_ = lt_.cell();
     fused_ = rh_.P == 1 && wx_.P == 1;
+    // A batch of one on AMX: a 16-row tile holds one real row, and one step of H = 512 measured
+    // 18.4 us against 14.1 us with AVX-512 VNNI's GEMM (2 threads, Sapphire Rapids VM); from two
+    // rows on AMX is faster (N = 2: 18.6 against 20.0). Same group width and int8 activations, so
+    // only the weights are packed again (on the first such call).
+    if (fused_ && std::string(k_->name) == "amx") {
+      for (const auto& i : cpu::isa_table())
+        if (i.name == "avx512vnni" && i.supported && i.kernels != nullptr && i.kernels->group == k_->group &&
+            i.kernels->act_bytes == k_->act_bytes)
+          k1_ = i.kernels;
+    }
   }
 
   const Kernels* kernels() const { return k_; }
 
   // The path's name, and "-fused" where each step is one fused pass.
   std::string gemm_path() const { return std::string(k_->name) + (fused_ ? "-fused" : ""); }
+
+  // The path whose GEMMs a batch of one runs ("" where it is gemm_path's).
+  std::string one_row_path() const { return k1_ != nullptr ? std::string(k1_->name) : std::string(); }
 
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx_in, const at::Tensor& qh0_in,
                                              const c10::optional<at::Tensor>& lengths_in) {
@@ -274,7 +294,7 @@ class CpuLayer {
         input_chunk(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N);
       }
       if (fused_) {
-        fused_steps(t0, tc, N, state.data_ptr<int32_t>(), out, len, wx_in_step);
+        fused_steps(t0, tc, N, state.data_ptr<int32_t>(), out, len, wx_in_step, wx_in_step && N == 1 && k1_ != nullptr);
       } else {
         recurrent_steps(t0, tc, N, state, out, len);
       }
@@ -332,13 +352,18 @@ class CpuLayer {
   // too (from x's activation rows of the chunk in ws_.x_act; else Wx - Z_Wx is read from
   // ws_.dwx), and then the cell on them while they are in L1.
   void fused_steps(int64_t t0, int64_t tc, int64_t N, int32_t* state, at::Tensor& out, const int64_t* lengths,
-                   bool xacc) {
+                   bool xacc, bool one_row) {
+    if (one_row && !gates_h1_.defined()) {  // under mu_ (forward)
+      c10::InferenceMode normal_tensors(false);
+      gates_x1_ = wx_.gates_for(lt_, "x", k1_, H_);
+      gates_h1_ = rh_.gates_for(lt_, "h", k1_, H_);
+    }
+    const Kernels* k = one_row ? k1_ : k_;
     constexpr int64_t W = kTaskUnits, T16 = kTileRows;
-    const int64_t H = H_, HB = ceil_div(H, W), RT = ceil_div(N, T16), G = k_->group, ab = k_->act_bytes;
+    const int64_t H = H_, HB = ceil_div(H, W), RT = ceil_div(N, T16), G = k->group, ab = k->act_bytes;
     const int64_t lda = rh_.lda, ldx = wx_.lda;
-    const uint8_t* gates_x = wx_.gates.data_ptr<uint8_t>();
-    const uint8_t* gates_h = rh_.gates.data_ptr<uint8_t>();
-    const Kernels* k = k_;
+    const uint8_t* gates_x = (one_row ? gates_x1_ : wx_.gates).data_ptr<uint8_t>();
+    const uint8_t* gates_h = (one_row ? gates_h1_ : rh_.gates).data_ptr<uint8_t>();
     // One parallel region for all tc steps, not one per step (measured 3-7% faster): a thread that
     // runs out of tasks of step t waits until every task of step t is done (they write the h that
     // step t + 1 reads), then takes tasks of step t + 1. Waiting on the count of finished tasks,
@@ -430,6 +455,8 @@ class CpuLayer {
   LayerTensors lt_;
   std::mutex mu_;
   const Kernels* k_ = nullptr;
+  const Kernels* k1_ = nullptr;    // a batch of one's path on the fused step (nullptr: k_)
+  at::Tensor gates_x1_, gates_h1_;  // the fused step's weights packed for k1_ (made on first use)
   bool fused_ = false;
   Workspace ws_;
   at::Tensor out_;  // the last output, reused once its caller drops it (reuse_or_empty)
@@ -647,6 +674,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<qgru::TensorMap, qgru::IntMap, std::string>(), pybind11::arg("tensors"),
            pybind11::arg("values"), pybind11::arg("isa") = "auto")
       .def_property_readonly("gemm", &qgru::CpuLayer::gemm_path)
+      .def_property_readonly("one_row_gemm", &qgru::CpuLayer::one_row_path)
       .def("forward", &qgru::CpuLayer::forward, pybind11::arg("qx"), pybind11::arg("qh0"),
            pybind11::arg("lengths") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>());
