@@ -1,7 +1,9 @@
 // qgru CUDA backend, torch binding: owns the parameter tensors and per-shape buffers (a "plan"),
 // runs the torch-free driver (qgru_cuda_kernels.cu) on PyTorch's current stream, and replays the
 // whole forward as a CUDA graph from the second call of a shape on: launch latency, not
-// arithmetic, bounds a per-step design (one GEMM + one cell kernel per step).
+// arithmetic, bounds a per-step design (one GEMM + one cell kernel per step). Calls of nearby
+// lengths share a shape: a plan holds plan_steps(T) steps (qgru_cuda_launch.h) and a shorter call
+// caps its rows' lengths at T.
 //
 // Ordering: calls may come from several threads and streams. A mutex orders the host side; on the
 // device every use of a plan's buffers waits for the previous call's last use (an event), and a
@@ -22,6 +24,7 @@
 #include <string>
 
 #include "qgru_cuda.h"
+#include "qgru_cuda_launch.h"
 #include "qgru_layer.h"
 
 namespace qgru {
@@ -82,7 +85,7 @@ Buffers make_buffers(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_le
   Buffers b;
   const cuda::WorkspaceSizes s = cuda::workspace_sizes(d, T, N);
   auto i8 = opts.dtype(at::kChar), i32 = opts.dtype(at::kInt), i64 = opts.dtype(at::kLong);
-  b.qx = at::empty({T, N, d.I}, i32);  // quantized x: at most 16 bits
+  b.qx = at::zeros({T, N, d.I}, i32);  // quantized x: at most 16 bits (zeros: see plan_steps)
   b.state = at::empty({N, d.H}, i32);
   b.out = at::empty({T, N, d.H}, i32);
   if (has_lengths) b.lengths = at::empty({N}, i64);
@@ -136,7 +139,7 @@ int64_t cublas_workspace_bytes(c10::DeviceIndex device) {
   return at::cuda::getDeviceProperties(device)->major >= 9 ? (int64_t)32 << 20 : (int64_t)4 << 20;
 }
 
-struct Plan {  // buffers (and the captured graph) for one (T, N, lengths?) shape
+struct Plan {  // buffers (and the captured graph) for one (steps, N, lengths?) shape (plan_steps)
   int64_t T = -1, N = -1;
   bool has_lengths = false;
   Buffers b;
@@ -226,10 +229,16 @@ class CudaLayer {
     if (capture == cudaStreamCaptureStatusActive) return forward_in_capture(qx, qh0, lengths, cur);
 
     std::lock_guard<std::mutex> lock(mu_);  // one call at a time enqueues work on the plan
+    // With graphs, a call of more than kExactPlanSteps steps runs in a plan of plan_steps(T) steps
+    // (qgru_cuda_launch.h), its rows' lengths capped at T: calls of nearby lengths share a plan and
+    // its graph. Without graphs a plan has the call's own length (nothing to share but buffers).
+    const bool bucketed = use_graph_ && T > cuda::kExactPlanSteps;
+    const int64_t Tp = bucketed ? cuda::plan_steps(T) : T;
+    const bool masked = has_lengths || bucketed;
     bool fresh = false;
-    if (!plan_ || plan_->T != T || plan_->N != N || plan_->has_lengths != has_lengths) {
+    if (!plan_ || plan_->T != Tp || plan_->N != N || plan_->has_lengths != masked) {
       plan_.reset();  // the old shape's buffers and graph go first (after their last use: ~Plan)
-      plan_ = make_plan(T, N, has_lengths, qx.options());
+      plan_ = make_plan(Tp, N, masked, qx.options());
       fresh = true;
     }
     Plan& p = *plan_;
@@ -238,9 +247,16 @@ class CudaLayer {
     // last use, whichever stream or thread that call ran on.
     check_cuda(cudaStreamWaitEvent(cur, p.last_use, 0), "cudaStreamWaitEvent");
     RecordOnExit last_use(p.last_use, cur);
-    p.b.qx.copy_(qx);
+    // steps T .. Tp - 1 of qx keep an earlier call's (or the plan's zero) values: valid operands
+    // whose results are never read
+    p.b.qx.narrow(0, 0, T).copy_(qx);
     p.b.state.copy_(qh0);
-    if (has_lengths) p.b.lengths.copy_(*lengths);
+    if (has_lengths) {
+      p.b.lengths.copy_(*lengths);
+      if (Tp != T) p.b.lengths.clamp_max_(T);  // the plan's extra steps leave every row's state as it is
+    } else if (masked) {
+      p.b.lengths.fill_(T);
+    }
     if (!use_graph_) {
       ++counters_.eager_runs;
       run(p.b, cur, at::cuda::getCurrentCUDABlasHandle());  // PyTorch's handle: no graph keeps its workspace
@@ -265,8 +281,8 @@ class CudaLayer {
       check_cuda(cudaEventRecord(p.done, side.stream()), "cudaEventRecord");
       check_cuda(cudaStreamWaitEvent(cur, p.done, 0), "cudaStreamWaitEvent");
     }
-    // the plan's buffers are reused by the next call: hand out copies
-    at::Tensor out = p.b.out.clone(), state = p.b.state.clone();
+    // the plan's buffers are reused by the next call: hand out copies (of the call's own steps)
+    at::Tensor out = p.b.out.narrow(0, 0, T).clone(), state = p.b.state.clone();
     last_use.record();
     return {out, state};
   }

@@ -1,5 +1,5 @@
 // Host-side shapes of the CUDA backend (qgru_cuda_kernels.cu): the element-wise kernels' launch
-// shapes and the layout of the one GEMM per product. Host code without CUDA headers, so that
+// shapes, the layout of the one GEMM per product and the steps of a plan (qgru_cuda.cpp). Host code without CUDA headers, so that
 // tests/test_cuda_compile.py can compile it with the host compiler and check, for many shapes,
 // that the kernels' index loops visit every element exactly once and that the GEMM's blocks are
 // the limb pairs' products.
@@ -68,6 +68,23 @@ inline bool one_gemm_for_pairs(int P, const int* act_limb, const int* weight_lim
   out->gemm_rows = (n_act - 1) * buffer_rows + rows;
   for (int p = 0; p < P; ++p) out->offset[p] = act_limb[p] * buffer_rows * out->ld + weight_limb[p] * M_pad;
   return true;
+}
+
+// The steps a CUDA plan (buffers and captured graph) holds for a call of T steps. Calls of up to
+// kExactPlanSteps steps get a plan of their own length; a longer call runs in a plan of T rounded
+// up to a multiple of 2^(e - 3), where 2^e <= T < 2^(e + 1): at most 1/8 more steps (never
+// computed for nothing past the call's own: every row's length is at most T, so the extra steps
+// carry the state unchanged), at most 8 plan lengths per octave, and a plan length is its own
+// (plan_steps(plan_steps(T)) == plan_steps(T)). Variable-length inference then reuses a few
+// captured graphs instead of capturing one per distinct T.
+constexpr int64_t kExactPlanSteps = 16;
+
+inline int64_t plan_steps(int64_t T) {
+  if (T <= kExactPlanSteps) return T;
+  int e = 0;
+  while ((int64_t(2) << e) <= T) ++e;  // 2^e <= T < 2^(e + 1), e >= 4
+  const int64_t q = int64_t(1) << (e - 3);
+  return (T + q - 1) / q * q;
 }
 
 }  // namespace cuda

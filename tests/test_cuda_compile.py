@@ -236,3 +236,45 @@ def test_cuda_one_gemm_per_product_layout(tmp_path):
     and run here with an emulated GEMM, places each pair's own product in that pair's block, for
     every limb count, a W.x chunk shorter than its buffer, and refuses layouts it cannot serve."""
     _host_check(tmp_path, "pair_gemm_check", _PAIR_GEMM_CHECK, "PAIRS-OK")
+
+
+_PLAN_STEPS_CHECK = r"""
+#include <cstdio>
+#include <cstdint>
+#include <set>
+#include "qgru_cuda_launch.h"
+
+int main() {
+  using qgru::cuda::plan_steps;
+  int bad = 0;
+  std::set<long long> octave;  // plan lengths of the current octave [2^e, 2^(e+1))
+  long long lo = 32;
+  for (long long T = 0; T <= 300000; ++T) {
+    const long long p = plan_steps(T);
+    if (T <= qgru::cuda::kExactPlanSteps) {
+      if (p != T) { std::printf("T=%lld: short calls keep their own length, got %lld\n", T, p); bad = 1; }
+      continue;
+    }
+    if (p < T || 8 * (p - T) >= T) { std::printf("T=%lld: plan of %lld steps (over 1/8 more)\n", T, p); bad = 1; }
+    if (plan_steps(p) != p) { std::printf("T=%lld: plan length %lld is not its own\n", T, p); bad = 1; }
+    if (T == 2 * lo) { lo = T; octave.clear(); }
+    if (T >= lo) {
+      octave.insert(p);
+      if (octave.size() > 9) { std::printf("octave from %lld: more than 9 plan lengths\n", lo); bad = 1; }
+    }
+    if (bad) break;
+  }
+  // the README's example: T=1000 runs in a plan of 1024 steps, T=137 in 144
+  if (plan_steps(1000) != 1024 || plan_steps(137) != 144 || plan_steps(17) != 18) { std::printf("examples\n"); bad = 1; }
+  if (!bad) std::printf("PLAN-STEPS-OK\n");
+  return bad;
+}
+"""
+
+
+def test_cuda_plan_steps(tmp_path):
+    """Item 9 of issue 13: CUDA plans (buffers and captured graph) hold plan_steps(T) steps
+    (csrc/qgru_cuda_launch.h), so calls of nearby lengths share one graph. Compiled for the host:
+    short calls keep their length, a longer one gets at most 1/8 more steps, a plan length maps to
+    itself, and an octave of lengths needs at most 9 plans."""
+    _host_check(tmp_path, "plan_steps_check", _PLAN_STEPS_CHECK, "PLAN-STEPS-OK")

@@ -660,6 +660,26 @@ def test_cuda_graph_replay_matches_eager_on_later_calls(cuda_backend, monkeypatc
     assert eager["captures"] == 0 and eager["replays"] == 0 and eager["eager_runs"] == 13, eager
 
 
+def test_cuda_nearby_lengths_share_one_graph(cuda_backend, monkeypatch):
+    """Item 9 of issue 13: with graphs, calls of nearby lengths (T = 33 .. 36, with and without
+    lengths) run in one plan of plan_steps(T) = 36 steps: one plan, one eager run, one capture and
+    replays after it, every call equal to golden (the plan's extra steps leave each row's state as
+    it is, and out holds the call's own steps). Without graphs (QGRU_CUDA_GRAPH=0) a plan keeps the
+    call's own length: each change of T or of lengths makes a new one."""
+    p = _converted(_cfg("w8a8"), 23, 37)._qparams[0][0]
+    layers = {"graph": _cuda_layer(p, True, monkeypatch), "eager": _cuda_layer(p, False, monkeypatch)}
+    gen = torch.Generator().manual_seed(5)
+    calls = [(33, True), (36, False), (34, False), (35, True), (33, False), (36, True)]
+    for i, (T, with_lengths) in enumerate(calls):
+        inputs = _random_inputs(p, T, 5, with_lengths, gen)
+        for name, layer in layers.items():
+            _assert_golden(layer(*_on_cuda(*inputs)), p, *inputs, what=f"call {i + 1} T={T} {with_lengths} {name}")
+    graph, eager = layers["graph"].layer.counters, layers["eager"].layer.counters
+    assert graph["plans"] == 1 and graph["eager_runs"] == 1 and graph["captures"] == 1, graph
+    assert graph["replays"] == len(calls) - 2, graph
+    assert eager["plans"] == len(calls) and eager["captures"] == 0, eager
+
+
 def _same_then_alternating(a, b):
     """Call shapes for the stream and thread tests: one shape (one plan), then pairs of two shapes
     (each change replaces the plan while the other stream may still be using the old one)."""
