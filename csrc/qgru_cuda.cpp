@@ -85,9 +85,10 @@ Buffers make_buffers(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_le
   Buffers b;
   const cuda::WorkspaceSizes s = cuda::workspace_sizes(d, T, N);
   auto i8 = opts.dtype(at::kChar), i32 = opts.dtype(at::kInt), i64 = opts.dtype(at::kLong);
-  b.qx = at::zeros({T, N, d.I}, i32);  // quantized x: at most 16 bits (zeros: see plan_steps)
+  auto i16 = opts.dtype(at::kShort);  // T-sized: activations of at most 16 bits (qgru_cuda.h)
+  b.qx = at::zeros({T, N, d.I}, i16);  // quantized x (zeros: see plan_steps)
   b.state = at::empty({N, d.H}, i32);
-  b.out = at::empty({T, N, d.H}, i32);
+  b.out = at::empty({T, N, d.H}, i16);
   if (has_lengths) b.lengths = at::empty({N}, i64);
   // limb buffers zeroed once: their padding (K and rows) must read as 0 in every GEMM
   b.x_limbs = at::zeros({2, s.x_limb}, i8);
@@ -281,14 +282,19 @@ class CudaLayer {
       check_cuda(cudaEventRecord(p.done, side.stream()), "cudaEventRecord");
       check_cuda(cudaStreamWaitEvent(cur, p.done, 0), "cudaStreamWaitEvent");
     }
-    // the plan's buffers are reused by the next call: hand out copies (of the call's own steps)
-    at::Tensor out = p.b.out.narrow(0, 0, T).clone(), state = p.b.state.clone();
+    // the plan's buffers are reused by the next call: hand out copies (of the call's own steps),
+    // the output as the int32 the Layer returns
+    at::Tensor out = p.b.out.narrow(0, 0, T).to(at::kInt), state = p.b.state.clone();
     last_use.record();
     return {out, state};
   }
 
   std::map<std::string, int64_t> counters() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    // the bytes the current plan keeps for its steps between calls (qx and out, int16)
+    const int64_t step_bytes = plan_ ? (int64_t)(plan_->b.qx.nbytes() + plan_->b.out.nbytes()) : 0;
     return {{"plans", counters_.plans.load()},
+            {"plan_step_bytes", step_bytes},
             {"eager_runs", counters_.eager_runs.load()},
             {"captures", counters_.captures.load()},
             {"replays", counters_.replays.load()},
@@ -307,7 +313,7 @@ class CudaLayer {
 
   void run(const Buffers& b, cudaStream_t stream, cublasHandle_t handle) const {
     const int64_t T = b.qx.size(0), N = b.qx.size(1);
-    cuda::forward(d_, b.ws, b.qx.data_ptr<int32_t>(), T, N, b.state.data_ptr<int32_t>(), b.out.data_ptr<int32_t>(),
+    cuda::forward(d_, b.ws, b.qx.data_ptr<int16_t>(), T, N, b.state.data_ptr<int32_t>(), b.out.data_ptr<int16_t>(),
                   b.lengths.defined() ? b.lengths.data_ptr<int64_t>() : nullptr, stream, handle);
   }
 
@@ -357,7 +363,7 @@ class CudaLayer {
     if (lengths.has_value()) b.lengths.copy_(*lengths);
     at::Tensor workspace = at::empty({cublas_workspace_bytes(device_.index())}, qx.options().dtype(at::kByte));
     run_owned(b, workspace, cur, nullptr);
-    return {b.out, b.state};  // this call's own tensors: no copies needed
+    return {b.out.to(at::kInt), b.state};  // this call's own tensors (out as the int32 the Layer returns)
   }
 
   std::unique_ptr<Plan> make_plan(int64_t T, int64_t N, bool has_lengths, const at::TensorOptions& opts) {
@@ -377,7 +383,7 @@ class CudaLayer {
   cuda::LayerDesc d_{};
   at::Device device_{at::kCUDA};
   bool use_graph_ = true;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::unique_ptr<Plan> plan_;
   Counters counters_;
 };

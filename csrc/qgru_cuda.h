@@ -69,11 +69,12 @@ struct WorkspaceSizes {    // element counts
 
 WorkspaceSizes workspace_sizes(const LayerDesc& d, int64_t T, int64_t N);
 
-// out[t] and state: int32 [N, H] (state holds q_h0 on entry and q_h_T on return).
-// qx: int32 [T, N, I] on the device (values of at most 16 bits). lengths: int64 [N] or nullptr.
-// Only kernel launches and cuBLAS calls on `stream`: safe to capture in a CUDA graph.
-void forward(const LayerDesc& d, const Workspace& ws, const int32_t* qx, int64_t T, int64_t N, int32_t* state,
-             int32_t* out, const int64_t* lengths, cudaStream_t stream, cublasHandle_t handle);
+// out[t]: int16 [N, H]; state: int32 [N, H] (state holds q_h0 on entry and q_h_T on return).
+// qx: int16 [T, N, I] on the device. Activations have at most 16 bits (LayerTensors::validate), so
+// the T-sized buffers a plan keeps between calls are int16, half an int32 copy. lengths: int64 [N]
+// or nullptr. Only kernel launches and cuBLAS calls on `stream`: safe to capture in a CUDA graph.
+void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, int64_t T, int64_t N, int32_t* state,
+             int16_t* out, const int64_t* lengths, cudaStream_t stream, cublasHandle_t handle);
 
 // The float boundary (primitives.quantize / dequantize) in one pass each, on `stream`: x [n] float32
 // or float64 -> q int32 on the grid (scale, zp, bits), *nan_flag (device int32, zeroed by the

@@ -50,14 +50,15 @@ void gemm_s8(cublasHandle_t handle, const int8_t* act, const int8_t* weight, int
         "cublasGemmEx (int8 -> int32)");
 }
 
-// limbs[i][r, k] = act_limb(src[r, k]) for r < rows, k < K (padding stays zero): x's limbs (int32
+// limbs[i][r, k] = act_limb(src[r, k]) for r < rows, k < K (padding stays zero): x's limbs (int16
 // qx [rows, I]) for W.x, and the initial state's (int32 [N, H]) for the first R.h GEMM.
-__global__ void limbs_kernel(const int32_t* __restrict__ src, int64_t rows, int32_t K, int32_t bits,
+template <typename S>
+__global__ void limbs_kernel(const S* __restrict__ src, int64_t rows, int32_t K, int32_t bits,
                              int8_t* __restrict__ lo, int8_t* __restrict__ hi, int64_t ld) {
   const int32_t k = this_col();
   if (k >= K) return;
   for (int64_t r = first_row(); r < rows; r += row_stride()) {
-    const int32_t v = src[r * K + k];
+    const int32_t v = (int32_t)src[r * K + k];
     lo[r * ld + k] = act_limb(v, bits, 0);
     if (hi != nullptr) hi[r * ld + k] = act_limb(v, bits, 1);
   }
@@ -72,11 +73,12 @@ __global__ void input_epilogue_kernel(AccRequant a, AccRequant32 a32, LimbProduc
     dwx[r * H3 + c] = (int32_t)requantize_product<NP, POW2, ACC32>(a, a32, lp, r, c);
 }
 
-// One time step for every (n, j): the shared cell, then the new state, its output copy and the
-// int8 limbs the next step's R.h GEMM reads. Padding rows (t >= lengths[n]) carry the state.
+// One time step for every (n, j): the shared cell, then the new state, its output copy (int16: a
+// state has at most 16 bits) and the int8 limbs the next step's R.h GEMM reads. Padding rows
+// (t >= lengths[n]) carry the state.
 template <int NP, bool POW2, bool ACC32>
 __global__ void cell_kernel(CellParams p, LimbProducts lp, int64_t N, int64_t t, const int32_t* __restrict__ dwx_t,
-                            int32_t* __restrict__ state, int32_t* __restrict__ out_t, const int64_t* __restrict__ lengths,
+                            int32_t* __restrict__ state, int16_t* __restrict__ out_t, const int64_t* __restrict__ lengths,
                             int32_t h_bits, int8_t* __restrict__ h_lo, int8_t* __restrict__ h_hi, int64_t ld) {
   const int32_t H = (int32_t)p.H;
   const int32_t j = this_col();
@@ -86,12 +88,12 @@ __global__ void cell_kernel(CellParams p, LimbProducts lp, int64_t N, int64_t t,
     const int64_t idx = n * H + j;
     const int32_t q_h = state[idx];
     if (lengths != nullptr && t >= lengths[n]) {
-      out_t[idx] = q_h;
+      out_t[idx] = (int16_t)q_h;
       continue;
     }
     const int32_t h_new = (int32_t)gru_cell<NP, POW2, ACC32>(p, lp, n, j, ch, dwx_t + n * 3 * H, q_h);
     state[idx] = h_new;
-    out_t[idx] = h_new;
+    out_t[idx] = (int16_t)h_new;
     h_lo[n * ld + j] = act_limb(h_new, h_bits, 0);
     if (h_hi != nullptr) h_hi[n * ld + j] = act_limb(h_new, h_bits, 1);
   }
@@ -176,8 +178,8 @@ WorkspaceSizes workspace_sizes(const LayerDesc& d, int64_t T, int64_t N) {
   return s;
 }
 
-void forward(const LayerDesc& d, const Workspace& ws, const int32_t* qx, int64_t T, int64_t N, int32_t* state,
-             int32_t* out, const int64_t* lengths, cudaStream_t stream, cublasHandle_t handle) {
+void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, int64_t T, int64_t N, int32_t* state,
+             int16_t* out, const int64_t* lengths, cudaStream_t stream, cublasHandle_t handle) {
   if (T == 0 || N == 0) return;
   // `handle` must already be bound to `stream` with a workspace (qgru_cuda.cpp binds its own handle;
   // PyTorch's comes bound): calling cublasSetStream here would reset that workspace, and cuBLAS would
@@ -185,7 +187,7 @@ void forward(const LayerDesc& d, const Workspace& ws, const int32_t* qx, int64_t
   const int64_t H = d.H, H3 = 3 * H;
   // h0's limbs for the first R.h GEMM
   const Launch2D lh = launch_2d(N, H);
-  limbs_kernel<<<lh.grid, lh.block, 0, stream>>>(state, N, (int32_t)H, d.h_bits, ws.h_limbs[0],
+  limbs_kernel<int32_t><<<lh.grid, lh.block, 0, stream>>>(state, N, (int32_t)H, d.h_bits, ws.h_limbs[0],
                                                        d.h_bits > 8 ? ws.h_limbs[1] : nullptr, d.rh.K_pad);
   check(cudaGetLastError(), "limbs_kernel (state) launch");
   // Windows of steps: W.x of a window's steps in one GEMM (seed 001 steps 1-2), then their
@@ -195,7 +197,7 @@ void forward(const LayerDesc& d, const Workspace& ws, const int32_t* qx, int64_t
     const int64_t steps = T - t0 < ws.window_steps ? T - t0 : ws.window_steps;
     const int64_t rows = steps * N;
     const Launch2D lx = launch_2d(rows, d.I);
-    limbs_kernel<<<lx.grid, lx.block, 0, stream>>>(qx + t0 * N * d.I, rows, (int32_t)d.I, d.x_bits,
+    limbs_kernel<int16_t><<<lx.grid, lx.block, 0, stream>>>(qx + t0 * N * d.I, rows, (int32_t)d.I, d.x_bits,
                                                          ws.x_limbs[0], d.x_bits > 8 ? ws.x_limbs[1] : nullptr,
                                                          d.wx.K_pad);
     check(cudaGetLastError(), "limbs_kernel (x) launch");

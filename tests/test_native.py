@@ -675,6 +675,8 @@ def test_cuda_nearby_lengths_share_one_graph(cuda_backend, monkeypatch):
         for name, layer in layers.items():
             _assert_golden(layer(*_on_cuda(*inputs)), p, *inputs, what=f"call {i + 1} T={T} {with_lengths} {name}")
     graph, eager = layers["graph"].layer.counters, layers["eager"].layer.counters
+    # the steps' buffers a plan keeps between calls (qx and out) are int16: 2 bytes per value
+    assert graph["plan_step_bytes"] == 2 * 36 * 5 * (p.input_size + p.hidden_size), graph
     assert graph["plans"] == 1 and graph["eager_runs"] == 1 and graph["captures"] == 1, graph
     assert graph["replays"] == len(calls) - 2, graph
     assert eager["plans"] == len(calls) and eager["captures"] == 0, eager
