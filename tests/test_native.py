@@ -1397,6 +1397,37 @@ def test_stack_forward_is_the_layer_by_layer_path(cpu_backend):
     assert not any(k[0] == "cpu-stack" for row in m._qparams for p in row for k in p.__dict__.get("_native", {}))
 
 
+@pytest.mark.parametrize("cfg,layers", [("w8a16", 1), ("w8a16", 2), ("w8a8", 1)])
+def test_stack_one_row_calls_on_avx2(cpu_backend, monkeypatch, cfg, layers):
+    """Where the cpu path is amx or avx512vnni and avx2 runs too, a stack with 16-bit activations
+    that avx2 takes whole (direct16_fits) runs its one-step calls of a batch of one on avx2's
+    Layers (one fused pass per step instead of two limb pairs per GEMM): the reference's floats bit
+    for bit over a streaming loop carrying h, with calls of other shapes in between. 8-bit
+    activations, and the avx2 and portable paths themselves, keep their own Layers."""
+    monkeypatch.delenv("QGRU_CPU_ISA", raising=False)
+    usable = [str(i["name"]) for i in native.cpu_paths() if i["usable"]]
+    m = _converted(_cfg(cfg), 7, 12, layers, False, False, 0)
+    _forget_native(m)
+    params = m._qparams_on["cpu"]
+    for req in ("auto", "avx2", "portable"):
+        want = "avx2" if (cfg == "w8a16" and req == "auto" and usable[0] in ("amx", "avx512vnni")
+                          and "avx2" in usable) else ""
+        assert native.cpu_stack_plan(params, req).one_row_path == want, (req, usable)
+    gen = torch.Generator().manual_seed(3)
+    xs = torch.randn(6, 1, 7, generator=gen)
+    outs = {}
+    for b in ("cpu", "reference"):
+        h, outs[b] = None, []
+        with qgru.backend(b), torch.no_grad():
+            for t in range(6):
+                o, h = m(xs[t:t + 1], h)
+                outs[b].append(o)
+                if t == 2:  # another shape between one-row calls (the stack's own Layers)
+                    outs[b].append(m(xs[:3].expand(3, 2, 7).contiguous(), h.expand(layers, 2, 12).contiguous())[0])
+        outs[b] = torch.cat([o.reshape(-1, 12) for o in outs[b]]), h
+    _assert_same(outs["cpu"], outs["reference"])
+
+
 def _unpack_table(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of the csrc Table layout (csrc/qgru_fixedpoint.h): one int64 per segment i holding
     T[i] in the low 32 bits (two's complement) and T[i+1] - T[i] in the high 32 bits."""

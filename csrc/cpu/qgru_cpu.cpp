@@ -578,21 +578,29 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<CpuLayer*>& l
 }
 
 // A stack's Layers and per-layer values, held for its one call per forward: a streaming call
-// (one step of a batch of one, ~20 us) then converts no Python lists. The Layers are the Python
-// objects' (kept alive with the Stack, pybind keep_alive).
+// (one step of a batch of one, ~20 us) then converts no Python lists. one_row: the same layers on
+// another path, for one-step calls of a batch of one (qgru/native.py, _one_row_on_avx2), or none.
+// The Layers are the Python objects' (kept alive with the Stack, pybind keep_alive).
 class Stack {
  public:
-  Stack(std::vector<CpuLayer*> layers, std::vector<std::vector<double>> q) : layers_(std::move(layers)), q_(std::move(q)) {
+  Stack(std::vector<CpuLayer*> layers, std::vector<std::vector<double>> q, std::vector<CpuLayer*> one_row)
+      : layers_(std::move(layers)), q_(std::move(q)), one_row_(std::move(one_row)) {
     TORCH_CHECK(!layers_.empty() && layers_.size() == q_.size(), "qgru cpu Stack: one parameter row per Layer");
+    TORCH_CHECK(one_row_.empty() || one_row_.size() == layers_.size(), "qgru cpu Stack: one one-row Layer per Layer");
     for (const auto* l : layers_) TORCH_CHECK(l != nullptr, "qgru cpu Stack: a Layer is None");
+    for (const auto* l : one_row_) TORCH_CHECK(l != nullptr, "qgru cpu Stack: a one-row Layer is None");
   }
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& h0) const {
-    return stack_forward(layers_, x, h0, q_);
+    const bool one_row = !one_row_.empty() && x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1;
+    return stack_forward(one_row ? one_row_ : layers_, x, h0, q_);
   }
+  // The path of one-step calls of a batch of one ("" where they run on the stack's own).
+  std::string one_row_path() const { return one_row_.empty() ? std::string() : std::string(one_row_[0]->kernels()->name); }
 
  private:
   std::vector<CpuLayer*> layers_;
   std::vector<std::vector<double>> q_;
+  std::vector<CpuLayer*> one_row_;
 };
 
 // One path's GEMM on its own, for the tests: C [rows, M] = A [rows, K] . W [M, K]^T with W int8 and
@@ -667,8 +675,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernel_gemm", &qgru::kernel_gemm, "one CPU path's GEMM alone (tests)", pybind11::arg("isa"),
         pybind11::arg("a"), pybind11::arg("w"), pybind11::arg("gates") = false);
   pybind11::class_<qgru::Stack>(m, "Stack")
-      .def(pybind11::init<std::vector<qgru::CpuLayer*>, std::vector<std::vector<double>>>(), pybind11::arg("layers"),
-           pybind11::arg("values"), pybind11::keep_alive<1, 2>())
+      .def(pybind11::init<std::vector<qgru::CpuLayer*>, std::vector<std::vector<double>>, std::vector<qgru::CpuLayer*>>(),
+           pybind11::arg("layers"), pybind11::arg("values"), pybind11::arg("one_row"), pybind11::keep_alive<1, 2>(),
+           pybind11::keep_alive<1, 4>())
+      .def_property_readonly("one_row_path", &qgru::Stack::one_row_path)
       .def("forward", &qgru::Stack::forward, pybind11::arg("x"), pybind11::arg("h0"), release_gil());
   pybind11::class_<qgru::CpuLayer>(m, "Layer")
       .def(pybind11::init<qgru::TensorMap, qgru::IntMap, std::string>(), pybind11::arg("tensors"),
