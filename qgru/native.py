@@ -628,6 +628,9 @@ def cpu_gemm_detail() -> str:
     usable = {str(i["name"]) for i in cpu_paths() if i["usable"]}
     one_row = ("; a streaming step of a batch of one takes avx512vnni's GEMMs (a 16-row AMX tile would hold "
                "one real row)" if info["name"] == "amx" and "avx512vnni" in usable else "")
+    if info["name"] in ("amx", "avx512vnni") and "avx2" in usable:
+        one_row += ("; a stack whose 16-bit x and h avx2 takes whole as int16 runs such steps on avx2's "
+                    "Layers (one fused pass)")
     return (f"path {info['name']}: {_PATH_TEXT.get(str(info['name']), info['name'])}, {why}; one fused pass per "
             f"step where x, h, W and R take one limb each{one_row}; CPU: {mod.cpu_model()}"
             + (f"; not usable here: {'; '.join(skipped)}" if skipped else ""))

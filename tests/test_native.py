@@ -243,8 +243,13 @@ def _assert_native_ran(m: qgru.QuantGRU, kind: str) -> None:
         f"the {kind} backend was not used"
     for p in (p for row in rows for p in row):
         for key, layer in p.__dict__["_native"].items():
-            if key[0] == _backend(kind):
-                assert layer.gemm == _expected_gemm(kind, p), (layer.gemm, p.bits)
+            if key[0] != _backend(kind):
+                continue
+            if key[2:] == ("avx2",) and _expected_gemm(kind, p).split("-")[0] in ("amx", "avx512vnni"):
+                # a stack's Layers for one-step calls of a batch of one (native._one_row_on_avx2)
+                assert layer.gemm == "avx2-fused", (layer.gemm, p.bits)
+                continue
+            assert layer.gemm == _expected_gemm(kind, p), (layer.gemm, p.bits)
 
 
 def _far_inputs(x: torch.Tensor, scale: float, inf: bool, gen: torch.Generator) -> torch.Tensor:
