@@ -1373,6 +1373,20 @@ def test_prepare_layer_direct16_accumulator():
         assert torch.equal(G + t[f"{bias_name}_bias"], q @ Wq.t() + b - comp)
 
 
+def _streaming_loop(m: qgru.QuantGRU, xs: torch.Tensor, backend: str, other_shape: bool = False):
+    """m's outputs (rows of H) and h over one-step calls of xs [T, 1, I] carrying h on ``backend``;
+    other_shape: a call of another shape (3 steps of a batch of 2) after step 2."""
+    h, outs = None, []
+    with qgru.backend(backend), torch.no_grad():
+        for t in range(xs.shape[0]):
+            o, h = m(xs[t:t + 1], h)
+            outs.append(o.reshape(-1, o.shape[-1]))
+            if other_shape and t == 2:
+                wide = m(xs[:3].expand(3, 2, xs.shape[2]).contiguous(), h.expand(h.shape[0], 2, h.shape[2]).contiguous())
+                outs.append(wide[0].reshape(-1, h.shape[2]))
+    return torch.cat(outs), h
+
+
 def test_stack_forward_is_the_layer_by_layer_path(cpu_backend):
     """A unidirectional stack without padding on the cpu backend runs as one native call
     (native.cpu_stack_forward): it is used, and gives the reference's floats bit for bit, for 1 and
@@ -1387,15 +1401,7 @@ def test_stack_forward_is_the_layer_by_layer_path(cpu_backend):
             _assert_same(_run(m, "cpu", torch.device("cpu"), x, h0), _run(m, "reference", torch.device("cpu"), x, h0))
         assert any(k[0] == "cpu-stack" for k in m._qparams[0][0].__dict__["_native"])
         xs = torch.randn(6, 1, 7, generator=gen)
-        outs = {}
-        for b in ("cpu", "reference"):
-            h, outs[b] = None, []
-            with qgru.backend(b), torch.no_grad():
-                for t in range(6):
-                    o, h = m(xs[t:t + 1], h)
-                    outs[b].append(o)
-            outs[b] = torch.cat(outs[b]), h
-        _assert_same(outs["cpu"], outs["reference"])
+        _assert_same(_streaming_loop(m, xs, "cpu"), _streaming_loop(m, xs, "reference"))
     m = _converted(_cfg("w8a8"), 7, 12, 1, True, False, 0)
     _forget_native(m)
     _run(m, "cpu", torch.device("cpu"), torch.randn(3, 2, 7, generator=gen), None)
@@ -1418,19 +1424,8 @@ def test_stack_one_row_calls_on_avx2(cpu_backend, monkeypatch, cfg, layers):
         want = "avx2" if (cfg == "w8a16" and req == "auto" and usable[0] in ("amx", "avx512vnni")
                           and "avx2" in usable) else ""
         assert native.cpu_stack_plan(params, req).one_row_path == want, (req, usable)
-    gen = torch.Generator().manual_seed(3)
-    xs = torch.randn(6, 1, 7, generator=gen)
-    outs = {}
-    for b in ("cpu", "reference"):
-        h, outs[b] = None, []
-        with qgru.backend(b), torch.no_grad():
-            for t in range(6):
-                o, h = m(xs[t:t + 1], h)
-                outs[b].append(o)
-                if t == 2:  # another shape between one-row calls (the stack's own Layers)
-                    outs[b].append(m(xs[:3].expand(3, 2, 7).contiguous(), h.expand(layers, 2, 12).contiguous())[0])
-        outs[b] = torch.cat([o.reshape(-1, 12) for o in outs[b]]), h
-    _assert_same(outs["cpu"], outs["reference"])
+    xs = torch.randn(6, 1, 7, generator=torch.Generator().manual_seed(3))
+    _assert_same(_streaming_loop(m, xs, "cpu", other_shape=True), _streaming_loop(m, xs, "reference", other_shape=True))
 
 
 def _unpack_table(packed: torch.Tensor) -> torch.Tensor:
