@@ -104,10 +104,10 @@ __global__ void cell_kernel(CellParams p, LimbProducts lp, int64_t N, int64_t t,
 // the elements; a NaN sets *nan_flag (the binding raises).
 template <typename T>
 __global__ void quantize_kernel(const T* __restrict__ x, int32_t* __restrict__ q, int64_t n, double scale, int64_t zp,
-                                Range r, double lo, double hi, int32_t* __restrict__ nan_flag) {
+                                Range r, QuantizeBounds b, int32_t* __restrict__ nan_flag) {
   bool nan = false;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-    q[i] = quantize_value((double)x[i], scale, zp, r, lo, hi, &nan);
+    q[i] = quantize_value((double)x[i], scale, zp, r, b, &nan);
   if (nan) *nan_flag = 1;
 }
 
@@ -125,10 +125,10 @@ unsigned elementwise_blocks(int64_t n) {
 template <typename T>
 void quantize_t(const T* x, int32_t* q, int64_t n, double scale, int64_t zp, int32_t bits, int32_t* nan_flag,
                 cudaStream_t stream) {
-  const Range r{-(int64_t(1) << (bits - 1)), (int64_t(1) << (bits - 1)) - 1};
-  const double lo = (double)(r.lo - zp - 1), hi = (double)(r.hi - zp + 1);
+  const Range r = signed_range(bits);
   if (n == 0) return;
-  quantize_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(x, q, n, scale, zp, r, lo, hi, nan_flag);
+  quantize_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(x, q, n, scale, zp, r, quantize_bounds(r, zp),
+                                                                     nan_flag);
   check(cudaGetLastError(), "quantize_kernel launch");
 }
 

@@ -51,17 +51,30 @@ QGRU_HD int64_t rounding_mul_shift(int64_t x, int64_t m, int32_t s) {
   return (((x * m) >> (s - 1)) + 1) >> 1;
 }
 
+// The integers of a signed `bits`-bit value (primitives.qrange).
+QGRU_HD Range signed_range(int32_t bits) { return Range{-(int64_t(1) << (bits - 1)), (int64_t(1) << (bits - 1)) - 1}; }
+
 // The float boundary (primitives.quantize / dequantize), one element; the CPU paths' vector forms
 // (csrc/cpu/quantize_block.h) compute the same float64 operations lane by lane.
 // quantize: saturate(round_half_up(x / scale) + zp) on the range r, with x / scale clamped first
-// to [lo, hi] = [r.lo - zp - 1, r.hi - zp + 1] (so +-inf saturate); NaN gives 0 and sets *nan.
-QGRU_HD int32_t quantize_value(double x, double scale, int64_t zp, Range r, double lo, double hi, bool* nan) {
+// to quantize_bounds (one step beyond what the range can hold, so that +-inf saturate); NaN gives
+// 0 and sets *nan.
+QGRU_ISA_END
+struct QuantizeBounds {
+  double lo, hi;
+};
+QGRU_ISA_BEGIN
+QGRU_HD QuantizeBounds quantize_bounds(Range r, int64_t zp) {
+  return QuantizeBounds{(double)(r.lo - zp - 1), (double)(r.hi - zp + 1)};
+}
+
+QGRU_HD int32_t quantize_value(double x, double scale, int64_t zp, Range r, QuantizeBounds b, bool* nan) {
   double v = x / scale;
   if (v != v) {
     *nan = true;
     v = 0.0;
   }
-  v = v < lo ? lo : (v > hi ? hi : v);
+  v = v < b.lo ? b.lo : (v > b.hi ? b.hi : v);
 #if defined(__CUDA_ARCH__)
   const double f = floor(v);
 #else

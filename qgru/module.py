@@ -18,6 +18,7 @@ import torch
 from torch import _VF, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
+from . import native
 from .backends import current_backend, forced_backend_name
 from .config import QuantConfig
 from .convert import activation_qparams, calibrated_range, derive_layer_params, grid_error
@@ -104,18 +105,6 @@ def _compiled_integer_gru(x, hx, lengths, params: List[torch.Tensor], spec: str)
         return torch.ops.qgru.integer_gru(x, hx, lengths, params, spec)
 
 
-def _native_module():
-    """qgru.native (imported on first use: it imports this module's neighbours)."""
-    global _NATIVE
-    if _NATIVE is None:
-        from . import native
-        _NATIVE = native
-    return _NATIVE
-
-
-_NATIVE = None
-
-
 def _integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor,
                      lengths: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """integer_forward without torch.compiler.disable's wrapper, whose frame hooks cost a streaming
@@ -125,7 +114,6 @@ def _integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch
     if backend.name == "cpu" and lengths is None and len(params[0]) == 1:
         # the whole stack in one native call: the same integers, without a Python round trip
         # per quantize, layer and dequantize (they cost more than a streaming step's layer)
-        from . import native
         fast = native.cpu_stack_forward(params, x, hx)
         if fast is not None:
             out, h_n = fast  # float32
@@ -662,7 +650,6 @@ class QuantGRU(nn.GRU):
         if (params is None or forced_backend_name() not in (None, "cpu") or torch.jit.is_tracing()
                 or torch.compiler.is_compiling() or self._flat_weights[0].device.type != "cpu"):
             return None
-        native = _native_module()
         # the cpu backend as current_backend decides it (an unavailable one: the general path falls
         # back to reference and warns, or raises where cpu is forced)
         if native.why_unavailable("cpu"):

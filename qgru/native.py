@@ -316,6 +316,15 @@ def direct16_fits(weights: torch.Tensor, w_bits: int, act_bits: int) -> bool:
     return K * 32768 * max_w < (1 << 31)
 
 
+def one_limb_pair(p: LayerParams, act16: bool) -> bool:
+    """Whether both of p's GEMMs are one limb pair (the CPU Layer's step is then one fused pass,
+    gemm "<path>-fused"): 8-bit weights, and x and h of at most 8 bits or, on a path with int16
+    operands (act16), taken whole where direct16_fits (prepare_layer's x_direct16 / h_direct16)."""
+    b = p.bits
+    return (b["W"] <= 8 and b["R"] <= 8 and (b["x"] <= 8 or (act16 and direct16_fits(p.W, b["W"], b["x"])))
+            and (b["h"] <= 8 or (act16 and direct16_fits(p.R, b["R"], b["h"]))))
+
+
 def _limb_gemm(prefix: str, weights: torch.Tensor, w_bits: int, act_bits: int, M_pad: int,
                ones_col: int, act_direct: bool = False,
                gemm_min: int = GEMM_PAD) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
@@ -739,11 +748,11 @@ def cpu_stack_plan(params: List[List[LayerParams]], req: str):
 
 def _one_row_on_avx2(params: List[List[LayerParams]], req: str) -> bool:
     """Whether a one-step call of a batch of one (streaming) runs faster on the avx2 path's Layers
-    than on the path ``req`` resolves to: where that path is amx or avx512vnni (int8 operands) and
-    every layer has a 16-bit x or h that avx2 takes whole as int16 (direct16_fits for both, so its
-    step is one fused pass, against two limb pairs per GEMM and a pass per GEMM on the int8 paths).
-    Measured on a Sapphire Rapids VM, w8a16 at H=512: 57 us (amx) and 44 us (avx512vnni) against
-    37 us per step (bench.py, 2026-11-25)."""
+    than on the path ``req`` resolves to: where that path is amx or avx512vnni (int8 operands), every
+    layer has a 16-bit x or h, and avx2's Layer of every layer is one fused pass (it takes them
+    whole as int16, where direct16_fits allows), against two limb pairs per GEMM and a pass per
+    GEMM on the int8 paths. Measured on lscpu "Intel(R) Xeon(R) Processor" (a 2-core Sapphire Rapids VM), w8a16 at H=512: 57 us (amx) and
+    44 us (avx512vnni) against 37 us per step (bench.py, 2026-11-25)."""
     try:
         if resolve_cpu_isa(req)["name"] not in ("amx", "avx512vnni"):
             return False
@@ -751,14 +760,7 @@ def _one_row_on_avx2(params: List[List[LayerParams]], req: str) -> bool:
         return False
     if not any(i["name"] == "avx2" and i["usable"] for i in cpu_paths()):
         return False
-    for (p,) in params:
-        b = p.bits
-        if max(b["x"], b["h"]) <= 8 or max(b["W"], b["R"]) > 8:
-            return False
-        if not ((b["x"] <= 8 or direct16_fits(p.W, b["W"], b["x"]))
-                and (b["h"] <= 8 or direct16_fits(p.R, b["R"], b["h"]))):
-            return False
-    return True
+    return all(max(p.bits["x"], p.bits["h"]) > 8 and one_limb_pair(p, act16=True) for (p,) in params)
 
 
 def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor, resolve: bool = True):

@@ -137,10 +137,7 @@ def _expected_gemm(kind: str, p) -> str:
         return "cublas"
     path = kind.split(":")[1] if ":" in kind else native.resolve_cpu_isa()["name"]
     act16 = {i["name"]: i for i in native.cpu_paths()}[path]["act_bytes"] == 2
-    b = p.bits
-    x_one = b["W"] <= 8 and (b["x"] <= 8 or (act16 and native.direct16_fits(p.W, b["W"], b["x"])))
-    h_one = b["R"] <= 8 and (b["h"] <= 8 or (act16 and native.direct16_fits(p.R, b["R"], b["h"])))
-    return path + ("-fused" if x_one and h_one else "")
+    return path + ("-fused" if native.one_limb_pair(p, act16) else "")
 
 
 @pytest.fixture(scope="module")

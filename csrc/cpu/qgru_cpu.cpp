@@ -236,7 +236,7 @@ class CpuLayer {
     cell_ = lt_.cell();
     fused_ = rh_.P == 1 && wx_.P == 1;
     // A batch of one on AMX: a 16-row tile holds one real row, and one step of H = 512 measured
-    // 18.4 us against 14.1 us with AVX-512 VNNI's GEMM (2 threads, Sapphire Rapids VM); from two
+    // 18.4 us against 14.1 us with AVX-512 VNNI's GEMM (2 threads, lscpu "Intel(R) Xeon(R) Processor", a Sapphire Rapids VM, 2026-11-25); from two
     // rows on AMX is faster (N = 2: 18.6 against 20.0). Same group width and int8 activations, so
     // only the weights are packed again (on the first such call).
     if (fused_ && std::string(k_->name) == "amx") {
@@ -510,7 +510,7 @@ at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bi
     if (!c.defined() || c.storage().use_count() == 1) slot = &c;  // free: may be replaced
   }
   at::Tensor q = reuse_or_empty(*slot, x.sizes());
-  const Range r{-(int64_t(1) << (bits - 1)), (int64_t(1) << (bits - 1)) - 1};
+  const Range r = signed_range((int32_t)bits);
   const bool ok = x.scalar_type() == at::kDouble
                       ? quantize_loop(k, x.data_ptr<double>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, r)
                       : quantize_loop(k, x.data_ptr<float>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, r);
@@ -541,7 +541,7 @@ at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int
   at::Tensor out = at::empty(q.sizes(), q.options());
   const int32_t* src = q.data_ptr<int32_t>();
   int32_t* dst = out.data_ptr<int32_t>();
-  const Range r{-(int64_t(1) << (to_bits - 1)), (int64_t(1) << (to_bits - 1)) - 1};
+  const Range r = signed_range((int32_t)to_bits);
   at::parallel_for(0, q.numel(), 4096, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) dst[i] = (int32_t)saturate(rounding_mul_shift((int64_t)src[i] - from_zp, mult,
                                                                                   (int32_t)shift) + to_zp, r);

@@ -21,7 +21,8 @@ QGRU_ISA_BEGIN
 // Elements [0, n) of x into q; false if any is NaN. Values have at most 16 bits (r).
 template <typename T>
 bool quantize_block(const T* x, int32_t* q, int64_t n, double scale, int64_t zp, Range r) {
-  const double lo = (double)(r.lo - zp - 1), hi = (double)(r.hi - zp + 1);
+  const QuantizeBounds bounds = quantize_bounds(r, zp);  // qgru_fixedpoint.h
+  const double lo = bounds.lo, hi = bounds.hi;
   bool nan = false;
   int64_t i = 0;
 #if defined(QGRU_QUANTIZE_AVX512)
@@ -75,7 +76,7 @@ bool quantize_block(const T* x, int32_t* q, int64_t n, double scale, int64_t zp,
   }
   nan = any_nan != 0;
 #endif
-  for (; i < n; ++i) q[i] = quantize_value((double)x[i], scale, zp, r, lo, hi, &nan);  // qgru_fixedpoint.h
+  for (; i < n; ++i) q[i] = quantize_value((double)x[i], scale, zp, r, bounds, &nan);  // qgru_fixedpoint.h
   return !nan;
 }
 
