@@ -54,6 +54,26 @@ QGRU_HD int64_t exact_product(const LimbProducts& g, int64_t row, int64_t c) {
   return acc;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The recurrent operand (golden.recurrent_operand): what the R.h GEMM reads. Without an h_gemm
+// tensor, the state h itself; with one, h requantized onto h_gemm's narrower grid every step,
+// sat(rescale(q_h - Z_h) + Z_op), so the state keeps its bits and the GEMM takes fewer limbs.
+// |q_h - Z_h| < 2^16 and the multiplier has at most 31 bits (convert.operand_bounds), so the
+// product fits the 32 x 32 -> 64 multiply of apply<false, false> (pow2 multipliers included).
+QGRU_ISA_END
+struct HOperand {
+  int32_t on;       // 0: the GEMM reads h itself (the other fields unused)
+  Rescale rescale;  // [1] S_h / S_op
+  int64_t h_zp, zp;
+  Range out;        // h_gemm's bits
+};
+QGRU_ISA_BEGIN
+
+QGRU_HD int64_t gemm_operand(const HOperand& o, int64_t q_h) {
+  if (!o.on) return q_h;
+  return saturate(apply<false, false>(o.rescale, 0, q_h - o.h_zp) + o.zp, o.out);
+}
+
 // One int8 limb of a value of `bits` bits (1 or 2 limbs, as described above).
 QGRU_HD int8_t act_limb(int64_t v, int32_t bits, int limb) {
   if (bits <= 8) return (int8_t)v;
@@ -327,6 +347,7 @@ struct CellParams {
   int64_t one_z;      // 1.0 on z's grid, relative to its zero point
   int64_t h_zp;
   Range h;
+  HOperand op;        // the next step's R.h operand from the new state (gemm_operand)
 };
 QGRU_ISA_BEGIN
 

@@ -50,19 +50,22 @@ void gemm_s8(cublasHandle_t handle, const int8_t* act, const int8_t* weight, int
         "cublasGemmEx (int8 -> int32)");
 }
 
-// limbs[i][r, k] = act_limb(src[r, k]) for r < rows, k < K (padding stays zero): x's limbs (int16
-// qx [rows, I]) for W.x, and the initial state's (int32 [N, H]) for the first R.h GEMM.
+// limbs[i][r, k] = act_limb(op(src[r, k])) for r < rows, k < K (padding stays zero): x's limbs
+// (int16 qx [rows, I], op off) for W.x, and the initial state's R.h operand (int32 [N, H],
+// gemm_operand: the state, or its h_gemm) for the first R.h GEMM.
 template <typename S>
-__global__ void limbs_kernel(const S* __restrict__ src, int64_t rows, int32_t K, int32_t bits,
+__global__ void limbs_kernel(const S* __restrict__ src, int64_t rows, int32_t K, int32_t bits, HOperand op,
                              int8_t* __restrict__ lo, int8_t* __restrict__ hi, int64_t ld) {
   const int32_t k = this_col();
   if (k >= K) return;
   for (int64_t r = first_row(); r < rows; r += row_stride()) {
-    const int32_t v = (int32_t)src[r * K + k];
+    const int32_t v = (int32_t)gemm_operand(op, (int64_t)src[r * K + k]);
     lo[r * ld + k] = act_limb(v, bits, 0);
     if (hi != nullptr) hi[r * ld + k] = act_limb(v, bits, 1);
   }
 }
+
+constexpr HOperand kNoOperand{0, Rescale{nullptr, nullptr, nullptr}, 0, 0, Range{0, 0}};
 
 template <int NP, bool POW2, bool ACC32>
 __global__ void input_epilogue_kernel(AccRequant a, AccRequant32 a32, LimbProducts lp, int64_t rows, int32_t H3,
@@ -74,7 +77,8 @@ __global__ void input_epilogue_kernel(AccRequant a, AccRequant32 a32, LimbProduc
 }
 
 // One time step for every (n, j): the shared cell, then the new state, its output copy (int16: a
-// state has at most 16 bits) and the int8 limbs the next step's R.h GEMM reads. Padding rows
+// state has at most 16 bits) and the int8 limbs of the operand (gemm_operand) the next step's R.h
+// GEMM reads. Padding rows
 // (t >= lengths[n]) carry the state.
 template <int NP, bool POW2, bool ACC32>
 __global__ void cell_kernel(CellParams p, LimbProducts lp, int64_t N, int64_t t, const int32_t* __restrict__ dwx_t,
@@ -94,8 +98,9 @@ __global__ void cell_kernel(CellParams p, LimbProducts lp, int64_t N, int64_t t,
     const int32_t h_new = (int32_t)gru_cell<NP, POW2, ACC32>(p, lp, n, j, ch, dwx_t + n * 3 * H, q_h);
     state[idx] = h_new;
     out_t[idx] = (int16_t)h_new;
-    h_lo[n * ld + j] = act_limb(h_new, h_bits, 0);
-    if (h_hi != nullptr) h_hi[n * ld + j] = act_limb(h_new, h_bits, 1);
+    const int64_t g = gemm_operand(p.op, h_new);
+    h_lo[n * ld + j] = act_limb(g, h_bits, 0);
+    if (h_hi != nullptr) h_hi[n * ld + j] = act_limb(g, h_bits, 1);
   }
 }
 
@@ -187,7 +192,7 @@ void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, int64_t
   const int64_t H = d.H, H3 = 3 * H;
   // h0's limbs for the first R.h GEMM
   const Launch2D lh = launch_2d(N, H);
-  limbs_kernel<int32_t><<<lh.grid, lh.block, 0, stream>>>(state, N, (int32_t)H, d.h_bits, ws.h_limbs[0],
+  limbs_kernel<int32_t><<<lh.grid, lh.block, 0, stream>>>(state, N, (int32_t)H, d.h_bits, d.cell.op, ws.h_limbs[0],
                                                        d.h_bits > 8 ? ws.h_limbs[1] : nullptr, d.rh.K_pad);
   check(cudaGetLastError(), "limbs_kernel (state) launch");
   // Windows of steps: W.x of a window's steps in one GEMM (seed 001 steps 1-2), then their
@@ -198,7 +203,7 @@ void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, int64_t
     const int64_t rows = steps * N;
     const Launch2D lx = launch_2d(rows, d.I);
     limbs_kernel<int16_t><<<lx.grid, lx.block, 0, stream>>>(qx + t0 * N * d.I, rows, (int32_t)d.I, d.x_bits,
-                                                         ws.x_limbs[0], d.x_bits > 8 ? ws.x_limbs[1] : nullptr,
+                                                         kNoOperand, ws.x_limbs[0], d.x_bits > 8 ? ws.x_limbs[1] : nullptr,
                                                          d.wx.K_pad);
     check(cudaGetLastError(), "limbs_kernel (x) launch");
     // rows padded (gemm_rows): the extra rows hold stale or zero limbs, their outputs are never read

@@ -57,6 +57,17 @@ struct LayerTensors {
       check_value(k + "_pre_zp", value(k + "_pre_lo"), value(k + "_pre_hi"));
     }
     check_value("h_zp", value("h_lo"), value("h_hi"));
+    if (value("hg") != 0) {  // the R.h operand h_gemm: its range is the GEMM's activation bits
+      const int64_t lo = value("hg_lo"), hi = value("hg_hi"), b = value("h_bits");
+      TORCH_CHECK(lo == -(int64_t(1) << (b - 1)) && hi == (int64_t(1) << (b - 1)) - 1, "qgru native layer: range of "
+                  "hg [", lo, ", ", hi, "] is not that of the R.h GEMM's ", b, "-bit operand");
+      check_value("hg_zp", lo, hi);
+      check_rescale("hg", 1, false);
+    } else {  // the GEMM reads the state itself
+      TORCH_CHECK(value("h_hi") - value("h_lo") + 1 == (int64_t(1) << value("h_bits")), "qgru native layer: the "
+                  "state's range [", value("h_lo"), ", ", value("h_hi"), "] is not that of the R.h GEMM's ",
+                  value("h_bits"), "-bit operand");
+    }
     check_value("one_z", 0, int64_t(1) << 16);
     const bool pow2 = value("pow2") != 0;
     for (const char* a : {"Wx", "Rh"}) {
@@ -280,6 +291,8 @@ struct LayerTensors {
     p.one_z = value("one_z");
     p.h_zp = value("h_zp");
     p.h = range("h");
+    p.op = HOperand{0, Rescale{nullptr, nullptr, nullptr}, 0, 0, Range{0, 0}};
+    if (value("hg") != 0) p.op = HOperand{1, rescale("hg"), value("h_zp"), value("hg_zp"), range("hg")};
     return p;
   }
   // The limb pairs of one GEMM ("x": W.x, "h": R.h): [P, 4] int64 rows (act limb, weight limb,

@@ -26,7 +26,15 @@ Wx, Rh      W.x + b_ih, R.h + b_hh, requantized         per_tensor, per_gate, pe
 z_pre ...   gate pre-activations (table inputs)         per_tensor (one table per gate)
 z, r, g     sigmoid / tanh outputs (grid fixed by the   (bits only)
             function's range)
+h_gemm      optional: the R.h GEMM operand, h requan-   per_tensor
+            tized each step onto a grid of its own
+            (at most h's bits; calibrated on h's data)
 ==========  ==========================================  =======================================
+
+Without h_gemm the R.h GEMM reads the state h itself. With it (the shipped w8a8: h 16 bits,
+h_gemm 8) the state keeps 16 bits through every update while R.h stays an int8 x int8 GEMM, as
+dynamic quantization keeps h in float and quantizes only the GEMM's operand. Remove it with
+``overrides={"tensors": {"h_gemm": None}}``.
 """
 from __future__ import annotations
 
@@ -44,9 +52,13 @@ GEMM_OUTPUTS = ("Wx", "Rh")
 PRE_ACTIVATIONS = ("z_pre", "r_pre", "g_pre")
 GATE_OUTPUTS = ("z", "r", "g")
 TENSOR_NAMES = ACTIVATIONS + WEIGHTS + GEMM_OUTPUTS + PRE_ACTIVATIONS + GATE_OUTPUTS
+# Optional tensors: a config may leave them out (the model then has no such tensor).
+# h_gemm: the R.h GEMM's operand, h requantized every step onto a narrower grid of its own, so that
+# the state keeps its bits while the GEMM stays int8 x int8 (docs/spec.md, "The recurrent operand").
+OPTIONAL_TENSORS = ("h_gemm",)
 
 GRANULARITIES = {
-    **{n: ("per_tensor",) for n in ACTIVATIONS + PRE_ACTIVATIONS + GATE_OUTPUTS},
+    **{n: ("per_tensor",) for n in ACTIVATIONS + OPTIONAL_TENSORS + PRE_ACTIVATIONS + GATE_OUTPUTS},
     **{n: ("per_tensor", "per_group", "per_channel") for n in WEIGHTS},
     **{n: ("per_tensor", "per_gate", "per_channel") for n in GEMM_OUTPUTS},
 }
@@ -108,6 +120,11 @@ class QuantConfig:
         return self.tensors[tensor]
 
     @property
+    def h_gemm(self) -> Optional[TensorSpec]:
+        """The R.h GEMM operand's spec, or None when the GEMM reads the state h itself."""
+        return self.tensors.get("h_gemm")
+
+    @property
     def power_of_two(self) -> bool:
         return self.scale_mode == "pow2"
 
@@ -159,11 +176,16 @@ class QuantConfig:
         if weight_rounding not in WEIGHT_ROUNDINGS:
             raise ValueError(f"config: weight_rounding must be one of {WEIGHT_ROUNDINGS}, got {weight_rounding!r}")
         raw = d.get("tensors", {})
-        _check_keys(raw, set(TENSOR_NAMES), "config.tensors")
+        _check_keys(raw, set(TENSOR_NAMES + OPTIONAL_TENSORS), "config.tensors")
+        # an optional tensor set to None (overrides={"tensors": {"h_gemm": None}}) is left out
+        raw = {n: v for n, v in raw.items() if not (n in OPTIONAL_TENSORS and v is None)}
         missing = [n for n in TENSOR_NAMES if n not in raw]
         if missing:
             raise ValueError(f"config.tensors: missing {', '.join(missing)}")
-        tensors = {n: _tensor_spec(n, raw[n]) for n in TENSOR_NAMES}
+        tensors = {n: _tensor_spec(n, raw[n]) for n in TENSOR_NAMES + OPTIONAL_TENSORS if n in raw}
+        if "h_gemm" in tensors and tensors["h_gemm"].bits > tensors["h"].bits:
+            raise ValueError(f"config.tensors.h_gemm: the R.h operand ({tensors['h_gemm'].bits} bits) is h "
+                             f"requantized to fewer bits; it cannot have more than h ({tensors['h'].bits})")
         return cls(name=str(d.get("name", default_name)), scale_mode=scale_mode,
                    observer=observer, tensors=tensors, weight_rounding=weight_rounding)
 

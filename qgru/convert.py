@@ -278,17 +278,24 @@ def _bits_of(bound: int) -> int:
     return int(bound).bit_length()
 
 
+def recurrent_operand(bits: Dict[str, int]) -> str:
+    """The name of the tensor the R.h GEMM reads: h_gemm when the config has one, else h itself."""
+    return "h_gemm" if "h_gemm" in bits else "h"
+
+
 def operand_bounds(bits: Dict[str, int], input_size: int, hidden_size: int) -> Dict[str, int]:
     """The largest |operand| of every rescale of a layer (docs/spec.md section 6), which sets its
     multiplier width (``primitives.multiplier_bits(_bits_of(bound))``). "in" is the rescale of the
-    previous layer's outputs onto this layer's x grid (``in_0``, ``in_1``)."""
+    previous layer's outputs onto this layer's x grid (``in_0``, ``in_1``); "h_gemm" that of the
+    state onto the R.h operand's grid (only with an h_gemm tensor)."""
     def span(n):  # largest |q - Z| of a tensor stored in bits[n] bits
         return (1 << bits[n]) - 1
 
     bias_max = 1 << (BIAS_BITS - 1)
     return {
         "Wx": input_size * (1 << (bits["W"] - 1)) * span("x") + bias_max,
-        "Rh": hidden_size * (1 << (bits["R"] - 1)) * span("h") + bias_max,
+        "Rh": hidden_size * (1 << (bits["R"] - 1)) * span(recurrent_operand(bits)) + bias_max,
+        "h_gemm": span("h"),
         "Wx_r": span("Wx"), "Rh_r": span("Rh"), "Wx_z": span("Wx"), "Rh_z": span("Rh"), "Wx_g": span("Wx"),
         "rRh_g": span("r") * span("Rh"),
         "zh": span("z") * span("h"),
@@ -311,8 +318,8 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
                         second_moments: Optional[Dict[str, torch.Tensor]] = None) -> LayerParams:
     """Integer parameters of one layer and direction.
 
-    ``ranges`` maps x, h, Wx, Rh, r_pre, z_pre, g_pre to observed (min, max) (per channel for
-    Wx/Rh when their granularity is not per_tensor). ``prev_h`` lists (scale, zero point) of the
+    ``ranges`` maps x, h, Wx, Rh, r_pre, z_pre, g_pre (and h_gemm, when the config has it) to
+    observed (min, max) (per channel for Wx/Rh when their granularity is not per_tensor). ``prev_h`` lists (scale, zero point) of the
     previous layer's h grid per direction, for the rescale of its outputs onto this layer's x grid.
     ``scales_out``, if given, receives the float64 scale of every tensor (LayerParams keeps only
     the boundary ones): quantization-aware training (qgru/qat.py) carries its float values on
@@ -324,7 +331,9 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
     H = H3 // 3
     bits = {n: s.bits for n, s in config.tensors.items()}
     S, Z = {}, {}
-    for n in ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre"):
+    op = recurrent_operand(bits)  # the R.h GEMM's operand: h itself or h_gemm
+    calibrated = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre") + (("h_gemm",) if op == "h_gemm" else ())
+    for n in calibrated:
         S[n], Z[n] = activation_qparams(*ranges[n], config[n], H, pow2)
     mom = second_moments or {}
     S["W"], W = weight_qparams(w_ih, config["W"], pow2, mom.get("x"))
@@ -336,7 +345,7 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
         return saturate(round_half_up(b.detach().double() / (w_scale * act_scale)), BIAS_BITS)
 
     b_x = bias(b_ih, S["W"], S["x"])
-    b_h = bias(b_hh, S["R"], S["h"])
+    b_h = bias(b_hh, S["R"], S[op])
 
     grids = {"r": output_grid("sigmoid", bits["r"], pow2), "z": output_grid("sigmoid", bits["z"], pow2),
              "g": output_grid("tanh", bits["g"], pow2)}
@@ -351,7 +360,7 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
 
     rescale = {
         "Wx": _rescale(S["W"] * S["x"] / S["Wx"], bound["Wx"], pow2),
-        "Rh": _rescale(S["R"] * S["h"] / S["Rh"], bound["Rh"], pow2),
+        "Rh": _rescale(S["R"] * S[op] / S["Rh"], bound["Rh"], pow2),
         "Wx_r": _rescale(gate(S["Wx"], 0) / S["r_pre"], bound["Wx_r"], pow2),
         "Rh_r": _rescale(gate(S["Rh"], 0) / S["r_pre"], bound["Rh_r"], pow2),
         "Wx_z": _rescale(gate(S["Wx"], 1) / S["z_pre"], bound["Wx_z"], pow2),
@@ -361,6 +370,8 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
         "zh": _rescale(S["z"], bound["zh"], pow2),
         "zg": _rescale(S["z"] * S["g"] / S["h"], bound["zg"], pow2),
     }
+    if op == "h_gemm":
+        rescale["h_gemm"] = _rescale(S["h"] / S["h_gemm"], bound["h_gemm"], pow2)
     for d, (s_prev, _) in enumerate(prev_h):
         rescale[f"in_{d}"] = _rescale(s_prev / S["x"], bound["in"], pow2)
 
@@ -368,9 +379,9 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
                              int(Z[f"{n}_pre"]), float(S[n])) for n in ("r", "z", "g")}
     if scales_out is not None:
         scales_out.update(S)
-    zp = {n: Z[n].to(torch.int64) for n in ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre", "r", "z", "g")}
+    zp = {n: Z[n].to(torch.int64) for n in calibrated + ("r", "z", "g")}
     return LayerParams(
         input_size=I, hidden_size=H, bits=bits, W=W, R=R, b_x=b_x, b_h=b_h,
-        W_zp_comp=Z["x"] * W.sum(1), R_zp_comp=Z["h"] * R.sum(1), zp=zp, rescale=rescale,
+        W_zp_comp=Z["x"] * W.sum(1), R_zp_comp=Z[op] * R.sum(1), zp=zp, rescale=rescale,
         tables=tables, one_z=one_z,
-        scale={"x": S["x"], "h": S["h"], "W": S["W"], "R": S["R"]})
+        scale={n: S[n] for n in ("x", "h", "W", "R") + (("h_gemm",) if op == "h_gemm" else ())})

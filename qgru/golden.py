@@ -42,14 +42,17 @@ class LayerParams:
     W: torch.Tensor                 # [3H, I]  q_W, symmetric
     R: torch.Tensor                 # [3H, H]  q_R, symmetric
     b_x: torch.Tensor               # [3H] int32-range bias of W.x, at scale S_W[c] * S_x
-    b_h: torch.Tensor               # [3H] bias of R.h, at scale S_R[c] * S_h
+    b_h: torch.Tensor               # [3H] bias of R.h, at scale S_R[c] * S_op (op: the R.h operand,
+                                    # h_gemm when bits has it, else h: recurrent_operand)
     W_zp_comp: torch.Tensor         # [3H] Z_x * rowsum(q_W), precomputed once
-    R_zp_comp: torch.Tensor         # [3H] Z_h * rowsum(q_R)
-    zp: Dict[str, torch.Tensor]     # zero points: x, h (scalars), Wx, Rh ([3H]), z_pre, r_pre, g_pre, z, r, g
-    rescale: Dict[str, Rescale]     # acc_x->Wx, acc_h->Rh, Wx_r->r_pre, Rh_r->r_pre, ..., zh->h, zg->h
+    R_zp_comp: torch.Tensor         # [3H] Z_op * rowsum(q_R)
+    zp: Dict[str, torch.Tensor]     # zero points: x, h, h_gemm (scalars), Wx, Rh ([3H]), z_pre, r_pre, g_pre, z, r, g
+    rescale: Dict[str, Rescale]     # acc_x->Wx, acc_h->Rh, Wx_r->r_pre, Rh_r->r_pre, ..., zh->h, zg->h,
+                                    # h->h_gemm (only with an h_gemm)
     tables: Dict[str, torch.Tensor]  # "r", "z" (sigmoid), "g" (tanh) entries
     one_z: int                      # 1.0 on z's grid, relative to its zero point
-    scale: Dict[str, torch.Tensor]  # float64 scales of x and h: used only at the float boundary
+    scale: Dict[str, torch.Tensor]  # float64 scales of x, h, W, R (and h_gemm): used only at the float
+                                    # boundary and to read the parameters back as floats
 
     # A native backend caches the layer it prepared from these parameters in __dict__["_native"]
     # (qgru/native.py, gru_direction). That cache is not part of the parameters: copies and
@@ -91,18 +94,30 @@ def _record(trace: Optional[Trace], name: str, v: torch.Tensor) -> None:
         trace.setdefault(name, []).append(v)
 
 
+def recurrent_operand(p: LayerParams, qh: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """(q, bits) of what the R.h GEMM reads: the state h itself, or, with an h_gemm tensor, h
+    requantized onto h_gemm's narrower grid, q = sat(rescale(q_h - Z_h) + Z_op) (docs/spec.md,
+    "The recurrent operand"). The state keeps its own bits; only the GEMM operand is narrowed."""
+    if "h_gemm" not in p.bits:
+        return qh, p.bits["h"]
+    return saturate(p.rescale["h_gemm"](qh - p.zp["h"]) + p.zp["h_gemm"], p.bits["h_gemm"]), p.bits["h_gemm"]
+
+
 def gru_step(p: LayerParams, dWx: torch.Tensor, qh: torch.Tensor,
              trace: Optional[Trace] = None) -> torch.Tensor:
     """One time step: dWx [N, 3H] (= q_Wx - Z_Wx), qh [N, H] -> new q_h [N, H].
 
     ``trace`` (optional, for qgru.compare): a dict to which the step appends its stored integers
     q_Rh, q_r_pre, q_r, q_z_pre, q_z, q_g_pre, q_g and q_h (the new state, before any padding
-    mask). Tracing changes no result.
+    mask), and q_h_gemm (the R.h operand) when the layer has one. Tracing changes no result.
     """
     H = p.hidden_size
     b, zp, rs = p.bits, p.zp, p.rescale
-    # Rh = R.h + b_hh, requantized (seed 001, step 3.1)
-    acc = int_matmul(qh, b["h"], p.R.t(), b["R"]) - p.R_zp_comp + p.b_h
+    # Rh = R.h + b_hh, requantized (seed 001, step 3.1); R.h reads the recurrent operand
+    q_op, op_bits = recurrent_operand(p, qh)
+    if "h_gemm" in b:
+        _record(trace, "h_gemm", q_op)
+    acc = int_matmul(q_op, op_bits, p.R.t(), b["R"]) - p.R_zp_comp + p.b_h
     qRh = saturate(rs["Rh"](acc) + zp["Rh"], b["Rh"])
     _record(trace, "Rh", qRh)
     dRh = qRh - zp["Rh"]

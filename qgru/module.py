@@ -421,8 +421,13 @@ class QuantGRU(nn.GRU):
                 o.sync()
         q = self.qconfig
         return {key: {n: calibrated_range(o, q[n], self.hidden_size, q.power_of_two, q.observer.kind)
-                      for n, o in obs.items()}
+                      for n, o in self._calibrated(obs).items()}
                 for key, obs in self._observers.items()}
+
+    def _calibrated(self, obs: Dict[str, Observer]) -> Dict[str, Observer]:
+        """The observer of every calibrated tensor: the R.h operand h_gemm, when configured, is h's
+        values on a grid of its own, so it reads h's observer."""
+        return {**obs, "h_gemm": obs["h"]} if self.qconfig.h_gemm is not None else obs
 
     def _derive_params(self, ranges, scales: Optional[Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = None,
                        moments: Optional[Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = None
@@ -496,7 +501,7 @@ class QuantGRU(nn.GRU):
         observer's histogram."""
         out = {}
         pre = f"l{layer}.{'rev' if d else 'fwd'}."
-        for n, o in obs.items():
+        for n, o in self._calibrated(obs).items():
             spec = self.qconfig[n]
             S, Z = activation_qparams(*ranges[n], spec, self.hidden_size, self.qconfig.power_of_two)
             qlo, qhi = qrange(spec.bits)

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .convert import recurrent_operand
 from .golden import LayerParams
 from .primitives import qrange, split_int8_limbs
 from .tables import table_geometry
@@ -321,8 +322,9 @@ def one_limb_pair(p: LayerParams, act16: bool) -> bool:
     gemm "<path>-fused"): 8-bit weights, and x and h of at most 8 bits or, on a path with int16
     operands (act16), taken whole where direct16_fits (prepare_layer's x_direct16 / h_direct16)."""
     b = p.bits
+    h = b[recurrent_operand(b)]
     return (b["W"] <= 8 and b["R"] <= 8 and (b["x"] <= 8 or (act16 and direct16_fits(p.W, b["W"], b["x"])))
-            and (b["h"] <= 8 or (act16 and direct16_fits(p.R, b["R"], b["h"]))))
+            and (h <= 8 or (act16 and direct16_fits(p.R, b["R"], h))))
 
 
 def _limb_gemm(prefix: str, weights: torch.Tensor, w_bits: int, act_bits: int, M_pad: int,
@@ -365,7 +367,10 @@ def prepare_layer(p: LayerParams, act16: bool = False,
     """The C++ Layer's arguments for one layer and direction (CPU tensors; move them as needed).
 
     act16: the kernel takes int16 activations (the CPU's avx2 path), so a 16-bit x or h times 8-bit
-    weights is one GEMM where ``direct16_fits`` proves its int32 sums exact. gemm_min: the smallest
+    weights is one GEMM where ``direct16_fits`` proves its int32 sums exact. "h_bits" is the bits of
+    the R.h GEMM's operand (h_gemm's when the layer has one, "hg" = 1: the cell then writes the
+    operand from the new state, golden.recurrent_operand); "h_lo"/"h_hi" the state's range.
+    gemm_min: the smallest
     padded channel count (M_pad) and reduction length (K_pad), CUDA_GEMM_MIN for the CUDA backend
     (zero padding: the same integers)."""
     H, I = p.hidden_size, p.input_size
@@ -375,13 +380,14 @@ def prepare_layer(p: LayerParams, act16: bool = False,
     ones_col = H3
     M_pad = max(_round_up(H3 + (1 if needs_ones else 0), GEMM_PAD), gemm_min)
     t: Dict[str, torch.Tensor] = {}
+    op = recurrent_operand(b)  # what R.h reads: "h" or "h_gemm"
     v: Dict[str, int] = {"H": H, "I": I, "M_pad": M_pad, "ones_col": ones_col if needs_ones else 0,
-                         "x_bits": b["x"], "h_bits": b["h"]}
+                         "x_bits": b["x"], "h_bits": b[op], "hg": int(op == "h_gemm")}
     x_direct = act16 and direct16_fits(p.W, b["W"], b["x"])
-    h_direct = act16 and direct16_fits(p.R, b["R"], b["h"])
+    h_direct = act16 and direct16_fits(p.R, b["R"], b[op])
     v["x_direct16"], v["h_direct16"] = int(x_direct), int(h_direct)
     gx, const_x = _limb_gemm("x", p.W, b["W"], b["x"], M_pad, ones_col, x_direct, gemm_min)
-    gh, const_h = _limb_gemm("h", p.R, b["R"], b["h"], M_pad, ones_col, h_direct, gemm_min)
+    gh, const_h = _limb_gemm("h", p.R, b["R"], b[op], M_pad, ones_col, h_direct, gemm_min)
     t.update(gx)
     t.update(gh)
 
@@ -422,6 +428,10 @@ def prepare_layer(p: LayerParams, act16: bool = False,
     v["one_z"] = int(p.one_z)
     v["h_zp"] = int(zp["h"])
     rng("h", b["h"])
+    if op == "h_gemm":
+        rescale("hg", rs["h_gemm"], 1)
+        v["hg_zp"] = int(zp["h_gemm"])
+        rng("hg", b["h_gemm"])
     v["acc32"] = int(_add_acc32(t, v, b))
     return t, v
 
@@ -760,7 +770,8 @@ def _one_row_on_avx2(params: List[List[LayerParams]], req: str) -> bool:
         return False
     if not any(i["name"] == "avx2" and i["usable"] for i in cpu_paths()):
         return False
-    return all(max(p.bits["x"], p.bits["h"]) > 8 and one_limb_pair(p, act16=True) for (p,) in params)
+    return all(max(p.bits["x"], p.bits[recurrent_operand(p.bits)]) > 8 and one_limb_pair(p, act16=True)
+               for (p,) in params)
 
 
 def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor, resolve: bool = True):

@@ -38,6 +38,12 @@ QGRU_NOINLINE void cell_block(const CellParams p, const LimbProducts lp, int64_t
   }
 }
 
+// The R.h operand of the states s[0 .. n) (gemm_operand, when the layer has an h_gemm).
+QGRU_NOINLINE inline void operand_of(const HOperand& op, const int32_t* __restrict s, int64_t n,
+                                     int32_t* __restrict d) {
+  for (int64_t k = 0; k < n; ++k) d[k] = (int32_t)gemm_operand(op, s[k]);
+}
+
 // Activation limb i of the values v[0 .. n) (act_limb; direct: the value itself as int16).
 template <typename A>
 QGRU_NOINLINE void limbs_of(const int32_t* __restrict v, int64_t n, int bits, int i, int direct, A* __restrict d) {
@@ -73,8 +79,19 @@ void cell_rows_t(const CellRowsArgs& a) {
         cell_block<np.value, pow2.value, acc32.value>(*a.p, *a.rh, n, j0, j1, dwx, s, o);
       });
     }
-    for (int i = 0; i < a.n_h_limbs; ++i)
-      limbs_of<A>(s, H, a.h_bits, i, a.h_direct, static_cast<A*>(a.h_limbs[i]) + n * a.lda);
+    const int32_t* src = s;  // the next step's R.h operand: the state, or h_gemm from it
+    int32_t op[kCell32Block];
+    for (int64_t j0 = 0; j0 < H; j0 += kCell32Block) {
+      const int64_t nj = min64(H - j0, kCell32Block);
+      if (a.p->op.on) {
+        operand_of(a.p->op, s + j0, nj, op);
+        src = op;
+      } else {
+        src = s + j0;
+      }
+      for (int i = 0; i < a.n_h_limbs; ++i)
+        limbs_of<A>(src, nj, a.h_bits, i, a.h_direct, static_cast<A*>(a.h_limbs[i]) + n * a.lda + j0);
+    }
   }
 }
 
@@ -155,7 +172,9 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
   h_out += j0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t rs = r * H, ra = r * lda;
-    if (active[r]) {
+    if (active[r] && p.op.on) {  // the R.h operand h_gemm, one limb: its value
+      for (int64_t c = 0; c < nj; ++c) h_out[ra + c] = (A)gemm_operand(p.op, s[rs + c]);
+    } else if (active[r]) {
       for (int64_t c = 0; c < nj; ++c) h_out[ra + c] = (A)s[rs + c];  // h's one limb: the value itself
     } else {
       for (int64_t c = 0; c < nj; ++c) {

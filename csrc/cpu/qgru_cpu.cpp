@@ -249,6 +249,16 @@ class CpuLayer {
 
   const Kernels* kernels() const { return k_; }
 
+  // The first step's R.h operand: the state itself, or its h_gemm (gemm_operand).
+  at::Tensor operand_of(const at::Tensor& state) const {
+    if (!cell_.op.on) return state;
+    at::Tensor op = at::empty_like(state);
+    const int32_t* s = state.data_ptr<int32_t>();
+    int32_t* d = op.data_ptr<int32_t>();
+    for (int64_t i = 0; i < state.numel(); ++i) d[i] = (int32_t)gemm_operand(cell_.op, s[i]);
+    return op;
+  }
+
   // The path's name, and "-fused" where each step is one fused pass.
   std::string gemm_path() const { return std::string(k_->name) + (fused_ ? "-fused" : ""); }
 
@@ -284,7 +294,7 @@ class CpuLayer {
     const int64_t chunk_rows = wx_in_step ? kFusedChunkBytes / (wx_.lda * k_->act_bytes) : kInputChunkRows;
     const int64_t steps = std::max<int64_t>(1, std::min<int64_t>(T, chunk_rows / N));
     ensure_workspace(steps * N, N, !wx_in_step);
-    rh_.to_act(state.data_ptr<int32_t>(), N, H_, fused_ ? ws_.h_fused[0] : ws_.h_act);
+    rh_.to_act(operand_of(state).data_ptr<int32_t>(), N, H_, fused_ ? ws_.h_fused[0] : ws_.h_act);
     ws_.cur = 0;
     for (int64_t t0 = 0; t0 < T; t0 += steps) {
       const int64_t tc = std::min(steps, T - t0);
