@@ -181,23 +181,24 @@ QGRU_ISA_BEGIN
 
 // ---------------------------------------------------------------------------------------------
 // The int32 cell: the same step in int32 lanes, for layers where prepare_layer proved every
-// intermediate fits (the ACC32 flag: 8-bit x/h/W/R and the bounds below), in the two forms of
-// AccRequant32 (template flag POW2).
+// intermediate fits (the ACC32 flag: 8-bit GEMM operands x, W, R and h, or h_gemm with a state h
+// of up to 16 bits, and the bounds below), in the two forms of AccRequant32 (template flag POW2).
 // * pow2: a rescale with multiplier 2^L and shift s is
 //     ((v << L) >> (s - 1) + 1) >> 1 = ((v << lsh) >> rsh + 1) >> 1,  R = s - 1 - L,
 //   with rsh = max(R, 0), lsh = max(-R, 0) (for R < 0 both sides equal v << (-R - 1)).
 //   Bounds (checked in qgru/native.py, _add_acc32): |q - Z| < 2^16 and lsh <= 14 keep (v << lsh)
 //   < 2^30; the r * Rh_g product (< 2^32) is never formed: with d_r = 256 a1 + a0 (d_r >= 0, the
 //   sigmoid's zero point is qmin), floor(d_r d / 2^R) = floor((a1 d + floor(a0 d / 2^8)) / 2^(R-8))
-//   for R >= 8, all terms < 2^25; z * h < 2^(b_z + b_h) <= 2^24; (1 - z) * g lies in
+//   for R >= 8, all terms < 2^25 (|d| < 2^17); z * h (up to 2^32 with a 16-bit state) the same
+//   way (rescale_wide32, R >= 8); (1 - z) * g lies in
 //   [-2^(b_z + b_g - 1), 2^b_z (2^(b_g - 1) - 1)], inside int32 for b_z, b_g <= 16; table terms
 //   < 2^29.
 // * multiplier: a rescale (m, s) is (mul_hi32(v << lsh, m) >> rsh + 1) >> 1 with lsh = max(0, 33 - s),
 //   rsh = max(0, s - 33) (rescale32). Bounds (_add_acc32): every input v of a rescale lies in an
 //   interval [v_lo, v_hi] known from its grids, with v_lo 2^lsh >= -2^31 and v_hi 2^lsh < 2^31;
 //   then |mul_hi32| <= 2^30 and each rounded term is at most 2^29 in magnitude, so the sums of two
-//   terms and a zero point fit int32. r * Rh_g (< 2^32) is formed in int64 (y = d_r d, one
-//   32 x 32 -> 64 product) and rescaled without a 64 x 64 product:
+//   terms and a zero point fit int32. r * Rh_g and z * h (< 2^32 each) are formed in int64
+//   (y = d_r d, one 32 x 32 -> 64 product) and rescaled without a 64 x 64 product:
 //     floor(y m / 2^16) = (y >> 16) m + floor((y & 0xFFFF) m / 2^16),
 //   both products 32 x 32 -> 64, then >> (s - 17), for s >= 17 and max|y| m / 2^(s-1) < 2^29 (so
 //   the result fits int32 beside the other terms).
@@ -273,12 +274,13 @@ QGRU_HD int32_t lookup32(const Table32& t, int32_t q) {
 QGRU_ISA_END
 struct Cell32 {
   const int32_t* channels;  // [ceil(H / 128)][kCell32Fields][128], see Cell32Field
-  int32_t zh_m, zh_lsh, zh_rsh;  // z * h -> h: multiplier (multiplier form), lsh, rsh
+  int32_t zh_m, zh_sh;           // z * h -> h (rescale_wide32): multiplier (multiplier form), shift
   int32_t zg_m, zg_lsh, zg_rsh;  // (1 - z) * g -> h
   int32_t pre_zp[3], pre_lo[3], pre_hi[3];  // r_pre, z_pre, g_pre
   Table32 table[3];                         // r, z, g
   int32_t one_z, h_zp, h_lo, h_hi;
   int32_t wx_lo, wx_hi, rh_lo, rh_hi;  // ranges of Wx and Rh
+  int32_t hg_m, hg_lsh, hg_rsh, hg_zp, hg_lo, hg_hi;  // h -> h_gemm (rescale32), when the layer has one
 };
 QGRU_ISA_BEGIN
 
@@ -293,17 +295,25 @@ QGRU_HD int32_t sigmoid_gate32(const Cell32& p, Channel32 ch, int gate, int32_t 
   return lookup32(p.table[gate], pre);
 }
 
-// The rescale of r * Rh_g onto g_pre (see the int32 cell's bounds above).
+// The rescale of a product a d that may pass int32 (a a gate's output, 0 <= a < 2^16, and
+// |d| < 2^17), without forming it in int32: pow2, sh = R >= 8 and the split a = 256 a1 + a0;
+// multiplier, sh = s - 17 and floor(y m / 2^16) from two 32 x 32 -> 64 products (the int32 cell's
+// bounds above). Used for r * Rh_g and for z * h (a 16-bit state makes z * h up to 2^32).
+template <bool POW2>
+QGRU_HD int32_t rescale_wide32(int32_t a, int32_t d, int32_t m, int32_t sh) {
+  if (POW2) {
+    const int32_t a1 = a >> 8, a0 = a & 255;
+    return (((a1 * d + ((a0 * d) >> 8)) >> (sh - 8)) + 1) >> 1;
+  }
+  const int64_t y = (int64_t)a * d;
+  const int64_t y_m_16 = mul32(y >> 16, m) + (mul32(y & 0xFFFF, m) >> 16);  // floor(y m / 2^16)
+  return ((int32_t)(y_m_16 >> sh) + 1) >> 1;
+}
+
+// The rescale of r * Rh_g onto g_pre.
 template <bool POW2>
 QGRU_HD int32_t rrh32(Channel32 ch, int32_t d_r, int32_t d_rh_g) {
-  if (POW2) {
-    const int32_t a1 = d_r >> 8, a0 = d_r & 255;
-    return (((a1 * d_rh_g + ((a0 * d_rh_g) >> 8)) >> (field(ch, kGRRhRsh) - 8)) + 1) >> 1;
-  }
-  const int64_t y = (int64_t)d_r * d_rh_g;
-  const int32_t m = field(ch, kMult + 5);
-  const int64_t y_m_16 = mul32(y >> 16, m) + (mul32(y & 0xFFFF, m) >> 16);  // floor(y m / 2^16)
-  return ((int32_t)(y_m_16 >> field(ch, kGRRhRsh)) + 1) >> 1;
+  return rescale_wide32<POW2>(d_r, d_rh_g, POW2 ? 0 : field(ch, kMult + 5), field(ch, kGRRhRsh));
 }
 
 // computeG and computeH in int32: the new state from g's raw R.h accumulator, Wx_g - Z, the gates
@@ -315,9 +325,16 @@ QGRU_HD int32_t candidate_state32(const Cell32& p, Channel32 ch, int32_t acc_rh_
   const int32_t g_pre =
       clamp32(apply32<POW2>(ch, kGWxLsh, d_wx_g) + rrh32<POW2>(ch, d_r, d_rh_g) + p.pre_zp[2], p.pre_lo[2], p.pre_hi[2]);
   const int32_t d_g = lookup32(p.table[2], g_pre);
-  const int32_t zh = rescale32<POW2>(d_z * (q_h - p.h_zp), p.zh_m, p.zh_lsh, p.zh_rsh);
+  const int32_t zh = rescale_wide32<POW2>(d_z, q_h - p.h_zp, p.zh_m, p.zh_sh);
   const int32_t zg = rescale32<POW2>((p.one_z - d_z) * d_g, p.zg_m, p.zg_lsh, p.zg_rsh);
   return clamp32(zh + zg + p.h_zp, p.h_lo, p.h_hi);
+}
+
+// gemm_operand in int32 (layers with an h_gemm): |q_h - Z_h| < 2^17 and the bounds of rescale32
+// (_add_acc32 checks them with the others).
+template <bool POW2>
+QGRU_HD int32_t gemm_operand32(const Cell32& p, int32_t q_h) {
+  return clamp32(rescale32<POW2>(q_h - p.h_zp, p.hg_m, p.hg_lsh, p.hg_rsh) + p.hg_zp, p.hg_lo, p.hg_hi);
 }
 
 // One element of one step from the three gates' int32 R.h accumulators and Wx - Z_Wx: the int32

@@ -153,7 +153,7 @@ struct LayerTensors {
   // equal the int64 ones are _add_acc32's, derived from the same parameters.
   void check_acc32(int64_t H, int64_t I, int64_t px, int64_t ph, bool pow2) const {
     TORCH_CHECK(px == 1 && ph == 1 && value("x_bits") <= 8 && value("h_bits") <= 8 && I < (1 << 16) && H < (1 << 16),
-                "qgru native layer: the int32 path needs 8-bit x and h, one limb pair and sizes below 2^16");
+                "qgru native layer: the int32 path needs 8-bit GEMM operands, one limb pair and sizes below 2^16");
     host("Wx_zp32", at::kInt, 3 * H);
     const int64_t i32max = INT32_MAX;
     if (pow2) {
@@ -165,11 +165,15 @@ struct LayerTensors {
       check_values("Wx_rshift", host("Wx_rshift", at::kInt, 3 * H), 0, 31);
       check_values("Wx_mult32", host("Wx_mult32", at::kInt, 3 * H), 0, i32max);
     }
-    for (const char* k : {"zh", "zg"}) {
-      const std::string n = k;
-      check_value(n + "_rsh", 0, 31);
-      check_value(n + "_lsh", 0, pow2 ? 0 : 31);
-      check_value(n + "_m32", 0, i32max);
+    check_value("zg_rsh", 0, 31);
+    check_value("zg_lsh", 0, pow2 ? 0 : 31);
+    check_value("zg_m32", 0, i32max);
+    check_value("zh_sh", pow2 ? 8 : 0, pow2 ? 39 : 47);  // as r * Rh_g's: rescale_wide32
+    check_value("zh_m32", 0, i32max);
+    if (value("hg") != 0) {  // gemm_operand32's rescale32
+      check_value("hg_lsh", 0, pow2 ? 14 : 31);
+      check_value("hg_rsh", 0, 31);
+      check_value("hg_m32", 0, i32max);
     }
     const int64_t blocks = (H + kCell32Block - 1) / kCell32Block;
     // [field][channel] of the first H channels (padding channels are never read)
@@ -251,8 +255,7 @@ struct LayerTensors {
                 kCell32Block, "], got ", ch.sizes());
     c.channels = i32("c32_channels");
     c.zh_m = (int32_t)value("zh_m32");
-    c.zh_lsh = (int32_t)value("zh_lsh");
-    c.zh_rsh = (int32_t)value("zh_rsh");
+    c.zh_sh = (int32_t)value("zh_sh");
     c.zg_m = (int32_t)value("zg_m32");
     c.zg_lsh = (int32_t)value("zg_lsh");
     c.zg_rsh = (int32_t)value("zg_rsh");
@@ -272,6 +275,14 @@ struct LayerTensors {
     c.wx_hi = (int32_t)value("Wx_hi");
     c.rh_lo = (int32_t)value("Rh_lo");
     c.rh_hi = (int32_t)value("Rh_hi");
+    if (value("hg") != 0) {
+      c.hg_m = (int32_t)value("hg_m32");
+      c.hg_lsh = (int32_t)value("hg_lsh");
+      c.hg_rsh = (int32_t)value("hg_rsh");
+      c.hg_zp = (int32_t)value("hg_zp");
+      c.hg_lo = (int32_t)value("hg_lo");
+      c.hg_hi = (int32_t)value("hg_hi");
+    }
     return c;
   }
   CellParams cell() const {

@@ -4,13 +4,17 @@
 input of every converted QuantGRU (forward hooks), and replays that input through
 
 * the golden integer model (qgru/golden.py), layer by layer and direction by direction, recording
-  every stored integer of every step (x, Wx, Rh, r_pre, z_pre, g_pre, r, z, g, h), and
+  every stored integer of every step (x, Wx, Rh, r_pre, z_pre, g_pre, r, z, g, h, and h_gemm, the
+  R.h GEMM's operand, in a model whose config has one), and
 * the float step-by-step reference (qgru/float_gru.py) with the float weights of the paired
   nn.GRU in ``float_model``, on the same input, recording the same tensors in float.
 
 It then reports, per GRU module, layer, direction and tensor: the SQNR, cosine and max abs error of
 the dequantized integer tensor against its float counterpart, the tensor's *own* SQNR (below), how
-often it saturated, and for the state h the SQNR per time step (drift). One extra row per module,
+often it saturated, and for the state h the SQNR per time step (drift). The h_gemm row (only for a
+model with that tensor) compares the operand R.h read at each step with the float state it stands
+for (the float h entering the step); its own SQNR is the error its grid adds to the integer state
+it was requantized from. One extra row per module,
 ``output``, compares the quantized model's GRU output with the float model's GRU output as the two
 models actually ran (so it also carries any difference in what reached the GRU). The report ends by
 naming the worst tensor and the config override that changes just that tensor.
@@ -30,8 +34,8 @@ saturation
     the fraction of (valid) elements stored as qmin or qmax of the tensor's bits while the value
     it should have stored (the own reference above) lies beyond that end of the grid: clipping,
     not a value that merely rounds to the end point (a zero point at qmin is not saturation). For
-    the calibrated tensors (x, h, Wx, Rh, r_pre, z_pre, g_pre) that is clipping at the calibrated
-    range (for x of layer 0: inputs outside it). For r, z, g the grid is the function's whole
+    the calibrated tensors (x, h, h_gemm, Wx, Rh, r_pre, z_pre, g_pre) that is clipping at the
+    calibrated range (for x of layer 0: inputs outside it). For r, z, g the grid is the function's whole
     range, so it only means sigmoid/tanh itself is within a step of 0 or 1: reported, marked
     ``*``, never blamed. Weights are symmetric over their exact max: not reported.
 
@@ -53,14 +57,16 @@ calibration clip
 
 Scales of the inner tensors
 ---------------------------
-LayerParams keeps only the x, h, W and R scales (the rest is folded into rescale factors), so the
-others are rebuilt from the rescales: S_Wx = S_W S_x / M_Wx, S_Rh = S_R S_h / M_Rh,
-S_r_pre = S_Wx_r / M_Wx_r (likewise z, g), with M = multiplier / 2^shift. In pow2 mode every M is an
-exact power of two, so these are the exact scales. In multiplier mode M carries the multiplier's
-rounding, a relative error of at most 2^-B for a B-bit multiplier (docs/spec.md section 3: B = 31
-for 8-bit operands, 21 for a w16a16 GEMM with K = 512): the dequantized inner tensors are then
-off by that relative amount, which caps their measured SQNR near 6B dB (over 120 dB), far below
-any quantization error reported. Gate outputs use their fixed grids (tables.output_grid).
+LayerParams keeps only the x, h, W and R scales (and h_gemm's, when the model has it); the rest
+is folded into rescale factors, so the others are rebuilt from the rescales: S_Wx = S_W S_x / M_Wx,
+S_Rh = S_R S_op / M_Rh, S_r_pre = S_Wx_r / M_Wx_r (likewise z, g), with M = multiplier / 2^shift.
+S_op is the scale of what R.h reads: S_h_gemm in a model with h_gemm, else S_h (b_h, too, is at
+S_R S_op). In pow2 mode every M is an exact power of two, so these are the exact scales. In
+multiplier mode M carries the multiplier's rounding, a relative error of at most 2^-B for a B-bit
+multiplier (docs/spec.md section 3: B = 31 for 8-bit operands, 21 for a w16a16 GEMM with K = 512):
+the dequantized inner tensors are then off by that relative amount, which caps their measured SQNR
+near 6B dB (over 120 dB), far below any quantization error reported. Gate outputs use their fixed
+grids (tables.output_grid).
 
 Inputs
 ------
@@ -93,15 +99,18 @@ from tqdm.auto import tqdm
 
 from . import golden
 from .backends import BoundaryOps
+from .convert import recurrent_operand
 from .float_gru import float_direction
 from .module import QuantGRU
 from .primitives import dequantize, qrange
 from .tables import output_grid
 
-CALIBRATED = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre")  # clipping here is a calibration issue
+# h_gemm (the R.h GEMM's operand, only in a model whose config has one) is calibrated too: on h's
+# data with a grid of its own (QuantGRU._calibrated); a model without it has no h_gemm row at all
+CALIBRATED = ("x", "h", "h_gemm", "Wx", "Rh", "r_pre", "z_pre", "g_pre")  # clipping here is a calibration issue
 GATE_OUTPUTS = ("r", "z", "g")
-ROW_ORDER = ("x", "W", "R", "Wx", "Rh", "r_pre", "z_pre", "g_pre", "r", "z", "g", "h", "h_n")
-CONFIG_TENSORS = ("x", "h", "W", "R", "Wx", "Rh", "r_pre", "z_pre", "g_pre", "r", "z", "g")
+ROW_ORDER = ("x", "W", "R", "Wx", "h_gemm", "Rh", "r_pre", "z_pre", "g_pre", "r", "z", "g", "h", "h_n")
+CONFIG_TENSORS = ("x", "h", "h_gemm", "W", "R", "Wx", "Rh", "r_pre", "z_pre", "g_pre", "r", "z", "g")
 SATURATION_THRESHOLD = 1e-3  # worst(): clipping above 0.1 % of the elements is the reason
 MAX_HEADROOM_GUESS = 100.0  # worst() suggests a headroom only for a range this many times too small
 _BOUNDARY = BoundaryOps()  # golden quantize (rejects NaN)
@@ -234,13 +243,15 @@ class CompareReport:
         """The tensor to fix first, as its row plus ``reason``, ``override`` and ``message``.
 
         The tensor whose own grid adds the most error: the lowest own SQNR, which counts rounding
-        and clipping alike. If it is a calibrated tensor (x, h, Wx, Rh, r_pre, z_pre, g_pre)
-        saturating more than ``saturation_threshold`` of its elements, the reason is
+        and clipping alike. If it is a calibrated tensor (x, h, h_gemm, Wx, Rh, r_pre, z_pre,
+        g_pre) saturating more than ``saturation_threshold`` of its elements, the reason is
         ``"saturation"`` and the override widens its range (``headroom``, from the measured
         ``range_needed``, with 16 bits for a narrower tensor so that resolution is not lost);
         otherwise the reason is ``"resolution"`` and the override is 16 bits (or exact scales
-        for a 16-bit tensor in pow2 mode). Before either: if the tensor's grid clips more than
-        ``saturation_threshold`` of its *own calibration data* (recorded at convert()), the
+        for a 16-bit tensor in pow2 mode). The R.h operand h_gemm can have at most h's bits, so
+        for it "16 bits" reads "h's bits", and at h's bits already the override removes it
+        (``{"tensors": {"h_gemm": None}}``: R.h reads h itself). Before either: if the tensor's
+        grid clips more than ``saturation_threshold`` of its *own calibration data* (recorded at convert()), the
         observer chose a range narrower than what it saw: the reason is ``"observer"``, the
         message names the observer and the override changes it (``ema`` -> ``percentile``,
         ``percentile`` -> ``minmax``). ``override`` is a QuantConfig overrides dict that
@@ -266,10 +277,11 @@ class CompareReport:
                    f"(own SQNR {own(r):.1f} dB, the lowest; {100 * sat:.1f}% saturated here): {why} "
                    f"-> try overrides={override!r}")
             return {**r, "reason": "observer", "override": override, "message": msg}
+        widest = self._widest(r)
         if r["tensor"] in CALIBRATED and sat > saturation_threshold:
             spec: Dict[str, Any] = {}
-            if r["bits"] < 16:
-                spec["bits"] = 16
+            if r["bits"] < widest:
+                spec["bits"] = widest
             need = r["range_needed"]
             if need <= MAX_HEADROOM_GUESS:  # widen the grid by what the values needed, + 10 %
                 spec["headroom"] = math.ceil(max(need, 1.0) * r["headroom"] * 1.1 * 10) / 10
@@ -280,9 +292,13 @@ class CompareReport:
             msg = (f"worst: {_where(r)} saturates {100 * sat:.1f}% ({how}; own SQNR {own(r):.1f} dB, "
                    f"the lowest) -> " + (f"try overrides={override!r}" if override else "recalibrate"))
             return {**r, "reason": "saturation", "override": override, "message": msg}
-        if r["bits"] < 16:
-            override = {"tensors": {r["tensor"]: {"bits": 16}}}
+        if r["bits"] < widest:
+            override = {"tensors": {r["tensor"]: {"bits": widest}}}
             hint = f"try overrides={override!r}"
+        elif r["tensor"] == "h_gemm":  # as wide as h already: the narrowing itself is the error
+            override = {"tensors": {"h_gemm": None}}
+            hint = (f"already as wide as h ({widest} bits), the most the R.h operand can have: let R.h read "
+                    f"h itself, overrides={override!r}")
         elif r["scale_mode"] == "pow2":
             override = {"scale_mode": "multiplier"}
             hint = f"already 16 bits, the widest: try exact scales, overrides={override!r}"
@@ -291,6 +307,13 @@ class CompareReport:
             hint = "already 16 bits with exact scales: no wider grid to offer"
         msg = f"worst: {_where(r)} own SQNR {own(r):.1f} dB at {r['bits']} bits, the lowest -> {hint}"
         return {**r, "reason": "resolution", "override": override, "message": msg}
+
+    def _widest(self, r: Dict[str, Any]) -> int:
+        """The most bits worst() may suggest for the tensor of row r: 16, but for the R.h operand
+        h_gemm the bits of the state h it is requantized from (a config refuses more)."""
+        if r["tensor"] != "h_gemm":
+            return 16
+        return self.row("h", r["layer"], r["direction"], r["module"])["bits"]
 
     def __str__(self) -> str:
         multi = len({r["module"] for r in self.rows}) > 1
@@ -380,7 +403,7 @@ def _calib_sqnr(q: QuantGRU, layer: int, direction: str, tensor: str) -> Optiona
 
 
 def _grid(p, tensor: str) -> Optional[Tuple[float, int]]:
-    """(scale, zero point) of x or h (the grids LayerParams keeps), first channel of a vector."""
+    """(scale, zero point) of x, h or h_gemm (the grids LayerParams keeps), first channel of a vector."""
     if tensor not in p.scale or tensor not in p.zp:
         return None
     s, z = p.scale[tensor].reshape(-1), p.zp[tensor].reshape(-1)
@@ -491,10 +514,13 @@ def _real(rs: golden.Rescale) -> torch.Tensor:
 def _grids(p: golden.LayerParams, pow2: bool) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
     """(scale float64, zero point int64) of every stored tensor; see the module docstring."""
     H = p.hidden_size
-    s_x, s_h = p.scale["x"].double(), p.scale["h"].double()
+    op = recurrent_operand(p.bits)  # what R.h reads: its scale, not h's, is in Rh's rescale
+    s_x, s_h, s_op = p.scale["x"].double(), p.scale["h"].double(), p.scale[op].double()
     s_wx = p.scale["W"].double() * s_x / _real(p.rescale["Wx"])
-    s_rh = p.scale["R"].double() * s_h / _real(p.rescale["Rh"])
+    s_rh = p.scale["R"].double() * s_op / _real(p.rescale["Rh"])
     g = {"x": (s_x, p.zp["x"]), "h": (s_h, p.zp["h"]), "Wx": (s_wx, p.zp["Wx"]), "Rh": (s_rh, p.zp["Rh"])}
+    if op == "h_gemm":
+        g["h_gemm"] = (s_op, p.zp["h_gemm"])
     for i, n in enumerate(("r", "z", "g")):
         pre = (s_wx[i * H:(i + 1) * H] / _real(p.rescale[f"Wx_{n}"])).reshape(-1).median()
         g[f"{n}_pre"] = (pre, p.zp[f"{n}_pre"])
@@ -560,7 +586,7 @@ class _Comparer:
 
         def run_float(layer, d, inp_, h0_):
             inp_ = inp_ if layer == 0 else torch.cat(inp_, dim=-1)
-            tr: Dict[str, Any] = {"x": inp_}
+            tr: Dict[str, Any] = {"x": inp_, "h0": h0_}
             out, hn = float_direction(*_float_weights(f, layer, d), inp_, h0_, lengths, trace=tr)
             tr["hn"] = hn
             ftr[(layer, d)] = tr
@@ -605,7 +631,8 @@ class _Comparer:
         W = p.W.double() * p.scale["W"].double().unsqueeze(1)
         R = p.R.double() * p.scale["R"].double().unsqueeze(1)
         b_x = p.b_x.double() * p.scale["W"].double() * p.scale["x"].double()
-        b_h = p.b_h.double() * p.scale["R"].double() * p.scale["h"].double()
+        # b_h is at the scale of R times R.h's operand: h_gemm's when the model has one, not h's
+        b_h = p.b_h.double() * p.scale["R"].double() * g[recurrent_operand(bits)][0]
 
         q_wx = stack(it, "Wx")
         wx = deq("Wx", q_wx)
@@ -613,9 +640,10 @@ class _Comparer:
 
         q_h = stack(it, "h")
         h_prev = deq("h", torch.cat([it["qh0"].unsqueeze(0), it["out"][:-1]]))
+        operand = self._operand(name, layer, d, p, g, it, ft, h_prev, mask)
         q_rh = stack(it, "Rh")
         rh = deq("Rh", q_rh)
-        add("Rh", stack(ft, "Rh"), rh, h_prev @ R.t() + b_h, q_rh)
+        add("Rh", stack(ft, "Rh"), rh, operand @ R.t() + b_h, q_rh)
 
         gates = {}
         for n in ("r", "z", "g"):
@@ -631,6 +659,22 @@ class _Comparer:
         h_deq = deq("h", q_h)
         add("h", stack(ft, "h"), h_deq, gates["z"] * h_prev + (1 - gates["z"]) * gates["g"], q_h, steps=True)
         self._stat(name, layer, d, "h_n").add(ft["hn"], deq("h", it["hn"]))
+
+    def _operand(self, name, layer, d, p, g, it, ft, h_prev, mask) -> torch.Tensor:
+        """The dequantized operand that R.h read at every step [T, N, H]: the state entering the
+        step, or, in a model with h_gemm, that state requantized onto h_gemm's grid. The latter
+        gets a row of its own: vs the float state it stands for (h0, then the float h of the step
+        before), own vs the integer state it was requantized from (the error h_gemm's grid adds),
+        saturation at h_gemm's grid."""
+        if recurrent_operand(p.bits) == "h":
+            return h_prev
+        q_op = torch.stack(it["h_gemm"])
+        op = (q_op - g["h_gemm"][1]).double() * g["h_gemm"][0]
+        # the float state entering each step (a padded step's is masked out of every statistic)
+        ref = torch.cat([ft["h0"].unsqueeze(0), torch.stack(ft["h"])[:-1]]).double()
+        bits = p.bits["h_gemm"]
+        self._stat(name, layer, d, "h_gemm").add(ref, op, mask, h_prev, q_op, bits, _edges(*g["h_gemm"], bits))
+        return op
 
     def report(self, batches: int) -> CompareReport:
         rows = []
@@ -659,7 +703,7 @@ class _Comparer:
                     "calib_clip": _calib_clip(q, key[1], key[2], t) if t in CALIBRATED else None,
                     "calib_sqnr_db": _calib_sqnr(q, key[1], key[2], t) if t in CALIBRATED else None,
                     "grid": (_grid(q._qparams[key[1]][("fwd", "rev").index(key[2])], t)
-                             if t in ("x", "h") and key[1] is not None else None),
+                             if t in ("x", "h", "h_gemm") and key[1] is not None else None),
                     "scale_mode": q.qconfig.scale_mode,
                 })
         return CompareReport(rows=rows, batches=batches, configs=configs)

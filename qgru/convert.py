@@ -319,7 +319,8 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
     """Integer parameters of one layer and direction.
 
     ``ranges`` maps x, h, Wx, Rh, r_pre, z_pre, g_pre (and h_gemm, when the config has it) to
-    observed (min, max) (per channel for Wx/Rh when their granularity is not per_tensor). ``prev_h`` lists (scale, zero point) of the
+    observed (min, max) (per channel for Wx/Rh when their granularity is not per_tensor). h_gemm
+    is h's values on its own grid: without an entry of its own it takes h's range. ``prev_h`` lists (scale, zero point) of the
     previous layer's h grid per direction, for the rescale of its outputs onto this layer's x grid.
     ``scales_out``, if given, receives the float64 scale of every tensor (LayerParams keeps only
     the boundary ones): quantization-aware training (qgru/qat.py) carries its float values on
@@ -334,7 +335,8 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
     op = recurrent_operand(bits)  # the R.h GEMM's operand: h itself or h_gemm
     calibrated = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre") + (("h_gemm",) if op == "h_gemm" else ())
     for n in calibrated:
-        S[n], Z[n] = activation_qparams(*ranges[n], config[n], H, pow2)
+        r = ranges["h"] if n == "h_gemm" and n not in ranges else ranges[n]
+        S[n], Z[n] = activation_qparams(*r, config[n], H, pow2)
     mom = second_moments or {}
     S["W"], W = weight_qparams(w_ih, config["W"], pow2, mom.get("x"))
     S["R"], R = weight_qparams(w_hh, config["R"], pow2, mom.get("h"))

@@ -7,7 +7,8 @@ a ``meta`` entry (JSON) for the module's arguments and the config, and a ``check
 narrowest type that holds them: weights int8 (int16 above 8 bits; below 8 bits packed several per
 int32 word as ``W.packed`` / ``R.packed``, seed 003), biases, zero points, multipliers, shifts and
 table entries int32, zero-point compensations int64; the only floats are the x and h scales (used
-where floats enter and leave the model) and the weight scales (for dequantized float weights).
+where floats enter and leave the model), the weight scales (for dequantized float weights) and, with
+an h_gemm (the R.h GEMM's operand, qgru/config.py), its scale (that of the R.h bias).
 ``save()`` writes it with torch.save (a zip archive) and ``load_params()`` reads it back.
 
 A file is untrusted input. ``load_params()`` verifies the zip records' CRCs, reads the archive with
@@ -19,6 +20,10 @@ table lengths and entries, scales, and the cached values that must agree with ot
 (``W_zp_comp = zp.x * rowsum(W)``). Anything else is a ``ParamsFileError`` (a ValueError) naming
 the file and the field. ``format_version`` 2 added the checksum; version 1 files (without it)
 still load, with every other check.
+
+The optional tensor h_gemm adds its ``bits``, ``zp``, ``rescale`` (h -> h_gemm) and ``scale``
+entries to every layer, exactly when ``meta.config`` has it; the R.h bias and ``R_zp_comp`` are then
+on its grid. Files of configs without it are the same as before it existed.
 """
 from __future__ import annotations
 
@@ -33,8 +38,8 @@ from typing import Any, Dict, List, Sequence, Tuple, Union
 
 import torch
 
-from .config import GATE_OUTPUTS, TENSOR_NAMES, QuantConfig
-from .convert import _bits_of, operand_bounds
+from .config import GATE_OUTPUTS, OPTIONAL_TENSORS, TENSOR_NAMES, QuantConfig
+from .convert import _bits_of, operand_bounds, recurrent_operand
 from .golden import LayerParams, Rescale
 from .primitives import INT8_GEMM_K_MAX, MAX_SHIFT, multiplier_bits, pack_int32, qrange, unpack_int32
 from .tables import output_grid, table_geometry
@@ -150,7 +155,8 @@ class QuantParams:
                     w_hh.copy_(p.R.double() * p.scale["R"].unsqueeze(1))
                     if b_ih is not None:
                         b_ih.copy_(p.b_x.double() * p.scale["W"] * p.scale["x"])
-                        b_hh.copy_(p.b_h.double() * p.scale["R"] * p.scale["h"])
+                        # b_h is at the R.h operand's scale (S_h_gemm when there is one)
+                        b_hh.copy_(p.b_h.double() * p.scale["R"] * p.scale[recurrent_operand(p.bits)])
         q._set_params([list(row) for row in self.layers])
         return q
 
@@ -223,6 +229,19 @@ def _listed(items: Sequence, n: int = 5) -> str:
     return ", ".join(map(str, items[:n])) + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
+def _optional(cfg: QuantConfig) -> Tuple[str, ...]:
+    """The optional tensors (config.OPTIONAL_TENSORS) that ``cfg`` has: each is in a layer's bits, zp,
+    rescale and scale entries exactly when the config has it (and then after the others, as in
+    convert.derive_layer_params)."""
+    return tuple(n for n in OPTIONAL_TENSORS if n in cfg.tensors)
+
+
+def _names(cfg: QuantConfig) -> Dict[str, Tuple[str, ...]]:
+    """The keys of a layer's bits, zp, rescale (but the in_e ones) and scale dicts under ``cfg``."""
+    opt = _optional(cfg)
+    return {"bits": TENSOR_NAMES + opt, "zp": _ZP_NAMES + opt, "rescale": _RESCALES + opt, "scale": _SCALES + opt}
+
+
 def _read_header(d) -> Tuple[Dict[str, Any], QuantConfig]:
     """The entries' types, the format version, the checksum and the meta data."""
     if not isinstance(d, dict):
@@ -290,14 +309,15 @@ def _check_meta(meta) -> QuantConfig:
 
 def _layer_fields(cfg: QuantConfig, layer: int, ndir: int) -> set:
     """The entries (without the l{layer}.{dir}. prefix) of one layer and direction in to_dict()."""
+    names = _names(cfg)
     f = {"input_size", "hidden_size", "one_z", "b_x", "b_h", "W_zp_comp", "R_zp_comp"}
-    f |= {f"bits.{n}" for n in TENSOR_NAMES}
+    f |= {f"bits.{n}" for n in names["bits"]}
     f |= {w + ".packed" if cfg[w].bits < 8 else w for w in ("W", "R")}
-    f |= {f"zp.{n}" for n in _ZP_NAMES}
-    names = list(_RESCALES) + ([f"in_{e}" for e in range(ndir)] if layer > 0 else [])
-    f |= {f"rescale.{n}.{part}" for n in names for part in ("multiplier", "shift")}
+    f |= {f"zp.{n}" for n in names["zp"]}
+    rescales = list(names["rescale"]) + ([f"in_{e}" for e in range(ndir)] if layer > 0 else [])
+    f |= {f"rescale.{n}.{part}" for n in rescales for part in ("multiplier", "shift")}
     f |= {f"tables.{g}" for g in _GATES}
-    f |= {f"scale.{n}" for n in _SCALES}
+    f |= {f"scale.{n}" for n in names["scale"]}
     return f
 
 
@@ -346,8 +366,9 @@ def _read_layer(d: Dict[str, Any], pre: str, cfg: QuantConfig) -> LayerParams:
             raise ParamsFileError(f"{pre}{field}: expected an int, got {type(v).__name__}")
         return v
 
-    bits = {n: integer(f"bits.{n}") for n in TENSOR_NAMES}
-    for n in TENSOR_NAMES:
+    names = _names(cfg)  # _check_entries: exactly these entries, h_gemm's only when cfg has it
+    bits = {n: integer(f"bits.{n}") for n in names["bits"]}
+    for n in names["bits"]:
         if bits[n] != cfg[n].bits:
             raise ParamsFileError(f"{pre}bits.{n}: {bits[n]}, but meta.config.tensors.{n}.bits is {cfg[n].bits}")
     kw: Dict[str, Any] = {"input_size": integer("input_size"), "hidden_size": integer("hidden_size"), "bits": bits}
@@ -368,14 +389,14 @@ def _read_layer(d: Dict[str, Any], pre: str, cfg: QuantConfig) -> LayerParams:
         kw[f] = tensor(f, torch.int32)
     for f in ("W_zp_comp", "R_zp_comp"):
         kw[f] = tensor(f, torch.int64)
-    kw["zp"] = {n: tensor(f"zp.{n}", torch.int32) for n in _ZP_NAMES}
+    kw["zp"] = {n: tensor(f"zp.{n}", torch.int32) for n in names["zp"]}
     present = {k[len(pre + "rescale."):].rsplit(".", 1)[0] for k in d if k.startswith(pre + "rescale.")}
-    names = [n for n in _RESCALES + ("in_0", "in_1") if n in present]  # convert()'s order (_check_entries: no other)
+    rescales = [n for n in names["rescale"] + ("in_0", "in_1") if n in present]  # convert()'s order (_check_entries: no other)
     kw["rescale"] = {n: Rescale(tensor(f"rescale.{n}.multiplier", torch.int32), tensor(f"rescale.{n}.shift", torch.int32))
-                     for n in names}
+                     for n in rescales}
     kw["tables"] = {g: tensor(f"tables.{g}", torch.int32) for g in _GATES}
     kw["one_z"] = integer("one_z")
-    kw["scale"] = {n: tensor(f"scale.{n}", torch.float64) for n in _SCALES}
+    kw["scale"] = {n: tensor(f"scale.{n}", torch.float64) for n in names["scale"]}
     return LayerParams(**kw)
 
 
@@ -414,9 +435,10 @@ def _check_layer(p: LayerParams, where: str, cfg: QuantConfig, meta: Dict[str, A
     for field, want in (("input_size", input_size), ("hidden_size", H)):
         if type(getattr(p, field)) is not int or getattr(p, field) != want:
             fail(field, f"{getattr(p, field)!r}, but the meta data make it {want}")
-    keys("bits", p.bits, TENSOR_NAMES)
+    names = _names(cfg)  # h_gemm's entries exactly when meta.config has it
+    keys("bits", p.bits, names["bits"])
     bits = p.bits
-    for n in TENSOR_NAMES:
+    for n in names["bits"]:
         if bits[n] != cfg[n].bits or type(bits[n]) is not int:
             fail(f"bits.{n}", f"{bits[n]!r}, but meta.config.tensors.{n}.bits is {cfg[n].bits}")
     pow2 = cfg.power_of_two
@@ -428,8 +450,8 @@ def _check_layer(p: LayerParams, where: str, cfg: QuantConfig, meta: Dict[str, A
         in_range(name, b, *qrange(32), "32-bit biases")
         if not meta["bias"] and bool(b.any()):
             fail(name, "nonzero, but meta.bias is false")
-    keys("zp", p.zp, _ZP_NAMES)
-    for n in _ZP_NAMES:
+    keys("zp", p.zp, names["zp"])
+    for n in names["zp"]:
         per_channel = n in ("Wx", "Rh") and cfg[n].granularity != "per_tensor"
         z = tensor(f"zp.{n}", p.zp[n], [(H3,)] if per_channel else [()])
         lo, hi = qrange(bits[n])
@@ -442,18 +464,20 @@ def _check_layer(p: LayerParams, where: str, cfg: QuantConfig, meta: Dict[str, A
             fail(f"zp.{n}", f"{int(z[z != 0].reshape(-1)[0])}, but {n} is symmetric (meta.config): zero point 0")
         else:
             in_range(f"zp.{n}", z, lo, hi, f"zero points lie on {n}'s {bits[n]}-bit grid")
-    for name, w, zn in (("W_zp_comp", p.W, "x"), ("R_zp_comp", p.R, "h")):
+    op = recurrent_operand(bits)  # R.h reads h, or h_gemm: R_zp_comp is on the operand's grid
+    for name, w, zn in (("W_zp_comp", p.W, "x"), ("R_zp_comp", p.R, op)):
         c = tensor(name, getattr(p, name), [(H3,)])
         if not torch.equal(c, p.zp[zn] * w.sum(1)):
             fail(name, f"differs from zp.{zn} * rowsum({name[0]}), the value it caches")
     bound = operand_bounds(bits, input_size, H)
-    names = list(_RESCALES) + [f"in_{e}" for e in range(n_prev)]
-    keys("rescale", p.rescale, names)
-    for n in names:
+    rescales = list(names["rescale"]) + [f"in_{e}" for e in range(n_prev)]
+    keys("rescale", p.rescale, rescales)
+    for n in rescales:
         r = p.rescale[n]
         if not isinstance(r, Rescale):
             fail(f"rescale.{n}", f"expected a Rescale, got {type(r).__name__}")
-        size = {"Wx": H3, "Rh": H3, "zh": 1, "zg": 1}.get(n, 1 if n.startswith("in_") else H)
+        # per tensor: zh, zg (S_z, S_g, S_h), in_e, h_gemm (S_h / S_h_gemm); the gates' per unit
+        size = {"Wx": H3, "Rh": H3, "zh": 1, "zg": 1, "h_gemm": 1}.get(n, 1 if n.startswith("in_") else H)
         m = tensor(f"rescale.{n}.multiplier", r.multiplier, [(), (size,)])  # per tensor or per channel
         tensor(f"rescale.{n}.shift", r.shift, [tuple(m.shape)])
         operand = _bits_of(bound["in" if n.startswith("in_") else n])
@@ -475,14 +499,15 @@ def _check_layer(p: LayerParams, where: str, cfg: QuantConfig, meta: Dict[str, A
     one = output_grid("sigmoid", bits["z"], pow2).one
     if type(p.one_z) is not int or p.one_z != one:
         fail("one_z", f"{p.one_z!r}, but 1.0 on z's {bits['z']}-bit grid is {one}")
-    keys("scale", p.scale, _SCALES)
-    for n, shape in (("x", ()), ("h", ()), ("W", (H3,)), ("R", (H3,))):
-        s = tensor(f"scale.{n}", p.scale[n], [shape], torch.float64)
+    keys("scale", p.scale, names["scale"])
+    for n in names["scale"]:
+        s = tensor(f"scale.{n}", p.scale[n], [(H3,) if n in ("W", "R") else ()], torch.float64)
         if not bool(torch.isfinite(s).all()) or bool((s <= 0).any()):
             fail(f"scale.{n}", "scales are positive and finite")
-        # the boundary grids: choose_qparams makes >= 1e-8 / (2^16 - 1) from any range and at most
-        # ~2^129 from float32 data; far outside, dequantized values leave float32 altogether
-        if n in ("x", "h") and not 2.0 ** -64 <= float(s) <= 2.0 ** 130:
+        # the calibrated grids (x, h and h_gemm, which is h's data on fewer bits): choose_qparams makes
+        # >= 1e-8 / (2^16 - 1) from any range and at most ~2^129 from float32 data; far outside,
+        # dequantized values (and the b_hh read back at S_R S_h_gemm) leave float32 altogether
+        if n not in ("W", "R") and not 2.0 ** -64 <= float(s) <= 2.0 ** 130:
             fail(f"scale.{n}", f"{float(s)!r} is outside [2^-64, 2^130], the scales calibration can make")
         if pow2 and not bool((torch.frexp(s).mantissa == 0.5).all()):
             fail(f"scale.{n}", "not a power of two (meta.config.scale_mode is pow2)")

@@ -8,7 +8,9 @@
 * a plain integer implementation of the golden model (stdint types only, int64_t intermediates):
   ``<prefix>_input`` (= golden ``input_gemm`` for one row), ``<prefix>_step`` (= ``gru_step`` for
   one batch row), ``<prefix>_run`` (a sequence) and, for layer > 0,
-  ``<prefix>_requantize_input`` (the previous layer's outputs onto this layer's x grid);
+  ``<prefix>_requantize_input`` (the previous layer's outputs onto this layer's x grid). With an
+  h_gemm tensor the step first requantizes the state onto h_gemm's grid (golden
+  ``recurrent_operand``) and R.h reads that; the state arrays hold h's own bits either way;
 * golden vectors (an integer input sequence, h0 and qgru.golden's outputs on them) and
   ``int <prefix>_selftest(void)``, compiled only with ``-D<PREFIX>_GOLDEN``; adding
   ``-D<PREFIX>_SELFTEST_MAIN`` also compiles a ``main`` that prints the mismatch count.
@@ -31,6 +33,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .convert import recurrent_operand
 from .export import QuantParams, load_params
 from .golden import LayerParams, gru_direction
 from .primitives import qrange, saturate
@@ -136,6 +139,8 @@ class _Ctx:
         self.layer, self.direction, self.meta, self.prev, self.golden = layer, direction, meta, prev, golden
         self.stem_name = stem_name
         self.I, self.H = p.input_size, p.hidden_size
+        # what R.h reads: the state h itself, or h_gemm (h requantized every step onto a narrower grid)
+        self.hg = recurrent_operand(p.bits) == "h_gemm"
 
     # -- header ----------------------------------------------------------------------------------
     def header(self) -> str:
@@ -144,6 +149,7 @@ class _Ctx:
         xlo, xhi = qrange(p.bits["x"])
         hlo, hhi = qrange(p.bits["h"])
         dname = "reverse" if self.direction else "forward"
+        hg_grid, hg_note, hg_macros, hg_stack = self._header_h_gemm()
         req = ""
         layer_note = "Layer 0: x_q is the model's input, quantized on the x grid above."
         if self.layer > 0:
@@ -165,8 +171,8 @@ void {pre}_requantize_input(const int32_t h_prev[{P}_INPUT_SIZE], int32_t x_q[{P
  * input or dequantizes the output, the step itself is integer-only):
  *   x: {p.bits['x']} bits, scale {float(p.scale['x'])!r}, zero point {int(p.zp['x'])}
  *   h: {p.bits['h']} bits, scale {float(p.scale['h'])!r}, zero point {int(p.zp['h'])}
- * Quantize as q = saturate(round_half_up(real / scale) + zero point) to [MIN, MAX] below.
- *
+{hg_grid} * Quantize as q = saturate(round_half_up(real / scale) + zero point) to [MIN, MAX] below.
+{hg_note} *
  * Direction: x_q[t] is the t-th step this direction consumes; a reverse direction consumes the
  * sequence reversed (run it on x[T-1], ..., x[0] and its outputs come out reversed too).
  * {layer_note}
@@ -190,7 +196,7 @@ void {pre}_requantize_input(const int32_t h_prev[{P}_INPUT_SIZE], int32_t x_q[{P
 #define {P}_H_ZERO_POINT {_c(p.zp['h'])}
 #define {P}_H_MIN {_c(hlo)}
 #define {P}_H_MAX {hhi}
-
+{hg_macros}
 /* Input GEMM of one time step (golden input_gemm for one row): x_q (each in [X_MIN, X_MAX]) ->
  * dwx = q_Wx - Z_Wx, the 3H requantized values of W x + b_ih relative to their zero points. */
 void {pre}_input(const int32_t x_q[{P}_INPUT_SIZE], int32_t dwx[3 * {P}_HIDDEN_SIZE]);
@@ -202,7 +208,7 @@ void {pre}_step(const int32_t dwx[3 * {P}_HIDDEN_SIZE], const int32_t h_q[{P}_HI
 
 /* T steps (golden gru_direction for one batch row): x_q is [T][INPUT_SIZE] row-major; h_q holds
  * h0 on entry and h_T on return; out ([T][HIDDEN_SIZE], may be NULL) receives every step's h.
- * Uses 16 * HIDDEN_SIZE bytes of stack. */
+ * Uses 16 * HIDDEN_SIZE bytes of stack{hg_stack}. */
 void {pre}_run(const int32_t *x_q, int32_t T, int32_t *h_q, int32_t *out);
 {req}
 /* Defined only when the .c is compiled with -D{P}_GOLDEN: runs the embedded golden sequence and
@@ -211,6 +217,25 @@ int {pre}_selftest(void);
 
 #endif /* {P}_H_ */
 """
+
+    def _header_h_gemm(self) -> Tuple[str, str, str, str]:
+        """The header's lines on the R.h operand h_gemm (grid, note, macros, stack): empty without one."""
+        p, P = self.p, self.PRE
+        if not self.hg:
+            return "", "", "", ""
+        b = p.bits["h_gemm"]
+        grid = (f" *   h_gemm: {b} bits, scale {float(p.scale['h_gemm'])!r}, zero point {int(p.zp['h_gemm'])}"
+                " (the R.h operand, below)\n")
+        note = f""" *
+ * The state (h_q, h_out: int32_t arrays) keeps h's {p.bits['h']} bits from step to step; the GEMM R h
+ * reads it requantized onto the narrower h_gemm grid each step (golden recurrent_operand):
+ *   h_op = saturate(round_half_up((h_q - H_ZERO_POINT) * M_HG / 2^S_HG) + H_GEMM_ZERO_POINT)
+ * to H_GEMM_BITS ({_weight_type(b)} values; M_HG and S_HG are in the .c), so R h multiplies {p.bits['R']}-bit
+ * weights by {b}-bit values. Inputs and outputs are on h's grid, as without h_gemm.
+"""
+        macros = f"#define {P}_H_GEMM_BITS {b}\n#define {P}_H_GEMM_ZERO_POINT {_c(p.zp['h_gemm'])}\n"
+        stack = f", and {self.pre}_step {2 if b > 8 else 1} * HIDDEN_SIZE more for the operand"
+        return grid, note, macros, stack
 
     # -- source ----------------------------------------------------------------------------------
     def source(self) -> str:
@@ -244,6 +269,11 @@ int {pre}_selftest(void);
             m, s = rs[name].multiplier, rs[name].shift
             assert m.numel() == 1, name  # S_z, S_g and S_h are per tensor
             parts.append(f"#define M_{name.upper()} {_lit(m)}\n#define S_{name.upper()} {int(s)}\n")
+        if self.hg:
+            r = rs["h_gemm"]
+            assert r.multiplier.numel() == 1 and int(r.multiplier) < (1 << 31) and 1 <= int(r.shift) <= 62
+            parts.append("\n/* ---- per-tensor rescale h -> h_gemm (the R.h operand): multiplier M, shift S ---- */\n"
+                         f"#define M_HG {_lit(r.multiplier)}\n#define S_HG {int(r.shift)}\n")
         parts.append("\n/* ---- table geometry: segments of 2^K inputs, F fraction bits (tables.table_geometry) ---- */\n")
         for n in ("r", "z", "g"):
             k, frac = table_geometry(b[f"{n}_pre"])
@@ -258,9 +288,10 @@ int {pre}_selftest(void);
         parts.append(_array(_weight_type(b["W"]), "W", p.W, f"q_W, {b['W']} bits"))
         parts.append(_array(_weight_type(b["R"]), "R", p.R, f"q_R, {b['R']} bits"))
         parts.append(_array("int32_t", "b_x", p.b_x, "bias of W x at scale S_W[c] S_x"))
-        parts.append(_array("int32_t", "b_h", p.b_h, "bias of R h at scale S_R[c] S_h"))
+        op = "h_gemm" if self.hg else "h"  # R.h's operand: its bias and zero-point term are on its grid
+        parts.append(_array("int32_t", "b_h", p.b_h, f"bias of R {op} at scale S_R[c] S_{op}"))
         parts.append(_array("int64_t", "W_zp_comp", p.W_zp_comp, "Z_x * rowsum(q_W)"))
-        parts.append(_array("int64_t", "R_zp_comp", p.R_zp_comp, "Z_h * rowsum(q_R)"))
+        parts.append(_array("int64_t", "R_zp_comp", p.R_zp_comp, f"Z_{op} * rowsum(q_R)"))
         parts.append("\n/* ---- per-channel zero points and rescales (multiplier m, shift s: v -> round(v m / 2^s)) ---- */\n")
         for name in ("Wx", "Rh"):
             parts.append(_array("int32_t", f"zp_{name}", zp[name].expand(3 * H), f"Z_{name}"))
@@ -277,8 +308,27 @@ int {pre}_selftest(void);
         parts.append(self._golden())
         return "".join(parts)
 
+    def _recurrent_operand(self) -> Tuple[str, str, str]:
+        """(rh's operand parameter, the step's declaration and loop that make it, its name there):
+        the state h_q itself, or with h_gemm the state requantized onto h_gemm's grid each step
+        (golden recurrent_operand, with the same rounding mul_shift as every other rescale)."""
+        P = self.PRE
+        if not self.hg:
+            return f"const int32_t h_q[{P}_HIDDEN_SIZE]", "", "h_q"
+        t = _weight_type(self.p.bits["h_gemm"])  # h_gemm has at most 16 bits (at most h's)
+        make = f"""    {t} h_op[{P}_HIDDEN_SIZE];
+    /* R h reads the state requantized onto h_gemm's narrower grid (golden recurrent_operand); the
+     * state itself keeps its {P}_H_BITS bits */
+    for (j = 0; j < H; j++)
+        h_op[j] = ({t})sat(mul_shift((int64_t)h_q[j] - {P}_H_ZERO_POINT, M_HG, S_HG) + {P}_H_GEMM_ZERO_POINT,
+                           {P}_H_GEMM_BITS);
+"""
+        return f"const {t} h_op[{P}_HIDDEN_SIZE]", make, "h_op"
+
     def _functions(self) -> str:
         pre, P = self.pre, self.PRE
+        rh_param, make_op, gemm_in = self._recurrent_operand()
+        rh_note = (" (h_op: the state on h_gemm's grid)" if self.hg else "")
         out = f"""
 void {pre}_input(const int32_t x_q[{P}_INPUT_SIZE], int32_t dwx[3 * {P}_HIDDEN_SIZE])
 {{
@@ -292,13 +342,13 @@ void {pre}_input(const int32_t x_q[{P}_INPUT_SIZE], int32_t dwx[3 * {P}_HIDDEN_S
     }}
 }}
 
-/* Rh row c: q_Rh - Z_Rh of R h + b_hh */
-static int64_t rh(int32_t c, const int32_t h_q[{P}_HIDDEN_SIZE])
+/* Rh row c: q_Rh - Z_Rh of R h + b_hh{rh_note} */
+static int64_t rh(int32_t c, {rh_param})
 {{
     int32_t k;
     int64_t acc = (int64_t)b_h[c] - R_zp_comp[c];
     for (k = 0; k < {P}_HIDDEN_SIZE; k++)
-        acc += (int64_t)R[c][k] * h_q[k];
+        acc += (int64_t)R[c][k] * {gemm_in}[k];
     return sat(mul_shift(acc, m_Rh[c], s_Rh[c]) + zp_Rh[c], BITS_RH) - zp_Rh[c];
 }}
 
@@ -307,9 +357,9 @@ void {pre}_step(const int32_t dwx[3 * {P}_HIDDEN_SIZE], const int32_t h_q[{P}_HI
 {{
     const int32_t H = {P}_HIDDEN_SIZE;
     int32_t j;
-    /* Unit j needs only rows j, H + j, 2H + j of Rh: no 3H buffer */
+{make_op}    /* Unit j needs only rows j, H + j, 2H + j of Rh: no 3H buffer */
     for (j = 0; j < H; j++) {{
-        const int64_t d_rh_r = rh(j, h_q), d_rh_z = rh(H + j, h_q), d_rh_g = rh(2 * H + j, h_q);
+        const int64_t d_rh_r = rh(j, {gemm_in}), d_rh_z = rh(H + j, {gemm_in}), d_rh_g = rh(2 * H + j, {gemm_in});
         const int64_t r_pre = sat(mul_shift(dwx[j], m_Wx_r[j], s_Wx_r[j])
                                   + mul_shift(d_rh_r, m_Rh_r[j], s_Rh_r[j]) + ZP_R_PRE, BITS_R_PRE);
         const int64_t d_r = lookup(r_pre, table_r, BITS_R_PRE, K_R, F_R, ZP_R, BITS_R) - ZP_R;

@@ -444,12 +444,13 @@ def _net_shift(t: Dict[str, torch.Tensor], name: str) -> torch.Tensor:
 def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, int]) -> bool:
     """Add the int32 forms (csrc AccRequant32 and Cell32) when they are exact for this layer.
 
-    Common conditions: one limb pair on both GEMMs (8-bit x, h, W, R) and K < 2^16, so every
-    GEMM accumulator G is below K 2^14 <= 2^30 in magnitude. Then the pow2 form (_acc32_pow2) or
+    Common conditions: one limb pair on both GEMMs (8-bit x, W, R and R.h operand: h itself, or
+    h_gemm beside a state of up to 16 bits) and K < 2^16, so every GEMM accumulator G is below
+    K 2^14 <= 2^30 in magnitude. Then the pow2 form (_acc32_pow2) or
     the multiplier form (_acc32_mult) adds its fields where its own bounds hold (proofs in
     csrc/qgru_cell.h); otherwise the layer runs the int64 cell.
     """
-    if max(bits["x"], bits["h"], bits["W"], bits["R"]) > 8 or max(v["I"], v["H"]) >= (1 << 16):
+    if max(bits["x"], bits[recurrent_operand(bits)], bits["W"], bits["R"]) > 8 or max(v["I"], v["H"]) >= (1 << 16):
         return False
     parts = _acc32_pow2(t, v) if v["pow2"] else _acc32_mult(t, v)
     if parts is None:
@@ -462,7 +463,7 @@ def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, in
 
 def _acc32_pow2(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[str, torch.Tensor]]:
     """The pow2 form's fields, or None. Accumulators: R in [1, 30]; cell: left shifts <= 14 for
-    the pre-activation rescales, R >= 8 for r * Rh_g, R >= 0 for z * h and (1 - z) * g."""
+    the pre-activation rescales, R >= 8 for r * Rh_g and z * h (rescale_wide32), R >= 0 for (1 - z) * g."""
     parts = {}
     for name in ("r_from_wx", "r_from_rh", "z_from_wx", "z_from_rh", "g_from_wx"):
         r = _net_shift(t, name)
@@ -476,12 +477,20 @@ def _acc32_pow2(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[
     if bool((r < 8).any()):
         return None
     parts["g_from_rrh_rsh"] = r.clamp(max=39).to(torch.int32)  # shifts by R - 8 <= 31
-    for name in ("zh", "zg"):
-        r = _net_shift(t, name)
-        if bool((r < 0).any()):
+    r = int(_net_shift(t, "zh").reshape(-1)[0])
+    if r < 8:
+        return None
+    v["zh_sh"], v["zh_m32"] = min(r, 39), 0
+    r = _net_shift(t, "zg")
+    if bool((r < 0).any()):
+        return None
+    v["zg_rsh"] = int(r.reshape(-1)[0].clamp(max=31))
+    v["zg_lsh"] = v["zg_m32"] = 0
+    if v["hg"]:  # h -> h_gemm: |q_h - Z_h| < 2^17, left shifts <= 14
+        r = int(_net_shift(t, "hg").reshape(-1)[0])
+        if r < -14:
             return None
-        v[name + "_rsh"] = int(r.reshape(-1)[0].clamp(max=31))
-        v[name + "_lsh"] = v[name + "_m32"] = 0
+        v["hg_lsh"], v["hg_rsh"], v["hg_m32"] = max(-r, 0), min(max(r, 0), 31), 0
     for name in ("Wx", "Rh"):
         r = _net_shift(t, name)
         if bool((r < 1).any()) or bool((r > 30).any()):
@@ -517,8 +526,8 @@ def _acc32_mult(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[
 
     A rescale (m, s) becomes (mul_hi32(x << lsh, m) >> rsh + 1) >> 1 with lsh = max(0, 33 - s),
     rsh = max(0, s - 33); it is exact where every input x, known to lie in [x_lo, x_hi] from its
-    grids, keeps x 2^lsh inside int32. r * Rh_g is rescaled in int64 and needs s >= 17 and a
-    result below 2^29."""
+    grids, keeps x 2^lsh inside int32. r * Rh_g and z * h are rescaled in int64
+    (rescale_wide32) and need s >= 17 and a result below 2^29."""
     H = v["H"]
 
     def shifts(name: str, x_lo, x_hi):
@@ -543,22 +552,33 @@ def _acc32_mult(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[
         if f is None:
             return None
         parts[name + "_lsh"], parts[name + "_rsh"], parts[name + "_m"] = f
-    # r * Rh_g in int64: floor(y m / 2^16) then >> (s - 17); |y| m / 2^(s - 1) < 2^29 keeps it in int32
-    y_lo, y_hi = _product_range(rel("r", v["r_zp"]), (d_rh[0][gate["g"]], d_rh[1][gate["g"]]))
-    m, s = t["g_from_rrh_mult"], t["g_from_rrh_shift"].to(torch.int64)
-    y_max = torch.maximum(-y_lo, y_hi)
-    if bool((s < 17).any()) or bool((m < 0).any()) or bool((m >= (1 << 31)).any()) \
-            or bool(((y_max * m) >> (s - 1) >= (1 << 29)).any()):
+    def wide(name: str, y_lo, y_hi):
+        """rescale_wide32's (s - 17, m) of a product in [y_lo, y_hi]: floor(y m / 2^16), then
+        >> (s - 17); |y| m / 2^(s - 1) < 2^29 keeps it in int32. None where that fails."""
+        m, s = t[name + "_mult"], t[name + "_shift"].to(torch.int64)
+        y_max = torch.maximum(-y_lo, y_hi)
+        if bool((s < 17).any()) or bool((m < 0).any()) or bool((m >= (1 << 31)).any()) \
+                or bool(((y_max * m) >> (s - 1) >= (1 << 29)).any()):
+            return None
+        return (s - 17).to(torch.int32), m.to(torch.int32)
+
+    f = wide("g_from_rrh", *_product_range(rel("r", v["r_zp"]), (d_rh[0][gate["g"]], d_rh[1][gate["g"]])))
+    zh = wide("zh", *_product_range(rel("z", v["z_zp"]), rel("h", v["h_zp"])))
+    if f is None or zh is None:
         return None
-    parts["g_from_rrh_rsh"], parts["g_from_rrh_m"] = (s - 17).to(torch.int32), m.to(torch.int32)
-    for name, (x_lo, x_hi) in (
-            ("zh", _product_range(rel("z", v["z_zp"]), rel("h", v["h_zp"]))),
-            ("zg", _product_range((v["one_z"] - (v["z_hi"] - v["z_zp"]), v["one_z"] - (v["z_lo"] - v["z_zp"])),
-                                  rel("g", v["g_zp"])))):
-        f = shifts(name, x_lo, x_hi)
+    parts["g_from_rrh_rsh"], parts["g_from_rrh_m"] = f
+    v["zh_sh"], v["zh_m32"] = (int(x.reshape(-1)[0]) for x in zh)
+    zg_range = _product_range((v["one_z"] - (v["z_hi"] - v["z_zp"]), v["one_z"] - (v["z_lo"] - v["z_zp"])),
+                              rel("g", v["g_zp"]))
+    f = shifts("zg", *zg_range)
+    if f is None:
+        return None
+    v["zg_lsh"], v["zg_rsh"], v["zg_m32"] = (int(x.reshape(-1)[0]) for x in f)
+    if v["hg"]:  # h -> h_gemm
+        f = shifts("hg", *rel("h", v["h_zp"]))
         if f is None:
             return None
-        v[name + "_lsh"], v[name + "_rsh"], v[name + "_m32"] = (int(x.reshape(-1)[0]) for x in f)
+        v["hg_lsh"], v["hg_rsh"], v["hg_m32"] = (int(x.reshape(-1)[0]) for x in f)
     for name, K in (("Wx", v["I"]), ("Rh", H)):
         bias = t[name + "_bias"]
         acc_max = K * (1 << 14) + bias.abs()  # |G + bias|

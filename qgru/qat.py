@@ -19,7 +19,11 @@ then freezes the integer model. docs/spec.md section 14 is the contract; in shor
   passes the gradient straight through (STE), masked to zero where the surrogate lies beyond the
   grid's range (clipped STE: a saturated value does not move with its input). So the gradient of
   a sigmoid / tanh table is the float derivative at the quantized pre-activation, and the
-  gradient of a fake-quantized weight reaches the float weight unchanged.
+  gradient of a fake-quantized weight reaches the float weight unchanged. With an h_gemm tensor
+  (the R.h operand, qgru/config.py) the surrogate's R.h reads h fake-quantized onto h_gemm's
+  grid, as the integer GEMM reads the operand, while the state carried to the next step keeps
+  h's grid: R's gradient is taken at the operand's values, and h's through R.h is masked where
+  the operand's narrower grid clips it.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from torch.nn import functional as F
 
 from . import golden
 from .backends import BoundaryOps
+from .convert import recurrent_operand
 from .golden import LayerParams
 from .module import QuantGRU, reverse_within_lengths
 from .primitives import qrange
@@ -98,6 +103,11 @@ def _direction(p: LayerParams, S: Dict[str, torch.Tensor], weights, x_sur: torch
     def step_value(name, t, surrogate, clip=True):
         return _fake(surrogate, trace[name][t], S[name], Z[name], p.bits[name] if clip else None)
 
+    def gemm_operand(t, h):
+        """What R.h reads at step t: the state itself, or (h_gemm) the state on the operand's own
+        grid: its golden value, with h's gradient masked where that grid clips h."""
+        return h if recurrent_operand(p.bits) == "h" else step_value("h_gemm", t, h)
+
     # the surrogate of a requantized GEMM is the float GEMM of the golden operands: its value is
     # (to rounding) the integer accumulator's real value, which is what saturates or not
     Wx_sur = x @ W.t()
@@ -106,7 +116,7 @@ def _direction(p: LayerParams, S: Dict[str, torch.Tensor], weights, x_sur: torch
     Wx = _fake(Wx_sur, torch.stack(trace["Wx"]), S["Wx"], Z["Wx"], p.bits["Wx"])
     outs = []
     for t in range(qx.shape[0]):
-        Rh_sur = h @ R.t()
+        Rh_sur = gemm_operand(t, h) @ R.t()
         if b_hh is not None:
             Rh_sur = Rh_sur + b_hh.double()
         Rh = step_value("Rh", t, Rh_sur)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import warnings
 
 import pytest
@@ -18,6 +19,12 @@ from qgru.convert import activation_qparams
 from qgru.float_gru import float_direction
 
 I, H, T, N = 6, 10, 15, 4
+
+
+def h_gemm_config(h_bits=16, op_bits=4, base="w8a8", **over):
+    """``base`` with a ``h_bits`` state h whose R.h GEMM reads an ``op_bits`` operand h_gemm."""
+    h = {"bits": h_bits, **({"headroom": 1.5} if h_bits == 16 else {})}
+    return qgru.QuantConfig.load(base, overrides={**over, "tensors": {"h": h, "h_gemm": {"bits": op_bits}}})
 
 
 def _batches(n=3, scale=1.0, seed=0, shape=(T, N, I)):
@@ -140,7 +147,8 @@ def test_layers_directions_and_wrapper_rows():
     q = qgru.quantize_model(model, calib, progress=False)
     r = qgru.compare(model, q, calib[:1], verbose=False)
     keys = {(row["module"], row["layer"], row["direction"], row["tensor"]) for row in r.rows}
-    want = {("gru", layer, d, t) for layer in (0, 1) for d in ("fwd", "rev") for t in ROW_ORDER}
+    tensors = [t for t in ROW_ORDER if t != "h_gemm" or q.gru.qconfig.h_gemm is not None]  # h_gemm: if configured
+    want = {("gru", layer, d, t) for layer in (0, 1) for d in ("fwd", "rev") for t in tensors}
     assert keys == want | {("gru", None, None, "output")}
     for layer in (0, 1):
         for d in ("fwd", "rev"):
@@ -188,11 +196,13 @@ def test_bare_gru_packed_sequence_and_h0():
 
 
 @pytest.mark.parametrize("backend", ["default", "reference"])
-def test_golden_trace_matches_the_backend(backend):
+@pytest.mark.parametrize("cfg", ["w8a16", "h_gemm"])
+def test_golden_trace_matches_the_backend(backend, cfg):
     """compare's golden replay reproduces the module's own output (else it warns)."""
     torch.manual_seed(6)
     gru = nn.GRU(I, H, num_layers=2)
-    q = qgru.quantize_model(gru, _batches(), config="w8a16", progress=False)
+    cfg = h_gemm_config(op_bits=8) if cfg == "h_gemm" else cfg
+    q = qgru.quantize_model(gru, _batches(), config=cfg, progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         if backend == "reference":
@@ -203,24 +213,93 @@ def test_golden_trace_matches_the_backend(backend):
 
 
 @pytest.mark.parametrize("mode", ["pow2", "multiplier"])
-def test_recovered_inner_scales(mode):
-    """The pre-activation and Wx/Rh scales rebuilt from the rescales match convert()'s scales."""
+@pytest.mark.parametrize("operand", ["h", "h_gemm"])
+def test_recovered_inner_scales(mode, operand):
+    """The pre-activation and Wx/Rh scales rebuilt from the rescales match convert()'s scales; with
+    an h_gemm, Rh's is rebuilt from the operand's scale (S_R S_h_gemm / M_Rh), not h's."""
     torch.manual_seed(7)
-    cfg = qgru.QuantConfig.load("w8a8", overrides={"scale_mode": mode})
+    if operand == "h":
+        cfg = qgru.QuantConfig.load("w8a8", overrides={"scale_mode": mode, "tensors": {"h_gemm": None}})
+    else:
+        cfg = h_gemm_config(scale_mode=mode)
     m = qgru.QuantGRU(I, H, config=cfg)
     qgru.calibrate(m, _batches(), progress=False)
     # the ranges convert() hands activation_qparams (for the default mse observer: the searched grids')
     ranges = {n: calibrated_range(o, cfg[n], H, cfg.power_of_two, cfg.observer.kind)
-              for n, o in m._observers[(0, 0)].items()}
+              for n, o in m._calibrated(m._observers[(0, 0)]).items()}
     m.convert()
     got = _grids(m._qparams[0][0], cfg.power_of_two)
-    for n in ("Wx", "Rh", "r_pre", "z_pre", "g_pre"):
+    assert ("h_gemm" in got) == (operand == "h_gemm")
+    for n in ("Wx", "Rh", "r_pre", "z_pre", "g_pre") + (("h_gemm",) if operand == "h_gemm" else ()):
         want, _ = activation_qparams(*ranges[n], cfg[n], H, cfg.power_of_two)
         scale = got[n][0]
         if mode == "pow2":
             assert torch.equal(scale, want.to(scale.dtype).expand_as(scale)), n
         else:
             assert torch.allclose(scale, want.double().expand_as(scale), rtol=2 ** -20, atol=0), n
+
+
+# ---- h_gemm: the R.h GEMM's own operand ---------------------------------------------------------
+@pytest.mark.parametrize("mode", ["pow2", "multiplier"])
+def test_h_gemm_row(mode):
+    """A 16-bit state whose R.h reads a 4-bit operand: every layer and direction gets an h_gemm row
+    (its bits, grid and calibration record), its own SQNR is the error its grid adds (about what
+    calibration expected of it), and Rh is rebuilt from what R.h read, at the operand's scale: its
+    own SQNR stays that of a 16-bit grid. Were the R.h product rebuilt from h (its values, its
+    scale for b_h or for S_Rh) it would carry the operand's whole 4-bit error, or worse."""
+    torch.manual_seed(10)
+    gru = nn.GRU(I, H, num_layers=2, bidirectional=True)
+    calib = _batches()
+    cfg = h_gemm_config(scale_mode=mode)
+    with qgru.backend("reference"):
+        q = qgru.quantize_model(gru, calib, config=cfg, progress=False)
+        r = qgru.compare(gru, q, calib, verbose=False)
+    for layer in (0, 1):
+        for d in ("fwd", "rev"):
+            p = q._qparams[layer][("fwd", "rev").index(d)]
+            row = r.row("h_gemm", layer, d)
+            assert row["bits"] == 4 and r.row("h", layer, d)["bits"] == 16
+            assert row["grid"] == (float(p.scale["h_gemm"]), int(p.zp["h_gemm"])) != r.row("h", layer, d)["grid"]
+            assert row["numel"] == len(calib) * T * N * H and row["steps_sqnr_db"] is None
+            assert row["headroom"] == cfg["h_gemm"].headroom and row["calib_clip"] is not None
+            assert 14 < row["own_sqnr_db"] < 30, row  # 4 bits: about 6 dB a bit
+            assert abs(row["own_sqnr_db"] - row["calib_sqnr_db"]) < 2, row
+            assert row["sqnr_db"] < row["own_sqnr_db"] + 1  # vs float it also carries h's error
+            assert r.row("Rh", layer, d)["own_sqnr_db"] > 70, r.row("Rh", layer, d)
+            assert r.row("h", layer, d)["own_sqnr_db"] > 70
+    assert re.search(r"^\s*0\s+fwd\s+h_gemm\s+4\s", str(r), re.M)  # a line of the table
+    assert [row["tensor"] for row in r.rows[:6]] == ["x", "W", "R", "Wx", "h_gemm", "Rh"]
+
+
+def test_h_gemm_is_blamed_with_bits_it_can_have():
+    """The operand at fault is named, and the override is one a config accepts: at most h's bits
+    (8 here, not 16), and, once it has h's bits, removing it (R.h then reads h itself)."""
+    torch.manual_seed(1)
+    gru = nn.GRU(I, H)
+    calib = _batches()
+    cfg = h_gemm_config(h_bits=8, op_bits=4, scale_mode="pow2", observer={"kind": "minmax"})
+    with qgru.backend("reference"):
+        r = qgru.compare(gru, qgru.quantize_model(gru, calib, config=cfg, progress=False), calib, verbose=False)
+    w = r.worst()
+    assert (w["tensor"], w["reason"]) == ("h_gemm", "resolution")
+    assert w["override"] == {"tensors": {"h_gemm": {"bits": 8}}}
+    assert "worst: layer 0 fwd h_gemm own SQNR" in w["message"] and w["message"] in str(r)
+    fixed = qgru.QuantConfig.load(cfg, overrides=w["override"])
+    assert fixed["h_gemm"].bits == 8 and {n for n, s in fixed.tensors.items() if s != cfg[n]} == {"h_gemm"}
+    # saturating: the widest grid it may have, and a headroom from what its values needed
+    row = {**w, "saturation": 0.05, "range_needed": 1.3}
+    sat = qgru.CompareReport([row if x is r.row("h_gemm") else x for x in r.rows], 1).worst()
+    assert sat["reason"] == "saturation" and sat["override"] == {"tensors": {"h_gemm": {"bits": 8, "headroom": 1.5}}}
+    qgru.QuantConfig.load(cfg, overrides=sat["override"])
+    # as wide as h already (its wider headroom is what costs): the operand goes
+    wide = h_gemm_config(h_bits=6, op_bits=6, scale_mode="pow2", observer={"kind": "minmax"})
+    wide = qgru.QuantConfig.load(wide, overrides={"tensors": {"h_gemm": {"headroom": 4}}})
+    with qgru.backend("reference"):
+        r = qgru.compare(gru, qgru.quantize_model(gru, calib, config=wide, progress=False), calib, verbose=False)
+    w = r.worst()
+    assert (w["tensor"], w["reason"], w["override"]) == ("h_gemm", "resolution", {"tensors": {"h_gemm": None}})
+    assert "let R.h read h itself" in w["message"]
+    assert qgru.QuantConfig.load(wide, overrides=w["override"]).h_gemm is None
 
 
 def test_tracing_changes_nothing():

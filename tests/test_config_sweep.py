@@ -26,6 +26,9 @@ def configs(draw):
             spec["symmetric"] = draw(st.booleans())
             spec["headroom"] = draw(st.sampled_from([1.0, 1.5, 3.0]))
         tensors[name] = spec
+    if draw(st.booleans()):  # the optional R.h operand: the state h requantized to <= h's bits
+        tensors["h_gemm"] = {"bits": draw(st.integers(2, tensors["h"]["bits"])), "symmetric": draw(st.booleans()),
+                             "headroom": draw(st.sampled_from([1.0, 1.5, 3.0]))}
     return {"name": "sweep", "scale_mode": draw(st.sampled_from(["pow2", "multiplier"])),
             "observer": {"kind": draw(st.sampled_from(["percentile", "minmax", "ema", "ema_step"])),
                          "momentum": draw(st.sampled_from([0.1, 0.5, 1.0]))},

@@ -1,7 +1,9 @@
 """Export of converted QuantGRUs: ranges and types of the integer parameters, save/load round trip
-(bit-exact), safe loading (weights_only), and the weight quantization error."""
+(bit-exact), safe loading (weights_only), the weight quantization error, and the optional R.h
+operand h_gemm (its entries, their checks, and files without it)."""
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import pickle
@@ -28,7 +30,10 @@ CUSTOM = {  # exercises per_group / per_tensor weights, per_channel / per_tensor
                               "g_pre": {"bits": 8, "symmetric": False},
                               "z": {"bits": 8}, "r": {"bits": 12}, "g": {"bits": 8}}},
 }
-CONFIGS = ["w8a8", "w8a16", "w16a16", "custom"]
+# h_gemm: the state keeps 16 (12) bits, the R.h GEMM reads it requantized to 8 (6) bits (golden.recurrent_operand)
+H_GEMM = {"hg16_8": {"h": {"bits": 16, "headroom": 1.5}, "h_gemm": {"bits": 8}},
+          "hg12_6": {"h": {"bits": 12, "headroom": 1.5}, "h_gemm": {"bits": 6}}}
+CONFIGS = ["w8a8", "w8a16", "w16a16", "custom", "hg16_8"]
 SCALE_MODES = ["pow2", "multiplier"]
 ARCHS = {  # (num_layers, bidirectional, bias, batch_first)
     "1layer": (1, False, True, False),
@@ -45,6 +50,8 @@ def make_config(name: str, scale_mode: str) -> qgru.QuantConfig:
         over = json.loads(json.dumps(CUSTOM["overrides"]))
         over["scale_mode"] = scale_mode
         return qgru.QuantConfig.load(CUSTOM["base"], overrides=over)
+    if name in H_GEMM:
+        return qgru.QuantConfig.load("w8a8", overrides={"scale_mode": scale_mode, "tensors": H_GEMM[name]})
     return qgru.QuantConfig.load(name, overrides={"scale_mode": scale_mode})
 
 
@@ -123,6 +130,12 @@ def test_export_ranges_and_dtypes(case):
             assert not t.is_floating_point() and t.dtype == torch.int64, name
         assert set(p.tables) == {"r", "z", "g"}
         expected_rescales = {"Wx", "Rh", "Wx_r", "Rh_r", "Wx_z", "Rh_z", "Wx_g", "rRh_g", "zh", "zg"}
+        if cfg.h_gemm is not None:  # h -> the R.h operand's grid
+            expected_rescales |= {"h_gemm"}
+            assert p.bits["h_gemm"] == cfg.h_gemm.bits < p.bits["h"] == cfg["h"].bits
+            assert p.zp["h_gemm"].shape == () and p.scale["h_gemm"].shape == ()
+        else:
+            assert not {"h_gemm"} & (set(p.bits) | set(p.zp) | set(p.scale))
         if li > 0:
             expected_rescales |= {f"in_{e}" for e in range(ndir)}
         assert set(p.rescale) == expected_rescales
@@ -331,3 +344,228 @@ def test_sub_8_bit_weights_are_packed_and_round_trip(bits, tmp_path):
     assert torch.equal(loaded.layers[0][0].R, m._qparams[0][0].R)
     x = torch.randn(4, 2, 11)
     assert torch.equal(loaded.to_module()(x)[0], m(x)[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# h_gemm: the R.h GEMM's operand on a grid of its own (qgru/config.py OPTIONAL_TENSORS)
+# ---------------------------------------------------------------------------------------------
+H_GEMM_FIELDS = ("bits.h_gemm", "zp.h_gemm", "rescale.h_gemm.multiplier", "rescale.h_gemm.shift", "scale.h_gemm")
+
+
+@functools.lru_cache(maxsize=None)
+def build_h_gemm(config: str, scale_mode: str, arch: str = "2layer_bidir_bf") -> qgru.QuantGRU:
+    """A converted h_gemm model, calibrated on the reference backend (cached: not to be modified)."""
+    with qgru.backend("reference"):
+        return build(config, scale_mode, arch)
+
+
+def hg_entries(config="hg16_8", scale_mode="pow2"):
+    return build_h_gemm(config, scale_mode).export().to_dict()
+
+
+def write_entries(d, path):
+    """Save a (tampered) dict as save() does, with a matching checksum (as a hostile writer would),
+    so that what is tested is the checks behind the checksum."""
+    d = dict(d)
+    d["checksum"] = qgru.export.checksum(d)
+    torch.save(d, path)
+    return path
+
+
+def test_h_gemm_entries_exactly_with_the_config():
+    """Every layer and direction carries h_gemm's bits, zero point, rescale and scale when the config
+    has h_gemm; a config without it writes the layout of files from before h_gemm existed."""
+    d = hg_entries()
+    for li in range(2):
+        for di in ("fwd", "rev"):
+            for f in H_GEMM_FIELDS:
+                assert f"l{li}.{di}.{f}" in d
+            assert d[f"l{li}.{di}.bits.h_gemm"] == 8 and d[f"l{li}.{di}.bits.h"] == 16
+    assert "h_gemm" in json.loads(d["meta"])["config"]["tensors"]
+    plain = build("w8a8", "pow2", "2layer_bidir_bf").export().to_dict()
+    assert not [k for k in plain if "h_gemm" in k] and "h_gemm" not in plain["meta"]
+    assert {k for k in d if "h_gemm" not in k} == set(plain)  # h_gemm adds its entries, nothing else
+
+
+@pytest.mark.parametrize("config", list(H_GEMM))
+@pytest.mark.parametrize("scale_mode", SCALE_MODES)
+def test_h_gemm_round_trip_bit_exact(config, scale_mode, tmp_path):
+    m = build_h_gemm(config, scale_mode)
+    params = m.export()
+    params.save(tmp_path / "p.qgru")
+    loaded = qgru.load_params(tmp_path / "p.qgru")
+    assert_dicts_identical(loaded.to_dict(), params.to_dict())
+    p = loaded.layers[1][1]
+    assert p.bits["h_gemm"] == H_GEMM[config]["h_gemm"]["bits"] and "h_gemm" in p.rescale
+    # the operand is not the state: the R.h GEMM reads other integers than without h_gemm
+    qh = torch.arange(*qrange(p.bits["h"]), 97).unsqueeze(0)
+    assert not torch.equal(qgru.golden.recurrent_operand(p, qh)[0], qh)
+    with qgru.backend("reference"):
+        m2 = loaded.to_module()
+        for seed, (T, N) in enumerate([(9, 3), (1, 1)]):
+            x = make_input(m.batch_first, T, N, 300 + seed)
+            o1, h1 = m(x)
+            o2, h2 = m2(x)
+            assert torch.equal(o1, o2) and torch.equal(h1, h2)
+            assert o1.abs().sum() > 0
+
+
+@pytest.mark.parametrize("scale_mode", SCALE_MODES)
+def test_h_gemm_float_bias_read_back_at_the_operand_scale(scale_mode):
+    """to_module()'s float b_hh is b_h at S_R[c] * S_h_gemm, the scale convert() put it on (S_h
+    would be 2^8 times too small here): it lies within half a step of the original float bias."""
+    m = build_h_gemm("hg16_8", scale_mode)
+    params = m.export()
+    m2 = params.to_module()
+    for li, d, p in layer_params(params):
+        sfx = f"_l{li}" + ("_reverse" if d else "")
+        b_hh = getattr(m2, "bias_hh" + sfx).detach().double()
+        step = p.scale["R"] * p.scale["h_gemm"]
+        assert torch.allclose(b_hh, p.b_h.double() * step, rtol=1e-6, atol=0)
+        original = getattr(m, "bias_hh" + sfx).detach().double()
+        assert ((b_hh - original).abs() <= step / 2 * (1 + 1e-6) + 1e-7).all(), (li, d)
+        assert original.abs().max() > 100 * step.max()  # the bias is many steps: not a vacuous test
+
+
+def test_files_without_h_gemm_still_load(tmp_path):
+    """A file of a config without h_gemm (the layout of every file written before it) loads and
+    runs as before, in format 1 too; giving its config an h_gemm afterwards is refused."""
+    m = build("w8a16", "multiplier", "2layer_bidir_bf")
+    d = m.export().to_dict()
+    assert not [k for k in d if "h_gemm" in k]
+    x = make_input(m.batch_first, 6, 2, 400)
+    for version in (2, 1):
+        e = dict(d)
+        if version == 1:
+            del e["checksum"]
+            e["meta"] = json.dumps({**json.loads(e["meta"]), "format_version": 1}, sort_keys=True)
+        torch.save(e, tmp_path / f"v{version}.qgru")
+        loaded = qgru.load_params(tmp_path / f"v{version}.qgru")
+        assert all("h_gemm" not in p.bits and "h_gemm" not in p.rescale for _, _, p in layer_params(loaded))
+        with qgru.backend("reference"):
+            assert torch.equal(loaded.to_module()(x)[0], m(x)[0])
+    meta = json.loads(d["meta"])
+    meta["config"]["tensors"]["h_gemm"] = {"bits": 8, "symmetric": False, "granularity": "per_tensor"}
+    path = write_entries({**d, "meta": json.dumps(meta)}, tmp_path / "gained.qgru")
+    with pytest.raises(qgru.ParamsFileError, match=r"missing entries l0\.fwd\.bits\.h_gemm, l0\.fwd\.rescale\.h_gemm"):
+        qgru.load_params(path)
+
+
+def _set_entry(key, value):
+    def f(d):
+        d[key] = value(d) if callable(value) else value
+    return f
+
+
+def _scalar(v, dtype=torch.int32):
+    return torch.tensor(v, dtype=dtype)
+
+
+def _drop(*keys):
+    def f(d):
+        for k in keys:
+            del d[k]
+    return f
+
+
+def _config(change):
+    def f(d):
+        meta = json.loads(d["meta"])
+        change(meta["config"]["tensors"])
+        d["meta"] = json.dumps(meta)
+    return f
+
+
+def _rowsum_R(d, pre="l0.fwd."):
+    return d[pre + "R"].to(torch.int64).sum(1)
+
+
+HOSTILE_H_GEMM = {  # name: (scale_mode, mutation, the error's message); model hg16_8, 2 layers, bidirectional
+    # present exactly when meta.config has h_gemm
+    "missing_zp": ("pow2", _drop("l1.rev.zp.h_gemm"), r"missing entry l1\.rev\.zp\.h_gemm$"),
+    "missing_shift": ("pow2", _drop("l0.fwd.rescale.h_gemm.shift"), r"missing entry l0\.fwd\.rescale\.h_gemm\.shift$"),
+    "missing_all": ("pow2", _drop(*[f"l0.rev.{f}" for f in H_GEMM_FIELDS]),
+                    r"missing entries l0\.rev\.bits\.h_gemm, l0\.rev\.rescale\.h_gemm\.multiplier, "
+                    r"l0\.rev\.rescale\.h_gemm\.shift, l0\.rev\.scale\.h_gemm, l0\.rev\.zp\.h_gemm$"),
+    "config_without": ("pow2", _config(lambda t: t.pop("h_gemm")), r"unexpected entries l0\.fwd\.bits\.h_gemm, "),
+    "config_wider_than_h": ("pow2", _config(lambda t: t["h"].update(bits=6)),
+                            r"meta\.config\.tensors\.h_gemm: the R\.h operand \(8 bits\) .* more than h \(6\)"),
+    # bits
+    "bits": ("pow2", _set_entry("l1.fwd.bits.h_gemm", 7), r"l1\.fwd\.bits\.h_gemm: 7, but meta\.config\.tensors\.h_gemm\.bits is 8"),
+    "bits_str": ("pow2", _set_entry("l0.fwd.bits.h_gemm", "8"), r"l0\.fwd\.bits\.h_gemm: expected an int, got str"),
+    # the zero point: on h_gemm's grid, per tensor, int32, 0 when symmetric
+    "zp_off_grid": ("pow2", _set_entry("l0.fwd.zp.h_gemm", _scalar(200)), r"l0\.fwd\.zp\.h_gemm: 200 is outside \[-128, 127\]"),
+    "zp_on_h_grid_only": ("multiplier", _set_entry("l0.fwd.zp.h_gemm", _scalar(-1000)), r"zp\.h_gemm: -1000 is outside \[-128, 127\]"),
+    "zp_shape": ("pow2", _set_entry("l0.fwd.zp.h_gemm", lambda d: d["l0.fwd.zp.h_gemm"].reshape(1)),
+                 r"l0\.fwd\.zp\.h_gemm: expected shape \(\), got \(1,\)"),
+    "zp_dtype": ("pow2", _set_entry("l0.fwd.zp.h_gemm", lambda d: d["l0.fwd.zp.h_gemm"].to(torch.int64)),
+                 r"l0\.fwd\.zp\.h_gemm: expected a torch\.int32 tensor, got torch\.int64"),
+    "zp_symmetric": ("pow2", _config(lambda t: t["h_gemm"].update(symmetric=True)),
+                     r"zp\.h_gemm: -?[1-9][0-9]*, but h_gemm is symmetric \(meta\.config\): zero point 0"),
+    # R_zp_comp caches Z_h_gemm * rowsum(R), not Z_h * rowsum(R)
+    "R_zp_comp_stale": ("pow2", _set_entry("l0.fwd.zp.h_gemm", lambda d: d["l0.fwd.zp.h_gemm"] + 1),
+                        r"l0\.fwd\.R_zp_comp: differs from zp\.h_gemm \* rowsum\(R\), the value it caches"),
+    "R_zp_comp_of_h": ("multiplier", _set_entry("l0.fwd.R_zp_comp", lambda d: d["l0.fwd.zp.h"].to(torch.int64) * _rowsum_R(d)),
+                       r"l0\.fwd\.R_zp_comp: differs from zp\.h_gemm \* rowsum\(R\)"),
+    # the rescale h -> h_gemm: per tensor, its multiplier within its bound, its shift in [1, 62]
+    "multiplier_negative": ("multiplier", _set_entry("l1.rev.rescale.h_gemm.multiplier", _scalar(-3)),
+                            r"l1\.rev\.rescale\.h_gemm\.multiplier: -3 is outside \[0, 2147483647\]"),
+    "multiplier_not_pow2": ("pow2", _set_entry("l0.fwd.rescale.h_gemm.multiplier", _scalar(3 << 20)),
+                            r"rescale\.h_gemm\.multiplier: 3145728 is not a power of two"),
+    "multiplier_shape": ("multiplier", _set_entry("l0.fwd.rescale.h_gemm.multiplier", lambda d: d["l0.fwd.rescale.h_gemm.multiplier"].repeat(2)),
+                         r"rescale\.h_gemm\.multiplier: expected shape \(\) or \(1,\), got \(2,\)"),
+    "shift_shape": ("multiplier", _set_entry("l0.fwd.rescale.h_gemm.shift", lambda d: d["l0.fwd.rescale.h_gemm.shift"].reshape(1)),
+                    r"rescale\.h_gemm\.shift: expected shape \(\), got \(1,\)"),
+    "shift_0": ("pow2", _set_entry("l0.fwd.rescale.h_gemm.shift", _scalar(0)), r"l0\.fwd\.rescale\.h_gemm\.shift: 0 is outside \[1, 62\]"),
+    "shift_63": ("multiplier", _set_entry("l1.fwd.rescale.h_gemm.shift", _scalar(63)), r"l1\.fwd\.rescale\.h_gemm\.shift: 63 is outside \[1, 62\]"),
+    "shift_dtype": ("pow2", _set_entry("l0.fwd.rescale.h_gemm.shift", lambda d: d["l0.fwd.rescale.h_gemm.shift"].to(torch.int16)),
+                    r"rescale\.h_gemm\.shift: expected a torch\.int32 tensor, got torch\.int16"),
+    # the scale: float64, per tensor, positive and finite, within calibration's reach, pow2 in pow2 mode
+    "scale_negative": ("multiplier", _set_entry("l0.fwd.scale.h_gemm", _scalar(-0.5, torch.float64)),
+                       r"l0\.fwd\.scale\.h_gemm: scales are positive and finite"),
+    "scale_nan": ("pow2", _set_entry("l0.fwd.scale.h_gemm", _scalar(float("nan"), torch.float64)), r"scale\.h_gemm: scales are positive and finite"),
+    "scale_huge": ("multiplier", _set_entry("l0.fwd.scale.h_gemm", _scalar(1e300, torch.float64)),
+                   r"scale\.h_gemm: 1e\+300 is outside \[2\^-64, 2\^130\]"),
+    "scale_not_pow2": ("pow2", _set_entry("l0.fwd.scale.h_gemm", lambda d: d["l0.fwd.scale.h_gemm"] * 1.5),
+                       r"scale\.h_gemm: not a power of two"),
+    "scale_shape": ("pow2", _set_entry("l0.fwd.scale.h_gemm", lambda d: d["l0.fwd.scale.h_gemm"].reshape(1)),
+                    r"scale\.h_gemm: expected shape \(\), got \(1,\)"),
+    "scale_float32": ("pow2", _set_entry("l0.fwd.scale.h_gemm", lambda d: d["l0.fwd.scale.h_gemm"].float()),
+                      r"l0\.fwd\.scale\.h_gemm: a torch\.float32 tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_H_GEMM))
+def test_h_gemm_crafted_file_is_refused_naming_the_field(case, tmp_path):
+    scale_mode, mutate, message = HOSTILE_H_GEMM[case]
+    d = hg_entries("hg16_8", scale_mode)
+    mutate(d)
+    path = write_entries(d, tmp_path / "crafted.qgru")
+    with pytest.raises(qgru.ParamsFileError, match=message) as e:
+        qgru.load_params(path)
+    assert str(e.value).startswith(str(path))
+
+
+@pytest.mark.parametrize("scale_mode", SCALE_MODES)
+def test_h_gemm_untampered_files_load(scale_mode, tmp_path):
+    """The checks above refuse only what is wrong: the untampered files load (and hg16_8's zero point
+    is nonzero, which zp_symmetric needs)."""
+    d = hg_entries("hg16_8", scale_mode)
+    assert int(d["l0.fwd.zp.h_gemm"]) != 0
+    qgru.load_params(write_entries(d, tmp_path / "ok.qgru"))
+
+
+def test_h_gemm_in_memory_params_are_validated():
+    """QuantParams built in memory: h_gemm's dicts must match the config like a file's entries."""
+    params = copy.deepcopy(build_h_gemm("hg16_8", "multiplier").export())
+    del params.layers[0][1].zp["h_gemm"]
+    with pytest.raises(qgru.ParamsFileError, match=r"l0\.rev\.zp: expected the entries x, h, .*, h_gemm, got"):
+        params.validate()
+    params = copy.deepcopy(build("w8a8", "multiplier", "2layer_bidir_bf").export())
+    params.layers[1][0].bits["h_gemm"] = 8  # a config without h_gemm
+    with pytest.raises(qgru.ParamsFileError, match=r"l1\.fwd\.bits: expected the entries x, h, W, .*, g, got"):
+        params.to_module()
+    params = copy.deepcopy(build_h_gemm("hg12_6", "multiplier").export())
+    params.layers[1][1].R_zp_comp = params.layers[1][1].zp["h"] * params.layers[1][1].R.sum(1)
+    with pytest.raises(qgru.ParamsFileError, match=r"l1\.rev\.R_zp_comp: differs from zp\.h_gemm"):
+        params.validate()

@@ -1,5 +1,5 @@
 """C99 export (qgru/export_c.py): the generated C compiles warning-free and is bit-exact with the
-golden model.
+golden model, with and without an h_gemm (the R.h operand on a grid narrower than the state's).
 
 Each case is exported and compiled once (with a small harness main that reads integer inputs on
 stdin and prints what the C computes); the tests then feed it sequences of their own (random,
@@ -20,7 +20,7 @@ import torch
 
 import qgru
 from qgru import export_c
-from qgru.golden import gru_direction, input_gemm, requantize_input
+from qgru.golden import gru_direction, input_gemm, recurrent_operand, requantize_input
 from qgru.primitives import qrange
 
 CC = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -37,6 +37,13 @@ CUSTOM = {"observer": {"kind": "minmax"},
                       "g_pre": {"bits": 8, "symmetric": False}, "z": {"bits": 8}, "r": {"bits": 12},
                       "g": {"bits": 8}}}
 
+# an R.h operand narrower than the state (golden.recurrent_operand): the state keeps h's bits
+# (16-bit values in int32_t arrays), the step requantizes it onto h_gemm's grid for R h every step.
+# h's headroom (none on h_gemm) makes a state drawn over h's whole range saturate the operand.
+H_GEMM = {"hg16_8": {"h": {"bits": 16, "headroom": 1.5}, "h_gemm": {"bits": 8}},
+          "hg12_6": {"h": {"bits": 12, "headroom": 1.5}, "h_gemm": {"bits": 6}},
+          "hg16_12": {"h": {"bits": 16}, "h_gemm": {"bits": 12}}}  # an int16_t operand
+
 CASES = {  # id: (config, scale_mode, input, hidden, num_layers, bidirectional, layer, direction)
     "w8a8-pow2": ("w8a8", "pow2", 5, 3, 1, False, 0, 0),
     "w8a8-multiplier-l1-rev": ("w8a8", "multiplier", 20, 17, 2, True, 1, 1),
@@ -46,6 +53,11 @@ CASES = {  # id: (config, scale_mode, input, hidden, num_layers, bidirectional, 
     "w16a16-multiplier": ("w16a16", "multiplier", 16, 13, 1, False, 0, 0),
     "custom-multiplier-l1": ("custom", "multiplier", 9, 6, 2, True, 1, 0),
     "custom-pow2": ("custom", "pow2", 8, 7, 1, False, 0, 0),
+    "hg16_8-multiplier": ("hg16_8", "multiplier", 6, 5, 1, False, 0, 0),
+    "hg16_8-pow2-l1-rev": ("hg16_8", "pow2", 7, 6, 2, True, 1, 1),
+    "hg12_6-multiplier-l1": ("hg12_6", "multiplier", 9, 7, 2, False, 1, 0),
+    "hg12_6-pow2-rev": ("hg12_6", "pow2", 5, 4, 1, True, 0, 1),
+    "hg16_12-multiplier": ("hg16_12", "multiplier", 8, 6, 1, False, 0, 0),
 }
 
 HARNESS = r"""
@@ -97,6 +109,8 @@ def converted(case: str) -> qgru.QuantParams:
     config, mode, I, H, layers, bidir, _, _ = CASES[case]
     if config == "custom":
         cfg = qgru.QuantConfig.load("w8a8", overrides={**CUSTOM, "scale_mode": mode})
+    elif config in H_GEMM:
+        cfg = qgru.QuantConfig.load("w8a8", overrides={"tensors": H_GEMM[config], "scale_mode": mode})
     else:
         cfg = qgru.QuantConfig.load(config, overrides={"scale_mode": mode})
     torch.manual_seed(len(case))
@@ -249,6 +263,56 @@ def test_selftest_and_harness_detect_a_wrong_rounding(tmp_path):
     b.c.write_text(src.replace(rounding, "shr(v * m, s)"))
     b.binary = compile_c([b.c, tmp_path / "main.c"], tmp_path / "harness_bad",
                          defines=[f"{b.prefix.upper()}_GOLDEN"])
+    qx, qh0, _ = export_c.golden_vectors(b.p)
+    selftest, _, out, *_ = b.run(qx, qh0)
+    assert int(selftest) > 0
+    assert not torch.equal(out, gru_direction(b.p, qx.unsqueeze(1), qh0.unsqueeze(0))[0].reshape(-1))
+
+
+def test_h_gemm_operand_in_the_generated_code(built):
+    """With h_gemm, the header documents the operand and the step computes it (R h reads h_op, of
+    h_gemm's width); without, neither appears. The state's arrays are int32_t either way. With h's
+    headroom, the extreme states of input_sets saturate the operand at both ends, so the bit
+    comparison covers its saturation."""
+    h, c = built.h.read_text(), built.c.read_text()
+    P = built.prefix.upper()
+    if "h_gemm" not in built.p.bits:
+        assert "h_gemm" not in h + c and "h_op" not in c
+        return
+    b = built.p.bits["h_gemm"]
+    assert f"#define {P}_H_GEMM_BITS {b}\n" in h and f"#define {P}_H_BITS {built.p.bits['h']}\n" in h
+    assert "recurrent_operand" in h and f"{P}_H_GEMM_ZERO_POINT" in h
+    op_type = "int8_t" if b <= 8 else "int16_t"
+    assert f"static int64_t rh(int32_t c, const {op_type} h_op[{P}_HIDDEN_SIZE])" in c
+    assert f"const int32_t h_q[{P}_HIDDEN_SIZE]" in c and "R[c][k] * h_op[k]" in c
+    _, extremes, *_ = input_sets(built.p, torch.Generator().manual_seed(1))
+    q_op, bits = recurrent_operand(built.p, extremes[1].unsqueeze(0))
+    assert bits == b and not torch.equal(q_op[0], extremes[1])
+    if built.params.meta["config"]["tensors"]["h"].get("headroom", 1.0) > 1.0:
+        assert (int(q_op.min()), int(q_op.max())) == qrange(b)
+
+
+BROKEN_OPERAND = {  # a mistake in the C's h -> h_gemm requantization: what it replaces, and with what
+    "truncating": ("mul_shift((int64_t)h_q[j] - {P}_H_ZERO_POINT, M_HG, S_HG)",
+                   "shr(((int64_t)h_q[j] - {P}_H_ZERO_POINT) * M_HG, S_HG)"),
+    "no_h_zero_point": ("(int64_t)h_q[j] - {P}_H_ZERO_POINT, M_HG", "(int64_t)h_q[j], M_HG"),
+    "saturated_to_h_bits": ("{P}_H_GEMM_BITS);", "{P}_H_BITS);"),  # then wrapped by the cast
+    "no_operand_zero_point": (" + {P}_H_GEMM_ZERO_POINT,", ","),
+}
+
+
+@needs_cc
+@pytest.mark.parametrize("mistake", list(BROKEN_OPERAND))
+def test_selftest_and_harness_detect_a_wrong_recurrent_operand(mistake, tmp_path):
+    """Negative control for h_gemm: each mistake in the operand's formula (rounding, either zero
+    point, saturation) makes both the self-test count and the bit comparison fail."""
+    b = Built("hg16_8-multiplier", tmp_path)
+    P = b.prefix.upper()
+    old, new = (t.replace("{P}", P) for t in BROKEN_OPERAND[mistake])
+    src = b.c.read_text()
+    assert src.count(old) == 1, old
+    b.c.write_text(src.replace(old, new))
+    b.binary = compile_c([b.c, tmp_path / "main.c"], tmp_path / "harness_bad", defines=[f"{P}_GOLDEN"])
     qx, qh0, _ = export_c.golden_vectors(b.p)
     selftest, _, out, *_ = b.run(qx, qh0)
     assert int(selftest) > 0

@@ -171,6 +171,9 @@ def config_dicts(draw):
             spec["symmetric"] = draw(st.booleans())
             spec["headroom"] = draw(st.sampled_from([1.0, 1.5, 4.0]))
         tensors[n] = spec
+    if draw(st.booleans()):  # the optional R.h operand: the state h requantized to <= h's bits
+        tensors["h_gemm"] = {"bits": draw(st.integers(2, tensors["h"]["bits"])), "symmetric": draw(st.booleans()),
+                             "headroom": draw(st.sampled_from([1.0, 1.5]))}
     return {"name": "random", "scale_mode": mode,
             "observer": {"kind": draw(st.sampled_from(["percentile", "minmax", "ema", "ema_step"])), "momentum": 0.5},
             "tensors": tensors}
