@@ -31,14 +31,15 @@ from qgru.demo import dynamic_quant
 from qgru.module import QuantGRU
 
 NEAREST = {"weight_rounding": "nearest"}
+# w8a8 before 2026-11-25: an 8-bit state that R.h reads directly (no h_gemm)
+STATE8 = {"tensors": {"h": {"bits": 8, "headroom": 1.0}, "h_gemm": None}}
 COLUMNS = [  # (column, config, overrides)
-    ("w8a8 default", "w8a8", {}),  # multiplier scales, mse grids, gptq weight rounding
-    ("w8a8 nearest", "w8a8", NEAREST),  # the same, weights rounded to nearest (the previous default)
-    ("w8a8 pow2", "w8a8", {"scale_mode": "pow2"}),  # the other scale mode, mse grids, gptq
-    ("w8a8 pow2 percentile nearest (old default)", "w8a8",
-     {"scale_mode": "pow2", "observer": {"kind": "percentile"}, **NEAREST}),
+    ("w8a8 default", "w8a8", {}),  # 16-bit state, 8-bit R.h operand h_gemm, multiplier, mse, gptq
+    ("w8a8 pow2", "w8a8", {"scale_mode": "pow2"}),  # the other scale mode
+    ("w8a8 8-bit state (before)", "w8a8", STATE8),  # the default before h_gemm
+    ("w8a8 8-bit state pow2 percentile nearest (old default)", "w8a8",
+     {"scale_mode": "pow2", "observer": {"kind": "percentile"}, **NEAREST, **STATE8}),
     ("w8a16 default", "w8a16", {}),
-    ("w8a16 nearest", "w8a16", NEAREST),
 ]
 
 

@@ -382,9 +382,11 @@ def test_h_gemm_entries_exactly_with_the_config():
                 assert f"l{li}.{di}.{f}" in d
             assert d[f"l{li}.{di}.bits.h_gemm"] == 8 and d[f"l{li}.{di}.bits.h"] == 16
     assert "h_gemm" in json.loads(d["meta"])["config"]["tensors"]
-    plain = build("w8a8", "pow2", "2layer_bidir_bf").export().to_dict()
+    plain = build("w8a16", "pow2", "2layer_bidir_bf").export().to_dict()  # no h_gemm
     assert not [k for k in plain if "h_gemm" in k] and "h_gemm" not in plain["meta"]
     assert {k for k in d if "h_gemm" not in k} == set(plain)  # h_gemm adds its entries, nothing else
+    default = build("w8a8", "pow2", "2layer_bidir_bf").export().to_dict()  # w8a8 ships with h_gemm
+    assert default["l1.rev.bits.h_gemm"] == 8 and default["l1.rev.bits.h"] == 16
 
 
 @pytest.mark.parametrize("config", list(H_GEMM))
@@ -561,7 +563,7 @@ def test_h_gemm_in_memory_params_are_validated():
     del params.layers[0][1].zp["h_gemm"]
     with pytest.raises(qgru.ParamsFileError, match=r"l0\.rev\.zp: expected the entries x, h, .*, h_gemm, got"):
         params.validate()
-    params = copy.deepcopy(build("w8a8", "multiplier", "2layer_bidir_bf").export())
+    params = copy.deepcopy(build("w8a16", "multiplier", "2layer_bidir_bf").export())
     params.layers[1][0].bits["h_gemm"] = 8  # a config without h_gemm
     with pytest.raises(qgru.ParamsFileError, match=r"l1\.fwd\.bits: expected the entries x, h, W, .*, g, got"):
         params.to_module()

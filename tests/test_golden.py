@@ -67,7 +67,8 @@ def _wx_scale(m, p):
 def test_hand_computed_step():
     """H = I = 1, pow2 grids chosen by hand, every integer checked against Fraction arithmetic."""
     no_headroom = {n: {"headroom": 1.0} for n in ("Wx", "Rh", "r_pre", "z_pre", "g_pre")}
-    config = qgru.QuantConfig.load("w8a8", overrides={"scale_mode": "pow2", "tensors": no_headroom})
+    state8 = {"h": {"bits": 8, "headroom": 1.0}, "h_gemm": None}  # R.h reads the 8-bit state itself
+    config = qgru.QuantConfig.load("w8a8", overrides={"scale_mode": "pow2", "tensors": {**no_headroom, **state8}})
     w_ih = torch.tensor([[0.5], [0.25], [1.0]])   # r, z, g rows
     w_hh = torch.tensor([[0.5], [-0.5], [0.75]])
     b_ih = torch.tensor([0.0, 0.0, 0.0])

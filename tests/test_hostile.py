@@ -533,7 +533,7 @@ CASES = {
     "limbs_short_K": ("w8a8", narrow_k("x_weight_limbs")), "pairs_limb": ("w8a8", edit("h_pairs", 0, 1)),
     "bias_short": ("w8a16", cut("Rh_bias", 5)), "zp_off_range": ("w8a16", edit("Wx_zp", 0, 1 << 20)),
     "range_wide": ("w8a8", setv("r_pre_lo", -40000)), "ones_col": ("w8a16", lambda t, v: v.__setitem__("ones_col", v["M_pad"])),
-    "M_pad": ("w8a8", setv("M_pad", 4)), "zp_value": ("w8a8", setv("h_zp", 1000)),
+    "M_pad": ("w8a8", setv("M_pad", 4)), "zp_value": ("w8a8", setv("h_zp", 40000)),
     "c32_shift": ("int32", edit("c32_channels", 1, 40)), "missing": ("w8a8", drop("g_from_rrh_shift")),
     "c32_mult": ("int32", edit("c32_channels", 35 * 128 + 1, -5)),  # a multiplier field (Cell32Field kMult)
     "lsh": ("int32m", edit("Wx_bias_lo", 2, 40)),  # multiplier form: Wx_bias_lo holds the left shift
@@ -587,7 +587,7 @@ NATIVE_EXPECT = {
     "range_wide": r"range of r_pre \[-40000, 32767\] is not a range of at most 16 bits",
     "ones_col": r"'ones_col' = 16 is outside \[0, 15\]",
     "M_pad": r"M_pad = 4 must lie in \[3H, 3H \+ 64\]",
-    "zp_value": r"'h_zp' = 1000 is outside \[-128, 127\]",
+    "zp_value": r"'h_zp' = 40000 is outside \[-32768, 32767\]",
     "c32_shift": r"c32_channels field 0' holds values in \[\d+, 40\], outside \[0, 14\]",
     "c32_mult": r"c32_channels field 35' holds values in \[-5, \d+\], outside \[0, 2147483647\]",
     "lsh": r"'Wx_bias_lo' holds values in \[\d+, 40\], outside \[0, 31\]",

@@ -1302,8 +1302,8 @@ def test_prepare_layer_limbs_reconstruct_weights(w_bits, a_bits, gemm_min):
     """The limbs, pairs and folded constants rebuild W q + b exactly; gemm_min (the CUDA backend's
     32) pads the reduction (K = H = 13 here) and the channels further, with zeros."""
     H, I = 13, 21
-    config = QuantConfig.load("w8a8", overrides={"tensors": {
-        "W": {"bits": w_bits}, "R": {"bits": w_bits}, "x": {"bits": a_bits}, "h": {"bits": a_bits}}})
+    config = QuantConfig.load("w8a8", overrides={"tensors": {  # R.h reads h itself (no h_gemm)
+        "W": {"bits": w_bits}, "R": {"bits": w_bits}, "x": {"bits": a_bits}, "h": {"bits": a_bits}, "h_gemm": None}})
     p = _converted(config.to_json(), I, H)._qparams[0][0]
     t, v = native.prepare_layer(p, gemm_min=gemm_min)
     gen = torch.Generator().manual_seed(w_bits * 100 + a_bits)
