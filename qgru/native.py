@@ -671,7 +671,7 @@ def cpu_gemm_detail() -> str:
         one_row += ("; a stack whose 16-bit x and h avx2 takes whole as int16 runs such steps on avx2's "
                     "Layers (one fused pass)")
     return (f"path {info['name']}: {_PATH_TEXT.get(str(info['name']), info['name'])}, {why}; one fused pass per "
-            f"step where x, h, W and R take one limb each{one_row}; CPU: {mod.cpu_model()}"
+            f"step where x, the R.h operand (h or h_gemm), W and R take one limb each{one_row}; CPU: {mod.cpu_model()}"
             + (f"; not usable here: {'; '.join(skipped)}" if skipped else ""))
 
 
