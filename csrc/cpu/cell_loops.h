@@ -38,11 +38,26 @@ QGRU_NOINLINE void cell_block(const CellParams p, const LimbProducts lp, int64_t
   }
 }
 
-// The R.h operand of the states s[0 .. n) (gemm_operand, when the layer has an h_gemm).
-QGRU_NOINLINE inline void operand_of(const HOperand& op, const int32_t* __restrict s, int64_t n,
+// The R.h operand of the states s[0 .. n) (gemm_operand, for a layer with an h_gemm): in int32
+// lanes with the int32 cell's fields (acc32), else in int64.
+QGRU_NOINLINE inline void operand_of(const CellParams& p, int pow2, int acc32, const int32_t* __restrict s, int64_t n,
                                      int32_t* __restrict d) {
-  for (int64_t k = 0; k < n; ++k) d[k] = (int32_t)gemm_operand(op, s[k]);
+  const Cell32 c = p.c32;
+  if (acc32 && pow2) {
+#pragma omp simd
+    for (int64_t k = 0; k < n; ++k) d[k] = gemm_operand32<true>(c, s[k]);
+  } else if (acc32) {
+#pragma omp simd
+    for (int64_t k = 0; k < n; ++k) d[k] = gemm_operand32<false>(c, s[k]);
+  } else {
+    for (int64_t k = 0; k < n; ++k) d[k] = (int32_t)gemm_operand(p.op, s[k]);
+  }
 }
+
+// Activation limbs of rows of states as the R.h operand, in blocks of kCell32Block values.
+template <typename A>
+void operand_limbs(const CellParams& p, int pow2, int acc32, const int32_t* s, int64_t n, int bits, int n_limbs,
+                   int direct, void* const* dst, int64_t offset);
 
 // Activation limb i of the values v[0 .. n) (act_limb; direct: the value itself as int16).
 template <typename A>
@@ -56,10 +71,26 @@ QGRU_NOINLINE void limbs_of(const int32_t* __restrict v, int64_t n, int bits, in
 }
 
 template <typename A>
+void operand_limbs(const CellParams& p, int pow2, int acc32, const int32_t* s, int64_t n, int bits, int n_limbs,
+                   int direct, void* const* dst, int64_t offset) {
+  int32_t op[kCell32Block];
+  for (int64_t j0 = 0; j0 < n; j0 += kCell32Block) {
+    const int64_t nj = min64(n - j0, kCell32Block);
+    operand_of(p, pow2, acc32, s + j0, nj, op);
+    for (int i = 0; i < n_limbs; ++i) limbs_of<A>(op, nj, bits, i, direct, static_cast<A*>(dst[i]) + offset + j0);
+  }
+}
+
+template <typename A>
 void to_act_t(const ToActArgs& a) {
-  for (int64_t r = a.r0; r < a.r1; ++r)
+  for (int64_t r = a.r0; r < a.r1; ++r) {
+    if (a.cell != nullptr && a.cell->op.on) {
+      operand_limbs<A>(*a.cell, a.pow2, a.acc32, a.src + r * a.K, a.K, a.bits, a.n_limbs, a.direct, a.dst, r * a.ld);
+      continue;
+    }
     for (int i = 0; i < a.n_limbs; ++i)
       limbs_of<A>(a.src + r * a.K, a.K, a.bits, i, a.direct, static_cast<A*>(a.dst[i]) + r * a.ld);
+  }
 }
 
 template <typename A>
@@ -79,19 +110,12 @@ void cell_rows_t(const CellRowsArgs& a) {
         cell_block<np.value, pow2.value, acc32.value>(*a.p, *a.rh, n, j0, j1, dwx, s, o);
       });
     }
-    const int32_t* src = s;  // the next step's R.h operand: the state, or h_gemm from it
-    int32_t op[kCell32Block];
-    for (int64_t j0 = 0; j0 < H; j0 += kCell32Block) {
-      const int64_t nj = min64(H - j0, kCell32Block);
-      if (a.p->op.on) {
-        operand_of(a.p->op, s + j0, nj, op);
-        src = op;
-      } else {
-        src = s + j0;
-      }
-      for (int i = 0; i < a.n_h_limbs; ++i)
-        limbs_of<A>(src, nj, a.h_bits, i, a.h_direct, static_cast<A*>(a.h_limbs[i]) + n * a.lda + j0);
+    if (a.p->op.on) {  // the next step's R.h operand: h_gemm from the state
+      operand_limbs<A>(*a.p, a.pow2, a.acc32, s, H, a.h_bits, a.n_h_limbs, a.h_direct, a.h_limbs, n * a.lda);
+      continue;
     }
+    for (int i = 0; i < a.n_h_limbs; ++i)
+      limbs_of<A>(s, H, a.h_bits, i, a.h_direct, static_cast<A*>(a.h_limbs[i]) + n * a.lda);
   }
 }
 

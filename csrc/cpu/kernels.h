@@ -86,11 +86,15 @@ struct RequantRowsArgs {
 
 // Rows [r0, r1) of int32 values of `bits` bits (row stride K) as activation limbs: n_limbs
 // arrays [rows, ld] of int8 or int16 (act_limb; direct: one int16 limb, the value itself).
+// cell (R.h's activations only, else nullptr): src holds states, written as their R.h operand
+// (gemm_operand; the int32 form where the layer's flags pow2 / acc32 say).
 struct ToActArgs {
   const int32_t* src;
   int64_t r0, r1, K, ld;
   int bits, n_limbs, direct;
   void* const* dst;
+  const CellParams* cell;
+  int pow2, acc32;
 };
 
 QGRU_ISA_BEGIN

@@ -202,13 +202,15 @@ struct Gemm {
     return lp;
   }
 
-  // Writes rows [0, rows) of src (int32 [rows, K_real]) as this GEMM's activation limbs.
-  void to_act(const int32_t* src, int64_t rows, int64_t K_real, std::vector<at::Tensor>& limbs) const {
+  // Writes rows [0, rows) of src (int32 [rows, K_real]) as this GEMM's activation limbs; with
+  // cell (R.h), src holds states, written as their R.h operand (gemm_operand).
+  void to_act(const int32_t* src, int64_t rows, int64_t K_real, std::vector<at::Tensor>& limbs,
+              const CellParams* cell = nullptr, int pow2 = 0, int acc32 = 0) const {
     std::vector<void*> dst;
     for (auto& l : limbs) dst.push_back(l.data_ptr());
     at::parallel_for(0, rows, std::max<int64_t>(16, kMinParallelWork * 8 / std::max<int64_t>(K_real, 1)),
                      [&](int64_t r0, int64_t r1) {
-      k->to_act(cpu::ToActArgs{src, r0, r1, K_real, lda, bits, n_act, direct, dst.data()});
+      k->to_act(cpu::ToActArgs{src, r0, r1, K_real, lda, bits, n_act, direct, dst.data(), cell, pow2, acc32});
     });
   }
 };
@@ -249,16 +251,6 @@ class CpuLayer {
 
   const Kernels* kernels() const { return k_; }
 
-  // The first step's R.h operand: the state itself, or its h_gemm (gemm_operand).
-  at::Tensor operand_of(const at::Tensor& state) const {
-    if (!cell_.op.on) return state;
-    at::Tensor op = at::empty_like(state);
-    const int32_t* s = state.data_ptr<int32_t>();
-    int32_t* d = op.data_ptr<int32_t>();
-    for (int64_t i = 0; i < state.numel(); ++i) d[i] = (int32_t)gemm_operand(cell_.op, s[i]);
-    return op;
-  }
-
   // The path's name, and "-fused" where each step is one fused pass.
   std::string gemm_path() const { return std::string(k_->name) + (fused_ ? "-fused" : ""); }
 
@@ -294,7 +286,7 @@ class CpuLayer {
     const int64_t chunk_rows = wx_in_step ? kFusedChunkBytes / (wx_.lda * k_->act_bytes) : kInputChunkRows;
     const int64_t steps = std::max<int64_t>(1, std::min<int64_t>(T, chunk_rows / N));
     ensure_workspace(steps * N, N, !wx_in_step);
-    rh_.to_act(operand_of(state).data_ptr<int32_t>(), N, H_, fused_ ? ws_.h_fused[0] : ws_.h_act);
+    rh_.to_act(state.data_ptr<int32_t>(), N, H_, fused_ ? ws_.h_fused[0] : ws_.h_act, &cell_, pow2_, acc32_);
     ws_.cur = 0;
     for (int64_t t0 = 0; t0 < T; t0 += steps) {
       const int64_t tc = std::min(steps, T - t0);
