@@ -7,7 +7,7 @@ import torch
 
 import qgru
 from qgru.convert import derive_layer_params
-from qgru.golden import gru_step, input_gemm
+from qgru.golden import gru_step, input_gemm, recurrent_operand
 from qgru.primitives import dequantize, qrange, quantize
 
 
@@ -157,3 +157,35 @@ def test_integer_path_is_deterministic_and_batch_independent():
     for n in range(5):
         o1, h1 = m(x[:, n:n + 1])
         assert torch.equal(o1[:, 0], out[:, n]) and torch.equal(h1[:, 0], h[:, n])
+
+
+@pytest.mark.parametrize("mode", ["pow2", "multiplier"])
+def test_recurrent_operand_is_the_state_on_its_own_grid(mode):
+    """With h_gemm (the shipped w8a8) R.h reads the 16-bit state requantized onto an 8-bit grid:
+    every state integer maps to the h_gemm integer nearest its real value (Fractions, round half
+    up), saturated at the grid's ends, and the step's R.h equals the GEMM of that operand."""
+    m = _calibrated(6, 5, qgru.QuantConfig.load("w8a8", overrides={"scale_mode": mode}))
+    p = m._qparams[0][0]
+    assert p.bits["h"] == 16 and p.bits["h_gemm"] == 8
+    qh = torch.arange(-32768, 32768, 37).reshape(1, -1)
+    q_op, bits = recurrent_operand(p, qh)
+    assert bits == 8
+    S_h, S_op = Fraction(float(p.scale["h"])), Fraction(float(p.scale["h_gemm"]))
+    m_, s_ = int(p.rescale["h_gemm"].multiplier), int(p.rescale["h_gemm"].shift)
+    factor = Fraction(m_, 2 ** s_)
+    # the multiplier is S_h / S_op to 31 bits (exactly, in pow2 mode)
+    assert abs(factor / (S_h / S_op) - 1) <= (Fraction(1, 2 ** 29) if mode == "multiplier" else Fraction(0))
+    lo, hi = qrange(8)
+    z_h, z_op = int(p.zp["h"]), int(p.zp["h_gemm"])
+    want = [min(hi, max(lo, math.floor((q - z_h) * factor + Fraction(1, 2)) + z_op)) for q in qh[0].tolist()]
+    assert q_op[0].tolist() == want
+    inside = [lo < w < hi for w in want]
+    # inside the grid, the operand is within half an 8-bit step (plus the multiplier's error) of h
+    err = [abs((w - z_op) * S_op - (q - z_h) * S_h) / S_op for w, q, i in zip(want, qh[0].tolist(), inside) if i]
+    assert err and max(err) <= Fraction(1, 2) + Fraction(1, 2 ** 12)
+    # the step's R.h is the integer GEMM of the operand, not of the state
+    trace = {}
+    gru_step(p, input_gemm(p, torch.zeros(1, 6, dtype=torch.int64)), qh[:, :5], trace)
+    assert torch.equal(trace["h_gemm"][0], recurrent_operand(p, qh[:, :5])[0])
+    acc = q_op[:, :5] @ p.R.t() - p.R_zp_comp + p.b_h
+    assert torch.equal(trace["Rh"][0], qgru.primitives.saturate(p.rescale["Rh"](acc) + p.zp["Rh"], p.bits["Rh"]))

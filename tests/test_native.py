@@ -465,6 +465,32 @@ def test_int32_multiplier_cell_taken_and_exact(kind, k, j):
         _check_integer(kind, p, T, N, lengths, seed=T * 10 + N + k)
 
 
+@pytest.mark.parametrize("mode", ["multiplier", "pow2"])
+@pytest.mark.parametrize("h_range", [(-1, 1), (-0.3, 1.0), (-1.0, 0.1)])
+def test_state16_with_h_gemm_takes_the_int32_cell(kind, mode, h_range):
+    """The shipped w8a8 (16-bit state, 8-bit R.h operand h_gemm) keeps the fast CPU path: one limb
+    pair per GEMM (the fused step) and the int32 cell, whose z * h now reaches 2^32
+    (rescale_wide32) and which writes the next step's operand itself (gemm_operand32). Against
+    golden, with a third of the states at either end of the 16-bit grid, h grids symmetric and
+    lopsided (the operand's zero point far from the state's), H = 150 (a partial 128-channel
+    block) and batches below and above a 16-row tile."""
+    config = QuantConfig.load("w8a8", overrides={"scale_mode": mode})
+    assert config["h"].bits == 16 and config["h_gemm"].bits == 8
+    I, H = 37, 150
+    one = lambda lo, hi: (torch.tensor(float(lo), dtype=torch.float64), torch.tensor(float(hi), dtype=torch.float64))
+    per = lambda lo, hi: (torch.full((3 * H,), float(lo), dtype=torch.float64),
+                          torch.full((3 * H,), float(hi), dtype=torch.float64))
+    # Wx / Rh grids coarser than their accumulators' (a pow2 int32 requantization shifts right)
+    ranges = {"x": one(-3, 2), "h": one(*h_range), "Wx": per(-16, 20), "Rh": per(-12, 8),
+              "r_pre": one(-24, 24), "z_pre": one(-24, 24), "g_pre": one(-20, 28)}  # h_gemm: h's range
+    p = _random_layer(config, I, H, ranges, w_exp=-3, b_exp=-2, zero_row=False, seed=H)
+    t, v = native.prepare_layer(p)
+    assert v["hg"] == 1 and v["h_bits"] == 8 and v["h_hi"] == 32767
+    assert native.one_limb_pair(p, act16=False) and v["acc32"] == 1
+    for T, N, lengths in ((5, 3, True), (1, 1, False), (4, 37, True)):
+        _check_integer(kind, p, T, N, lengths, seed=T * 10 + N)
+
+
 @pytest.mark.parametrize("name,mode", [("w8a8", "multiplier"), ("w8a8", "pow2")])
 def test_amx_batch_of_one_takes_vnni_gemms(cpu_backend, name, mode):
     """On AMX a one-step call of a batch of one runs AVX-512 VNNI's GEMMs on a second packing of
