@@ -2,10 +2,16 @@
 // the compiler vectorises as well as it can. Every CPU runs it; it is the sibling every fast path
 // is tested against besides the golden model.
 //
-// GEMM: int8 x int8 products summed in int32, exact: |sum| <= K 2^14 < 2^31 for K < 2^17, the
-// layer's limit. Weights are packed as groups of 8 output columns, each column's K values
-// contiguous (padded to a multiple of 64 with zeros, as the activation rows are): a dot product
-// is one contiguous loop, four rows at a time so that each weight load serves four rows.
+// GEMM: activations and weights as int16 (weights of at most 8 bits, widened when packed),
+// products summed in int32, exact: |sum| <= K 2^14 < 2^31 for 8-bit activations and K < 2^17, the
+// layer's limit; a 16-bit activation is taken whole where K 2^15 max|w| < 2^31
+// (native.direct16_fits, as on avx2). Weights are packed as groups of 8 output columns, each
+// column's K values contiguous (padded to a multiple of 64 with zeros, as the activation rows are):
+// a dot product is one contiguous loop, four rows at a time so that each weight load serves four
+// rows. Why int16: an int16 x int16 -> int32 dot product is the pattern compilers turn into their
+// widening multiply-add (x86 pmaddwd from SSE2 on, aarch64 smlal); gcc 12 vectorises an int8 one at
+// the x86-64 baseline only with unpacks and 16-bit multiplies, and the loops carry no omp simd
+// pragma because with it gcc 12 does not form pmaddwd either (checked with objdump).
 #define QGRU_ISA portable
 #include "cell_loops.h"
 #include "quantize_block.h"
@@ -19,20 +25,20 @@ namespace {
 
 constexpr int64_t kGroup = 8;
 
-int64_t packed_bytes(int64_t groups, int64_t K) { return groups * kGroup * k_padded(K); }
+int64_t packed_bytes(int64_t groups, int64_t K) { return groups * kGroup * k_padded(K) * 2; }
 
 void pack(const int8_t* W, int64_t ldw, int64_t K, const int64_t* channel, int64_t groups, void* out) {
   const int64_t Kp = k_padded(K);
-  int8_t* o = static_cast<int8_t*>(out);
+  int16_t* o = static_cast<int16_t*>(out);
   memset(o, 0, (size_t)packed_bytes(groups, K));
   for (int64_t m = 0; m < groups * kGroup; ++m)
-    if (channel[m] >= 0) memcpy(o + m * Kp, W + channel[m] * ldw, (size_t)K);
+    if (channel[m] >= 0)
+      for (int64_t k = 0; k < K; ++k) o[m * Kp + k] = W[channel[m] * ldw + k];
 }
 
-QGRU_NOINLINE void dot4(const int8_t* __restrict a0, const int8_t* __restrict a1, const int8_t* __restrict a2,
-                        const int8_t* __restrict a3, const int8_t* __restrict w, int64_t K, int32_t* acc) {
+QGRU_NOINLINE void dot4(const int16_t* __restrict a0, const int16_t* __restrict a1, const int16_t* __restrict a2,
+                        const int16_t* __restrict a3, const int16_t* __restrict w, int64_t K, int32_t* acc) {
   int32_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
   for (int64_t k = 0; k < K; ++k) {
     const int32_t wk = w[k];
     s0 += (int32_t)a0[k] * wk;
@@ -43,23 +49,22 @@ QGRU_NOINLINE void dot4(const int8_t* __restrict a0, const int8_t* __restrict a1
   acc[0] = s0, acc[1] = s1, acc[2] = s2, acc[3] = s3;
 }
 
-QGRU_NOINLINE int32_t dot1(const int8_t* __restrict a0, const int8_t* __restrict w, int64_t K) {
+QGRU_NOINLINE int32_t dot1(const int16_t* __restrict a0, const int16_t* __restrict w, int64_t K) {
   int32_t s0 = 0;
-#pragma omp simd reduction(+ : s0)
   for (int64_t k = 0; k < K; ++k) s0 += (int32_t)a0[k] * (int32_t)w[k];
   return s0;
 }
 
 void gemm(const GemmArgs& a) {
   const int64_t Kp = k_padded(a.K);
-  const int8_t* A = static_cast<const int8_t*>(a.A);
-  const int8_t* B = static_cast<const int8_t*>(a.B);
+  const int16_t* A = static_cast<const int16_t*>(a.A);
+  const int16_t* B = static_cast<const int16_t*>(a.B);
   const int64_t rows4 = a.rows / 4 * 4;
   for (int64_t g = a.g0; g < a.g1; ++g) {
     for (int64_t r = 0; r < rows4; r += 4) {
       for (int64_t c = 0; c < kGroup; ++c) {
         int32_t acc[4];
-        const int8_t* ar = A + r * a.lda;
+        const int16_t* ar = A + r * a.lda;
         dot4(ar, ar + a.lda, ar + 2 * a.lda, ar + 3 * a.lda, B + (g * kGroup + c) * Kp, Kp, acc);
         for (int64_t i = 0; i < 4; ++i) gemm_out(a, kGroup, g, r + i)[c] = acc[i];
       }
@@ -72,9 +77,9 @@ void gemm(const GemmArgs& a) {
 
 void no_init() {}
 
-const Kernels kTable{"portable", 1, kGroup, packed_bytes, pack, gemm,
-                     CellLoops<int8_t>::rows, CellLoops<int8_t>::tile, CellLoops<int8_t>::requant,
-                     CellLoops<int8_t>::act, no_init, quantize_f32, quantize_f64};
+const Kernels kTable{"portable", 2, kGroup, packed_bytes, pack, gemm,
+                     CellLoops<int16_t>::rows, CellLoops<int16_t>::tile, CellLoops<int16_t>::requant,
+                     CellLoops<int16_t>::act, no_init, quantize_f32, quantize_f64};
 
 }  // namespace
 QGRU_ISA_END
