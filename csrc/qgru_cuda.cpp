@@ -3,7 +3,8 @@
 // whole forward as a CUDA graph from the second call of a shape on: launch latency, not
 // arithmetic, bounds a per-step design (one GEMM + one cell kernel per step). Calls of nearby
 // lengths share a shape: a plan holds plan_steps(T) steps (qgru_cuda_launch.h) and a shorter call
-// caps its rows' lengths at T.
+// caps its rows' lengths at T. A layer keeps the plans of its last few shapes (plans_to_keep), so
+// alternating shapes replay their graphs.
 //
 // Ordering: calls may come from several threads and streams. A mutex orders the host side; on the
 // device every use of a plan's buffers waits for the previous call's last use (an event), and a
@@ -18,10 +19,12 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "qgru_cuda.h"
 #include "qgru_cuda_launch.h"
@@ -110,6 +113,13 @@ Buffers make_buffers(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_le
   return b;
 }
 
+int64_t buffer_bytes(const Buffers& b) {
+  int64_t n = 0;
+  for (const at::Tensor* t : {&b.qx, &b.state, &b.out, &b.lengths, &b.x_limbs, &b.Gx, &b.h_limbs, &b.Gh, &b.dwx})
+    if (t->defined()) n += (int64_t)t->nbytes();
+  return n;
+}
+
 // qgru's own cuBLAS handle, one per device, for the runs on a workspace qgru owns (the first call of
 // a shape, the capture of its graph, and calls inside a caller's capture). A graph captured on PyTorch's handle would
 // bake in PyTorch's workspace for that stream, which torch._C._cuda_clearCublasWorkspaces(), a
@@ -143,6 +153,7 @@ int64_t cublas_workspace_bytes(c10::DeviceIndex device) {
 struct Plan {  // buffers (and the captured graph) for one (steps, N, lengths?) shape (plan_steps)
   int64_t T = -1, N = -1;
   bool has_lengths = false;
+  int64_t bytes = 0;     // of its buffers and workspace (plans_to_keep)
   Buffers b;
   at::Tensor cublas_ws;  // the workspace of the graph's GEMMs (and of the eager run before its capture)
   cudaGraphExec_t exec = nullptr;
@@ -237,12 +248,7 @@ class CudaLayer {
     const int64_t Tp = bucketed ? cuda::plan_steps(T) : T;
     const bool masked = has_lengths || bucketed;
     bool fresh = false;
-    if (!plan_ || plan_->T != Tp || plan_->N != N || plan_->has_lengths != masked) {
-      plan_.reset();  // the old shape's buffers and graph go first (after their last use: ~Plan)
-      plan_ = make_plan(Tp, N, masked, qx.options());
-      fresh = true;
-    }
-    Plan& p = *plan_;
+    Plan& p = plan_for(Tp, N, masked, qx.options(), &fresh);
     // The mutex orders only the host side. On the device, every use of the plan's buffers (the
     // copies in, the run, eager or graph, and the copies out) is ordered after the previous call's
     // last use, whichever stream or thread that call ran on.
@@ -291,9 +297,11 @@ class CudaLayer {
 
   std::map<std::string, int64_t> counters() const {
     std::lock_guard<std::mutex> lock(mu_);
-    // the bytes the current plan keeps for its steps between calls (qx and out, int16)
-    const int64_t step_bytes = plan_ ? (int64_t)(plan_->b.qx.nbytes() + plan_->b.out.nbytes()) : 0;
+    // the bytes the newest plan keeps for its steps between calls (qx and out, int16)
+    const Plan* newest = plans_.empty() ? nullptr : plans_.front().get();
+    const int64_t step_bytes = newest ? (int64_t)(newest->b.qx.nbytes() + newest->b.out.nbytes()) : 0;
     return {{"plans", counters_.plans.load()},
+            {"plans_kept", (int64_t)plans_.size()},
             {"plan_step_bytes", step_bytes},
             {"eager_runs", counters_.eager_runs.load()},
             {"captures", counters_.captures.load()},
@@ -366,6 +374,24 @@ class CudaLayer {
     return {b.out.to(at::kInt), b.state};  // this call's own tensors (out as the int32 the Layer returns)
   }
 
+  // The plan of shape (T, N, has_lengths), moved to the front (newest); made if there is none
+  // (*fresh = true), and then the plans past plans_to_keep dropped, each after its last use (~Plan).
+  Plan& plan_for(int64_t T, int64_t N, bool has_lengths, const at::TensorOptions& opts, bool* fresh) {
+    for (auto it = plans_.begin(); it != plans_.end(); ++it) {
+      if ((*it)->T == T && (*it)->N == N && (*it)->has_lengths == has_lengths) {
+        if (it != plans_.begin()) plans_.splice(plans_.begin(), plans_, it);
+        *fresh = false;
+        return *plans_.front();
+      }
+    }
+    plans_.push_front(make_plan(T, N, has_lengths, opts));
+    std::vector<int64_t> bytes;
+    for (const auto& p : plans_) bytes.push_back(p->bytes);
+    plans_.resize((size_t)cuda::plans_to_keep(bytes.data(), (int64_t)bytes.size()));
+    *fresh = true;
+    return *plans_.front();
+  }
+
   std::unique_ptr<Plan> make_plan(int64_t T, int64_t N, bool has_lengths, const at::TensorOptions& opts) {
     auto p = std::make_unique<Plan>();
     p->T = T;
@@ -375,6 +401,7 @@ class CudaLayer {
     if (use_graph_) p->cublas_ws = at::empty({cublas_workspace_bytes(device_.index())}, opts.dtype(at::kByte));
     for (cudaEvent_t* e : {&p->ready, &p->done, &p->last_use})
       check_cuda(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate");
+    p->bytes = buffer_bytes(p->b) + (p->cublas_ws.defined() ? (int64_t)p->cublas_ws.nbytes() : 0);
     ++counters_.plans;
     return p;
   }
@@ -384,7 +411,7 @@ class CudaLayer {
   at::Device device_{at::kCUDA};
   bool use_graph_ = true;
   mutable std::mutex mu_;
-  std::unique_ptr<Plan> plan_;
+  std::list<std::unique_ptr<Plan>> plans_;  // newest first
   Counters counters_;
 };
 

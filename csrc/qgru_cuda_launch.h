@@ -87,5 +87,20 @@ inline int64_t plan_steps(int64_t T) {
   return (T + q - 1) / q * q;
 }
 
+// A layer keeps the plans of its last few shapes, so that calls alternating between shapes (two
+// length buckets, a training batch and a last partial one) replay their graphs instead of
+// rebuilding a plan per call. Bounded: at most kMaxPlans plans, and older plans only while all the
+// plans' buffers together stay within kPlanCacheBytes (the newest is always kept, whatever its
+// size). plans_to_keep(bytes, n): how many of the n plans, newest first with bytes[i] each, stay.
+constexpr int64_t kMaxPlans = 4;
+constexpr int64_t kPlanCacheBytes = int64_t(256) << 20;
+
+inline int64_t plans_to_keep(const int64_t* bytes, int64_t n) {
+  if (n <= 0) return 0;
+  int64_t keep = 1, total = bytes[0];
+  while (keep < n && keep < kMaxPlans && total + bytes[keep] <= kPlanCacheBytes) total += bytes[keep++];
+  return keep;
+}
+
 }  // namespace cuda
 }  // namespace qgru

@@ -278,3 +278,41 @@ def test_cuda_plan_steps(tmp_path):
     short calls keep their length, a longer one gets at most 1/8 more steps, a plan length maps to
     itself, and an octave of lengths needs at most 9 plans."""
     _host_check(tmp_path, "plan_steps_check", _PLAN_STEPS_CHECK, "PLAN-STEPS-OK")
+
+
+_PLAN_CACHE_CHECK = r"""
+#include <cstdio>
+#include <cstdint>
+#include "qgru_cuda_launch.h"
+
+int main() {
+  using qgru::cuda::plans_to_keep;
+  using qgru::cuda::kMaxPlans;
+  using qgru::cuda::kPlanCacheBytes;
+  int bad = 0;
+  const int64_t MB = int64_t(1) << 20;
+  auto expect = [&](const int64_t* b, int64_t n, int64_t want, const char* what) {
+    const int64_t got = plans_to_keep(b, n);
+    if (got != want) { std::printf("%s: keep %lld, want %lld\n", what, (long long)got, (long long)want); bad = 1; }
+  };
+  const int64_t small[6] = {MB, MB, MB, MB, MB, MB};
+  expect(small, 0, 0, "no plans");
+  expect(small, 1, 1, "one plan");
+  expect(small, 3, 3, "three small plans");
+  expect(small, 6, kMaxPlans, "more small plans than kMaxPlans");
+  const int64_t huge[3] = {2 * kPlanCacheBytes, MB, MB};
+  expect(huge, 3, 1, "the newest is kept whatever its size, and alone past the byte bound");
+  const int64_t mixed[4] = {100 * MB, 100 * MB, 100 * MB, MB};
+  expect(mixed, 4, 2, "older plans only while all stay within kPlanCacheBytes");
+  if (kMaxPlans < 2) { std::printf("two alternating shapes must both stay\n"); bad = 1; }
+  if (!bad) std::printf("PLAN-CACHE-OK\n");
+  return bad;
+}
+"""
+
+
+def test_cuda_plan_cache_bound(tmp_path):
+    """Item 9 of issue 13, alternating shapes: a CUDA layer keeps the plans of its last few shapes
+    (csrc/qgru_cuda_launch.h, plans_to_keep), newest first, at most kMaxPlans and older ones only
+    within kPlanCacheBytes; the newest is always kept. Compiled for the host and run here."""
+    _host_check(tmp_path, "plan_cache_check", _PLAN_CACHE_CHECK, "PLAN-CACHE-OK")

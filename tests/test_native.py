@@ -713,9 +713,35 @@ def test_cuda_nearby_lengths_share_one_graph(cuda_backend, monkeypatch):
     assert eager["plans"] == len(calls) and eager["captures"] == 0, eager
 
 
+def test_cuda_alternating_shapes_keep_their_plans(cuda_backend, monkeypatch):
+    """Item 9 of issue 13: calls alternating between shapes (two length buckets, a full batch and a
+    partial last one) keep one plan per shape (plans_to_keep): each shape is captured once and
+    replayed after, instead of a new plan per call; a fifth shape drops the oldest (kMaxPlans = 4).
+    Every call equals golden."""
+    p = _converted(_cfg("w8a8"), 23, 37)._qparams[0][0]
+    layer = _cuda_layer(p, True, monkeypatch)
+    gen = torch.Generator().manual_seed(6)
+    shapes = [(40, 5), (100, 5), (40, 3)]  # two buckets, and a smaller batch
+    calls = shapes * 3
+    for i, (T, N) in enumerate(calls):
+        inputs = _random_inputs(p, T, N, True, gen)
+        _assert_golden(layer(*_on_cuda(*inputs)), p, *inputs, what=f"call {i + 1} T={T} N={N}")
+    c = layer.layer.counters
+    assert c["plans"] == 3 and c["plans_kept"] == 3, c
+    assert c["eager_runs"] == 3 and c["captures"] == 3 and c["replays"] == len(calls) - 6, c
+    # newest first: (40, 3), (100, 5), (40, 5); then 200 (new), (40, 5) (kept: replayed), 300 (new:
+    # the fifth plan drops the least recently used, (100, 5))
+    for i, (T, N) in enumerate([(200, 5), (40, 5), (300, 5), (100, 5)]):
+        inputs = _random_inputs(p, T, N, False, gen)
+        _assert_golden(layer(*_on_cuda(*inputs)), p, *inputs, what=f"late call {i + 1} T={T} N={N}")
+    c = layer.layer.counters
+    assert c["plans_kept"] == 4 and c["plans"] == 6, c  # (100, 5) came back as a new plan
+    assert c["eager_runs"] == 6 and c["replays"] == len(calls) - 6 + 1, c
+
+
 def _same_then_alternating(a, b):
     """Call shapes for the stream and thread tests: one shape (one plan), then pairs of two shapes
-    (each change replaces the plan while the other stream may still be using the old one)."""
+    (each change switches to the other plan while the other stream may still be using the first)."""
     return [a] * 6, [a, a, b, b] * 2
 
 
