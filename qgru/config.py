@@ -34,7 +34,9 @@ h_gemm      optional: the R.h GEMM operand, h requan-   per_tensor
 Without h_gemm the R.h GEMM reads the state h itself. With it (the shipped w8a8: h 16 bits,
 h_gemm 8) the state keeps 16 bits through every update while R.h stays an int8 x int8 GEMM, as
 dynamic quantization keeps h in float and quantizes only the GEMM's operand. Remove it with
-``overrides={"tensors": {"h_gemm": None}}``.
+``overrides={"tensors": {"h_gemm": None}}`` (an 8-bit state read by R.h directly, w8a8 before
+2026-11-25, is ``{"h": {"bits": 8, "headroom": 1.0}, "h_gemm": None}``). An h_gemm as wide as h
+is allowed but only rounds h once more (qgru.compare then suggests removing it).
 """
 from __future__ import annotations
 
