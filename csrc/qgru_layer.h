@@ -254,34 +254,21 @@ struct LayerTensors {
                 "qgru native layer: c32_channels must be [ceil(H/", kCell32Block, "), ", kCell32Fields, ", ",
                 kCell32Block, "], got ", ch.sizes());
     c.channels = i32("c32_channels");
-    c.zh_m = (int32_t)value("zh_m32");
-    c.zh_sh = (int32_t)value("zh_sh");
-    c.zg_m = (int32_t)value("zg_m32");
-    c.zg_lsh = (int32_t)value("zg_lsh");
-    c.zg_rsh = (int32_t)value("zg_rsh");
+    const auto v32 = [&](const std::string& k) { return (int32_t)value(k); };  // checked by validate()
+    c.zh_m = v32("zh_m32"), c.zh_sh = v32("zh_sh");
+    c.zg_m = v32("zg_m32"), c.zg_lsh = v32("zg_lsh"), c.zg_rsh = v32("zg_rsh");
     const char* gates[3] = {"r", "z", "g"};
     for (int q = 0; q < 3; ++q) {
       const std::string g = gates[q];
-      c.pre_zp[q] = (int32_t)value(g + "_pre_zp");
-      c.pre_lo[q] = (int32_t)value(g + "_pre_lo");
-      c.pre_hi[q] = (int32_t)value(g + "_pre_hi");
+      c.pre_zp[q] = v32(g + "_pre_zp"), c.pre_lo[q] = v32(g + "_pre_lo"), c.pre_hi[q] = v32(g + "_pre_hi");
       c.table[q] = table32(g);
     }
-    c.one_z = (int32_t)value("one_z");
-    c.h_zp = (int32_t)value("h_zp");
-    c.h_lo = (int32_t)value("h_lo");
-    c.h_hi = (int32_t)value("h_hi");
-    c.wx_lo = (int32_t)value("Wx_lo");
-    c.wx_hi = (int32_t)value("Wx_hi");
-    c.rh_lo = (int32_t)value("Rh_lo");
-    c.rh_hi = (int32_t)value("Rh_hi");
+    c.one_z = v32("one_z");
+    c.h_zp = v32("h_zp"), c.h_lo = v32("h_lo"), c.h_hi = v32("h_hi");
+    c.wx_lo = v32("Wx_lo"), c.wx_hi = v32("Wx_hi"), c.rh_lo = v32("Rh_lo"), c.rh_hi = v32("Rh_hi");
     if (value("hg") != 0) {
-      c.hg_m = (int32_t)value("hg_m32");
-      c.hg_lsh = (int32_t)value("hg_lsh");
-      c.hg_rsh = (int32_t)value("hg_rsh");
-      c.hg_zp = (int32_t)value("hg_zp");
-      c.hg_lo = (int32_t)value("hg_lo");
-      c.hg_hi = (int32_t)value("hg_hi");
+      c.hg_m = v32("hg_m32"), c.hg_lsh = v32("hg_lsh"), c.hg_rsh = v32("hg_rsh");
+      c.hg_zp = v32("hg_zp"), c.hg_lo = v32("hg_lo"), c.hg_hi = v32("hg_hi");
     }
     return c;
   }

@@ -333,7 +333,8 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
     bits = {n: s.bits for n, s in config.tensors.items()}
     S, Z = {}, {}
     op = recurrent_operand(bits)  # the R.h GEMM's operand: h itself or h_gemm
-    calibrated = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre") + (("h_gemm",) if op == "h_gemm" else ())
+    operand = (op,) if op != "h" else ()  # h_gemm, the one tensor a config may leave out
+    calibrated = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre") + operand
     for n in calibrated:
         r = ranges["h"] if n == "h_gemm" and n not in ranges else ranges[n]
         S[n], Z[n] = activation_qparams(*r, config[n], H, pow2)
@@ -386,4 +387,4 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
         input_size=I, hidden_size=H, bits=bits, W=W, R=R, b_x=b_x, b_h=b_h,
         W_zp_comp=Z["x"] * W.sum(1), R_zp_comp=Z[op] * R.sum(1), zp=zp, rescale=rescale,
         tables=tables, one_z=one_z,
-        scale={n: S[n] for n in ("x", "h", "W", "R") + (("h_gemm",) if op == "h_gemm" else ())})
+        scale={n: S[n] for n in ("x", "h", "W", "R") + operand})

@@ -461,18 +461,27 @@ def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, in
     return True
 
 
+def _pow2_shifts(t: Dict[str, torch.Tensor], name: str) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """(lsh, rsh) int32 of a pow2 rescale of a value |v| < 2^17 in rescale32, or None where its left
+    shift would pass 14 (v << lsh must stay below 2^31)."""
+    r = _net_shift(t, name)
+    if bool((r < -14).any()):
+        return None
+    # shifting a value below 2^31 right by 31 or more gives 0 or -1, the same after rounding as the
+    # exact result: clamped, so no int32 shift reaches the undefined 32
+    return (-r).clamp(min=0).to(torch.int32), r.clamp(min=0, max=31).to(torch.int32)
+
+
 def _acc32_pow2(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[str, torch.Tensor]]:
     """The pow2 form's fields, or None. Accumulators: R in [1, 30]; cell: left shifts <= 14 for
-    the pre-activation rescales, R >= 8 for r * Rh_g and z * h (rescale_wide32), R >= 0 for (1 - z) * g."""
+    the pre-activation rescales and h -> h_gemm, R >= 8 for r * Rh_g and z * h (rescale_wide32),
+    R >= 0 for (1 - z) * g."""
     parts = {}
     for name in ("r_from_wx", "r_from_rh", "z_from_wx", "z_from_rh", "g_from_wx"):
-        r = _net_shift(t, name)
-        if bool((r < -14).any()):
+        f = _pow2_shifts(t, name)
+        if f is None:
             return None
-        parts[name + "_lsh"] = (-r).clamp(min=0).to(torch.int32)
-        # shifting a value below 2^31 right by 31 or more gives 0 or -1, the same after rounding
-        # as the exact result: clamped, so no int32 shift reaches the undefined 32
-        parts[name + "_rsh"] = r.clamp(min=0, max=31).to(torch.int32)
+        parts[name + "_lsh"], parts[name + "_rsh"] = f
     r = _net_shift(t, "g_from_rrh")
     if bool((r < 8).any()):
         return None
@@ -486,11 +495,12 @@ def _acc32_pow2(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[
         return None
     v["zg_rsh"] = int(r.reshape(-1)[0].clamp(max=31))
     v["zg_lsh"] = v["zg_m32"] = 0
-    if v["hg"]:  # h -> h_gemm: |q_h - Z_h| < 2^17, left shifts <= 14
-        r = int(_net_shift(t, "hg").reshape(-1)[0])
-        if r < -14:
+    if v["hg"]:  # h -> h_gemm (gemm_operand32): |q_h - Z_h| < 2^17
+        f = _pow2_shifts(t, "hg")
+        if f is None:
             return None
-        v["hg_lsh"], v["hg_rsh"], v["hg_m32"] = max(-r, 0), min(max(r, 0), 31), 0
+        v["hg_lsh"], v["hg_rsh"] = (int(x.reshape(-1)[0]) for x in f)
+        v["hg_m32"] = 0
     for name in ("Wx", "Rh"):
         r = _net_shift(t, name)
         if bool((r < 1).any()) or bool((r > 30).any()):

@@ -196,12 +196,10 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
   h_out += j0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t rs = r * H, ra = r * lda;
-    if (active[r] && p.op.on && ACC32) {  // the R.h operand h_gemm, one limb: its value
-      const Cell32 c32 = p.c32;
-#pragma omp simd
-      for (int64_t c = 0; c < nj; ++c) h_out[ra + c] = (A)gemm_operand32<POW2>(c32, s[rs + c]);
-    } else if (active[r] && p.op.on) {
-      for (int64_t c = 0; c < nj; ++c) h_out[ra + c] = (A)gemm_operand(p.op, s[rs + c]);
+    if (active[r] && p.op.on) {  // the R.h operand h_gemm, one limb: its value
+      int32_t op[kTaskUnits];
+      operand_of(p, POW2, ACC32, s + rs, nj, op);
+      for (int64_t c = 0; c < nj; ++c) h_out[ra + c] = (A)op[c];
     } else if (active[r]) {
       for (int64_t c = 0; c < nj; ++c) h_out[ra + c] = (A)s[rs + c];  // h's one limb: the value itself
     } else {
