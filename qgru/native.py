@@ -636,8 +636,10 @@ def cpu_isa_request() -> str:
 
 
 def cpu_paths() -> List[Dict[str, object]]:
-    """Every CPU path of the built backend, fastest first: name, usable here, why not, act_bytes."""
-    return [dict(name=n, usable=ok, why=why, act_bytes=ab) for n, ok, why, ab in load("cpu").isa_table()]
+    """Every CPU path of the built backend, fastest first: name, usable here, why not, act_bytes
+    (0: not compiled in), needs (the CPU features it requires, by gcc target-attribute name)."""
+    return [dict(name=n, usable=ok, why=why, act_bytes=ab, needs=list(needs))
+            for n, ok, why, ab, needs in load("cpu").isa_table()]
 
 
 def resolve_cpu_isa(request: Optional[str] = None) -> Dict[str, object]:

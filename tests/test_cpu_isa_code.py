@@ -115,7 +115,7 @@ def library():
         mod = native.load("cpu")
     except Exception as e:  # noqa: BLE001 - the backend's own tests report why it is unavailable
         pytest.skip(f"cpu backend unavailable: {e}")
-    compiled = {name for name, _usable, _why, act_bytes in mod.isa_table() if act_bytes}
+    compiled = {str(i["name"]) for i in native.cpu_paths() if i["act_bytes"]}
     text = subprocess.run(["objdump", "-d", "-w", mod.__file__], capture_output=True, text=True,
                           check=True).stdout
     return compiled, features(text)
@@ -137,3 +137,20 @@ def test_each_compiled_path_holds_its_instructions(library):
         used = set().union(*(u for n, u in found.items() if path_of(n) == path))
         assert DEFINING[path] in used, f"{path}: no {DEFINING[path]} instruction found in its functions"
     assert sum(1 for n in found if path_of(n) is None) > 100  # the driver, pybind11, torch inlines
+
+
+def test_each_path_requires_every_feature_its_target_enables(library):
+    # kernel_<path>.cpp's `#pragma GCC target(...)` lets gcc use any of those features anywhere in
+    # the file (the cells' shifts compile to BMI2's shlx / sarx): isa.cpp must find every one of
+    # them on the CPU before it enters the path, or a CPU with AVX2 but not BMI2 faults
+    from qgru import native
+    csrc = native.csrc_dir() / "cpu"
+    needs = {i["name"]: set(i["needs"]) for i in native.cpu_paths()}
+    checked = 0
+    for path in ("avx2", "avx512vnni", "amx"):
+        m = re.search(r'#pragma GCC target\("([^"]+)"\)', (csrc / f"kernel_{path}.cpp").read_text())
+        assert m, f"kernel_{path}.cpp: no #pragma GCC target"
+        target = set(m.group(1).split(","))
+        assert target <= needs[path], f"{path}: isa.cpp does not check {sorted(target - needs[path])}"
+        checked += 1
+    assert checked == 3 and needs["portable"] == set()

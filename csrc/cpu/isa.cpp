@@ -4,6 +4,7 @@
 // a binary built here may meet another CPU, a VM may hide AVX-512 state, a kernel may refuse AMX.
 #include "isa.h"
 
+#include <map>
 #include <stdexcept>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -39,11 +40,28 @@ unsigned long long xcr0() {
   return ((unsigned long long)hi << 32) | lo;
 }
 
-struct Features {
-  bool avx2 = false, fma = false, avx512 = false, vnni512 = false, amx = false;
-  std::string avx_os, avx512_os, amx_os;  // why the OS side is missing, if it is
-};
+// Every CPU feature that a path's code may use, by the names of gcc's target attribute: a path
+// is entered only where all of its kernel file's target (`#pragma GCC target`, which lets gcc use
+// them anywhere in the file, BMI2's shlx / sarx in the cells included) is present.
+// tests/test_cpu_isa_code.py checks these lists against the kernel files' targets.
+const std::vector<std::string> kAvx2Needs = {"avx2", "fma", "bmi2", "f16c", "popcnt"};
+const std::vector<std::string> kAvx512VnniNeeds = {"avx2",     "fma",      "bmi2",     "avx512f",
+                                                   "avx512bw", "avx512vl", "avx512dq", "avx512vnni"};
+const std::vector<std::string> kAmxNeeds = {"avx2",     "fma",      "bmi2",       "avx512f",  "avx512bw",
+                                            "avx512vl", "avx512dq", "avx512vnni", "amx-tile", "amx-int8"};
 
+struct Features {
+  std::map<std::string, bool> cpu;         // CPUID, by target-attribute name
+  bool os_avx = false, os_avx512 = false;  // XCR0: the OS saves the YMM / ZMM and opmask state
+  std::string amx_os;                      // why the OS refuses the tile state, if it does
+  std::string missing(const std::vector<std::string>& needs) const {
+    std::string m;
+    for (const auto& n : needs)
+      if (!cpu.count(n) || !cpu.at(n)) m += (m.empty() ? "" : ", ") + n;
+    return m;
+  }
+  bool has(const std::vector<std::string>& needs) const { return missing(needs).empty(); }
+};
 bool amx_permission() {
 #if defined(__linux__)
   // once per process; without it the first tile instruction faults
@@ -58,23 +76,20 @@ bool amx_permission() {
 Features detect() {
   Features f;
   const Cpuid l1 = cpuid(1, 0), l7 = cpuid(7, 0);
-  const bool osxsave = (l1.c >> 27) & 1;
+  const auto bit = [](unsigned r, int i) { return ((r >> i) & 1u) != 0; };
+  f.cpu = {{"avx", bit(l1.c, 28)},      {"fma", bit(l1.c, 12)},        {"popcnt", bit(l1.c, 23)},
+           {"f16c", bit(l1.c, 29)},     {"avx2", bit(l7.b, 5)},        {"bmi2", bit(l7.b, 8)},
+           {"avx512f", bit(l7.b, 16)},  {"avx512dq", bit(l7.b, 17)},   {"avx512bw", bit(l7.b, 30)},
+           {"avx512vl", bit(l7.b, 31)}, {"avx512vnni", bit(l7.c, 11)}, {"amx-tile", bit(l7.d, 24)},
+           {"amx-int8", bit(l7.d, 25)}};
+  const bool osxsave = bit(l1.c, 27);
   const unsigned long long x = osxsave ? xcr0() : 0;
-  const bool os_avx = osxsave && (x & 0x6) == 0x6;             // XMM and YMM state
-  const bool os_avx512 = os_avx && (x & 0xE0) == 0xE0;         // opmask, ZMM_Hi256, Hi16_ZMM
-  const bool os_amx = (x & 0x60000ull) == 0x60000ull;          // XTILECFG, XTILEDATA
-  f.fma = (l1.c >> 12) & 1;
-  f.avx2 = os_avx && ((l7.b >> 5) & 1) && f.fma;
-  if (!os_avx) f.avx_os = "the OS does not enable AVX state (XCR0)";
-  const bool avx512 = ((l7.b >> 16) & 1) && ((l7.b >> 17) & 1) && ((l7.b >> 30) & 1) && ((l7.b >> 31) & 1);  // F DQ BW VL
-  f.avx512 = avx512 && os_avx512;
-  if (avx512 && !os_avx512) f.avx512_os = "the CPU has AVX-512 but the OS does not enable its state (XCR0)";
-  f.vnni512 = f.avx512 && ((l7.c >> 11) & 1);
-  const bool amx = ((l7.d >> 24) & 1) && ((l7.d >> 25) & 1);  // AMX-TILE, AMX-INT8
-  if (amx && f.vnni512) {
+  f.os_avx = osxsave && f.cpu["avx"] && (x & 0x6) == 0x6;  // XMM and YMM state
+  f.os_avx512 = f.os_avx && (x & 0xE0) == 0xE0;            // opmask, ZMM_Hi256, Hi16_ZMM
+  const bool os_amx = (x & 0x60000ull) == 0x60000ull;      // XTILECFG, XTILEDATA
+  if (f.has(kAmxNeeds)) {
     if (!os_amx) f.amx_os = "the CPU has AMX but the OS does not enable its state (XCR0)";
     else if (!amx_permission()) f.amx_os = "the CPU has AMX but Linux refused the tile state (arch_prctl)";
-    else f.amx = true;
   }
   return f;
 }
@@ -114,17 +129,23 @@ std::vector<IsaInfo> isa_table() {
   std::vector<IsaInfo> t;
 #if QGRU_X86
   const Features& f = features();
-  auto entry = [&](const char* name, const Kernels* k, bool ok, const std::string& os_why, const char* cpu_why) {
+  // why a path cannot run: not compiled, the CPU lacks a feature of its target, or the OS does not
+  // save the registers (XCR0) or grant the tiles
+  auto entry = [&](const char* name, const Kernels* k, const std::vector<std::string>& needs, bool os_ok,
+                   const std::string& os_why) {
     std::string why;
     if (k == nullptr) why = "not compiled into this binary (compiler too old for it)";
-    else if (!ok) why = os_why.empty() ? cpu_why : os_why;
-    t.push_back(IsaInfo{name, k, k != nullptr && ok, why});
+    else if (!f.has(needs)) why = "this CPU lacks " + f.missing(needs);
+    else if (!os_ok) why = os_why;
+    t.push_back(IsaInfo{name, k, why.empty(), why, needs});
   };
-  entry("amx", amx_kernels(), f.amx, f.amx_os, "this CPU has no AMX-INT8 (with AVX-512 VNNI)");
-  entry("avx512vnni", avx512vnni_kernels(), f.vnni512, f.avx512_os, "this CPU has no AVX-512 VNNI (F, BW, DQ, VL)");
-  entry("avx2", avx2_kernels(), f.avx2, f.avx_os, "this CPU has no AVX2 and FMA");
+  const std::string no_ymm = "the OS does not enable AVX state (XCR0)";
+  const std::string no_zmm = "the CPU has AVX-512 but the OS does not enable its state (XCR0)";
+  entry("amx", amx_kernels(), kAmxNeeds, f.os_avx512 && f.amx_os.empty(), f.os_avx512 ? f.amx_os : no_zmm);
+  entry("avx512vnni", avx512vnni_kernels(), kAvx512VnniNeeds, f.os_avx512, f.os_avx ? no_zmm : no_ymm);
+  entry("avx2", avx2_kernels(), kAvx2Needs, f.os_avx, no_ymm);
 #endif
-  t.push_back(IsaInfo{"portable", portable_kernels(), true, ""});
+  t.push_back(IsaInfo{"portable", portable_kernels(), true, "", {}});
   return t;
 }
 

@@ -16,6 +16,7 @@ struct IsaInfo {
   const Kernels* kernels;  // nullptr: not compiled into this binary
   bool supported;          // the CPU has the instructions and the OS saves their state
   std::string why;         // when not usable
+  std::vector<std::string> needs;  // the CPU features it requires (gcc target names; portable: none)
 };
 
 std::vector<IsaInfo> isa_table();

@@ -661,11 +661,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The torch version this binary was compiled against: qgru refuses to load a stale binary.
   m.attr("built_for_torch") = QGRU_TORCH_VERSION;
   m.def("isa_table", []() {
-    std::vector<std::tuple<std::string, bool, std::string, int>> rows;
+    std::vector<std::tuple<std::string, bool, std::string, int, std::vector<std::string>>> rows;
     for (const auto& i : qgru::cpu::isa_table())
-      rows.emplace_back(i.name, i.supported, i.why, i.kernels ? i.kernels->act_bytes : 0);
+      rows.emplace_back(i.name, i.supported, i.why, i.kernels ? i.kernels->act_bytes : 0, i.needs);
     return rows;
-  }, "(path, usable here, why not, activation bytes) for every CPU path, fastest first");
+  }, "(path, usable here, why not, activation bytes (0: not compiled), CPU features it requires) for "
+     "every CPU path, fastest first");
   m.def("cpu_model", &qgru::cpu::cpu_model, "the CPU's model name (CPUID)");
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("quantize", [](const at::Tensor& x, double scale, int64_t zp, int64_t bits, const std::string& what,
