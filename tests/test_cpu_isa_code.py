@@ -148,9 +148,12 @@ def test_each_path_requires_every_feature_its_target_enables(library):
     needs = {i["name"]: set(i["needs"]) for i in native.cpu_paths()}
     checked = 0
     for path in ("avx2", "avx512vnni", "amx"):
-        m = re.search(r'#pragma GCC target\("([^"]+)"\)', (csrc / f"kernel_{path}.cpp").read_text())
+        source = (csrc / f"kernel_{path}.cpp").read_text()
+        m = re.search(r'#pragma GCC target\("([^"]+)"\)', source)
         assert m, f"kernel_{path}.cpp: no #pragma GCC target"
         target = set(m.group(1).split(","))
+        clang = re.search(r'#pragma clang attribute push\(__attribute__\(\(target\("([^"]+)"\)', source)
+        assert clang and set(clang.group(1).split(",")) == target, f"kernel_{path}.cpp: gcc and clang targets differ"
         assert target <= needs[path], f"{path}: isa.cpp does not check {sorted(target - needs[path])}"
         checked += 1
     assert checked == 3 and needs["portable"] == set()
