@@ -124,11 +124,23 @@ struct AccRequant32 {
 };
 QGRU_ISA_BEGIN
 
+// The int32 cell's functions are templates over V, the type that holds one value per int32 lane:
+// int32_t (CUDA, and the CPU paths whose loops the compiler vectorises) or an explicit SIMD vector
+// (csrc/cpu/lanes_avx512.h). A vector type brings the operators + - * & >> and its own forms of
+// the few primitives below that are not plain operators (clamp32, mul_hi32, shl32, lanes_load,
+// table_entry, wide_mul_shift32), each the same integers lane by lane; everything built from them
+// is written once, here.
 QGRU_HD int32_t clamp32(int32_t v, int32_t lo, int32_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
+// The V at p (one lane: *p; a vector: its lanes' consecutive values).
+template <typename V>
+QGRU_HD V lanes_load(const int32_t* p) { return V::load(p); }
+template <>
+QGRU_HD int32_t lanes_load<int32_t>(const int32_t* p) { return *p; }
+QGRU_HD void lanes_store(int32_t* p, int32_t v) { *p = v; }
+
 // floor(a b / 2^32): the high half of the exact signed 64-bit product. (gcc 12 vectorises it with
-// 64-bit lane multiplies: in the benchmark layer it is most of what the multiplier form costs
-// beyond the pow2 form, docs/spec.md.)
+// 64-bit lane multiplies, about 12 instructions per 16 lanes; lanes_avx512.h's form takes 5.)
 QGRU_HD int32_t mul_hi32(int32_t a, int32_t b) { return (int32_t)(((int64_t)a * (int64_t)b) >> 32); }
 
 // v * 2^k without the undefined behaviour of shifting a negative value (the bounds keep it exact).
@@ -136,18 +148,17 @@ QGRU_HD int32_t shl32(int32_t v, int32_t k) { return (int32_t)((uint32_t)v << k)
 
 // rounding_mul_shift of v in int32 lanes: pow2, ((v << lsh) >> rsh + 1) >> 1 (m unused);
 // multiplier, (mul_hi32(v << lsh, m) >> rsh + 1) >> 1 (see AccRequant32 for both identities).
-template <bool POW2>
-QGRU_HD int32_t rescale32(int32_t v, int32_t m, int32_t lsh, int32_t rsh) {
-  const int32_t u = shl32(v, lsh);
+template <bool POW2, typename V = int32_t>
+QGRU_HD V rescale32(V v, V m, V lsh, V rsh) {
+  const V u = shl32(v, lsh);
   return ((POW2 ? u >> rsh : mul_hi32(u, m) >> rsh) + 1) >> 1;
 }
 
 // The int32 requantization of one accumulator from its channel's fields (AccRequant32's meaning
 // of a0, a1, rsh per form; m only in multiplier form).
-template <bool POW2>
-QGRU_HD int32_t requant32(int32_t product, int32_t a0, int32_t a1, int32_t rsh, int32_t zp, int32_t m, int32_t lo,
-                          int32_t hi) {
-  const int32_t v = POW2 ? ((product + a1) >> rsh) + a0 : mul_hi32(shl32(product + a0, a1), m) >> rsh;
+template <bool POW2, typename V = int32_t>
+QGRU_HD V requant32(V product, V a0, V a1, V rsh, V zp, V m, int32_t lo, int32_t hi) {
+  const V v = POW2 ? ((product + a1) >> rsh) + a0 : mul_hi32(shl32(product + a0, a1), m) >> rsh;
   return clamp32(((v + 1) >> 1) + zp, lo, hi) - zp;
 }
 
@@ -231,7 +242,8 @@ struct Channel32 {  // one channel's fields: field f at at[f * kCell32Block]
 };
 QGRU_ISA_BEGIN
 
-QGRU_HD int32_t field(Channel32 c, int f) { return c.at[f * kCell32Block]; }
+template <typename V = int32_t>
+QGRU_HD V field(Channel32 c, int f) { return lanes_load<V>(c.at + f * kCell32Block); }
 
 // Channel j of the blocked array.
 QGRU_HD Channel32 channel32(const int32_t* blocked, int64_t j) {
@@ -239,17 +251,19 @@ QGRU_HD Channel32 channel32(const int32_t* blocked, int64_t j) {
 }
 
 // The int32 requantization of gate q's accumulator (group kRhRequant or kWxRequant).
-template <bool POW2>
-QGRU_HD int32_t requant32_at(Channel32 c, int group, int q, int32_t product, int32_t lo, int32_t hi) {
+template <bool POW2, typename V = int32_t>
+QGRU_HD V requant32_at(Channel32 c, int group, int q, V product, int32_t lo, int32_t hi) {
   const int f = group + 4 * q;
-  const int32_t m = POW2 ? 0 : field(c, kMult + 6 + (group - kRhRequant) / 4 + q);
-  return requant32<POW2>(product, field(c, f), field(c, f + 1), field(c, f + 2), field(c, f + 3), m, lo, hi);
+  const V m = POW2 ? V(0) : field<V>(c, kMult + 6 + (group - kRhRequant) / 4 + q);
+  return requant32<POW2, V>(product, field<V>(c, f), field<V>(c, f + 1), field<V>(c, f + 2), field<V>(c, f + 3), m,
+                            lo, hi);
 }
 
 // The rescale whose shifts are fields lsh_field (lsh) and lsh_field + 1 (rsh).
-template <bool POW2>
-QGRU_HD int32_t apply32(Channel32 c, int lsh_field, int32_t v) {
-  return rescale32<POW2>(v, POW2 ? 0 : field(c, kMult + lsh_field / 2), field(c, lsh_field), field(c, lsh_field + 1));
+template <bool POW2, typename V = int32_t>
+QGRU_HD V apply32(Channel32 c, int lsh_field, V v) {
+  return rescale32<POW2, V>(v, POW2 ? V(0) : field<V>(c, kMult + lsh_field / 2), field<V>(c, lsh_field),
+                            field<V>(c, lsh_field + 1));
 }
 
 QGRU_ISA_END
@@ -259,16 +273,23 @@ struct Table32 {  // tables.lookup in int32 lanes, on the packed entries of Tabl
 };
 QGRU_ISA_BEGIN
 
-QGRU_HD int32_t lookup32(const Table32& t, int32_t q) {
-  const int32_t u = q - t.in_min;
-  const int32_t i = u >> t.k;
-  const int32_t f = u & ((1 << t.k) - 1);
-  const int64_t e = t.packed[i];  // one load (one 64-bit gather lane) for both halves
-  const int32_t lo = (int32_t)e, diff = (int32_t)(e >> 32);
-  const int32_t v = (int32_t)((uint32_t)lo << t.k) + diff * f;
+// Entry i of a packed table: T[i] (lo) and T[i+1] - T[i] (diff), one 64-bit load (one gather lane).
+QGRU_HD void table_entry(const int64_t* packed, int32_t i, int32_t& lo, int32_t& diff) {
+  const int64_t e = packed[i];
+  lo = (int32_t)e;
+  diff = (int32_t)(e >> 32);
+}
+
+template <typename V = int32_t>
+QGRU_HD V lookup32(const Table32& t, V q) {
+  const V u = q - t.in_min;
+  const V i = u >> t.k;
+  const V f = u & ((1 << t.k) - 1);
+  V lo, diff;
+  table_entry(t.packed, i, lo, diff);
+  const V v = shl32(lo, t.k) + diff * f;
   const int32_t s = t.k + t.frac;
-  const int32_t o = ((v + ((1 << s) >> 1)) >> s) + t.out_zp;
-  return (o < t.out_lo ? t.out_lo : (o > t.out_hi ? t.out_hi : o)) - t.out_zp;
+  return clamp32(((v + ((1 << s) >> 1)) >> s) + t.out_zp, t.out_lo, t.out_hi) - t.out_zp;
 }
 
 QGRU_ISA_END
@@ -286,47 +307,51 @@ QGRU_ISA_BEGIN
 
 // computeR (gate 0) or computeZ (gate 1) in int32 from the gate's raw R.h accumulator and
 // Wx - Z_Wx: the gate's output relative to its zero point.
-template <bool POW2>
-QGRU_HD int32_t sigmoid_gate32(const Cell32& p, Channel32 ch, int gate, int32_t acc_rh, int32_t d_wx) {
-  const int32_t d_rh = requant32_at<POW2>(ch, kRhRequant, gate, acc_rh, p.rh_lo, p.rh_hi);
+template <bool POW2, typename V = int32_t>
+QGRU_HD V sigmoid_gate32(const Cell32& p, Channel32 ch, int gate, V acc_rh, V d_wx) {
+  const V d_rh = requant32_at<POW2, V>(ch, kRhRequant, gate, acc_rh, p.rh_lo, p.rh_hi);
   const int f = kRWxLsh + 4 * gate;
-  const int32_t pre = clamp32(apply32<POW2>(ch, f, d_wx) + apply32<POW2>(ch, f + 2, d_rh) + p.pre_zp[gate],
-                              p.pre_lo[gate], p.pre_hi[gate]);
-  return lookup32(p.table[gate], pre);
+  const V pre = clamp32(apply32<POW2, V>(ch, f, d_wx) + apply32<POW2, V>(ch, f + 2, d_rh) + p.pre_zp[gate],
+                        p.pre_lo[gate], p.pre_hi[gate]);
+  return lookup32<V>(p.table[gate], pre);
 }
 
 // The rescale of a product a d that may pass int32 (a a gate's output, 0 <= a < 2^16, and
 // |d| < 2^17), without forming it in int32: pow2, sh = R >= 8 and the split a = 256 a1 + a0;
 // multiplier, sh = s - 17 and floor(y m / 2^16) from two 32 x 32 -> 64 products (the int32 cell's
 // bounds above). Used for r * Rh_g and for z * h (a 16-bit state makes z * h up to 2^32).
-template <bool POW2>
-QGRU_HD int32_t rescale_wide32(int32_t a, int32_t d, int32_t m, int32_t sh) {
-  if (POW2) {
-    const int32_t a1 = a >> 8, a0 = a & 255;
-    return (((a1 * d + ((a0 * d) >> 8)) >> (sh - 8)) + 1) >> 1;
-  }
+// The multiplier form's floor(a d m / 2^(16 + sh)), in int64 (|a d| < 2^33).
+QGRU_HD int32_t wide_mul_shift32(int32_t a, int32_t d, int32_t m, int32_t sh) {
   const int64_t y = (int64_t)a * d;
   const int64_t y_m_16 = mul32(y >> 16, m) + (mul32(y & 0xFFFF, m) >> 16);  // floor(y m / 2^16)
-  return ((int32_t)(y_m_16 >> sh) + 1) >> 1;
+  return (int32_t)(y_m_16 >> sh);
+}
+
+template <bool POW2, typename V = int32_t>
+QGRU_HD V rescale_wide32(V a, V d, V m, V sh) {
+  if (POW2) {
+    const V a1 = a >> 8, a0 = a & 255;
+    return (((a1 * d + ((a0 * d) >> 8)) >> (sh - 8)) + 1) >> 1;
+  }
+  return (wide_mul_shift32(a, d, m, sh) + 1) >> 1;
 }
 
 // The rescale of r * Rh_g onto g_pre.
-template <bool POW2>
-QGRU_HD int32_t rrh32(Channel32 ch, int32_t d_r, int32_t d_rh_g) {
-  return rescale_wide32<POW2>(d_r, d_rh_g, POW2 ? 0 : field(ch, kMult + 5), field(ch, kGRRhRsh));
+template <bool POW2, typename V = int32_t>
+QGRU_HD V rrh32(Channel32 ch, V d_r, V d_rh_g) {
+  return rescale_wide32<POW2, V>(d_r, d_rh_g, POW2 ? V(0) : field<V>(ch, kMult + 5), field<V>(ch, kGRRhRsh));
 }
 
 // computeG and computeH in int32: the new state from g's raw R.h accumulator, Wx_g - Z, the gates
 // r and z (sigmoid_gate32) and the state h.
-template <bool POW2>
-QGRU_HD int32_t candidate_state32(const Cell32& p, Channel32 ch, int32_t acc_rh_g, int32_t d_wx_g, int32_t d_r,
-                                  int32_t d_z, int32_t q_h) {
-  const int32_t d_rh_g = requant32_at<POW2>(ch, kRhRequant, 2, acc_rh_g, p.rh_lo, p.rh_hi);
-  const int32_t g_pre =
-      clamp32(apply32<POW2>(ch, kGWxLsh, d_wx_g) + rrh32<POW2>(ch, d_r, d_rh_g) + p.pre_zp[2], p.pre_lo[2], p.pre_hi[2]);
-  const int32_t d_g = lookup32(p.table[2], g_pre);
-  const int32_t zh = rescale_wide32<POW2>(d_z, q_h - p.h_zp, p.zh_m, p.zh_sh);
-  const int32_t zg = rescale32<POW2>((p.one_z - d_z) * d_g, p.zg_m, p.zg_lsh, p.zg_rsh);
+template <bool POW2, typename V = int32_t>
+QGRU_HD V candidate_state32(const Cell32& p, Channel32 ch, V acc_rh_g, V d_wx_g, V d_r, V d_z, V q_h) {
+  const V d_rh_g = requant32_at<POW2, V>(ch, kRhRequant, 2, acc_rh_g, p.rh_lo, p.rh_hi);
+  const V g_pre = clamp32(apply32<POW2, V>(ch, kGWxLsh, d_wx_g) + rrh32<POW2, V>(ch, d_r, d_rh_g) + p.pre_zp[2],
+                          p.pre_lo[2], p.pre_hi[2]);
+  const V d_g = lookup32<V>(p.table[2], g_pre);
+  const V zh = rescale_wide32<POW2, V>(d_z, q_h - p.h_zp, p.zh_m, p.zh_sh);
+  const V zg = rescale32<POW2, V>((V(p.one_z) - d_z) * d_g, p.zg_m, p.zg_lsh, p.zg_rsh);
   return clamp32(zh + zg + p.h_zp, p.h_lo, p.h_hi);
 }
 

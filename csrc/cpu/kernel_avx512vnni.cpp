@@ -23,6 +23,10 @@
 #else
 #define QGRU_BUILD_VNNI 0
 #endif
+#if QGRU_BUILD_VNNI
+#include "lanes_avx512.h"  // the int32 cell in explicit 16-lane vectors
+#define QGRU_CELL_LANES I32x16
+#endif
 #include "cell_loops.h"
 #include "quantize_block.h"
 

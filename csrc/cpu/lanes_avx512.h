@@ -1,0 +1,91 @@
+// I32x16: sixteen int32 lanes in one AVX-512 register, the lane type (V) that the AVX-512 paths
+// (kernel_amx.cpp, kernel_avx512vnni.cpp) run the int32 cell with (qgru_cell.h: every function of
+// the int32 cell is written once, over V). Include from those kernel files only, after their
+// target pragma.
+//
+// Why not leave the loop to the compiler, as the other paths do: the multiplier form's
+// mul_hi32(a, b) = floor(a b / 2^32) is one 32 x 32 -> 64 product per lane. gcc 12 vectorises it
+// by sign-extending both operands to 64-bit lanes and multiplying with vpmullq (3 uops, 15 cycles
+// of latency on Sapphire Rapids), about 12 instructions per 16 lanes; vpmuldq multiplies the even
+// lanes' int32 values into int64 exactly in one uop, so even and odd lanes take one each, and a
+// blend puts the high halves back in place: 5 instructions.
+//
+// Each function below is the scalar primitive of qgru_cell.h of the same name, lane by lane, on
+// the same integers (two's complement wrap-around where the scalar form is exact, so the same
+// values): the path's tests compare it with the golden model bit for bit.
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "qgru_cell.h"
+
+namespace qgru {
+QGRU_ISA_BEGIN
+
+struct I32x16 {
+  static constexpr int kLanes = 16;
+  __m512i v;
+  I32x16() = default;
+  I32x16(__m512i x) : v(x) {}                      // NOLINT: implicit, the register itself
+  I32x16(int32_t x) : v(_mm512_set1_epi32(x)) {}   // NOLINT: implicit, a scalar in every lane
+  static I32x16 load(const int32_t* p) { return _mm512_loadu_si512(p); }
+  void store(int32_t* p) const { _mm512_storeu_si512(p, v); }
+};
+
+inline I32x16 operator+(I32x16 a, I32x16 b) { return _mm512_add_epi32(a.v, b.v); }
+inline I32x16 operator-(I32x16 a, I32x16 b) { return _mm512_sub_epi32(a.v, b.v); }
+inline I32x16 operator*(I32x16 a, I32x16 b) { return _mm512_mullo_epi32(a.v, b.v); }  // low 32 bits
+inline I32x16 operator&(I32x16 a, I32x16 b) { return _mm512_and_si512(a.v, b.v); }
+inline I32x16 operator>>(I32x16 a, I32x16 k) { return _mm512_srav_epi32(a.v, k.v); }  // arithmetic
+inline I32x16 operator>>(I32x16 a, int32_t k) { return _mm512_sra_epi32(a.v, _mm_cvtsi32_si128(k)); }
+
+inline I32x16 clamp32(I32x16 v, I32x16 lo, I32x16 hi) {
+  return _mm512_min_epi32(_mm512_max_epi32(v.v, lo.v), hi.v);  // lo <= hi (the layer's checks)
+}
+inline I32x16 shl32(I32x16 v, I32x16 k) { return _mm512_sllv_epi32(v.v, k.v); }
+inline I32x16 shl32(I32x16 v, int32_t k) { return _mm512_sll_epi32(v.v, _mm_cvtsi32_si128(k)); }
+
+// floor(a b / 2^32) per lane: vpmuldq takes each 64-bit lane's low int32 (the even lanes; the odd
+// ones after a 32-bit shift down) and gives the exact int64 product.
+inline I32x16 mul_hi32(I32x16 a, I32x16 b) {
+  const __m512i even = _mm512_mul_epi32(a.v, b.v);
+  const __m512i odd = _mm512_mul_epi32(_mm512_srli_epi64(a.v, 32), _mm512_srli_epi64(b.v, 32));
+  // even lanes: the high half of their product, shifted down; odd lanes: the high half in place
+  return _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+}
+
+// wide_mul_shift32 per lane: (int32)(floor(y m / 2^16) >> sh), y = a d, in 64-bit lanes, even and
+// odd lanes apart (the scalar form's own int64 arithmetic, lane by lane).
+namespace lanes_detail {
+inline __m512i wide_mul_shift_even(__m512i a, __m512i d, __m512i m, __m512i sh) {
+  const __m512i y = _mm512_mul_epi32(a, d);                                 // a d, int64
+  const __m512i hi = _mm512_mul_epi32(_mm512_srai_epi64(y, 16), m);         // (y >> 16) m
+  const __m512i lo = _mm512_srai_epi64(_mm512_mul_epi32(_mm512_and_si512(y, _mm512_set1_epi64(0xFFFF)), m), 16);
+  const __m512i count = _mm512_and_si512(sh, _mm512_set1_epi64(0xFFFFFFFF));  // the lane's own shift
+  return _mm512_srav_epi64(_mm512_add_epi64(hi, lo), count);
+}
+}  // namespace lanes_detail
+
+inline I32x16 wide_mul_shift32(I32x16 a, I32x16 d, I32x16 m, I32x16 sh) {
+  const __m512i even = lanes_detail::wide_mul_shift_even(a.v, d.v, m.v, sh.v);
+  const __m512i odd = lanes_detail::wide_mul_shift_even(_mm512_srli_epi64(a.v, 32), _mm512_srli_epi64(d.v, 32),
+                                                        _mm512_srli_epi64(m.v, 32), _mm512_srli_epi64(sh.v, 32));
+  // each result is an int32 in its 64-bit lane's low half: the odd ones move up into place
+  return _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+}
+
+// table_entry per lane: two 8-lane 64-bit gathers, then the low halves (T[i]) and the high
+// halves (T[i+1] - T[i]) of the 16 entries each into one register.
+inline void table_entry(const int64_t* packed, I32x16 i, I32x16& lo, I32x16& diff) {
+  const __m512i e0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(i.v), packed, 8);
+  const __m512i e1 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(i.v, 1), packed, 8);
+  const __m512i low = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  lo = _mm512_permutex2var_epi32(e0, low, e1);
+  diff = _mm512_permutex2var_epi32(e0, _mm512_add_epi32(low, _mm512_set1_epi32(1)), e1);
+}
+
+inline void lanes_store(int32_t* p, I32x16 v) { v.store(p); }
+
+QGRU_ISA_END
+}  // namespace qgru
