@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Iterable, List, Union
+from typing import Dict, Iterable, List, Optional, Union
 
 import torch
 from torch import nn
@@ -122,9 +122,20 @@ def prepare_model(model: nn.Module, config: Union[str, dict, QuantConfig] = "w8a
     return qmodel
 
 
-def _swap(module: nn.Module, config: QuantConfig) -> None:
-    for name, child in module.named_children():
-        if isinstance(child, nn.GRU) and not isinstance(child, QuantGRU):
-            setattr(module, name, QuantGRU._from_gru(child, config))
+def _swap(module: nn.Module, config: QuantConfig, done: Optional[Dict[int, nn.Module]] = None) -> None:
+    """Replace every nn.GRU under ``module`` by its QuantGRU. A GRU held under several names (tied:
+    ``self.dec = self.enc``, or one module inside two parents) becomes one QuantGRU held under all
+    of them, calibrated on every call: named_children() lists a shared module once, which would
+    leave its other names holding the float GRU."""
+    done = {} if done is None else done  # id(original child) -> what replaces it
+    for name, child in list(module._modules.items()):
+        if child is None:
+            continue
+        if id(child) in done:
+            setattr(module, name, done[id(child)])
+        elif isinstance(child, nn.GRU) and not isinstance(child, QuantGRU):
+            done[id(child)] = QuantGRU._from_gru(child, config)
+            setattr(module, name, done[id(child)])
         else:
-            _swap(child, config)
+            done[id(child)] = child
+            _swap(child, config, done)

@@ -406,6 +406,44 @@ def test_quantize_model_swaps_nested_grus_and_leaves_original_untouched():
     assert rel_err(got, ref) < 0.1
 
 
+class _Tied(nn.Module):
+    """One GRU under two names (self.dec = self.enc) and a second one inside two parents."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.GRU(INPUT, INPUT)
+        self.dec = self.enc
+        shared = nn.GRU(INPUT, HIDDEN)
+        self.a, self.b = nn.Sequential(shared), nn.Sequential(shared)
+
+    def forward(self, x):
+        y, _ = self.dec(self.enc(x)[0])
+        return self.a[0](y)[0] + self.b[0](x)[0]
+
+
+def test_quantize_model_keeps_a_tied_gru_one_quantgru_under_all_its_names():
+    # named_children() lists a module held twice once: a swap through it left q.dec the float GRU
+    torch.manual_seed(0)
+    net = _Tied().eval()
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(T, 3, INPUT, generator=g) for _ in range(3)]
+    p = qgru.prepare_model(net, calib_config("w8a8"))
+    assert type(p.enc) is QuantGRU and p.dec is p.enc and type(p.a[0]) is QuantGRU and p.b[0] is p.a[0]
+    assert not any(isinstance(m, nn.GRU) and not isinstance(m, QuantGRU) for m in p.modules())
+    qgru.calibrate(p, batches, progress=False)
+    # calibration saw every use: the tied GRU's x observer took enc's input and dec's (enc's output)
+    assert p.enc._observers[(0, 0)]["x"].count == 3 * 2 * T * 3 * INPUT
+    assert p.a[0]._observers[(0, 0)]["x"].count == 3 * 2 * T * 3 * INPUT
+    q = qgru.quantize_model(net, batches, calib_config("w8a8"), progress=False)
+    assert q.enc.is_converted and q.dec is q.enc and q.a[0].is_converted and q.b[0] is q.a[0]
+    assert len({id(m) for m in q.modules() if isinstance(m, QuantGRU)}) == 2
+    with torch.no_grad():
+        ref, got = net(batches[0]), q(batches[0])
+    assert rel_err(got, ref) < 0.1
+    # the original keeps its float GRUs, tied as they were
+    assert type(net.enc) is nn.GRU and net.dec is net.enc and net.b[0] is net.a[0]
+
+
 def test_quantize_model_on_a_bare_gru():
     gru = make_gru(1, True, False, True)
     before = _state(gru)
