@@ -139,6 +139,21 @@ def _integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch
     return out, h_n
 
 
+# Dynamo's frame hook, or None: not None while a torch.compile'd caller runs this module as Python.
+# Dynamo refuses to trace GRU modules (nn.RNNBase) unless torch._dynamo.config.allow_rnn is set,
+# and then compiles each function that the module's Python calls on its own: dozens of small graphs
+# and guards per call (measured 12.4 ms against 0.26 ms eager, a 2-layer bidirectional model).
+# Eager is what such a call should run. A builtin (no Python frame of its own for Dynamo to take);
+# where torch has none, never.
+_eval_frame_callback = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None),
+                               "get_eval_frame_callback", None) or (lambda: None)
+
+
+@torch.compiler.disable  # the module's forward as eager code, with no frame of it handed to Dynamo
+def _forward_eager(module, input, hx):
+    return module._forward(input, hx)
+
+
 @torch.compiler.disable  # eager code (also when a torch.compile'd model calls it): nothing to trace
 def integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor,
                     lengths: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -553,6 +568,8 @@ class QuantGRU(nn.GRU):
 
     def forward(self, input, hx=None):  # noqa: F811
         if not torch.jit.is_scripting():
+            if not torch.compiler.is_compiling() and _eval_frame_callback() is not None:
+                return _forward_eager(self, input, hx)
             return self._forward(input, hx)
         # TorchScript (a float QuantGRU only: torch.jit.script refuses converted ones, see
         # __prepare_scriptable__): nn.GRU.forward's own code, which TorchScript cannot reach through
