@@ -44,8 +44,10 @@ _SOURCES = {
     "cpu": ["cpu/qgru_cpu.cpp", "cpu/isa.cpp"] + [f"cpu/kernel_{p}.cpp" for p in _CPU_PATHS],
     "cuda": ["qgru_cuda.cpp", "qgru_cuda_kernels.cu"],
 }
+# every header the sources include: the build's cache key hashes them, so an edit to any of them
+# rebuilds (tests/test_native.py checks that this list and _SOURCES cover every file in csrc/)
 _HEADERS = ["qgru_fixedpoint.h", "qgru_cell.h", "qgru_layer.h", "qgru_cuda.h", "qgru_cuda_launch.h", "cpu/kernels.h",
-            "cpu/cell_loops.h", "cpu/isa.h", "cpu/quantize_block.h"]
+            "cpu/cell_loops.h", "cpu/isa.h", "cpu/quantize_block.h", "cpu/lanes_avx2.h", "cpu/lanes_avx512.h"]
 GEMM_PAD = 16  # channel and reduction padding: int8 tensor-core GEMMs want multiples of 16
 # the CUDA backend's smallest GEMM dimension (csrc/qgru_cuda.h kMinGemmDim: cuBLAS is never asked
 # for 16 or fewer channels, rows or K, shapes PyTorch's own int8 GEMM refuses)

@@ -1270,6 +1270,16 @@ def test_stale_binary_is_refused(cpu_backend, monkeypatch):
     assert "python -m qgru build" in msg and "0.0.0" in msg and str(path) in msg
 
 
+def test_build_key_covers_every_csrc_file():
+    """The build's cache key hashes _SOURCES and _HEADERS: a file in csrc/ missing from both would
+    be compiled (included) but not hashed, and an edit to it would load the stale binary. (A new
+    lanes header once did exactly that.)"""
+    root = native.csrc_dir()
+    on_disk = {str(f.relative_to(root)) for f in root.rglob("*") if f.suffix in (".h", ".cpp", ".cu")}
+    listed = set(native._HEADERS) | {f for files in native._SOURCES.values() for f in files}
+    assert on_disk == listed, (sorted(on_disk - listed), sorted(listed - on_disk))
+
+
 def test_load_skips_stale_binary_in_build_dir(cpu_backend, monkeypatch, tmp_path, capsys):
     """load(): a binary for another torch in the build folder is not used; without building
     allowed the backend is then unavailable, with the rebuild command as the reason."""

@@ -27,6 +27,10 @@
 #else
 #define QGRU_BUILD_AVX2 0
 #endif
+#if QGRU_BUILD_AVX2
+#include "lanes_avx2.h"  // the int32 cell in explicit 8-lane vectors
+#define QGRU_CELL_LANES I32x8
+#endif
 #include "cell_loops.h"
 #include "quantize_block.h"
 

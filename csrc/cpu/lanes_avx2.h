@@ -1,0 +1,86 @@
+// I32x8: eight int32 lanes in one AVX2 register, the lane type (V) that the avx2 path
+// (kernel_avx2.cpp) runs the fused step's int32 cell with: lanes_avx512.h's I32x16 with half the
+// lanes, for the same reason (mul_hi32 as two vpmuldq and a blend). AVX2 has no 64-bit arithmetic
+// shift, so wide_mul_shift32 forms it from the logical one (below). Include from kernel_avx2.cpp
+// only, after its target pragma.
+//
+// Each function is the scalar primitive of qgru_cell.h of the same name, lane by lane, on the
+// same integers: the path's tests compare it with the golden model bit for bit.
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "qgru_cell.h"
+
+namespace qgru {
+QGRU_ISA_BEGIN
+
+struct I32x8 {
+  static constexpr int kLanes = 8;
+  __m256i v;
+  I32x8() = default;
+  I32x8(__m256i x) : v(x) {}                     // NOLINT: implicit, the register itself
+  I32x8(int32_t x) : v(_mm256_set1_epi32(x)) {}  // NOLINT: implicit, a scalar in every lane
+  static I32x8 load(const int32_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  void store(int32_t* p) const { _mm256_storeu_si256((__m256i*)p, v); }
+};
+
+inline I32x8 operator+(I32x8 a, I32x8 b) { return _mm256_add_epi32(a.v, b.v); }
+inline I32x8 operator-(I32x8 a, I32x8 b) { return _mm256_sub_epi32(a.v, b.v); }
+inline I32x8 operator*(I32x8 a, I32x8 b) { return _mm256_mullo_epi32(a.v, b.v); }  // low 32 bits
+inline I32x8 operator&(I32x8 a, I32x8 b) { return _mm256_and_si256(a.v, b.v); }
+inline I32x8 operator>>(I32x8 a, I32x8 k) { return _mm256_srav_epi32(a.v, k.v); }  // arithmetic
+inline I32x8 operator>>(I32x8 a, int32_t k) { return _mm256_sra_epi32(a.v, _mm_cvtsi32_si128(k)); }
+
+inline I32x8 clamp32(I32x8 v, I32x8 lo, I32x8 hi) {
+  return _mm256_min_epi32(_mm256_max_epi32(v.v, lo.v), hi.v);  // lo <= hi (the layer's checks)
+}
+inline I32x8 shl32(I32x8 v, I32x8 k) { return _mm256_sllv_epi32(v.v, k.v); }
+inline I32x8 shl32(I32x8 v, int32_t k) { return _mm256_sll_epi32(v.v, _mm_cvtsi32_si128(k)); }
+
+// floor(a b / 2^32) per lane (lanes_avx512.h's mul_hi32, 8 lanes).
+inline I32x8 mul_hi32(I32x8 a, I32x8 b) {
+  const __m256i even = _mm256_mul_epi32(a.v, b.v);
+  const __m256i odd = _mm256_mul_epi32(_mm256_srli_epi64(a.v, 32), _mm256_srli_epi64(b.v, 32));
+  return _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
+namespace lanes_detail {
+// (int32)(floor(y m / 2^16) >> sh) for the even lanes, in 64-bit lanes. The two shifts by 16 may
+// be logical: vpmuldq reads only the low 32 bits of y >> 16 (|y >> 16| < 2^17: the same bits
+// either way), and (y & 0xFFFF) m >= 0 (m >= 0). The shift by sh (up to 45) is arithmetic, formed
+// as s ^ ((v ^ s) >> sh) with s the sign mask and >> logical.
+inline __m256i wide_mul_shift_even(__m256i a, __m256i d, __m256i m, __m256i sh) {
+  const __m256i y = _mm256_mul_epi32(a, d);
+  const __m256i hi = _mm256_mul_epi32(_mm256_srli_epi64(y, 16), m);
+  const __m256i lo = _mm256_srli_epi64(_mm256_mul_epi32(_mm256_and_si256(y, _mm256_set1_epi64x(0xFFFF)), m), 16);
+  const __m256i v = _mm256_add_epi64(hi, lo);
+  const __m256i sign = _mm256_cmpgt_epi64(_mm256_setzero_si256(), v);
+  const __m256i count = _mm256_and_si256(sh, _mm256_set1_epi64x(0xFFFFFFFF));
+  return _mm256_xor_si256(sign, _mm256_srlv_epi64(_mm256_xor_si256(v, sign), count));
+}
+}  // namespace lanes_detail
+
+inline I32x8 wide_mul_shift32(I32x8 a, I32x8 d, I32x8 m, I32x8 sh) {
+  const __m256i even = lanes_detail::wide_mul_shift_even(a.v, d.v, m.v, sh.v);
+  const __m256i odd = lanes_detail::wide_mul_shift_even(_mm256_srli_epi64(a.v, 32), _mm256_srli_epi64(d.v, 32),
+                                                        _mm256_srli_epi64(m.v, 32), _mm256_srli_epi64(sh.v, 32));
+  return _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+}
+
+// table_entry per lane: two 4-lane 64-bit gathers; each one's low halves (T[i]) and high halves
+// (T[i+1] - T[i]) gathered into its two 128-bit halves, then the halves paired up.
+inline void table_entry(const int64_t* packed, I32x8 i, I32x8& lo, I32x8& diff) {
+  const __m256i e0 = _mm256_i32gather_epi64((const long long*)packed, _mm256_castsi256_si128(i.v), 8);
+  const __m256i e1 = _mm256_i32gather_epi64((const long long*)packed, _mm256_extracti128_si256(i.v, 1), 8);
+  const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i p0 = _mm256_permutevar8x32_epi32(e0, split), p1 = _mm256_permutevar8x32_epi32(e1, split);
+  lo = _mm256_permute2x128_si256(p0, p1, 0x20);
+  diff = _mm256_permute2x128_si256(p0, p1, 0x31);
+}
+
+inline void lanes_store(int32_t* p, I32x8 v) { v.store(p); }
+
+QGRU_ISA_END
+}  // namespace qgru
