@@ -6,11 +6,12 @@ from .config import QuantConfig, TensorSpec
 from .export import ParamsFileError, QuantParams, load_params
 from .module import CalibrationWarning, QGRUDtypeError, QGRUInputError, QuantGRU
 from . import ops as _ops  # registers torch.ops.qgru.integer_gru (torch.compile / torch.export)
-from .observers import NonFiniteCalibrationError
+from .observers import NonFiniteCalibrationError, NonFiniteWeightError
 from .qat import convert_qat, prepare_qat
 
 __version__ = "0.1.0"
 __all__ = ["QuantGRU", "QuantConfig", "TensorSpec", "QuantParams", "calibrate", "quantize_model", "prepare_model",
            "prepare_qat", "convert_qat",
            "load_params", "backends", "backend", "compare", "CompareReport", "NonFiniteCalibrationError",
-           "CalibrationWarning", "ParamsFileError", "QGRUInputError", "QGRUDtypeError", "__version__"]
+           "NonFiniteWeightError", "CalibrationWarning", "ParamsFileError", "QGRUInputError", "QGRUDtypeError",
+           "__version__"]

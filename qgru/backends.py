@@ -136,10 +136,17 @@ _warn_lock = threading.Lock()
 
 def backends() -> Dict[str, Dict[str, object]]:
     """Every known backend: {"name": {"available": bool, "why": reason when unavailable}}; the
-    available cpu backend also says which GEMMs it runs ("detail")."""
+    available cpu backend also says which GEMMs it runs ("detail"). The cpu backend is reported
+    unavailable while QGRU_CPU_ISA names a path that is unknown or that this CPU cannot run, with
+    the ValueError every CPU forward call raises then as the reason."""
     out = {}
     for n, b in _REGISTRY.items():
         why = b.why_unavailable
+        if n == "cpu" and not why:
+            try:
+                native.resolve_cpu_isa()
+            except ValueError as e:
+                why = str(e)
         out[n] = {"available": not why, "why": why}
         if n == "cpu" and not why:
             out[n]["detail"] = native.cpu_gemm_detail()

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from .config import QuantConfig
 from .module import QGRUDtypeError, QGRUInputError, QuantGRU
-from .observers import NonFiniteCalibrationError
+from .observers import NonFiniteCalibrationError, NonFiniteWeightError
 
 
 def _quant_grus(model: nn.Module) -> List[QuantGRU]:
@@ -38,6 +38,15 @@ def calibrate(model: nn.Module, batches: Iterable, progress: bool = True) -> nn.
 
 def _calibrate(model: nn.Module, grus: List[QuantGRU], batches: Iterable, progress: bool) -> nn.Module:
     """calibrate() of the QuantGRUs ``grus`` of ``model`` (others in it, converted, run integer)."""
+    # a NaN or Inf weight is the model's fault: said here, before it shows up as a non-finite W.x
+    # that the batch loop below would blame on the calibration batch
+    where = {id(m): n for n, m in model.named_modules()}
+    for g in grus:
+        for name, p in g.named_parameters(recurse=False):
+            if not bool(torch.isfinite(p).all()):
+                raise NonFiniteWeightError(
+                    f"the model's parameter {name!r} contains NaN or Inf (module {where.get(id(g)) or 'the model'!r}): "
+                    f"its GRU weights are broken, not the calibration data; fix or reload the model's weights")
     modes = {m: m.training for m in model.modules()}  # restored one by one, submodules included
     seen = 0
     try:

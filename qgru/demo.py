@@ -529,19 +529,80 @@ def load_user_inputs(model_path: str, data_path: str):
     before it is loaded. Use model files you trust."""
     try:
         data = torch.load(data_path, weights_only=True)
+    except OSError as e:
+        raise SystemExit(f"--data {data_path}: cannot read it ({e.strerror or e})")
     except pickle.UnpicklingError as e:
         raise SystemExit(f"--data {data_path}: refused: it holds more than tensors and plain containers (lists, "
-                         f"dicts, numbers) and is loaded with weights_only=True ({str(e).strip().splitlines()[0]})")
+                         f"dicts, numbers) and is loaded with weights_only=True ({_first_line(e)})")
+    except (EOFError, RuntimeError, KeyError, ValueError) as e:
+        raise SystemExit(f"--data {data_path}: not a file written by torch.save ({type(e).__name__}: {_first_line(e)})")
     if not isinstance(data, dict):
-        raise TypeError(f"--data {data_path}: expected a dict with keys calib, test, targets, got {type(data).__name__}")
+        raise SystemExit(f"--data {data_path}: expected a dict with keys calib, test, targets, "
+                         f"got {type(data).__name__}")
     missing = {"calib", "test"} - set(data)
     if missing:
-        raise KeyError(f"--data {data_path}: missing {sorted(missing)} (keys: calib, test, targets)")
+        raise SystemExit(f"--data {data_path}: missing {sorted(missing)} (keys: calib, test, targets)")
     print(f"qgru demo: warning: {MODEL_FILE_WARNING.format(path=model_path)}", file=sys.stderr, flush=True)
-    model = torch.load(model_path, weights_only=False)
+    try:
+        model = torch.load(model_path, weights_only=False)
+    except OSError as e:
+        raise SystemExit(f"--model {model_path}: cannot read it ({e.strerror or e})")
+    except (AttributeError, ImportError) as e:
+        if not isinstance(e, ImportError) and "Can't get attribute" not in str(e):
+            raise
+        # pickle records a class by module and name; a class defined in the script that saved the
+        # model is recorded as __main__.Name, which is not that script once qgru runs
+        raise SystemExit(f"--model {model_path}: the model's class cannot be imported ({_first_line(e)}): "
+                         f"it must be defined in a module on PYTHONPATH and imported by the script that saves "
+                         f"the model, not defined in that script (whose classes are saved as __main__.Name)")
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as e:
+        raise SystemExit(f"--model {model_path}: not a model written by torch.save(model) "
+                         f"({type(e).__name__}: {_first_line(e)})")
     if not isinstance(model, nn.Module):
-        raise TypeError(f"--model {model_path}: expected a saved torch.nn.Module, got {type(model).__name__}")
+        raise SystemExit(f"--model {model_path}: expected a saved torch.nn.Module, got {type(model).__name__}")
     return model, data["calib"], data["test"], data.get("targets")
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def check_arguments(args) -> Tuple[List[str], List[str]]:
+    """The demo's arguments, checked before anything is loaded or run: -> (configs, scale modes).
+    A bad one stops it with a one-line message naming it (SystemExit, exit status 1), as a bad
+    --data file does, instead of a traceback minutes later."""
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    modes = [m.strip() for m in args.scale_modes.split(",") if m.strip()]
+    if not configs:
+        raise SystemExit(f"--configs {args.configs!r}: no config given (e.g. {','.join(DEFAULT_CONFIGS)})")
+    if not modes:
+        raise SystemExit(f"--scale-modes {args.scale_modes!r}: no scale mode given "
+                         f"(e.g. {','.join(DEFAULT_SCALE_MODES)})")
+    for m in modes:
+        try:
+            QuantConfig.load(DEFAULT_CONFIGS[0], overrides={"scale_mode": m})
+        except (ValueError, TypeError) as e:
+            raise SystemExit(f"--scale-modes {m}: {_first_line(e)}")
+    for c in configs:
+        try:
+            QuantConfig.load(c)
+        except (ValueError, TypeError, OSError) as e:
+            raise SystemExit(f"--configs {c}: {_first_line(e)}")
+        for m in modes:
+            try:
+                QuantConfig.load(c, overrides={"scale_mode": m})
+            except (ValueError, TypeError) as e:
+                raise SystemExit(f"--scale-modes {m}" + (f" (with --configs {c})" if len(configs) > 1 else "")
+                                 + f": {_first_line(e)}")
+    if args.threads < 0:
+        raise SystemExit(f"--threads {args.threads}: must be a number of threads >= 1 (or 0: keep torch's)")
+    if bool(args.model) != bool(args.data):
+        raise SystemExit("--model and --data go together")
+    for opt, path in (("--model", args.model), ("--data", args.data)):
+        if path and not Path(path).is_file():
+            raise SystemExit(f"{opt} {path}: " + ("a folder, not a file" if Path(path).is_dir() else "no such file"))
+    return configs, modes
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -572,21 +633,18 @@ def main(args) -> int:
 def run_cli(args) -> Result:
     """What ``python -m qgru demo`` does: prints the table, writes the files, returns the Result."""
     t_start = time.perf_counter()
+    configs, modes = check_arguments(args)
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        return _run_cli(args, t_start)
+        return _run_cli(args, t_start, configs, modes)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_cli(args, t_start: float) -> Result:
+def _run_cli(args, t_start: float, configs: List[str], modes: List[str]) -> Result:
     out = Path(args.out)
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    modes = [m.strip() for m in args.scale_modes.split(",") if m.strip()]
-    if bool(args.model) != bool(args.data):
-        raise SystemExit("--model and --data go together")
     if args.model:
         model, calib, test, targets = load_user_inputs(args.model, args.data)
         print(f"qgru demo: your model ({args.model}), {len(calib)} calibration and {len(test)} test batches")

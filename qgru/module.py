@@ -503,10 +503,12 @@ class QuantGRU(nn.GRU):
             scale, zp = activation_qparams(lo, hi, spec, self.hidden_size, self.qconfig.power_of_two)
             qmin, qmax = -(1 << (spec.bits - 1)), (1 << (spec.bits - 1)) - 1
             lo_f, hi_f = float(((qmin - zp) * scale).min()), float(((qmax - zp) * scale).max())
+            lo_v, hi_v = float(lo.min()), float(hi.max())
             warnings.warn(f"qgru convert(): layer {layer}{' reverse' if d else ''} {n}: the calibrated range "
-                          f"[{float(lo.min()):.3g}, {float(hi.max()):.3g}] is degenerate (every calibration value "
-                          f"was {float(hi.max()):.3g}); its grid spans only [{lo_f:.3g}, {hi_f:.3g}], and values "
-                          "outside it saturate at inference. Calibrate with representative data.",
+                          f"[{lo_v:.3g}, {hi_v:.3g}] is degenerate: with 0 included it spans less than {MIN_RANGE:g}"
+                          + (f" (every calibration value was {hi_v:.3g})" if lo_v == hi_v else "")
+                          + f"; its grid spans only [{lo_f:.3g}, {hi_f:.3g}], and values outside it saturate at "
+                          "inference. Calibrate with representative data.",
                           CalibrationWarning, stacklevel=3)
 
     def _calibration_record(self, layer: int, d: int, obs: Dict[str, Observer], ranges) -> Dict[str, torch.Tensor]:

@@ -62,6 +62,11 @@ class NonFiniteCalibrationError(ValueError):
     """A calibration tensor held NaN or Inf."""
 
 
+class NonFiniteWeightError(ValueError):
+    """A GRU's weight or bias held NaN or Inf while it was calibrated: the model is broken, not the
+    calibration data (so it is not a NonFiniteCalibrationError, which calibrate() blames on a batch)."""
+
+
 HIST_HALF_BINS = 256  # histogram bins on each side of 0, per channel of a per-channel observer
 # A per-tensor observer (x, h, the gate pre-activations) holds one histogram, so it can afford 8x
 # finer bins: the mse search (qgru.convert) places an 8-bit grid's ends and judges its rounding from

@@ -600,12 +600,26 @@ class TestNonFinite:
         qgru.calibrate(m, [(pack_padded_sequence(x, torch.tensor([4, 2])),)], progress=False)
         assert torch.isfinite(m._observers[(0, 0)]["x"].max)
 
-    def test_nonfinite_weights_name_the_batch(self):
-        m = qgru.QuantGRU(I, H)
+    @pytest.mark.parametrize("param, bad", [("bias_hh_l0", float("inf")), ("weight_ih_l0", float("nan")),
+                                            ("weight_hh_l1_reverse", float("-inf")), ("bias_ih_l1", float("nan"))])
+    def test_nonfinite_weights_name_the_parameter_not_a_batch(self, param, bad):
+        """A NaN/Inf in the model's weights is the model's fault: the error names the parameter and
+        blames no calibration batch (it used to read "calibration batch 0: non-finite value (NaN
+        or Inf) in tensor 'layer 0 Wx'"), and it is not a NonFiniteCalibrationError."""
+        m = qgru.QuantGRU(I, H, num_layers=2, bidirectional=True)
         with torch.no_grad():
-            m.bias_hh_l0[0] = float("inf")
-        with pytest.raises(qgru.NonFiniteCalibrationError, match=r"batch 0\b"):
+            getattr(m, param)[0] = bad
+        with pytest.raises(qgru.NonFiniteWeightError, match=rf"parameter '{param}' contains NaN or Inf") as ei:
             qgru.calibrate(m, make_batches(n=2), progress=False)
+        assert "batch" not in str(ei.value) and "not the calibration data" in str(ei.value)
+        assert not isinstance(ei.value, qgru.NonFiniteCalibrationError) and isinstance(ei.value, ValueError)
+        assert "calibrating" not in repr(m)
+        # quantize_model on a model holding such an nn.GRU says the same
+        gru = torch.nn.GRU(I, H)
+        with torch.no_grad():
+            gru.weight_hh_l0[1, 2] = bad
+        with pytest.raises(qgru.NonFiniteWeightError, match=r"parameter 'weight_hh_l0'"):
+            qgru.quantize_model(torch.nn.Sequential(gru), make_batches(n=2), progress=False)
 
 
 # =============================================================================================

@@ -9,6 +9,7 @@ import io
 import math
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,6 +166,70 @@ def test_cli_on_a_user_model(tmp_path, capsys):
     assert "accuracy" not in text.split("| model")[1].splitlines()[0]  # no targets: no accuracy column
     params = qgru.load_params(tmp_path / "out" / "w8a16-multiplier.qgru")
     assert params.meta["num_layers"] == 2 and params.meta["batch_first"]
+
+
+def _user_files(tmp_path, model=None):
+    torch.save(model if model is not None else torch.nn.GRU(4, 8), tmp_path / "model.pt")
+    torch.save({"calib": [torch.randn(3, 6, 4)], "test": [torch.randn(2, 5, 4)]}, tmp_path / "data.pt")
+    return str(tmp_path / "model.pt"), str(tmp_path / "data.pt")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--configs", "w9a9"], r"^--configs w9a9: unknown config 'w9a9'"),
+    (["--configs", "w8a8,w9a9"], r"^--configs w9a9: unknown config"),
+    (["--scale-modes", "foo"], r"^--scale-modes foo: .*scale_mode must be one of"),
+    (["--threads", "-1"], r"^--threads -1: must be a number of threads >= 1"),
+    (["--model", "MISSING", "--data", "DATA"], r"^--model \S*missing.pt: no such file$"),
+    (["--model", "MODEL", "--data", "MISSING"], r"^--data \S*missing.pt: no such file$"),
+])
+def test_cli_user_errors_are_one_line(argv, message, tmp_path, capsys):
+    """A bad argument or file stops the demo up front with one line naming it (as a bad --data file
+    does), not a traceback; nothing is loaded or run and torch's thread count is left alone."""
+    model, data = _user_files(tmp_path)
+    subst = {"MODEL": model, "DATA": data, "MISSING": str(tmp_path / "missing.pt")}
+    threads = torch.get_num_threads()
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["demo", "--out", str(tmp_path / "out"), "--no-progress"] + [subst.get(a, a) for a in argv])
+    err = exc.value.code
+    assert isinstance(err, str) and len(err.splitlines()) == 1 and re.search(message, err), err
+    assert torch.get_num_threads() == threads
+    assert not (tmp_path / "out").exists()
+    assert capsys.readouterr().err == ""  # not even the --model warning: nothing was unpickled
+
+
+def test_cli_model_class_defined_in_main_says_it_must_be_importable(tmp_path, monkeypatch):
+    """A model whose class was defined in the script that saved it (pickled as __main__.M) cannot be
+    unpickled by `python -m qgru`: one line says the class must be importable, not a raw
+    "AttributeError: Can't get attribute 'M' on <module ...>"."""
+    main_module = sys.modules["__main__"]
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gru = torch.nn.GRU(4, 8)
+
+    M.__module__, M.__qualname__ = "__main__", "M"
+    monkeypatch.setattr(main_module, "M", M, raising=False)
+    model, data = _user_files(tmp_path, M())
+    monkeypatch.delattr(main_module, "M")  # as in another process: __main__ has no M
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["demo", "--model", model, "--data", data, "--out", str(tmp_path / "out"), "--no-progress"])
+    err = exc.value.code
+    assert isinstance(err, str) and len(err.splitlines()) == 1, err
+    assert err.startswith(f"--model {model}: the model's class cannot be imported") and "Can't get attribute 'M'" in err
+    assert "module on PYTHONPATH" in err and "not defined in that script" in err
+
+
+def test_cli_error_has_no_traceback(tmp_path):
+    """The real command line: the one-line message on stderr, exit status 1, no traceback."""
+    import os
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(Path(qgru.__file__).parent.parent),
+                                                                  os.environ.get("PYTHONPATH")) if p))
+    r = subprocess.run([sys.executable, "-m", "qgru", "demo", "--configs", "w9a9", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith("--configs w9a9: unknown config") and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_run_api_with_targets():

@@ -743,6 +743,18 @@ class TestCalibrationErrors:
         x = torch.randn(5, 2, I)
         assert torch.equal(m(x)[0], m(x * 1e6)[0])
 
+    def test_tiny_range_warning_says_what_is_degenerate(self):
+        # x in [-1e-12, 3e-11]: two different ends, both tiny; the warning must not claim every
+        # value was the same (it did), and says what the range falls short of
+        m = qgru.QuantGRU(I, H)
+        x = torch.full((5, 2, I), 3e-11)
+        x[0, 0, 0] = -1e-12
+        qgru.calibrate(m, [x], progress=False)
+        with pytest.warns(qgru.CalibrationWarning, match=r"layer 0 x: .* is degenerate: with 0 included it spans "
+                                                         r"less than 1e-08;") as rec:
+            m.convert()
+        assert not any("every calibration value" in str(w.message) for w in rec if "layer 0 x:" in str(w.message))
+
     def test_representative_calibration_does_not_warn(self):
         import warnings
         m = qgru.QuantGRU(I, H, num_layers=2, bidirectional=True)

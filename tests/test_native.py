@@ -539,6 +539,32 @@ def test_cpu_path_follows_isa_switch(cpu_backend, monkeypatch):
     assert "forced by QGRU_CPU_ISA" in qgru.backends()["cpu"]["detail"]
 
 
+@pytest.mark.parametrize("request_", ["bogus", "unusable"])
+def test_backends_report_cpu_unavailable_for_a_bad_isa_request(cpu_backend, monkeypatch, request_):
+    """QGRU_CPU_ISA naming an unknown path, or a path this CPU cannot run: every CPU forward call
+    raises a ValueError, so qgru.backends() reports cpu unavailable with that very message (it used
+    to say available: True); with the variable unset or valid it is available again."""
+    monkeypatch.delenv("QGRU_CPU_ISA", raising=False)
+    assert qgru.backends()["cpu"]["available"] is True
+    if request_ == "unusable":  # a path this CPU cannot run: the real table, one usable path marked not
+        real = native.cpu_paths()
+        path = next(i["name"] for i in real if i["usable"] and i["name"] != "portable") \
+            if any(i["usable"] and i["name"] != "portable" for i in real) else "portable"
+        monkeypatch.setattr(native, "cpu_paths", lambda: [
+            dict(i, usable=False, why="the CPU lacks it (test)") if i["name"] == path else i for i in real])
+        request_ = path
+    monkeypatch.setenv("QGRU_CPU_ISA", request_)
+    rep = qgru.backends()["cpu"]
+    assert rep["available"] is False and "detail" not in rep, rep
+    m = _converted(_cfg("w8a8"), 4, 6)
+    with pytest.raises(ValueError) as ei:
+        m(torch.randn(3, 2, 4))
+    assert rep["why"] == str(ei.value) and "QGRU_CPU_ISA" in rep["why"] and repr(request_) in rep["why"]
+    assert ("unknown path" if request_ == "bogus" else "cannot run here: the CPU lacks it (test)") in rep["why"]
+    monkeypatch.setenv("QGRU_CPU_ISA", "auto")
+    assert qgru.backends()["cpu"]["available"] is True
+
+
 def test_cpu_paths_match_the_cpu_flags(cpu_backend):
     """The run-time detection agrees with what Linux reports for this CPU (/proc/cpuinfo flags):
     avx2 is usable exactly when the CPU has avx2 and fma, avx512vnni when it has avx512_vnni."""

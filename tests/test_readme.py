@@ -1,4 +1,6 @@
 """The README's Python examples run as written (docs that match the code)."""
+import contextlib
+import io
 import re
 from pathlib import Path
 
@@ -11,6 +13,11 @@ def _python_blocks():
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
+def _compare_rows(text):
+    """(layer, dir, tensor, bits) of each row of a qgru.compare table."""
+    return re.findall(r"^ +(\d+|-) +(\w+|-) +(\w+) +(\d+) ", text, flags=re.M)
+
+
 def test_readme_examples_run(tmp_path, monkeypatch):
     blocks = _python_blocks()
     assert len(blocks) >= 2
@@ -19,8 +26,17 @@ def test_readme_examples_run(tmp_path, monkeypatch):
     # the README's user model: anything that contains an nn.GRU
     my_model = torch.nn.Sequential(torch.nn.GRU(256, 512, batch_first=True))
     namespace = {"my_model": my_model}
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)
+    printed = {}
+    for i, block in enumerate(blocks):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            exec(compile(block, str(README), "exec"), namespace)
+        printed[i] = buf.getvalue()
+    # the qgru.compare example: its table in the README has the rows (tensors, bits) it prints now
+    i = next(i for i, b in enumerate(blocks) if "qgru.compare(" in b)
+    shown = re.search(r"```text\n(qgru\.compare:.*?)```", README.read_text(), flags=re.S)
+    assert shown, "the README shows no qgru.compare output"
+    assert _compare_rows(shown.group(1)) == _compare_rows(printed[i]) != []
     m, m2 = namespace["m"], namespace["m2"]
     x = torch.randn(2, 5, 256)
     assert torch.equal(m(x)[0], m2(x)[0])
