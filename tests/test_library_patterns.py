@@ -677,6 +677,17 @@ def test_torch_compile_is_bit_identical_to_eager(converted_net, backend):
             assert _same(compiled(x), q(x)), shape
 
 
+def _recording_backend():
+    """A torch.compile backend that keeps every graph Dynamo hands it and runs it as is."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return graphs, backend
+
+
 def test_torch_compile_without_allow_rnn_runs_the_module_eager(converted_net, monkeypatch):
     """Without allow_rnn Dynamo refuses GRU modules and runs them as Python; QuantGRU then runs its
     forward eager under torch.compiler.disable. Before, Dynamo compiled each function that forward
@@ -684,12 +695,7 @@ def test_torch_compile_without_allow_rnn_runs_the_module_eager(converted_net, mo
     _, q = converted_net
     monkeypatch.setattr(torch._dynamo.config, "allow_rnn", False)
     torch._dynamo.reset()
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    graphs, backend = _recording_backend()
     compiled = torch.compile(q, backend=backend)
     with torch.no_grad():
         for shape in ((5, 7, 3), (2, 4, 3)):
@@ -702,17 +708,13 @@ def test_torch_compile_without_allow_rnn_runs_the_module_eager(converted_net, mo
 
 
 def test_torch_compile_fullgraph_puts_the_custom_op_in_the_graph(converted_net, monkeypatch):
-    """torch.compile does not trace into GRU modules by default (it runs them as Python and compiles
-    what they call: here the custom op); with allow_rnn it traces the QuantGRU whole, one graph."""
+    """torch.compile does not trace into GRU modules by default (it runs them as Python, and a
+    converted QuantGRU runs eager: the test above); with allow_rnn it traces the QuantGRU whole,
+    one graph around the custom op."""
     _, q = converted_net
     monkeypatch.setattr(torch._dynamo.config, "allow_rnn", True)
     torch._dynamo.reset()
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    graphs, backend = _recording_backend()
     compiled = torch.compile(q, backend=backend, fullgraph=True)
     x = torch.randn(3, 5, 3)
     with torch.no_grad():
