@@ -125,11 +125,12 @@ struct AccRequant32 {
 QGRU_ISA_BEGIN
 
 // The int32 cell's functions are templates over V, the type that holds one value per int32 lane:
-// int32_t (CUDA, and the CPU paths whose loops the compiler vectorises) or an explicit SIMD vector
-// (csrc/cpu/lanes_avx512.h). A vector type brings the operators + - * & >> and its own forms of
-// the few primitives below that are not plain operators (clamp32, mul_hi32, shl32, lanes_load,
-// table_entry, wide_mul_shift32), each the same integers lane by lane; everything built from them
-// is written once, here.
+// int32_t (CUDA, and the CPU loops the compiler vectorises) or an explicit SIMD vector
+// (csrc/cpu/lanes_avx512.h, lanes_avx2.h: the fused step's cell on those paths). A vector type
+// brings the operators + - * & >> and its own forms of the few primitives below that are not
+// plain operators (clamp32, mul_hi32, shl32, lanes_load / lanes_store, table_entry,
+// wide_mul_shift32), each the same integers lane by lane; everything built from them is written
+// once, here.
 QGRU_HD int32_t clamp32(int32_t v, int32_t lo, int32_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
 // The V at p (one lane: *p; a vector: its lanes' consecutive values).
@@ -316,17 +317,17 @@ QGRU_HD V sigmoid_gate32(const Cell32& p, Channel32 ch, int gate, V acc_rh, V d_
   return lookup32<V>(p.table[gate], pre);
 }
 
-// The rescale of a product a d that may pass int32 (a a gate's output, 0 <= a < 2^16, and
-// |d| < 2^17), without forming it in int32: pow2, sh = R >= 8 and the split a = 256 a1 + a0;
-// multiplier, sh = s - 17 and floor(y m / 2^16) from two 32 x 32 -> 64 products (the int32 cell's
-// bounds above). Used for r * Rh_g and for z * h (a 16-bit state makes z * h up to 2^32).
-// The multiplier form's floor(a d m / 2^(16 + sh)), in int64 (|a d| < 2^33).
+// The multiplier form's floor(a d m / 2^(16 + sh)) (rescale_wide32), in int64 (|a d| < 2^33).
 QGRU_HD int32_t wide_mul_shift32(int32_t a, int32_t d, int32_t m, int32_t sh) {
   const int64_t y = (int64_t)a * d;
   const int64_t y_m_16 = mul32(y >> 16, m) + (mul32(y & 0xFFFF, m) >> 16);  // floor(y m / 2^16)
   return (int32_t)(y_m_16 >> sh);
 }
 
+// The rescale of a product a d that may pass int32 (a a gate's output, 0 <= a < 2^16, and
+// |d| < 2^17), without forming it in int32: pow2, sh = R >= 8 and the split a = 256 a1 + a0;
+// multiplier, sh = s - 17 and floor(y m / 2^16) from two 32 x 32 -> 64 products (the int32 cell's
+// bounds above). Used for r * Rh_g and for z * h (a 16-bit state makes z * h up to 2^32).
 template <bool POW2, typename V = int32_t>
 QGRU_HD V rescale_wide32(V a, V d, V m, V sh) {
   if (POW2) {

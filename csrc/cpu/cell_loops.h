@@ -149,9 +149,27 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
       return XACC ? requant32_at<POW2, decltype(v)>(ch, kWxRequant, q, v, c32.wx_lo, c32.wx_hi) : v;
     };
     alignas(64) int32_t d_r[kTileRows * W], d_z[kTileRows * W];  // row r's at [r * W]
+    // channels c .. c + lanes of V (int32_t: one) of a row: r and z, then g and the new state
+    const auto rz = [&](auto lanes, int64_t rx, int64_t rh, int64_t c) {
+      using V = decltype(lanes);
+      const Channel32 ch{fields + c};
+      lanes_store(d_r + rh + c, sigmoid_gate32<POW2, V>(c32, ch, 0, lanes_load<V>(acc_h + rh + c),
+                                                        d_wx(ch, 0, lanes_load<V>(x + rx + c))));
+      lanes_store(d_z + rh + c, sigmoid_gate32<POW2, V>(c32, ch, 1, lanes_load<V>(acc_h + rh + gs + c),
+                                                        d_wx(ch, 1, lanes_load<V>(x + rx + xs + c))));
+    };
+    const auto gh = [&](auto lanes, int64_t rx, int64_t rh, int64_t rs, int64_t c) {
+      using V = decltype(lanes);
+      const Channel32 ch{fields + c};
+      const V h_new = candidate_state32<POW2, V>(
+          c32, ch, lanes_load<V>(acc_h + rh + 2 * gs + c), d_wx(ch, 2, lanes_load<V>(x + rx + 2 * xs + c)),
+          lanes_load<V>(d_r + rh + c), lanes_load<V>(d_z + rh + c), lanes_load<V>(s + rs + c));
+      lanes_store(s + rs + c, h_new);
+      lanes_store(o + rs + c, h_new);
+    };
 #if defined(QGRU_CELL_LANES)
-    // the path's explicit vector (lanes_avx512.h) over whole groups of its lanes, the loops below
-    // (the compiler's vectors) over the rest
+    // the path's explicit vector (csrc/cpu/lanes_*.h) over whole groups of its lanes, int32_t
+    // lanes (the compiler's vectors) over the rest
     using VL = QGRU_CELL_LANES;
     constexpr int64_t L = VL::kLanes;
     const int64_t nv = nj / L * L;
@@ -162,42 +180,19 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
       if (!active[r]) continue;
       const int64_t rx = r * xr, rh = r * W;
 #if defined(QGRU_CELL_LANES)
-      for (int64_t c = 0; c < nv; c += L) {
-        const Channel32 ch{fields + c};
-        lanes_store(d_r + rh + c, sigmoid_gate32<POW2, VL>(c32, ch, 0, lanes_load<VL>(acc_h + rh + c),
-                                                           d_wx(ch, 0, lanes_load<VL>(x + rx + c))));
-        lanes_store(d_z + rh + c, sigmoid_gate32<POW2, VL>(c32, ch, 1, lanes_load<VL>(acc_h + rh + gs + c),
-                                                           d_wx(ch, 1, lanes_load<VL>(x + rx + xs + c))));
-      }
+      for (int64_t c = 0; c < nv; c += L) rz(VL{}, rx, rh, c);
 #endif
 #pragma omp simd
-      for (int64_t c = nv; c < nj; ++c) {
-        const Channel32 ch{fields + c};
-        d_r[rh + c] = sigmoid_gate32<POW2>(c32, ch, 0, acc_h[rh + c], d_wx(ch, 0, x[rx + c]));
-        d_z[rh + c] = sigmoid_gate32<POW2>(c32, ch, 1, acc_h[rh + gs + c], d_wx(ch, 1, x[rx + xs + c]));
-      }
+      for (int64_t c = nv; c < nj; ++c) rz(int32_t{}, rx, rh, c);
     }
     for (int64_t r = 0; r < rows; ++r) {
       if (!active[r]) continue;
       const int64_t rx = r * xr, rh = r * W, rs = r * H;
 #if defined(QGRU_CELL_LANES)
-      for (int64_t c = 0; c < nv; c += L) {
-        const Channel32 ch{fields + c};
-        const VL h_new = candidate_state32<POW2, VL>(
-            c32, ch, lanes_load<VL>(acc_h + rh + 2 * gs + c), d_wx(ch, 2, lanes_load<VL>(x + rx + 2 * xs + c)),
-            lanes_load<VL>(d_r + rh + c), lanes_load<VL>(d_z + rh + c), lanes_load<VL>(s + rs + c));
-        lanes_store(s + rs + c, h_new);
-        lanes_store(o + rs + c, h_new);
-      }
+      for (int64_t c = 0; c < nv; c += L) gh(VL{}, rx, rh, rs, c);
 #endif
 #pragma omp simd
-      for (int64_t c = nv; c < nj; ++c) {
-        const Channel32 ch{fields + c};
-        const int32_t h_new = candidate_state32<POW2>(c32, ch, acc_h[rh + 2 * gs + c], d_wx(ch, 2, x[rx + 2 * xs + c]),
-                                                d_r[rh + c], d_z[rh + c], s[rs + c]);
-        s[rs + c] = h_new;
-        o[rs + c] = h_new;
-      }
+      for (int64_t c = nv; c < nj; ++c) gh(int32_t{}, rx, rh, rs, c);
     }
   } else {
     const auto d_wx = [&](int q, int64_t j, int32_t v) {
