@@ -632,6 +632,27 @@ def _channel_blocks(parts: Dict[str, torch.Tensor], H: int) -> torch.Tensor:
     return padded.reshape(len(CELL32_FIELDS), blocks, CELL32_BLOCK).permute(1, 0, 2).contiguous()
 
 
+def one_row_path(p: LayerParams, path: str) -> Optional[str]:
+    """The CPU path on which a layer of path ``path`` runs its one-step calls of a batch of one
+    (streaming), or None for ``path`` itself: the one place that decides it (the C++ Layer runs
+    them on a Layer of that path, made on the first such call: CpuLayer::set_one_row). Measured on
+    lscpu "Intel(R) Xeon(R) Processor" (a 2-core Sapphire Rapids VM), H = 512, 2 threads:
+    * amx, a fused layer (one limb pair each, gemm "amx-fused"): a 16-row AMX tile holds one real
+      row; one step took 18.4 us against 14.1 us with avx512vnni's GEMMs (from two rows AMX is
+      faster: N = 2, 18.6 against 20.0 us), 2026-11-25;
+    * amx or avx512vnni, a layer with a 16-bit x or R.h operand that avx2 takes whole as int16
+      (one fused pass there, against two limb pairs per GEMM and a pass per GEMM on the int8
+      paths): w8a16 57 us (amx) and 44 us (avx512vnni) against 37 us per step (bench.py, 2026-11-25)."""
+    usable = {str(i["name"]) for i in cpu_paths() if i["usable"]}
+    if path == "amx" and "avx512vnni" in usable and one_limb_pair(p, act16=False):
+        return "avx512vnni"
+    b = p.bits
+    if (path in ("amx", "avx512vnni") and "avx2" in usable and max(b["x"], b[recurrent_operand(b)]) > 8
+            and one_limb_pair(p, act16=True)):
+        return "avx2"
+    return None
+
+
 def cpu_isa_request() -> str:
     """The CPU path new CPU layers ask for: QGRU_CPU_ISA (auto, portable, avx2, avx512vnni, amx)."""
     return os.environ.get("QGRU_CPU_ISA", "auto").strip().lower() or "auto"
@@ -679,11 +700,12 @@ def cpu_gemm_detail() -> str:
            else "the fastest path this CPU and OS offer")
     skipped = [f"{i['name']}: {i['why']}" for i in cpu_paths() if not i["usable"]]
     usable = {str(i["name"]) for i in cpu_paths() if i["usable"]}
-    one_row = ("; a streaming step of a batch of one takes avx512vnni's GEMMs (a 16-row AMX tile would hold "
-               "one real row)" if info["name"] == "amx" and "avx512vnni" in usable else "")
+    one_row = ("; a streaming step (one step of a batch of one) runs on avx512vnni where the layer is one fused "
+               "pass (a 16-row AMX tile would hold one real row)" if info["name"] == "amx" and "avx512vnni" in usable
+               else "")
     if info["name"] in ("amx", "avx512vnni") and "avx2" in usable:
-        one_row += ("; a stack whose 16-bit x and h avx2 takes whole as int16 runs such steps on avx2's "
-                    "Layers (one fused pass)")
+        one_row += ("; a streaming step of a layer with 16-bit x or h that avx2 takes whole as int16 runs on avx2 "
+                    "(one fused pass instead of two limb pairs per GEMM)")
     return (f"path {info['name']}: {_PATH_TEXT.get(str(info['name']), info['name'])}, {why}; one fused pass per "
             f"step where x, the R.h operand (h or h_gemm), W and R take one limb each{one_row}; CPU: {mod.cpu_model()}"
             + (f"; not usable here: {'; '.join(skipped)}" if skipped else ""))
@@ -703,6 +725,12 @@ class NativeLayer:
             # prepared on the host, then moved once
             tensors, values = prepare_layer(p.to("cpu"), act16=info["act_bytes"] == 2)
             self.layer = mod.Layer(tensors, values, str(info["name"]))
+            other = one_row_path(p, str(info["name"]))
+            if other is not None:
+                act16 = resolve_cpu_isa(other)["act_bytes"] == 2
+                if act16 != (info["act_bytes"] == 2):
+                    tensors, values = prepare_layer(p.to("cpu"), act16=act16)
+                self.layer.set_one_row(tensors, values, other)
         else:
             tensors, values = prepare_layer(p.to("cpu"), gemm_min=CUDA_GEMM_MIN)
             self.layer = mod.Layer({k: x.to(device) for k, x in tensors.items()}, values)
@@ -710,7 +738,7 @@ class NativeLayer:
         # what the built Layer reports (no default here: a Layer without it is a build mismatch,
         # and the tests' check of the path must see what the extension says)
         self.gemm = self.layer.gemm
-        # CPU: the path whose GEMMs a one-step call of a batch of one runs instead ("": gemm's)
+        # CPU: the path whose Layer runs one-step calls of a batch of one ("": this one, one_row_path)
         self.one_row_gemm = self.layer.one_row_gemm if kind == "cpu" else ""
 
     def __call__(self, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor]):
@@ -784,28 +812,9 @@ def cpu_stack_plan(params: List[List[LayerParams]], req: str):
                 m, s = int(r.multiplier), int(r.shift)
             rows.append([float(p.scale["x"]), float(int(p.zp["x"])), float(p.bits["x"]), float(p.scale["h"]),
                          float(int(p.zp["h"])), float(p.bits["h"]), float(m), float(s)])
-        one_row = [_cpu_layer(p, "avx2").layer for (p,) in params] if _one_row_on_avx2(params, req) else []
-        plan = load("cpu").Stack([_cpu_layer(p, req).layer for (p,) in params], rows, one_row)
+        plan = load("cpu").Stack([_cpu_layer(p, req).layer for (p,) in params], rows)
         cache[key] = plan
     return plan or None
-
-
-def _one_row_on_avx2(params: List[List[LayerParams]], req: str) -> bool:
-    """Whether a one-step call of a batch of one (streaming) runs faster on the avx2 path's Layers
-    than on the path ``req`` resolves to: where that path is amx or avx512vnni (int8 operands), every
-    layer has a 16-bit x or h, and avx2's Layer of every layer is one fused pass (it takes them
-    whole as int16, where direct16_fits allows), against two limb pairs per GEMM and a pass per
-    GEMM on the int8 paths. Measured on lscpu "Intel(R) Xeon(R) Processor" (a 2-core Sapphire Rapids VM), w8a16 at H=512: 57 us (amx) and
-    44 us (avx512vnni) against 37 us per step (bench.py, 2026-11-25)."""
-    try:
-        if resolve_cpu_isa(req)["name"] not in ("amx", "avx512vnni"):
-            return False
-    except ValueError:
-        return False
-    if not any(i["name"] == "avx2" and i["usable"] for i in cpu_paths()):
-        return False
-    return all(max(p.bits["x"], p.bits[recurrent_operand(p.bits)]) > 8 and one_limb_pair(p, act16=True)
-               for (p,) in params)
 
 
 def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor, resolve: bool = True):

@@ -245,10 +245,6 @@ def _assert_native_ran(m: qgru.QuantGRU, kind: str) -> None:
         for key, layer in p.__dict__["_native"].items():
             if key[0] != _backend(kind):
                 continue
-            if key[2:] == ("avx2",) and _expected_gemm(kind, p).split("-")[0] in ("amx", "avx512vnni"):
-                # a stack's Layers for one-step calls of a batch of one (native._one_row_on_avx2)
-                assert layer.gemm == "avx2-fused", (layer.gemm, p.bits)
-                continue
             assert layer.gemm == _expected_gemm(kind, p), (layer.gemm, p.bits)
 
 
@@ -491,24 +487,51 @@ def test_state16_with_h_gemm_takes_the_int32_cell(kind, mode, h_range):
         _check_integer(kind, p, T, N, lengths, seed=T * 10 + N)
 
 
-@pytest.mark.parametrize("name,mode", [("w8a8", "multiplier"), ("w8a8", "pow2")])
-def test_amx_batch_of_one_takes_vnni_gemms(cpu_backend, name, mode):
-    """On AMX a one-step call of a batch of one runs AVX-512 VNNI's GEMMs on a second packing of
-    the fused step's weights (a 16-row tile would hold one real row): the golden integers, and the
-    layer's other calls (more rows, more steps) before and after it unchanged."""
+@pytest.mark.parametrize("name,mode,path,other", [
+    ("w8a8", "multiplier", "amx", "avx512vnni"), ("w8a8", "pow2", "amx", "avx512vnni"),
+    ("w8a16", "multiplier", "amx", "avx2"), ("w8a16", "multiplier", "avx512vnni", "avx2")])
+def test_one_row_calls_on_another_path(cpu_backend, name, mode, path, other):
+    """A one-step call of a batch of one (streaming) runs on another path's Layer where
+    native.one_row_path says so: on amx a fused layer's on avx512vnni (a 16-row tile would hold one
+    real row), on amx and avx512vnni a layer with 16-bit activations on avx2 (taken whole: one
+    fused pass). The golden integers; the other Layer is made on the first such call and only
+    then; the layer's other calls (more rows, more steps) before and after it unchanged; the
+    other path's own Layer and avx2's delegate nothing."""
     usable = {str(i["name"]) for i in native.cpu_paths() if i["usable"]}
-    if not {"amx", "avx512vnni"} <= usable:
-        pytest.skip("needs a CPU with AMX and AVX-512 VNNI")
+    if not {path, other} <= usable:
+        pytest.skip(f"needs a CPU that runs {path} and {other}")
     p = _converted(_cfg(name, scale_mode=mode), 37, 150)._qparams[0][0]
-    layer = native.NativeLayer("cpu", p, torch.device("cpu"), isa="amx")
-    assert layer.gemm == "amx-fused" and layer.one_row_gemm == "avx512vnni"
-    assert native.NativeLayer("cpu", p, torch.device("cpu"), isa="avx512vnni").one_row_gemm == ""
+    layer = native.NativeLayer("cpu", p, torch.device("cpu"), isa=path)
+    assert layer.one_row_gemm == other and native.one_row_path(p, path) == other
+    for own in (other, "portable"):
+        assert native.NativeLayer("cpu", p, torch.device("cpu"), isa=own).one_row_gemm == ""
     gen = torch.Generator().manual_seed(7)
-    for T, N in ((1, 1), (1, 17), (1, 1), (3, 1), (1, 2), (1, 1)):
+    for T, N in ((1, 17), (3, 1), (1, 1), (1, 17), (1, 1), (3, 1), (1, 2), (1, 1)):
         qx, qh0, _ = _random_inputs(p, T, N, False, gen)
         want_out, want_h = golden.gru_direction(p, qx, qh0, None)
         got_out, got_h = layer(qx, qh0, None)
         assert torch.equal(got_out.long(), want_out) and torch.equal(got_h.long(), want_h), (T, N)
+        # made by the first one-row call (the third), not before
+        assert layer.layer.one_row_made == ((T, N) == (1, 1) or layer.layer.one_row_made), (T, N)
+    assert layer.layer.one_row_made
+
+
+def test_one_row_layer_must_match(cpu_backend):
+    """set_one_row refuses a Layer of another layer (sizes, bit widths) and a path that cannot run."""
+    usable = [str(i["name"]) for i in native.cpu_paths() if i["usable"]]
+    p = _converted(_cfg("w8a8"), 7, 12)._qparams[0][0]
+    q = _converted(_cfg("w8a8"), 7, 20)._qparams[0][0]
+    layer = native.NativeLayer("cpu", p, torch.device("cpu"), isa="portable")
+    tensors, values = native.prepare_layer(q, act16=True)
+    with pytest.raises(RuntimeError, match="one-row Layer's H"):
+        layer.layer.set_one_row(tensors, values, "portable")
+    tensors, values = native.prepare_layer(p, act16=True)
+    missing = [n for n in CPU_PATHS if n not in usable]
+    for name in missing + ["sse9"]:
+        with pytest.raises(ValueError):
+            layer.layer.set_one_row(tensors, values, name)
+    layer.layer.set_one_row(tensors, values, "portable")
+    assert layer.layer.one_row_gemm == "portable" and not layer.layer.one_row_made
 
 
 def test_cpu_path_follows_isa_switch(cpu_backend, monkeypatch):
@@ -1497,23 +1520,28 @@ def test_stack_forward_is_the_layer_by_layer_path(cpu_backend):
 
 
 @pytest.mark.parametrize("cfg,layers", [("w8a16", 1), ("w8a16", 2), ("w8a8", 1)])
-def test_stack_one_row_calls_on_avx2(cpu_backend, monkeypatch, cfg, layers):
-    """Where the cpu path is amx or avx512vnni and avx2 runs too, a stack with 16-bit activations
-    that avx2 takes whole (direct16_fits) runs its one-step calls of a batch of one on avx2's
-    Layers (one fused pass per step instead of two limb pairs per GEMM): the reference's floats bit
-    for bit over a streaming loop carrying h, with calls of other shapes in between. 8-bit
-    activations, and the avx2 and portable paths themselves, keep their own Layers."""
+def test_stack_one_row_calls(cpu_backend, monkeypatch, cfg, layers):
+    """A stack's one-step calls of a batch of one run on each layer's one-row Layer
+    (native.one_row_path): the reference's floats bit for bit over a streaming loop carrying h,
+    with calls of other shapes in between, for every path request this CPU can run."""
     monkeypatch.delenv("QGRU_CPU_ISA", raising=False)
     usable = [str(i["name"]) for i in native.cpu_paths() if i["usable"]]
     m = _converted(_cfg(cfg), 7, 12, layers, False, False, 0)
-    _forget_native(m)
-    params = m._qparams_on["cpu"]
-    for req in ("auto", "avx2", "portable"):
-        want = "avx2" if (cfg == "w8a16" and req == "auto" and usable[0] in ("amx", "avx512vnni")
-                          and "avx2" in usable) else ""
-        assert native.cpu_stack_plan(params, req).one_row_path == want, (req, usable)
     xs = torch.randn(6, 1, 7, generator=torch.Generator().manual_seed(3))
-    _assert_same(_streaming_loop(m, xs, "cpu", other_shape=True), _streaming_loop(m, xs, "reference", other_shape=True))
+    want = _streaming_loop(m, xs, "reference", other_shape=True)
+    for req in ["auto"] + usable:
+        _forget_native(m)
+        params = m._qparams_on["cpu"]
+        path = native.resolve_cpu_isa(req)["name"]
+        expect = ("avx2" if cfg == "w8a16" and path in ("amx", "avx512vnni") and "avx2" in usable
+                  else "avx512vnni" if cfg == "w8a8" and path == "amx" and "avx512vnni" in usable else "")
+        monkeypatch.setenv("QGRU_CPU_ISA", req)
+        _assert_same(_streaming_loop(m, xs, "cpu", other_shape=True), want)
+        assert native.cpu_stack_plan(params, req) is not None
+        for (p,) in params:
+            layer = native._cpu_layer(p, req)
+            assert layer.one_row_gemm == expect, (req, usable)
+            assert layer.layer.one_row_made == bool(expect), req
 
 
 def _unpack_table(packed: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -156,18 +158,11 @@ struct Gemm {
     if (P == 1) gates = pack(w[0], gate_channels(H, k->group));
   }
 
-  at::Tensor pack(const at::Tensor& w, const std::vector<int64_t>& channel, const Kernels* kern = nullptr) const {
-    const Kernels* kk = kern != nullptr ? kern : k;
-    const int64_t g = (int64_t)channel.size() / kk->group;
-    at::Tensor out = at::empty({kk->packed_bytes(g, K)}, at::TensorOptions().dtype(at::kByte));
-    kk->pack(w.data_ptr<int8_t>(), w.size(1), K, channel.data(), g, out.data_ptr<uint8_t>());
+  at::Tensor pack(const at::Tensor& w, const std::vector<int64_t>& channel) const {
+    const int64_t g = (int64_t)channel.size() / k->group;
+    at::Tensor out = at::empty({k->packed_bytes(g, K)}, at::TensorOptions().dtype(at::kByte));
+    k->pack(w.data_ptr<int8_t>(), w.size(1), K, channel.data(), g, out.data_ptr<uint8_t>());
     return out;
-  }
-
-  // The fused step's weights (gates) packed for another path's kernel (same group width and
-  // activation type).
-  at::Tensor gates_for(const LayerTensors& lt, const std::string& k_name, const Kernels* kern, int64_t H) const {
-    return pack(lt.tensor(k_name + "_weight_limbs")[0], gate_channels(H, kern->group), kern);
   }
 
   at::ScalarType act_type() const { return k->act_bytes == 2 ? at::kShort : at::kChar; }
@@ -237,16 +232,26 @@ class CpuLayer {
     acc_x32_ = lt_.acc32("Wx");
     cell_ = lt_.cell();
     fused_ = rh_.P == 1 && wx_.P == 1;
-    // A batch of one on AMX: a 16-row tile holds one real row, and one step of H = 512 measured
-    // 18.4 us against 14.1 us with AVX-512 VNNI's GEMM (2 threads, lscpu "Intel(R) Xeon(R) Processor", a Sapphire Rapids VM, 2026-11-25); from two
-    // rows on AMX is faster (N = 2: 18.6 against 20.0). Same group width and int8 activations, so
-    // only the weights are packed again (on the first such call).
-    if (fused_ && std::string(k_->name) == "amx") {
-      for (const auto& i : cpu::isa_table())
-        if (i.name == "avx512vnni" && i.supported && i.kernels != nullptr && i.kernels->group == k_->group &&
-            i.kernels->act_bytes == k_->act_bytes)
-          k1_ = i.kernels;
+    if (fused_) rh_.packed.clear();  // the fused step reads R only in the gates layout
+  }
+
+  // One-step calls of a batch of one (streaming) run on `isa`'s Layer of the same layer, made
+  // from `tensors` / `values` (prepared for that path) on the first such call and kept. Which path
+  // and when is qgru/native.py's one_row_path, the one place that decides it. The maps are
+  // validated now; they must describe this layer (its sizes and bit widths).
+  void set_one_row(TensorMap tensors, IntMap values, const std::string& isa) {
+    const LayerTensors spec{tensors, values};
+    for (const char* v : {"H", "I", "x_bits", "h_bits"})
+      TORCH_CHECK(spec.value(v) == lt_.value(v), "qgru cpu: the one-row Layer's ", v, " (", spec.value(v),
+                  ") is not this layer's (", lt_.value(v), ")");
+    try {
+      (void)cpu::select_isa(isa);
+    } catch (const std::runtime_error& e) {
+      TORCH_CHECK_VALUE(false, e.what());
     }
+    std::lock_guard<std::mutex> lock(mu_);
+    one_row_spec_ = OneRowSpec{std::move(tensors), std::move(values), isa};
+    one_row_.reset();
   }
 
   const Kernels* kernels() const { return k_; }
@@ -254,14 +259,25 @@ class CpuLayer {
   // The path's name, and "-fused" where each step is one fused pass.
   std::string gemm_path() const { return std::string(k_->name) + (fused_ ? "-fused" : ""); }
 
-  // The path whose GEMMs a batch of one runs ("" where it is gemm_path's).
-  std::string one_row_path() const { return k1_ != nullptr ? std::string(k1_->name) : std::string(); }
+  // The path whose Layer runs one-step calls of a batch of one ("" where it is this one).
+  std::string one_row_path() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return one_row_spec_.isa;
+  }
+
+  // Whether a one-row call has made that Layer yet (tests: it runs, and only for those calls).
+  bool one_row_made() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return one_row_ != nullptr;
+  }
 
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx_in, const at::Tensor& qh0_in,
                                              const c10::optional<at::Tensor>& lengths_in) {
     TORCH_CHECK(qx_in.dim() == 3 && qx_in.size(2) == I_, "qgru cpu: qx must be [T, N, ", I_, "]");
     TORCH_CHECK(qh0_in.dim() == 2 && qh0_in.size(0) == qx_in.size(1) && qh0_in.size(1) == H_,
                 "qgru cpu: qh0 must be [N, ", H_, "]");
+    if (qx_in.size(0) == 1 && qx_in.size(1) == 1)
+      if (std::shared_ptr<CpuLayer> other = one_row_layer()) return other->forward(qx_in, qh0_in, lengths_in);
     const at::Tensor qx = qx_in.to(at::kInt).contiguous();  // values fit: at most 16 bits
     const int64_t T = qx.size(0), N = qx.size(1);
     at::Tensor state = qh0_in.to(at::kInt).contiguous().clone();
@@ -296,7 +312,7 @@ class CpuLayer {
         input_chunk(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N);
       }
       if (fused_) {
-        fused_steps(t0, tc, N, state.data_ptr<int32_t>(), out, len, wx_in_step, wx_in_step && N == 1 && k1_ != nullptr);
+        fused_steps(t0, tc, N, state.data_ptr<int32_t>(), out, len, wx_in_step);
       } else {
         recurrent_steps(t0, tc, N, state, out, len);
       }
@@ -305,6 +321,24 @@ class CpuLayer {
   }
 
  private:
+  struct OneRowSpec {
+    TensorMap tensors;
+    IntMap values;
+    std::string isa;  // "": none
+  };
+
+  // The one-row Layer (made on first use), or nullptr where set_one_row named none. Shared: a
+  // call keeps the one it runs on alive through a set_one_row that replaces it.
+  std::shared_ptr<CpuLayer> one_row_layer() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (one_row_spec_.isa.empty()) return nullptr;
+    if (!one_row_) {
+      c10::InferenceMode normal_tensors(false);  // it packs weights kept across calls
+      one_row_ = std::make_shared<CpuLayer>(one_row_spec_.tensors, one_row_spec_.values, one_row_spec_.isa);
+    }
+    return one_row_;
+  }
+
   struct Workspace {
     int64_t rows = 0, N = 0;
     std::vector<at::Tensor> x_act, Gx, h_act, Gh;
@@ -354,18 +388,13 @@ class CpuLayer {
   // too (from x's activation rows of the chunk in ws_.x_act; else Wx - Z_Wx is read from
   // ws_.dwx), and then the cell on them while they are in L1.
   void fused_steps(int64_t t0, int64_t tc, int64_t N, int32_t* state, at::Tensor& out, const int64_t* lengths,
-                   bool xacc, bool one_row) {
-    if (one_row && !gates_h1_.defined()) {  // under mu_ (forward)
-      c10::InferenceMode normal_tensors(false);
-      gates_x1_ = wx_.gates_for(lt_, "x", k1_, H_);
-      gates_h1_ = rh_.gates_for(lt_, "h", k1_, H_);
-    }
-    const Kernels* k = one_row ? k1_ : k_;
+                   bool xacc) {
+    const Kernels* k = k_;
     constexpr int64_t W = kTaskUnits, T16 = kTileRows;
     const int64_t H = H_, HB = ceil_div(H, W), RT = ceil_div(N, T16), G = k->group, ab = k->act_bytes;
     const int64_t lda = rh_.lda, ldx = wx_.lda;
-    const uint8_t* gates_x = (one_row ? gates_x1_ : wx_.gates).data_ptr<uint8_t>();
-    const uint8_t* gates_h = (one_row ? gates_h1_ : rh_.gates).data_ptr<uint8_t>();
+    const uint8_t* gates_x = wx_.gates.data_ptr<uint8_t>();
+    const uint8_t* gates_h = rh_.gates.data_ptr<uint8_t>();
     // One parallel region for all tc steps, not one per step (measured 3-7% faster): a thread that
     // runs out of tasks of step t waits until every task of step t is done (they write the h that
     // step t + 1 reads), then takes tasks of step t + 1. Waiting on the count of finished tasks,
@@ -457,8 +486,8 @@ class CpuLayer {
   LayerTensors lt_;
   std::mutex mu_;
   const Kernels* k_ = nullptr;
-  const Kernels* k1_ = nullptr;    // a batch of one's path on the fused step (nullptr: k_)
-  at::Tensor gates_x1_, gates_h1_;  // the fused step's weights packed for k1_ (made on first use)
+  OneRowSpec one_row_spec_;          // set_one_row
+  std::shared_ptr<CpuLayer> one_row_;  // made from it on the first one-row call
   bool fused_ = false;
   Workspace ws_;
   at::Tensor out_;  // the last output, reused once its caller drops it (reuse_or_empty)
@@ -580,29 +609,23 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<CpuLayer*>& l
 }
 
 // A stack's Layers and per-layer values, held for its one call per forward: a streaming call
-// (one step of a batch of one, ~20 us) then converts no Python lists. one_row: the same layers on
-// another path, for one-step calls of a batch of one (qgru/native.py, _one_row_on_avx2), or none.
-// The Layers are the Python objects' (kept alive with the Stack, pybind keep_alive).
+// (one step of a batch of one, ~20 us) then converts no Python lists. The Layers are the Python
+// objects' (kept alive with the Stack, pybind keep_alive); each runs one-row calls on its own
+// one-row Layer where it has one (CpuLayer::set_one_row).
 class Stack {
  public:
-  Stack(std::vector<CpuLayer*> layers, std::vector<std::vector<double>> q, std::vector<CpuLayer*> one_row)
-      : layers_(std::move(layers)), q_(std::move(q)), one_row_(std::move(one_row)) {
+  Stack(std::vector<CpuLayer*> layers, std::vector<std::vector<double>> q)
+      : layers_(std::move(layers)), q_(std::move(q)) {
     TORCH_CHECK(!layers_.empty() && layers_.size() == q_.size(), "qgru cpu Stack: one parameter row per Layer");
-    TORCH_CHECK(one_row_.empty() || one_row_.size() == layers_.size(), "qgru cpu Stack: one one-row Layer per Layer");
     for (const auto* l : layers_) TORCH_CHECK(l != nullptr, "qgru cpu Stack: a Layer is None");
-    for (const auto* l : one_row_) TORCH_CHECK(l != nullptr, "qgru cpu Stack: a one-row Layer is None");
   }
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& h0) const {
-    const bool one_row = !one_row_.empty() && x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1;
-    return stack_forward(one_row ? one_row_ : layers_, x, h0, q_);
+    return stack_forward(layers_, x, h0, q_);
   }
-  // The path of one-step calls of a batch of one ("" where they run on the stack's own).
-  std::string one_row_path() const { return one_row_.empty() ? std::string() : std::string(one_row_[0]->kernels()->name); }
 
  private:
   std::vector<CpuLayer*> layers_;
   std::vector<std::vector<double>> q_;
-  std::vector<CpuLayer*> one_row_;
 };
 
 // One path's GEMM on its own, for the tests: C [rows, M] = A [rows, K] . W [M, K]^T with W int8 and
@@ -678,16 +701,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernel_gemm", &qgru::kernel_gemm, "one CPU path's GEMM alone (tests)", pybind11::arg("isa"),
         pybind11::arg("a"), pybind11::arg("w"), pybind11::arg("gates") = false);
   pybind11::class_<qgru::Stack>(m, "Stack")
-      .def(pybind11::init<std::vector<qgru::CpuLayer*>, std::vector<std::vector<double>>, std::vector<qgru::CpuLayer*>>(),
-           pybind11::arg("layers"), pybind11::arg("values"), pybind11::arg("one_row"), pybind11::keep_alive<1, 2>(),
-           pybind11::keep_alive<1, 4>())
-      .def_property_readonly("one_row_path", &qgru::Stack::one_row_path)
+      .def(pybind11::init<std::vector<qgru::CpuLayer*>, std::vector<std::vector<double>>>(),
+           pybind11::arg("layers"), pybind11::arg("values"), pybind11::keep_alive<1, 2>())
       .def("forward", &qgru::Stack::forward, pybind11::arg("x"), pybind11::arg("h0"), release_gil());
   pybind11::class_<qgru::CpuLayer>(m, "Layer")
       .def(pybind11::init<qgru::TensorMap, qgru::IntMap, std::string>(), pybind11::arg("tensors"),
            pybind11::arg("values"), pybind11::arg("isa") = "auto")
       .def_property_readonly("gemm", &qgru::CpuLayer::gemm_path)
       .def_property_readonly("one_row_gemm", &qgru::CpuLayer::one_row_path)
+      .def_property_readonly("one_row_made", &qgru::CpuLayer::one_row_made)
+      .def("set_one_row", &qgru::CpuLayer::set_one_row, pybind11::arg("tensors"), pybind11::arg("values"),
+           pybind11::arg("isa"))
       .def("forward", &qgru::CpuLayer::forward, pybind11::arg("qx"), pybind11::arg("qh0"),
            pybind11::arg("lengths") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>());
