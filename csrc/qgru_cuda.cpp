@@ -4,7 +4,9 @@
 // arithmetic, bounds a per-step design (one GEMM + one cell kernel per step). Calls of nearby
 // lengths share a shape: a plan holds plan_steps(T) steps (qgru_cuda_launch.h) and a shorter call
 // caps its rows' lengths at T. A layer keeps the plans of its last few shapes (plans_to_keep), so
-// alternating shapes replay their graphs.
+// alternating shapes replay their graphs. A shape whose plan would keep more than
+// QGRU_CUDA_PLAN_MAX_BYTES (default 256 MiB: its T-sized qx and out above all) gets none: it runs
+// eagerly in buffers of its own call, and the layer keeps nothing of it.
 //
 // Ordering: calls may come from several threads and streams. A mutex orders the host side; on the
 // device every use of a plan's buffers waits for the previous call's last use (an event), and a
@@ -18,6 +20,7 @@
 #include <torch/extension.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <list>
 #include <map>
@@ -120,6 +123,27 @@ int64_t buffer_bytes(const Buffers& b) {
   return n;
 }
 
+// buffer_bytes(make_buffers(d, T, N, has_lengths, ...)) before allocating them (make_plan checks
+// that the two agree).
+int64_t buffer_bytes(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_lengths) {
+  const cuda::WorkspaceSizes s = cuda::workspace_sizes(d, T, N);
+  return 2 * T * N * (d.I + d.H) + 4 * N * d.H + (has_lengths ? 8 * N : 0) + 2 * (s.x_limb + s.h_limb) +
+         4 * (d.wx.P * s.Gx + d.rh.P * s.Gh + s.dwx);
+}
+
+// QGRU_CUDA_PLAN_MAX_BYTES: the most bytes a plan may keep between calls (default
+// kPlanCacheBytes); a non-negative integer or a clear error.
+int64_t plan_max_bytes_from_env() {
+  const char* env = std::getenv("QGRU_CUDA_PLAN_MAX_BYTES");
+  if (env == nullptr || *env == '\0') return cuda::kPlanCacheBytes;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(env, &end, 10);
+  TORCH_CHECK_VALUE(errno == 0 && end != env && *end == '\0' && v >= 0, "qgru cuda: QGRU_CUDA_PLAN_MAX_BYTES='",
+                    env, "' is not a non-negative integer (bytes)");
+  return (int64_t)v;
+}
+
 // qgru's own cuBLAS handle, one per device, for the runs on a workspace qgru owns (the first call of
 // a shape, the capture of its graph, and calls inside a caller's capture). A graph captured on PyTorch's handle would
 // bake in PyTorch's workspace for that stream, which torch._C._cuda_clearCublasWorkspaces(), a
@@ -212,6 +236,7 @@ class CudaLayer {
     device_ = lt_.tensor("Wx_bias").device();
     const char* env = std::getenv("QGRU_CUDA_GRAPH");
     use_graph_ = env == nullptr || std::string(env) != "0";
+    plan_max_bytes_ = plan_max_bytes_from_env();
     // qgru's own cuBLAS handle exists from here on: creating it inside a graph capture would fail
     c10::cuda::CUDAGuard guard(device_);
     own_handle(device_.index());
@@ -238,15 +263,23 @@ class CudaLayer {
     check_cuda(cudaStreamIsCapturing(cur, &capture), "cudaStreamIsCapturing");
     TORCH_CHECK(capture != cudaStreamCaptureStatusInvalidated,
                 "qgru cuda: the current stream's graph capture was invalidated (by an earlier error in it)");
-    if (capture == cudaStreamCaptureStatusActive) return forward_in_capture(qx, qh0, lengths, cur);
+    if (capture == cudaStreamCaptureStatusActive) return forward_unplanned(qx, qh0, lengths, cur, true);
 
-    std::lock_guard<std::mutex> lock(mu_);  // one call at a time enqueues work on the plan
     // With graphs, a call of more than kExactPlanSteps steps runs in a plan of plan_steps(T) steps
     // (qgru_cuda_launch.h), its rows' lengths capped at T: calls of nearby lengths share a plan and
     // its graph. Without graphs a plan has the call's own length (nothing to share but buffers).
     const bool bucketed = use_graph_ && T > cuda::kExactPlanSteps;
     const int64_t Tp = bucketed ? cuda::plan_steps(T) : T;
     const bool masked = has_lengths || bucketed;
+    // A shape whose plan would keep more than plan_max_bytes_ between calls (its T-sized qx and out
+    // above all: at T = 1000, N = 4096, H = I = 1024, 16 GB) runs without one: its buffers are this
+    // call's, from PyTorch's caching allocator, and nothing stays with the layer. A graph saves
+    // little there: at such sizes each step's GEMM takes far longer than its launch.
+    const int64_t ws_bytes = use_graph_ ? cublas_workspace_bytes(device_.index()) : 0;
+    if (buffer_bytes(d_, Tp, N, masked) + ws_bytes > plan_max_bytes_)
+      return forward_unplanned(qx, qh0, lengths, cur, false);
+
+    std::lock_guard<std::mutex> lock(mu_);  // one call at a time enqueues work on the plan
     bool fresh = false;
     Plan& p = plan_for(Tp, N, masked, qx.options(), &fresh);
     // The mutex orders only the host side. On the device, every use of the plan's buffers (the
@@ -306,7 +339,8 @@ class CudaLayer {
             {"eager_runs", counters_.eager_runs.load()},
             {"captures", counters_.captures.load()},
             {"replays", counters_.replays.load()},
-            {"in_foreign_capture", counters_.in_foreign_capture.load()}};
+            {"in_foreign_capture", counters_.in_foreign_capture.load()},
+            {"unplanned_runs", counters_.unplanned_runs.load()}};
   }
 
  private:
@@ -317,6 +351,7 @@ class CudaLayer {
     std::atomic<int64_t> captures{0};            // graphs captured (each launched at once)
     std::atomic<int64_t> replays{0};             // launches of a graph captured by an earlier call
     std::atomic<int64_t> in_foreign_capture{0};  // calls inside a capture of the caller's
+    std::atomic<int64_t> unplanned_runs{0};      // calls of a shape too large for a plan (plan_max_bytes_)
   };
 
   void run(const Buffers& b, cudaStream_t stream, cublasHandle_t handle) const {
@@ -355,22 +390,32 @@ class CudaLayer {
     check_cuda(e, "cudaGraphInstantiate");
   }
 
-  // Inside a capture of the caller's (torch.cuda.graph): everything on the capturing stream, in
-  // buffers of this call from PyTorch's allocator (the capture's memory pool, kept for the caller's
-  // graph as long as it lives), and no plan cached or used: a plan's buffers baked into the caller's
-  // graph would be shared with later calls, and launching a graph of qgru's own on its side stream
-  // would join that stream into the caller's capture and break it. The GEMMs run on qgru's own
-  // handle (made with the Layer, outside any capture) with a workspace from the same pool, so
-  // nothing depends on whether or how PyTorch's handle for this thread and stream was set up.
-  std::tuple<at::Tensor, at::Tensor> forward_in_capture(const at::Tensor& qx, const at::Tensor& qh0,
-                                                        const c10::optional<at::Tensor>& lengths, cudaStream_t cur) {
-    ++counters_.in_foreign_capture;
+  // A call without a plan: everything on the current stream, in buffers of this call from
+  // PyTorch's allocator (stream-ordered: freed for reuse after this call's work on `cur`), no plan
+  // cached or used. Two cases:
+  // * in_capture, inside a capture of the caller's (torch.cuda.graph): the buffers come from the
+  //   capture's memory pool, kept for the caller's graph as long as it lives. A plan's buffers baked
+  //   into the caller's graph would be shared with later calls, and launching a graph of qgru's own
+  //   on its side stream would join that stream into the caller's capture and break it. The GEMMs
+  //   run on qgru's own handle (made with the Layer, outside any capture) with a workspace from the
+  //   same pool, so nothing depends on whether or how PyTorch's handle for this thread and stream
+  //   was set up.
+  // * else a shape too large for a plan (plan_max_bytes_): run eagerly on PyTorch's handle, as
+  //   QGRU_CUDA_GRAPH=0 does (no graph keeps its workspace).
+  std::tuple<at::Tensor, at::Tensor> forward_unplanned(const at::Tensor& qx, const at::Tensor& qh0,
+                                                       const c10::optional<at::Tensor>& lengths, cudaStream_t cur,
+                                                       bool in_capture) {
+    ++(in_capture ? counters_.in_foreign_capture : counters_.unplanned_runs);
     Buffers b = make_buffers(d_, qx.size(0), qx.size(1), lengths.has_value(), qx.options());
     b.qx.copy_(qx);
     b.state.copy_(qh0);
     if (lengths.has_value()) b.lengths.copy_(*lengths);
-    at::Tensor workspace = at::empty({cublas_workspace_bytes(device_.index())}, qx.options().dtype(at::kByte));
-    run_owned(b, workspace, cur, nullptr);
+    if (in_capture) {
+      at::Tensor workspace = at::empty({cublas_workspace_bytes(device_.index())}, qx.options().dtype(at::kByte));
+      run_owned(b, workspace, cur, nullptr);
+    } else {
+      run(b, cur, at::cuda::getCurrentCUDABlasHandle());
+    }
     return {b.out.to(at::kInt), b.state};  // this call's own tensors (out as the int32 the Layer returns)
   }
 
@@ -398,6 +443,8 @@ class CudaLayer {
     p->N = N;
     p->has_lengths = has_lengths;
     p->b = make_buffers(d_, T, N, has_lengths, opts);
+    TORCH_CHECK(buffer_bytes(p->b) == buffer_bytes(d_, T, N, has_lengths),
+                "qgru cuda: internal error: a plan's buffer size differs from its estimate");
     if (use_graph_) p->cublas_ws = at::empty({cublas_workspace_bytes(device_.index())}, opts.dtype(at::kByte));
     for (cudaEvent_t* e : {&p->ready, &p->done, &p->last_use})
       check_cuda(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate");
@@ -410,6 +457,7 @@ class CudaLayer {
   cuda::LayerDesc d_{};
   at::Device device_{at::kCUDA};
   bool use_graph_ = true;
+  int64_t plan_max_bytes_ = cuda::kPlanCacheBytes;
   mutable std::mutex mu_;
   std::list<std::unique_ptr<Plan>> plans_;  // newest first
   Counters counters_;

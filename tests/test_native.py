@@ -932,6 +932,36 @@ def test_cuda_large_layer(cuda_backend, monkeypatch, cfg, mode):
 
 
 @pytest.mark.parametrize("graph", [True, False])
+def test_cuda_shape_too_large_for_a_plan(cuda_backend, monkeypatch, graph):
+    """Item 4 of issue 13: a shape whose plan would keep more than QGRU_CUDA_PLAN_MAX_BYTES between
+    calls (here set to 200 kB; the default is 256 MiB) runs without one, in buffers of its own call:
+    equal to golden, no plan made or kept for it, and the small shape's plan (captured, replayed)
+    untouched by the large calls in between. A bad value is a clear error."""
+    p = _converted(_cfg("w8a8"), 23, 37)._qparams[0][0]
+    monkeypatch.setenv("QGRU_CUDA_PLAN_MAX_BYTES", "x")
+    with pytest.raises(ValueError, match="QGRU_CUDA_PLAN_MAX_BYTES"):
+        _cuda_layer(p, graph, monkeypatch)
+    # with a graph the plan also holds its cuBLAS workspace (qgru_cuda.cpp, cublas_workspace_bytes)
+    ws = ((32 << 20) if torch.cuda.get_device_capability()[0] >= 9 else (4 << 20)) if graph else 0
+    monkeypatch.setenv("QGRU_CUDA_PLAN_MAX_BYTES", str(ws + 200_000))
+    layer = _cuda_layer(p, graph, monkeypatch)
+    gen = torch.Generator().manual_seed(41)
+    # (3, 2) without lengths: a plan of ~42 kB; (700, 25) with lengths: ~18 MB (W.x of a 16384-row
+    # window alone is 8 MB), so no plan
+    calls = [(3, 2, False), (3, 2, False), (700, 25, True), (3, 2, False), (700, 25, True), (3, 2, False)]
+    for i, (T, N, with_lengths) in enumerate(calls):
+        inputs = _random_inputs(p, T, N, with_lengths, gen)
+        _assert_golden(layer(*_on_cuda(*inputs)), p, *inputs, what=f"call {i + 1} T={T} N={N}")
+    c = layer.layer.counters
+    assert c["unplanned_runs"] == 2 and c["plans"] == 1 and c["plans_kept"] == 1, c
+    assert c["plan_step_bytes"] == 2 * 3 * 2 * (p.input_size + p.hidden_size), c
+    if graph:  # the small shape: eager, capture, replay, replay
+        assert c["eager_runs"] == 1 and c["captures"] == 1 and c["replays"] == 2, c
+    else:
+        assert c["eager_runs"] == 4 and c["captures"] == 0, c
+
+
+@pytest.mark.parametrize("graph", [True, False])
 def test_cuda_wx_over_two_chunks(cuda_backend, monkeypatch, graph):
     """T N above the W.x chunk (the extension's wx_chunk_rows) and at most two of them: W.x runs in
     two windows of steps, each followed by its steps' recurrence; the second window's rows (and the
