@@ -39,7 +39,7 @@ _HERE = Path(__file__).resolve().parent
 _KINDS = ("cpu", "cuda")
 # the CPU backend: the driver, the run-time path choice, and one file per instruction-set path
 # (csrc/cpu/kernels.h describes them), each of which sets its own target
-_CPU_PATHS = ("portable", "avx2", "avx512vnni", "amx")
+_CPU_PATHS = ("portable", "avx2", "avxvnni", "avx512vnni", "amx")
 _SOURCES = {
     "cpu": ["cpu/qgru_cpu.cpp", "cpu/isa.cpp"] + [f"cpu/kernel_{p}.cpp" for p in _CPU_PATHS],
     "cuda": ["qgru_cuda.cpp", "qgru_cuda_kernels.cu"],
@@ -47,7 +47,8 @@ _SOURCES = {
 # every header the sources include: the build's cache key hashes them, so an edit to any of them
 # rebuilds (tests/test_native.py checks that this list and _SOURCES cover every file in csrc/)
 _HEADERS = ["qgru_fixedpoint.h", "qgru_cell.h", "qgru_layer.h", "qgru_cuda.h", "qgru_cuda_launch.h", "cpu/kernels.h",
-            "cpu/cell_loops.h", "cpu/isa.h", "cpu/quantize_block.h", "cpu/lanes_avx2.h", "cpu/lanes_avx512.h"]
+            "cpu/cell_loops.h", "cpu/isa.h", "cpu/quantize_block.h", "cpu/lanes_avx2.h", "cpu/lanes_avx512.h",
+            "cpu/pack_quads.h"]
 GEMM_PAD = 16  # channel and reduction padding: int8 tensor-core GEMMs want multiples of 16
 # the CUDA backend's smallest GEMM dimension (csrc/qgru_cuda.h kMinGemmDim: cuBLAS is never asked
 # for 16 or fewer channels, rows or K, shapes PyTorch's own int8 GEMM refuses)
@@ -632,6 +633,9 @@ def _channel_blocks(parts: Dict[str, torch.Tensor], H: int) -> torch.Tensor:
     return padded.reshape(len(CELL32_FIELDS), blocks, CELL32_BLOCK).permute(1, 0, 2).contiguous()
 
 
+_INT8_PATHS = ("amx", "avx512vnni", "avxvnni")  # the paths with int8 activation limbs (act_bytes 1)
+
+
 def one_row_path(p: LayerParams, path: str) -> Optional[str]:
     """The CPU path on which a layer of path ``path`` runs its one-step calls of a batch of one
     (streaming), or None for ``path`` itself: the one place that decides it (the C++ Layer runs
@@ -640,21 +644,22 @@ def one_row_path(p: LayerParams, path: str) -> Optional[str]:
     * amx, a fused layer (one limb pair each, gemm "amx-fused"): a 16-row AMX tile holds one real
       row; one step took 18.4 us against 14.1 us with avx512vnni's GEMMs (from two rows AMX is
       faster: N = 2, 18.6 against 20.0 us), 2026-11-25;
-    * amx or avx512vnni, a layer with a 16-bit x or R.h operand that avx2 takes whole as int16
-      (one fused pass there, against two limb pairs per GEMM and a pass per GEMM on the int8
+    * amx, avx512vnni or avxvnni, a layer with a 16-bit x or R.h operand that avx2 takes whole as
+      int16 (one fused pass there, against two limb pairs per GEMM and a pass per GEMM on the int8
       paths): w8a16 57 us (amx) and 44 us (avx512vnni) against 37 us per step (bench.py, 2026-11-25)."""
     usable = {str(i["name"]) for i in cpu_paths() if i["usable"]}
     if path == "amx" and "avx512vnni" in usable and one_limb_pair(p, act16=False):
         return "avx512vnni"
     b = p.bits
-    if (path in ("amx", "avx512vnni") and "avx2" in usable and max(b["x"], b[recurrent_operand(b)]) > 8
+    if (path in _INT8_PATHS and "avx2" in usable and max(b["x"], b[recurrent_operand(b)]) > 8
             and one_limb_pair(p, act16=True)):
         return "avx2"
     return None
 
 
 def cpu_isa_request() -> str:
-    """The CPU path new CPU layers ask for: QGRU_CPU_ISA (auto, portable, avx2, avx512vnni, amx)."""
+    """The CPU path new CPU layers ask for: QGRU_CPU_ISA (auto, portable, avx2, avxvnni, avx512vnni,
+    amx)."""
     return os.environ.get("QGRU_CPU_ISA", "auto").strip().lower() or "auto"
 
 
@@ -684,6 +689,7 @@ def resolve_cpu_isa(request: Optional[str] = None) -> Dict[str, object]:
 _PATH_TEXT = {
     "amx": "AMX int8 tiles",
     "avx512vnni": "AVX-512 VNNI int8 dot products",
+    "avxvnni": "AVX-VNNI int8 dot products (256-bit)",
     "avx2": "AVX2 int16 multiply-adds (vpmaddwd; 16-bit activations whole where exact)",
     "portable": "portable C++ loops (compiler-vectorised)",
 }
@@ -703,7 +709,7 @@ def cpu_gemm_detail() -> str:
     one_row = ("; a streaming step (one step of a batch of one) runs on avx512vnni where the layer is one fused "
                "pass (a 16-row AMX tile would hold one real row)" if info["name"] == "amx" and "avx512vnni" in usable
                else "")
-    if info["name"] in ("amx", "avx512vnni") and "avx2" in usable:
+    if info["name"] in _INT8_PATHS and "avx2" in usable:
         one_row += ("; a streaming step of a layer with 16-bit x or h that avx2 takes whole as int16 runs on avx2 "
                     "(one fused pass instead of two limb pairs per GEMM)")
     return (f"path {info['name']}: {_PATH_TEXT.get(str(info['name']), info['name'])}, {why}; one fused pass per "

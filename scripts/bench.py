@@ -29,7 +29,7 @@ The cpu backend is timed once per instruction-set path the CPU runs (rows `cpu:a
 ...; `--paths` picks some), so one run shows each path against both peers.
 
 BENCHMARKS.md keeps one section per kind of machine (between <!-- bench:KIND:start/end -->
-markers, KIND = cpu-amx, cpu-avx512vnni, cpu-avx2, cpu-portable after the fastest path the CPU
+markers, KIND = cpu-amx, cpu-avx512vnni, cpu-avxvnni, cpu-avx2, cpu-portable after the fastest path the CPU
 runs, or cuda): a rerun replaces its own kind's section only.
 """
 from __future__ import annotations
@@ -213,7 +213,7 @@ def cpu_paths(args):
 
 
 def cpu_kind(args) -> str:
-    """The CPU kind a cpu section is filed under: the fastest path this CPU runs (amx, avx512vnni,
+    """The CPU kind a cpu section is filed under: the fastest path this CPU runs (amx, avx512vnni, avxvnni,
     avx2, portable), so that each kind of machine keeps its own section in BENCHMARKS.md."""
     from qgru import native
     if not qgru.backends()["cpu"]["available"]:
@@ -366,7 +366,7 @@ def main(argv=None) -> None:
     ap.add_argument("--configs", default="w8a8", help="comma-separated built-in configs; NAME:MODE for another "
                     "scale mode (w8a8:pow2)")
     ap.add_argument("--paths", default="", help="cpu backend paths to time, comma-separated (default: every "
-                                                 "path this CPU runs: amx, avx512vnni, avx2, portable)")
+                                                 "path this CPU runs: amx, avx512vnni, avxvnni, avx2, portable)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--T", type=int, default=100)
     ap.add_argument("--N", type=int, default=64)

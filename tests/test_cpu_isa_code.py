@@ -10,6 +10,7 @@ instructions are ones its path may use:
 
   qgru::(cpu::)amx::         anything below, AMX tiles included
   qgru::(cpu::)avx512vnni::  VEX and EVEX (AVX-512) encodings, vpdp* (VNNI)
+  qgru::(cpu::)avxvnni::     VEX encodings, vpdp* (AVX-VNNI, VEX-encoded): no EVEX
   qgru::(cpu::)avx2::        VEX encodings only (AVX, AVX2, FMA, BMI2, F16C): no EVEX, no VNNI
   everything else            the x86-64 baseline: no VEX, no EVEX, no VNNI, no AMX
 
@@ -29,14 +30,15 @@ _FUNCTION = re.compile(r"^[0-9a-f]+ <(.+)>:$")
 _INSTRUCTION = re.compile(r"^\s*[0-9a-f]+:\t((?:[0-9a-f]{2} )+)\s*\t?(.*)$")
 # The ISA namespace a function lives in, from its mangled name: _Z, Z for a local entity (a
 # lambda's operator() inside a path's function), N, cv-qualifiers, then qgru[::cpu]::<path>.
-_PATH = re.compile(r"^_ZZ?N[KVr]*4qgru(?:3cpu)?(?:3(amx)|10(avx512vnni)|4(avx2))")
+_PATH = re.compile(r"^_ZZ?N[KVr]*4qgru(?:3cpu)?(?:3(amx)|10(avx512vnni)|7(avxvnni)|4(avx2))")
 ALLOWED = {
     "amx": {"vex", "evex", "vnni", "amx"},
     "avx512vnni": {"vex", "evex", "vnni"},
+    "avxvnni": {"vex", "vnni"},
     "avx2": {"vex"},
     None: set(),
 }
-DEFINING = {"amx": "amx", "avx512vnni": "vnni", "avx2": "vex"}  # each compiled path uses its own
+DEFINING = {"amx": "amx", "avx512vnni": "vnni", "avxvnni": "vnni", "avx2": "vex"}  # each compiled path uses its own
 
 
 def features(objdump_text: str) -> dict:
@@ -91,6 +93,8 @@ def test_features_classify_known_encodings():
         "    5000:\t48 89 c7             \tmov    %rax,%rdi",
         "0000000000006000 <memcpy@plt>:",
         "    6000:\tff 25 00 00 00 00    \tjmp    *0x0(%rip)",
+        "0000000000007000 <_ZN4qgru3cpu7avxvnni1hEv>:",
+        "    7000:\tc4 e2 75 50 c2       \t{vex} vpdpbusd %ymm2,%ymm1,%ymm0",
     ])
     f = features(text)
     assert f["_ZN4qgru3cpu4avx21fEv"] == {"vex"}
@@ -98,7 +102,9 @@ def test_features_classify_known_encodings():
     assert f["_ZZN4qgru3cpu4avx24rowsEvENKUlvE_clEv"] == {"vex", "vnni"}  # AVX-VNNI: not AVX2
     assert f["_ZN4qgru3cpu3amx4tileEv"] == {"vex", "amx"}
     assert f["_ZNK4qgru5Stack7forwardEv"] == set() and f["memcpy@plt"] == set()
-    assert [path_of(n) for n in f] == ["avx2", "avx512vnni", "avx2", "amx", None, None]
+    assert f["_ZN4qgru3cpu7avxvnni1hEv"] == {"vex", "vnni"} <= ALLOWED["avxvnni"]
+    assert not f["_ZN4qgru3cpu10avx512vnni1gEv"] <= ALLOWED["avxvnni"]  # EVEX: never on avxvnni
+    assert [path_of(n) for n in f] == ["avx2", "avx512vnni", "avx2", "amx", None, None, "avxvnni"]
     assert path_of("_ZN4qgru4avx215dispatch_kernelIZNS_3cpu4avx2EvEEvv") == "avx2"  # qgru::avx2 (header)
     assert path_of("_ZN4qgru3cpu8portable4cellEv") is None  # portable: the baseline
     assert path_of("_ZN4qgru3cpu9avx2_like1fEv") is None  # a name that only starts like a path
@@ -147,7 +153,7 @@ def test_each_path_requires_every_feature_its_target_enables(library):
     csrc = native.csrc_dir() / "cpu"
     needs = {i["name"]: set(i["needs"]) for i in native.cpu_paths()}
     checked = 0
-    for path in ("avx2", "avx512vnni", "amx"):
+    for path in ("avx2", "avxvnni", "avx512vnni", "amx"):
         source = (csrc / f"kernel_{path}.cpp").read_text()
         m = re.search(r'#pragma GCC target\("([^"]+)"\)', source)
         assert m, f"kernel_{path}.cpp: no #pragma GCC target"
@@ -156,4 +162,4 @@ def test_each_path_requires_every_feature_its_target_enables(library):
         assert clang and set(clang.group(1).split(",")) == target, f"kernel_{path}.cpp: gcc and clang targets differ"
         assert target <= needs[path], f"{path}: isa.cpp does not check {sorted(target - needs[path])}"
         checked += 1
-    assert checked == 3 and needs["portable"] == set()
+    assert checked == 4 and needs["portable"] == set()

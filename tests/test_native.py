@@ -66,7 +66,7 @@ def _backend(kind: str) -> str:
     return kind.split(":")[0]
 
 
-CPU_PATHS = ("portable", "avx2", "avx512vnni", "amx")
+CPU_PATHS = ("portable", "avx2", "avxvnni", "avx512vnni", "amx")
 
 
 def _cuda_must_be_available(name: str, why: str) -> None:
@@ -489,11 +489,12 @@ def test_state16_with_h_gemm_takes_the_int32_cell(kind, mode, h_range):
 
 @pytest.mark.parametrize("name,mode,path,other", [
     ("w8a8", "multiplier", "amx", "avx512vnni"), ("w8a8", "pow2", "amx", "avx512vnni"),
-    ("w8a16", "multiplier", "amx", "avx2"), ("w8a16", "multiplier", "avx512vnni", "avx2")])
+    ("w8a16", "multiplier", "amx", "avx2"), ("w8a16", "multiplier", "avx512vnni", "avx2"),
+    ("w8a16", "pow2", "avxvnni", "avx2")])
 def test_one_row_calls_on_another_path(cpu_backend, name, mode, path, other):
     """A one-step call of a batch of one (streaming) runs on another path's Layer where
     native.one_row_path says so: on amx a fused layer's on avx512vnni (a 16-row tile would hold one
-    real row), on amx and avx512vnni a layer with 16-bit activations on avx2 (taken whole: one
+    real row), on amx, avx512vnni and avxvnni a layer with 16-bit activations on avx2 (taken whole: one
     fused pass). The golden integers; the other Layer is made on the first such call and only
     then; the layer's other calls (more rows, more steps) before and after it unchanged; the
     other path's own Layer and avx2's delegate nothing."""
@@ -536,7 +537,7 @@ def test_one_row_layer_must_match(cpu_backend):
 
 def test_cpu_path_follows_isa_switch(cpu_backend, monkeypatch):
     """QGRU_CPU_ISA (or isa=) picks the path; auto takes the first usable one in the order amx,
-    avx512vnni, avx2, portable; a path this CPU cannot run, or an unknown name, is a clear error;
+    avx512vnni, avxvnni, avx2, portable; a path this CPU cannot run, or an unknown name, is a clear error;
     qgru.backends() names the path that runs and the CPU."""
     monkeypatch.delenv("QGRU_CPU_ISA", raising=False)  # the kind fixture may have set it
     paths = native.cpu_paths()
@@ -590,7 +591,8 @@ def test_backends_report_cpu_unavailable_for_a_bad_isa_request(cpu_backend, monk
 
 def test_cpu_paths_match_the_cpu_flags(cpu_backend):
     """The run-time detection agrees with what Linux reports for this CPU (/proc/cpuinfo flags):
-    avx2 is usable exactly when the CPU has avx2 and fma, avx512vnni when it has avx512_vnni."""
+    avx2 is usable exactly when the CPU has avx2 and fma, avxvnni when it also has avx_vnni,
+    avx512vnni when it has avx512_vnni."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
                      if line.startswith("flags")).split()
@@ -598,6 +600,7 @@ def test_cpu_paths_match_the_cpu_flags(cpu_backend):
         pytest.skip("no /proc/cpuinfo flags on this system")
     usable = {i["name"]: i["usable"] for i in native.cpu_paths()}
     assert usable["avx2"] == ("avx2" in flags and "fma" in flags)
+    assert usable["avxvnni"] == (usable["avx2"] and "avx_vnni" in flags)
     assert usable["avx512vnni"] == all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl",
                                                             "avx512_vnni"))
     if usable["amx"]:
@@ -1563,7 +1566,7 @@ def test_stack_one_row_calls(cpu_backend, monkeypatch, cfg, layers):
         _forget_native(m)
         params = m._qparams_on["cpu"]
         path = native.resolve_cpu_isa(req)["name"]
-        expect = ("avx2" if cfg == "w8a16" and path in ("amx", "avx512vnni") and "avx2" in usable
+        expect = ("avx2" if cfg == "w8a16" and path in ("amx", "avx512vnni", "avxvnni") and "avx2" in usable
                   else "avx512vnni" if cfg == "w8a8" and path == "amx" and "avx512vnni" in usable else "")
         monkeypatch.setenv("QGRU_CPU_ISA", req)
         _assert_same(_streaming_loop(m, xs, "cpu", other_shape=True), want)

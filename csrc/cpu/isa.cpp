@@ -45,6 +45,7 @@ unsigned long long xcr0() {
 // them anywhere in the file, BMI2's shlx / sarx in the cells included) is present.
 // tests/test_cpu_isa_code.py checks these lists against the kernel files' targets.
 const std::vector<std::string> kAvx2Needs = {"avx2", "fma", "bmi2", "f16c", "popcnt"};
+const std::vector<std::string> kAvxVnniNeeds = {"avx2", "fma", "bmi2", "f16c", "popcnt", "avxvnni"};
 const std::vector<std::string> kAvx512VnniNeeds = {"avx2",     "fma",      "bmi2",     "avx512f",
                                                    "avx512bw", "avx512vl", "avx512dq", "avx512vnni"};
 const std::vector<std::string> kAmxNeeds = {"avx2",     "fma",      "bmi2",       "avx512f",  "avx512bw",
@@ -75,13 +76,13 @@ bool amx_permission() {
 
 Features detect() {
   Features f;
-  const Cpuid l1 = cpuid(1, 0), l7 = cpuid(7, 0);
+  const Cpuid l1 = cpuid(1, 0), l7 = cpuid(7, 0), l7s1 = cpuid(7, 1);
   const auto bit = [](unsigned r, int i) { return ((r >> i) & 1u) != 0; };
   f.cpu = {{"avx", bit(l1.c, 28)},      {"fma", bit(l1.c, 12)},        {"popcnt", bit(l1.c, 23)},
            {"f16c", bit(l1.c, 29)},     {"avx2", bit(l7.b, 5)},        {"bmi2", bit(l7.b, 8)},
            {"avx512f", bit(l7.b, 16)},  {"avx512dq", bit(l7.b, 17)},   {"avx512bw", bit(l7.b, 30)},
            {"avx512vl", bit(l7.b, 31)}, {"avx512vnni", bit(l7.c, 11)}, {"amx-tile", bit(l7.d, 24)},
-           {"amx-int8", bit(l7.d, 25)}};
+           {"amx-int8", bit(l7.d, 25)}, {"avxvnni", bit(l7s1.a, 4)}};
   const bool osxsave = bit(l1.c, 27);
   const unsigned long long x = osxsave ? xcr0() : 0;
   f.os_avx = osxsave && f.cpu["avx"] && (x & 0x6) == 0x6;  // XMM and YMM state
@@ -143,6 +144,7 @@ std::vector<IsaInfo> isa_table() {
   const std::string no_zmm = "the CPU has AVX-512 but the OS does not enable its state (XCR0)";
   entry("amx", amx_kernels(), kAmxNeeds, f.os_avx512 && f.amx_os.empty(), f.os_avx512 ? f.amx_os : no_zmm);
   entry("avx512vnni", avx512vnni_kernels(), kAvx512VnniNeeds, f.os_avx512, f.os_avx ? no_zmm : no_ymm);
+  entry("avxvnni", avxvnni_kernels(), kAvxVnniNeeds, f.os_avx, no_ymm);
   entry("avx2", avx2_kernels(), kAvx2Needs, f.os_avx, no_ymm);
 #endif
   t.push_back(IsaInfo{"portable", portable_kernels(), true, "", {}});

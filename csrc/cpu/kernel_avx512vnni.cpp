@@ -8,8 +8,9 @@
 // modulo 2^32, and so does the final subtraction: the result is the true a . w modulo 2^32, and
 // since |a . w| <= K 2^14 < 2^31 for K < 2^17 (every layer), it is the true value, even where the
 // offset sum itself (up to K 255 128) passes 2^31.
-// Packed weights: groups of 16 output columns; for each quad of K values, the 16 columns' four
-// int8 values side by side (one 64-byte row), then the group's 16 values of 128 colsum (int32).
+// Packed weights (pack_quads.h): groups of 16 output columns; for each quad of K values, the 16
+// columns' four int8 values side by side (one 64-byte row), then the group's 16 values of
+// 128 colsum (int32).
 // The micro-kernel computes up to 8 rows x 3 groups (24 of the 32 zmm registers).
 #define QGRU_ISA avx512vnni
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -33,6 +34,8 @@
 #if QGRU_BUILD_VNNI
 #include <immintrin.h>
 #include <string.h>
+
+#include "pack_quads.h"
 #endif
 
 namespace qgru {
@@ -43,30 +46,18 @@ namespace {
 
 constexpr int64_t kGroup = 16;
 
-int64_t group_bytes(int64_t K) { return kGroup * k_padded(K) + kGroup * 4; }
+int64_t group_bytes(int64_t K) { return quad_group_bytes<kGroup>(K); }
 
-int64_t packed_bytes(int64_t groups, int64_t K) { return groups * group_bytes(K); }
-
-void pack(const int8_t* W, int64_t ldw, int64_t K, const int64_t* channel, int64_t groups, void* out) {
-  const int64_t Kp = k_padded(K), gb = group_bytes(K);
-  int8_t* o = static_cast<int8_t*>(out);
-  memset(o, 0, (size_t)packed_bytes(groups, K));
-  for (int64_t g = 0; g < groups; ++g) {
-    int8_t* blk = o + g * gb;
-    int32_t colsum128[kGroup] = {0};
-    for (int64_t c = 0; c < kGroup; ++c) {
-      const int64_t ch = channel[g * kGroup + c];
-      if (ch < 0) continue;
-      int32_t sum = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        const int8_t w = W[ch * ldw + k];
-        blk[(k / 4) * 4 * kGroup + c * 4 + (k & 3)] = w;
-        sum += w;
-      }
-      colsum128[c] = 128 * sum;  // |sum| <= K 128 < 2^24: fits
-    }
-    memcpy(blk + kGroup * Kp, colsum128, sizeof(colsum128));
-  }
+// acc + the four-product sums of u8 a by s8 b per int32 lane (vpdpbusd, wrapping). gcc 12's
+// _mm512_dpbusd_epi32 made every accumulator of the micro-kernel also stored to the stack, and
+// copied twice, at every K quad; the same instruction as inline asm leaves them in registers.
+inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+#if defined(__clang__)
+  return _mm512_dpbusd_epi32(acc, a, b);
+#else
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
+  return acc;
+#endif
 }
 
 template <int MR, int NB>
@@ -84,7 +75,7 @@ inline void micro(const GemmArgs& a, const int8_t* A, int64_t r, const int8_t* B
       int32_t quad;
       memcpy(&quad, a0 + i * a.lda + 4 * kq, 4);
       const __m512i av = _mm512_xor_si512(_mm512_set1_epi32(quad), flip);  // a + 128 as u8
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], av, b[j]);
+      for (int j = 0; j < NB; ++j) acc[i][j] = dpbusd(acc[i][j], av, b[j]);
     }
   }
   for (int j = 0; j < NB; ++j) {
@@ -125,7 +116,7 @@ void gemm(const GemmArgs& a) {
 
 void no_init() {}
 
-const Kernels kTable{"avx512vnni", 1, kGroup, packed_bytes, pack, gemm,
+const Kernels kTable{"avx512vnni", 1, kGroup, quad_packed_bytes<kGroup>, pack_quads<kGroup>, gemm,
                      CellLoops<int8_t>::rows, CellLoops<int8_t>::tile, CellLoops<int8_t>::requant,
                      CellLoops<int8_t>::act, no_init, quantize_f32, quantize_f64};
 

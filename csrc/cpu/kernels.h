@@ -3,6 +3,7 @@
 //
 //   kernel_portable.cpp   plain C++ that the compiler vectorises for the build's baseline target
 //   kernel_avx2.cpp       AVX2: int8/int16 operands sign-extended to int16, vpmaddwd into int32
+//   kernel_avxvnni.cpp    AVX-VNNI: the same in 256-bit registers, for CPUs without AVX-512
 //   kernel_avx512vnni.cpp AVX-512 VNNI: vpdpbusd (u8 x s8) with a +128 offset and column sums
 //   kernel_amx.cpp        AMX-INT8 tiles (tdpbssd)
 //   isa.cpp               which of them this CPU and OS can run (CPUID, XCR0, AMX permission)
@@ -104,7 +105,7 @@ inline int64_t k_padded(int64_t K) { return (K + kKAlign - 1) / kKAlign * kKAlig
 QGRU_ISA_END
 
 struct Kernels {
-  const char* name;   // "portable", "avx2", "avx512vnni", "amx"
+  const char* name;   // "portable", "avx2", "avxvnni", "avx512vnni", "amx"
   int act_bytes;      // activation limbs as int8 (1) or int16 (2); int16 paths may take 16-bit values whole
   int64_t group;      // columns per packed column group
   int64_t (*packed_bytes)(int64_t groups, int64_t K);
@@ -125,6 +126,7 @@ struct Kernels {
 // The paths compiled into this binary (nullptr where the compiler cannot build one).
 const Kernels* portable_kernels();
 const Kernels* avx2_kernels();
+const Kernels* avxvnni_kernels();
 const Kernels* avx512vnni_kernels();
 const Kernels* amx_kernels();
 
