@@ -275,8 +275,10 @@ class CudaLayer {
     // above all: at T = 1000, N = 4096, H = I = 1024, 16 GB) runs without one: its buffers are this
     // call's, from PyTorch's caching allocator, and nothing stays with the layer. A graph saves
     // little there: at such sizes each step's GEMM takes far longer than its launch.
+    // A call of more than kMaxGraphSteps steps runs without a plan too: its graph would be too
+    // large to capture and instantiate quickly, and launches matter little over so many steps.
     const int64_t ws_bytes = use_graph_ ? cublas_workspace_bytes(device_.index()) : 0;
-    if (buffer_bytes(d_, Tp, N, masked) + ws_bytes > plan_max_bytes_)
+    if (buffer_bytes(d_, Tp, N, masked) + ws_bytes > plan_max_bytes_ || (use_graph_ && Tp > cuda::kMaxGraphSteps))
       return forward_unplanned(qx, qh0, lengths, cur, false);
 
     std::lock_guard<std::mutex> lock(mu_);  // one call at a time enqueues work on the plan
@@ -306,19 +308,21 @@ class CudaLayer {
       ++counters_.eager_runs;
       run_owned(p.b, p.cublas_ws, cur, nullptr);
     } else {
-      // graphs cannot be captured on the legacy default stream: capture and replay on a side stream
-      // ordered after the copies above and before the copies out
-      c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device_.index());
+      // graphs cannot be captured on the legacy default stream: capture and replay on the layer's
+      // own side stream, ordered after the copies above and before the copies out. Its own, not
+      // one of PyTorch's pooled streams: a capture records whatever any thread enqueues on the
+      // capturing stream, and a pooled stream can be another thread's current stream.
+      const cudaStream_t side = side_stream();
       check_cuda(cudaEventRecord(p.ready, cur), "cudaEventRecord");
-      check_cuda(cudaStreamWaitEvent(side.stream(), p.ready, 0), "cudaStreamWaitEvent");
+      check_cuda(cudaStreamWaitEvent(side, p.ready, 0), "cudaStreamWaitEvent");
       if (p.exec == nullptr) {
-        run_owned(p.b, p.cublas_ws, side.stream(), &p.exec);
+        run_owned(p.b, p.cublas_ws, side, &p.exec);
         ++counters_.captures;
       } else {
         ++counters_.replays;
       }
-      check_cuda(cudaGraphLaunch(p.exec, side.stream()), "cudaGraphLaunch");
-      check_cuda(cudaEventRecord(p.done, side.stream()), "cudaEventRecord");
+      check_cuda(cudaGraphLaunch(p.exec, side), "cudaGraphLaunch");
+      check_cuda(cudaEventRecord(p.done, side), "cudaEventRecord");
       check_cuda(cudaStreamWaitEvent(cur, p.done, 0), "cudaStreamWaitEvent");
     }
     // the plan's buffers are reused by the next call: hand out copies (of the call's own steps),
@@ -326,6 +330,13 @@ class CudaLayer {
     at::Tensor out = p.b.out.narrow(0, 0, T).to(at::kInt), state = p.b.state.clone();
     last_use.record();
     return {out, state};
+  }
+
+  int64_t window_steps(int64_t T, int64_t N) const { return cuda::workspace_sizes(d_, T, N).window_steps; }
+
+  ~CudaLayer() {
+    plans_.clear();  // each waits for its last use
+    if (side_ != nullptr) cudaStreamDestroy(side_);  // its work is done: the plans' last uses follow it
   }
 
   std::map<std::string, int64_t> counters() const {
@@ -406,6 +417,7 @@ class CudaLayer {
                                                        const c10::optional<at::Tensor>& lengths, cudaStream_t cur,
                                                        bool in_capture) {
     ++(in_capture ? counters_.in_foreign_capture : counters_.unplanned_runs);
+    if (in_capture) keep_for_foreign_graphs();
     Buffers b = make_buffers(d_, qx.size(0), qx.size(1), lengths.has_value(), qx.options());
     b.qx.copy_(qx);
     b.state.copy_(qh0);
@@ -417,6 +429,24 @@ class CudaLayer {
       run(b, cur, at::cuda::getCurrentCUDABlasHandle());
     }
     return {b.out.to(at::kInt), b.state};  // this call's own tensors (out as the int32 the Layer returns)
+  }
+
+  // The caller's graph holds pointers into this layer's parameter tensors and may outlive the
+  // layer (its LayerParams replaced, the layer freed): once a layer has run inside a foreign
+  // capture, its tensors are kept for the rest of the process.
+  void keep_for_foreign_graphs() {
+    static std::mutex mu;
+    static std::vector<TensorMap>* kept = new std::vector<TensorMap>();  // never freed: see above
+    std::lock_guard<std::mutex> lock(mu);
+    if (kept_for_graphs_) return;
+    kept->push_back(lt_.t);
+    kept_for_graphs_ = true;
+  }
+
+  // The layer's own stream for capturing and replaying its graphs, made on first use (under mu_).
+  cudaStream_t side_stream() {
+    if (side_ == nullptr) check_cuda(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate");
+    return side_;
   }
 
   // The plan of shape (T, N, has_lengths), moved to the front (newest); made if there is none
@@ -458,6 +488,8 @@ class CudaLayer {
   at::Device device_{at::kCUDA};
   bool use_graph_ = true;
   int64_t plan_max_bytes_ = cuda::kPlanCacheBytes;
+  cudaStream_t side_ = nullptr;   // side_stream()
+  bool kept_for_graphs_ = false;  // keep_for_foreign_graphs()
   mutable std::mutex mu_;
   std::list<std::unique_ptr<Plan>> plans_;  // newest first
   Counters counters_;
@@ -472,6 +504,13 @@ at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bi
   TORCH_CHECK(bits >= 2 && bits <= 16 && zp >= -(int64_t(1) << 16) && zp <= (int64_t(1) << 16) && scale > 0,
               "qgru cuda quantize: bits ", bits, ", zero point ", zp, ", scale ", scale, " out of range");
   c10::cuda::CUDAGuard guard(x_in.device());
+  {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream().stream(), &capture), "cudaStreamIsCapturing");
+    TORCH_CHECK(capture == cudaStreamCaptureStatusNone, "qgru cuda: a converted QuantGRU's float boundary cannot ",
+                "run inside a CUDA graph capture: it reads a NaN flag of its input on the host. Capture the ",
+                "integer layer (qgru.native.NativeLayer on quantized tensors) or run the module outside the capture");
+  }
   const at::Tensor x = (x_in.scalar_type() == at::kDouble ? x_in : x_in.to(at::kFloat)).contiguous();
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kInt));
   at::Tensor nan = at::zeros({1}, x.options().dtype(at::kInt));
@@ -507,7 +546,7 @@ at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "qgru CUDA backend (bit-exact with qgru/golden.py)";
   m.attr("built_for_torch") = QGRU_TORCH_VERSION;
-  m.attr("wx_chunk_rows") = qgru::cuda::kChunkRows;  // rows of x per window (the tests span two windows)
+  m.attr("max_window_rows") = qgru::cuda::kMaxWindowRows;  // input rows of one W.x window, at most
   m.def("quantize", &qgru::quantize, "float CUDA tensor -> int32 on (scale, zp, bits); NaN raises ValueError",
         pybind11::arg("x"), pybind11::arg("scale"), pybind11::arg("zp"), pybind11::arg("bits"), pybind11::arg("what"));
   m.def("dequantize", &qgru::dequantize, "integer CUDA tensor -> float32 (q - zp) * scale", pybind11::arg("q"),
@@ -520,5 +559,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("lengths") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>())
       // the GEMM path, as the CPU Layer reports its own (NativeLayer.gemm; the tests check it)
       .def_property_readonly("gemm", [](const qgru::CudaLayer&) { return std::string("cublas"); })
-      .def_property_readonly("counters", &qgru::CudaLayer::counters);
+      .def_property_readonly("counters", &qgru::CudaLayer::counters)
+      .def("window_steps", &qgru::CudaLayer::window_steps, pybind11::arg("T"), pybind11::arg("N"),
+           "steps per W.x window of a call of this shape (the tests span two windows)");
 }

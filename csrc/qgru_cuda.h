@@ -19,7 +19,6 @@ constexpr int kPad = 16;  // rows, channels and K are padded to multiples of 16 
 // version, qgru never asks for them. The weight limbs come padded by prepare_layer (gemm_min);
 // the row counts are padded here (gemm_rows).
 constexpr int64_t kMinGemmDim = 32;
-constexpr int64_t kChunkRows = 16384;  // input rows (steps x batch) of one window's W.x GEMM, a multiple of kPad
 
 // Rows of a GEMM over `rows` rows of activations: a multiple of kPad, at least kMinGemmDim.
 inline int64_t gemm_rows(int64_t rows) {

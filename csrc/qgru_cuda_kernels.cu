@@ -169,9 +169,10 @@ LimbProducts run_gemms(const GemmDesc& g, int8_t* const act_limbs[2], int32_t* c
 WorkspaceSizes workspace_sizes(const LayerDesc& d, int64_t T, int64_t N) {
   WorkspaceSizes s;
   const int64_t n = N > 0 ? N : 1;
-  // a window: as many steps as fit kChunkRows rows of x (at least one), at most T
-  s.window_steps = kChunkRows / n > 1 ? kChunkRows / n : 1;
-  if (T > 0 && s.window_steps > T) s.window_steps = T;
+  // a window: as many steps as its buffers allow (window_steps, qgru_cuda_launch.h): per input row
+  // the W.x GEMM outputs (int32, P pairs), Wx - Z_Wx (int32, 3H) and the two x limb buffers
+  const int64_t row_bytes = 4 * d.wx.P * d.wx.M_pad + 4 * 3 * d.H + 2 * d.wx.K_pad;
+  s.window_steps = window_steps(row_bytes, n, T);
   const int64_t window_rows = s.window_steps * n;
   s.chunk_rows = gemm_rows(window_rows);
   s.N_pad = gemm_rows(n);
@@ -197,7 +198,7 @@ void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, int64_t
   check(cudaGetLastError(), "limbs_kernel (state) launch");
   // Windows of steps: W.x of a window's steps in one GEMM (seed 001 steps 1-2), then their
   // recurrence, one R.h GEMM + one cell kernel per step (step 3). Wx - Z_Wx is kept for one window
-  // only (at most kChunkRows rows), not for all T steps.
+  // only (window_steps: at most kWindowBytes of buffers), not for all T steps.
   for (int64_t t0 = 0; t0 < T; t0 += ws.window_steps) {
     const int64_t steps = T - t0 < ws.window_steps ? T - t0 : ws.window_steps;
     const int64_t rows = steps * N;

@@ -87,6 +87,30 @@ inline int64_t plan_steps(int64_t T) {
   return (T + q - 1) / q * q;
 }
 
+// Steps per W.x window (qgru_cuda_kernels.cu, workspace_sizes): as many as keep the window's
+// buffers (W.x GEMM outputs, Wx - Z_Wx and x limbs: row_bytes per input row) within
+// kWindowBytes, and its rows within kMaxWindowRows (one cuBLAS GEMM's m), at least one step and at
+// most T. A fixed row count made the window of a large layer the largest thing a plan keeps
+// (H = I = 1024, N = 64: 400 MB of W.x outputs and Wx for 16384 rows), past the bound a plan may
+// keep (kPlanCacheBytes); 32 MiB still gives the W.x GEMM hundreds of rows there.
+constexpr int64_t kWindowBytes = int64_t(32) << 20;
+constexpr int64_t kMaxWindowRows = 16384;
+
+inline int64_t window_steps(int64_t row_bytes, int64_t N, int64_t T) {
+  const int64_t n = N > 0 ? N : 1;
+  int64_t rows = kWindowBytes / (row_bytes > 0 ? row_bytes : 1);
+  if (rows > kMaxWindowRows) rows = kMaxWindowRows;
+  int64_t steps = rows / n;
+  if (steps < 1) steps = 1;
+  if (T > 0 && steps > T) steps = T;
+  return steps;
+}
+
+// Plans hold at most kMaxGraphSteps steps (plan_steps of the call's T): a longer call runs
+// without a plan (qgru_cuda.cpp), since its captured graph (2 or more nodes per step) would cost
+// seconds to capture and instantiate per length bucket.
+constexpr int64_t kMaxGraphSteps = 4096;
+
 // A layer keeps the plans of its last few shapes, so that calls alternating between shapes (two
 // length buckets, a training batch and a last partial one) replay their graphs instead of
 // rebuilding a plan per call. Bounded: at most kMaxPlans plans, and older plans only while all the

@@ -316,3 +316,42 @@ def test_cuda_plan_cache_bound(tmp_path):
     (csrc/qgru_cuda_launch.h, plans_to_keep), newest first, at most kMaxPlans and older ones only
     within kPlanCacheBytes; the newest is always kept. Compiled for the host and run here."""
     _host_check(tmp_path, "plan_cache_check", _PLAN_CACHE_CHECK, "PLAN-CACHE-OK")
+
+
+_WINDOW_CHECK = r"""
+#include <cstdio>
+#include <cstdint>
+#include "qgru_cuda_launch.h"
+
+int main() {
+  using namespace qgru::cuda;
+  int bad = 0;
+  auto fail = [&](const char* what, long long a, long long b) {
+    std::printf("%s: %lld %lld\n", what, a, b);
+    bad = 1;
+  };
+  const int64_t rows_bytes[] = {1, 64, 816, 26880, 63744, 1 << 20, kWindowBytes, 2 * kWindowBytes};
+  const int64_t Ns[] = {1, 2, 25, 64, 4096, 20000};
+  const int64_t Ts[] = {1, 3, 700, 100000};
+  for (int64_t rb : rows_bytes)
+    for (int64_t N : Ns)
+      for (int64_t T : Ts) {
+        const int64_t s = window_steps(rb, N, T);
+        if (s < 1 || s > T) fail("steps outside [1, T]", s, T);
+        // within the bytes and the row cap, unless one step alone is more
+        if (s > 1 && (s * N * rb > kWindowBytes || s * N > kMaxWindowRows)) fail("window too large", s, N);
+        // as many as allowed: one more step would pass a bound (or T)
+        if (s < T && (s + 1) * N * rb <= kWindowBytes && (s + 1) * N <= kMaxWindowRows) fail("window too small", s, N);
+      }
+  if (!bad) std::printf("WINDOW-OK\n");
+  return bad;
+}
+"""
+
+
+def test_cuda_window_steps(tmp_path):
+    """Item 4 of issue 13: a W.x window (csrc/qgru_cuda_launch.h, window_steps) holds at least one
+    step and at most T, keeps its buffers within kWindowBytes and its rows within kMaxWindowRows
+    (unless one step alone is more), and is as long as those bounds allow. Compiled for the host
+    and run here, over row sizes from a tiny layer's to a 16-bit H = 1024 layer's and beyond."""
+    _host_check(tmp_path, "window_check", _WINDOW_CHECK, "WINDOW-OK")

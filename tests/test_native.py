@@ -721,9 +721,11 @@ def _plain_layer(cfg: str, mode: str, I: int, H: int, seed: int, w_exp: int = -2
 def test_cuda_graph_replay_matches_eager_on_later_calls(cuda_backend, monkeypatch, cfg):
     """One Layer with qgru's CUDA graph and one without (QGRU_CUDA_GRAPH=0), called again and again
     with new data and new lengths every call: a shape that keeps its plan (call 1 makes the plan and
-    runs eagerly, call 2 captures the graph, calls 3 and 4 replay it), a change of shape and a
-    return to the first. Every call equals golden, and every result is still intact after all the
-    later calls (results are copies, never the plan's buffers)."""
+    runs eagerly, call 2 captures the graph, calls 3 and 4 replay it), two more shapes (with no
+    lengths, and another batch) and a return to the first, whose plan is still kept (three plans:
+    within kMaxPlans and the byte bound) and replays at once. Every call equals golden, and every
+    result is still intact after all the later calls (results are copies, never the plan's
+    buffers)."""
     p = _converted(_cfg(cfg, scale_mode="multiplier"), 23, 37)._qparams[0][0]
     layers = {"graph": _cuda_layer(p, True, monkeypatch), "eager": _cuda_layer(p, False, monkeypatch)}
     gen = torch.Generator().manual_seed(13)
@@ -738,8 +740,9 @@ def test_cuda_graph_replay_matches_eager_on_later_calls(cuda_backend, monkeypatc
     for got, inputs, what in kept:
         _assert_golden(got, p, *inputs, what=what + ", checked again after the later calls")
     graph, eager = layers["graph"].layer.counters, layers["eager"].layer.counters
-    # 4 shapes in a row: every run of a shape after its first two calls is a replay
-    assert graph["captures"] == 4 and graph["replays"] == 13 - 4 - 4, graph
+    # 3 plans, each: one eager run, one capture, then replays (the return to the first shape: 3)
+    assert graph["plans"] == 3 and graph["eager_runs"] == 3, graph
+    assert graph["captures"] == 3 and graph["replays"] == 13 - 3 - 3, graph
     assert eager["captures"] == 0 and eager["replays"] == 0 and eager["eager_runs"] == 13, eager
 
 
@@ -897,6 +900,25 @@ def test_cuda_call_inside_torch_cuda_graph(cuda_backend, monkeypatch):
     _assert_golden(layer(*_on_cuda(*c)), p, *c, "after the capture")
 
 
+def test_cuda_module_call_inside_a_capture_is_a_clear_error(cuda_backend):
+    """A converted QuantGRU's float boundary reads its input's NaN flag on the host, which a CUDA
+    graph capture forbids: inside torch.cuda.graph the module call is a RuntimeError saying so
+    (raised before any of its work is enqueued), and the module runs again after it."""
+    m = _converted(_cfg("w8a8"), 7, 12).to("cuda")
+    x = torch.randn(3, 2, 7, device="cuda")
+    try:
+        with qgru.backend("cuda"):
+            want, _ = m(x)
+            g = torch.cuda.CUDAGraph()
+            with pytest.raises(RuntimeError, match="cannot run inside a CUDA graph capture"):
+                with torch.cuda.graph(g):
+                    m(x)
+            got, _ = m(x)
+        assert torch.equal(got, want)
+    finally:
+        m.to("cpu")
+
+
 def test_cuda_after_clearing_cublas_workspaces(cuda_backend, monkeypatch):
     """torch._C._cuda_clearCublasWorkspaces() frees PyTorch's cuBLAS workspaces. qgru's captured
     graph owns its workspace, so later replays stay exact and do not write memory handed out again
@@ -964,16 +986,37 @@ def test_cuda_shape_too_large_for_a_plan(cuda_backend, monkeypatch, graph):
         assert c["eager_runs"] == 4 and c["captures"] == 0, c
 
 
+def plan_steps(T: int) -> int:
+    """csrc/qgru_cuda_launch.h plan_steps: the steps of a CUDA plan for a call of T steps."""
+    if T <= 16:
+        return T
+    q = 1 << (T.bit_length() - 1 - 3)
+    return -(-T // q) * q
+
+
+def test_cuda_window_is_bounded_by_bytes(cuda_backend, monkeypatch):
+    """Item 4 of issue 13: a W.x window holds as many steps as keep its buffers within 32 MiB
+    (csrc/qgru_cuda_launch.h, window_steps), so a large layer's plan stays under the plan bound:
+    H = I = 1024, N = 64 takes far fewer than 16384 rows per window, a small layer the row cap."""
+    big = _plain_layer("w8a8", "pow2", 1024, 1024, seed=3, w_exp=-5)
+    small = _converted(_cfg("w8a8"), 30, 20)._qparams[0][0]
+    cap = native.load("cuda").max_window_rows
+    steps_big = _cuda_layer(big, True, monkeypatch).layer.window_steps(320, 64)
+    assert 1 <= steps_big and steps_big * 64 * (4 * 3088 + 12 * 1024) <= 32 << 20, steps_big
+    assert _cuda_layer(small, True, monkeypatch).layer.window_steps(10 ** 5, 25) == cap // 25
+
+
 @pytest.mark.parametrize("graph", [True, False])
 def test_cuda_wx_over_two_chunks(cuda_backend, monkeypatch, graph):
-    """T N above the W.x chunk (the extension's wx_chunk_rows) and at most two of them: W.x runs in
-    two windows of steps, each followed by its steps' recurrence; the second window's rows (and the
-    partial tile at its end) reach the right steps; three calls, new data."""
-    chunk = native.load("cuda").wx_chunk_rows
+    """T steps over more than one W.x window and at most two (the Layer's window_steps: here the
+    row cap, max_window_rows): W.x runs in two windows of steps, each followed by its steps'
+    recurrence; the second window's rows (and the partial tile at its end) reach the right steps;
+    three calls, new data."""
     T, N = 700, 25
-    assert chunk < T * N <= 2 * chunk, (chunk, T * N)
     p = _converted(_cfg("w8a16", scale_mode="multiplier"), 30, 20)._qparams[0][0]
     layer = _cuda_layer(p, graph, monkeypatch)
+    steps = layer.layer.window_steps(plan_steps(T) if graph else T, N)
+    assert steps * N <= native.load("cuda").max_window_rows and steps < T <= 2 * steps, (steps, T)
     gen = torch.Generator().manual_seed(31)
     for i in range(3):
         c = _random_inputs(p, T, N, True, gen)
