@@ -636,6 +636,25 @@ def _channel_blocks(parts: Dict[str, torch.Tensor], H: int) -> torch.Tensor:
 _INT8_PATHS = ("amx", "avx512vnni", "avxvnni")  # the paths with int8 activation limbs (act_bytes 1)
 
 
+def _avx2_takes_whole(p: LayerParams) -> bool:
+    """Whether p has a 16-bit x or R.h operand that avx2 takes whole as int16, so that its step is
+    one fused pass there against two limb pairs per GEMM on the int8 paths."""
+    b = p.bits
+    return max(b["x"], b[recurrent_operand(b)]) > 8 and one_limb_pair(p, act16=True)
+
+
+def layer_path(p: LayerParams, path: str, request: str) -> str:
+    """The CPU path a layer runs on when the request ``request`` resolved to ``path``: ``path``, but
+    for an auto request on avxvnni a layer that avx2 takes whole (_avx2_takes_whole) runs on avx2,
+    whose int16 operands beat avxvnni's two limbs there (w8a16, T=100 N=64 I=256 H=512: 94 against
+    113 ms, bench.py on lscpu "Intel(R) Xeon(R) Processor", 2026-11-25). amx and avx512vnni stay
+    ahead of avx2 there (31 and 59 ms). A forced path (QGRU_CPU_ISA) is taken as asked."""
+    if request == "auto" and path == "avxvnni" and _avx2_takes_whole(p) and \
+            any(i["name"] == "avx2" and i["usable"] for i in cpu_paths()):
+        return "avx2"
+    return path
+
+
 def one_row_path(p: LayerParams, path: str) -> Optional[str]:
     """The CPU path on which a layer of path ``path`` runs its one-step calls of a batch of one
     (streaming), or None for ``path`` itself: the one place that decides it (the C++ Layer runs
@@ -650,9 +669,7 @@ def one_row_path(p: LayerParams, path: str) -> Optional[str]:
     usable = {str(i["name"]) for i in cpu_paths() if i["usable"]}
     if path == "amx" and "avx512vnni" in usable and one_limb_pair(p, act16=False):
         return "avx512vnni"
-    b = p.bits
-    if (path in _INT8_PATHS and "avx2" in usable and max(b["x"], b[recurrent_operand(b)]) > 8
-            and one_limb_pair(p, act16=True)):
+    if path in _INT8_PATHS and "avx2" in usable and _avx2_takes_whole(p):
         return "avx2"
     return None
 
@@ -709,6 +726,8 @@ def cpu_gemm_detail() -> str:
     one_row = ("; a streaming step (one step of a batch of one) runs on avx512vnni where the layer is one fused "
                "pass (a 16-row AMX tile would hold one real row)" if info["name"] == "amx" and "avx512vnni" in usable
                else "")
+    if info["name"] == "avxvnni" and "avx2" in usable and cpu_isa_request() == "auto":
+        one_row += "; a layer with 16-bit x or h that avx2 takes whole as int16 runs on avx2 (one fused pass)"
     if info["name"] in _INT8_PATHS and "avx2" in usable:
         one_row += ("; a streaming step of a layer with 16-bit x or h that avx2 takes whole as int16 runs on avx2 "
                     "(one fused pass instead of two limb pairs per GEMM)")
@@ -728,6 +747,10 @@ class NativeLayer:
         mod = load(kind)
         if kind == "cpu":
             info = resolve_cpu_isa(isa)
+            request = cpu_isa_request() if isa is None else isa.strip().lower()
+            name = layer_path(p, str(info["name"]), request)
+            if name != info["name"]:
+                info = resolve_cpu_isa(name)
             # prepared on the host, then moved once
             tensors, values = prepare_layer(p.to("cpu"), act16=info["act_bytes"] == 2)
             self.layer = mod.Layer(tensors, values, str(info["name"]))

@@ -517,6 +517,33 @@ def test_one_row_calls_on_another_path(cpu_backend, name, mode, path, other):
     assert layer.layer.one_row_made
 
 
+def test_auto_avxvnni_runs_16_bit_layers_on_avx2(cpu_backend, monkeypatch):
+    """Where auto resolves to avxvnni (here amx and avx512vnni are marked unusable), a layer whose
+    16-bit x and h avx2 takes whole runs on avx2 (native.layer_path: one fused pass with int16
+    operands beats avxvnni's two limb pairs), an 8-bit layer on avxvnni, and a forced avxvnni
+    keeps every layer; golden's integers on each."""
+    real = native.cpu_paths()
+    if not {"avxvnni", "avx2"} <= {str(i["name"]) for i in real if i["usable"]}:
+        pytest.skip("needs a CPU that runs avxvnni and avx2")
+    monkeypatch.setattr(native, "cpu_paths", lambda: [
+        dict(i, usable=False, why="marked unusable (test)") if i["name"] in ("amx", "avx512vnni") else i for i in real])
+    monkeypatch.delenv("QGRU_CPU_ISA", raising=False)
+    dev = torch.device("cpu")
+    p16 = _converted(_cfg("w8a16"), 23, 37)._qparams[0][0]
+    p8 = _converted(_cfg("w8a8"), 23, 37)._qparams[0][0]
+    assert native.layer_path(p16, "avxvnni", "auto") == "avx2" and native.layer_path(p8, "avxvnni", "auto") == "avxvnni"
+    assert native.layer_path(p16, "avxvnni", "avxvnni") == "avxvnni" and native.layer_path(p16, "amx", "auto") == "amx"
+    gen = torch.Generator().manual_seed(17)
+    for p, isa, want in ((p16, None, "avx2-fused"), (p8, None, "avxvnni-fused"), (p16, "avxvnni", "avxvnni")):
+        layer = native.NativeLayer("cpu", p, dev, isa=isa)
+        assert layer.gemm == want, (isa, layer.gemm)
+        qx, qh0, lengths = _random_inputs(p, 6, 19, True, gen)
+        want_out, want_h = golden.gru_direction(p, qx, qh0, lengths)
+        got_out, got_h = layer(qx, qh0, lengths)
+        assert torch.equal(got_out.long(), want_out) and torch.equal(got_h.long(), want_h), (isa, want)
+    assert "avx2 takes whole as int16 runs on avx2 (one fused pass)" in qgru.backends()["cpu"]["detail"]
+
+
 def test_one_row_layer_must_match(cpu_backend):
     """set_one_row refuses a Layer of another layer (sizes, bit widths) and a path that cannot run."""
     usable = [str(i["name"]) for i in native.cpu_paths() if i["usable"]]
