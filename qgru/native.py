@@ -48,7 +48,7 @@ _SOURCES = {
 # rebuilds (tests/test_native.py checks that this list and _SOURCES cover every file in csrc/)
 _HEADERS = ["qgru_fixedpoint.h", "qgru_cell.h", "qgru_layer.h", "qgru_cuda.h", "qgru_cuda_launch.h", "cpu/kernels.h",
             "cpu/cell_loops.h", "cpu/isa.h", "cpu/quantize_block.h", "cpu/lanes_avx2.h", "cpu/lanes_avx512.h",
-            "cpu/pack_quads.h"]
+            "cpu/vnni_gemm.h"]
 GEMM_PAD = 16  # channel and reduction padding: int8 tensor-core GEMMs want multiples of 16
 # the CUDA backend's smallest GEMM dimension (csrc/qgru_cuda.h kMinGemmDim: cuBLAS is never asked
 # for 16 or fewer channels, rows or K, shapes PyTorch's own int8 GEMM refuses)
