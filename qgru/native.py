@@ -78,6 +78,24 @@ def _cpu_flags() -> List[str]:
     return flags
 
 
+def _toolchain_has_avxvnni(work: Path) -> bool:
+    """Whether the compiler and assembler build csrc/cpu/kernel_avxvnni.cpp's instruction (the VEX
+    form of vpdpbusd, written `{vex} vpdpbusd`: binutils 2.36 and later, gcc 11, clang 12). An older
+    toolchain builds every other path; without this check the whole extension would fail to build."""
+    import subprocess
+    probe = work / "avxvnni_probe.cpp"
+    probe.write_text('#include <immintrin.h>\n'
+                     '__attribute__((target("avx2,avxvnni"))) __m256i f(__m256i a, __m256i b, __m256i c) {\n'
+                     '  __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(a) : "x"(b), "xm"(c));\n'
+                     '  return _mm256_dpbusd_avx_epi32(a, b, c);\n}\n')
+    try:
+        r = subprocess.run([os.environ.get("CXX", "c++"), "-c", str(probe), "-o", str(work / "avxvnni_probe.o")],
+                           capture_output=True, text=True, timeout=120)
+        return r.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def _compiler_is_gcc() -> bool:
     import subprocess
     try:
@@ -225,6 +243,8 @@ def _compile(kind: str, verbose: bool):
     src = csrc_dir()
     # escaped for the shell that ninja runs the compiler through
     define = [f'-DQGRU_TORCH_VERSION=\\"{torch.__version__}\\"']
+    if kind == "cpu" and platform.machine() in ("x86_64", "AMD64") and not _toolchain_has_avxvnni(d):
+        define.append("-DQGRU_NO_AVXVNNI")  # the avxvnni path is then "not compiled into this binary"
     kw = dict(name=_ext_name(kind), sources=[str(src / s) for s in _SOURCES[kind]],
               extra_include_paths=[str(src), str(src / "cpu")], build_directory=str(d), verbose=verbose,
               extra_cflags=_cpu_flags() + define, extra_ldflags=["-fopenmp"])
@@ -728,7 +748,7 @@ def cpu_gemm_detail() -> str:
                else "")
     if info["name"] == "avxvnni" and "avx2" in usable and cpu_isa_request() == "auto":
         one_row += "; a layer with 16-bit x or h that avx2 takes whole as int16 runs on avx2 (one fused pass)"
-    if info["name"] in _INT8_PATHS and "avx2" in usable:
+    elif info["name"] in _INT8_PATHS and "avx2" in usable:
         one_row += ("; a streaming step of a layer with 16-bit x or h that avx2 takes whole as int16 runs on avx2 "
                     "(one fused pass instead of two limb pairs per GEMM)")
     return (f"path {info['name']}: {_PATH_TEXT.get(str(info['name']), info['name'])}, {why}; one fused pass per "

@@ -76,7 +76,8 @@ bool amx_permission() {
 
 Features detect() {
   Features f;
-  const Cpuid l1 = cpuid(1, 0), l7 = cpuid(7, 0), l7s1 = cpuid(7, 1);
+  const Cpuid l1 = cpuid(1, 0), l7 = cpuid(7, 0);
+  const Cpuid l7s1 = l7.a >= 1 ? cpuid(7, 1) : Cpuid{};  // leaf 7's EAX: its last sub-leaf
   const auto bit = [](unsigned r, int i) { return ((r >> i) & 1u) != 0; };
   f.cpu = {{"avx", bit(l1.c, 28)},      {"fma", bit(l1.c, 12)},        {"popcnt", bit(l1.c, 23)},
            {"f16c", bit(l1.c, 29)},     {"avx2", bit(l7.b, 5)},        {"bmi2", bit(l7.b, 8)},
@@ -135,7 +136,7 @@ std::vector<IsaInfo> isa_table() {
   auto entry = [&](const char* name, const Kernels* k, const std::vector<std::string>& needs, bool os_ok,
                    const std::string& os_why) {
     std::string why;
-    if (k == nullptr) why = "not compiled into this binary (compiler too old for it)";
+    if (k == nullptr) why = "not compiled into this binary (the toolchain that built it cannot: compiler or assembler too old)";
     else if (!f.has(needs)) why = "this CPU lacks " + f.missing(needs);
     else if (!os_ok) why = os_why;
     t.push_back(IsaInfo{name, k, why.empty(), why, needs});

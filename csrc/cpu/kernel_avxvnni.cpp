@@ -10,8 +10,9 @@
 // 8 columns, micro-kernels of up to 4 rows x 3 groups (12 of the 16 ymm registers).
 // The cell: the int32 cell in 8-lane vectors (lanes_avx2.h), as on the avx2 path.
 #define QGRU_ISA avxvnni
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
-    (!defined(__GNUC__) || defined(__clang__) || __GNUC__ >= 11)
+// (QGRU_NO_AVXVNNI: qgru/native.py found that the toolchain cannot build it, _toolchain_has_avxvnni)
+#if defined(__x86_64__) && !defined(QGRU_NO_AVXVNNI) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define QGRU_BUILD_AVXVNNI 1
 #define QGRU_QUANTIZE_AVX2
 #if defined(__clang__)
@@ -20,7 +21,7 @@
 #pragma GCC target("avx2,fma,bmi2,f16c,popcnt,avxvnni")
 #endif
 #else
-#define QGRU_BUILD_AVXVNNI 0  // gcc before 11 has no AVX-VNNI intrinsics
+#define QGRU_BUILD_AVXVNNI 0  // gcc before 11 and clang before 12 have no AVX-VNNI intrinsics
 #endif
 #if QGRU_BUILD_AVXVNNI
 #include "lanes_avx2.h"  // the int32 cell in explicit 8-lane vectors

@@ -3,7 +3,8 @@
 //
 //   kernel_portable.cpp   plain C++ that the compiler vectorises for the build's baseline target
 //   kernel_avx2.cpp       AVX2: int8/int16 operands sign-extended to int16, vpmaddwd into int32
-//   kernel_avxvnni.cpp    AVX-VNNI: the same in 256-bit registers, for CPUs without AVX-512
+//   kernel_avxvnni.cpp    AVX-VNNI: vpdpbusd in its VEX form (256-bit), as avx512vnni, for CPUs
+//                         without AVX-512 (vnni_gemm.h: both paths' GEMM)
 //   kernel_avx512vnni.cpp AVX-512 VNNI: vpdpbusd (u8 x s8) with a +128 offset and column sums
 //   kernel_amx.cpp        AMX-INT8 tiles (tdpbssd)
 //   isa.cpp               which of them this CPU and OS can run (CPUID, XCR0, AMX permission)
