@@ -137,7 +137,8 @@ def _expected_gemm(kind: str, p) -> str:
     8 bits; on an int16 path, a 16-bit x or h times 8-bit weights where the int32 bound holds)."""
     if kind == "cuda":
         return "cublas"
-    path = kind.split(":")[1] if ":" in kind else native.resolve_cpu_isa()["name"]
+    path = kind.split(":")[1] if ":" in kind else native.layer_path(p, native.resolve_cpu_isa()["name"],
+                                                                     native.cpu_isa_request())
     act16 = {i["name"]: i for i in native.cpu_paths()}[path]["act_bytes"] == 2
     return path + ("-fused" if native.one_limb_pair(p, act16) else "")
 
