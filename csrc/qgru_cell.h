@@ -271,16 +271,12 @@ QGRU_ISA_END
 struct Table32 {  // tables.lookup in int32 lanes, on the packed entries of Table
   const int64_t* packed;  // T[i] in the low 32 bits, T[i+1] - T[i] in the high 32 bits
   int32_t k, frac, in_min, out_zp, out_lo, out_hi;
-  // The same entries as two int16 in one int32 (T[i] in the low half, T[i+1] - T[i] in the high
-  // half) where every one fits, else nullptr: the CPU's vector table_entry then gathers one 32-bit
-  // lane per lookup instead of one 64-bit lane (the CPU Layer makes it; CUDA leaves it null).
-  const int32_t* packed16;
 };
 QGRU_ISA_BEGIN
 
 // Entry i of a packed table: T[i] (lo) and T[i+1] - T[i] (diff), one 64-bit load (one gather lane).
-QGRU_HD void table_entry(const Table32& t, int32_t i, int32_t& lo, int32_t& diff) {
-  const int64_t e = t.packed[i];
+QGRU_HD void table_entry(const int64_t* packed, int32_t i, int32_t& lo, int32_t& diff) {
+  const int64_t e = packed[i];
   lo = (int32_t)e;
   diff = (int32_t)(e >> 32);
 }
@@ -291,7 +287,7 @@ QGRU_HD V lookup32(const Table32& t, V q) {
   const V i = u >> t.k;
   const V f = u & ((1 << t.k) - 1);
   V lo, diff;
-  table_entry(t, i, lo, diff);
+  table_entry(t.packed, i, lo, diff);
   const V v = shl32(lo, t.k) + diff * f;
   const int32_t s = t.k + t.frac;
   return clamp32(((v + ((1 << s) >> 1)) >> s) + t.out_zp, t.out_lo, t.out_hi) - t.out_zp;

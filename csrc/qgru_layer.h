@@ -242,7 +242,7 @@ struct LayerTensors {
   Table32 table32(const std::string& k) const {
     return Table32{i64("table_" + k), (int32_t)value(k + "_table_k"),
                    (int32_t)value(k + "_table_frac"), (int32_t)value(k + "_pre_lo"), (int32_t)value(k + "_zp"),
-                   (int32_t)value(k + "_lo"), (int32_t)value(k + "_hi"), nullptr};  // packed16: the CPU Layer's
+                   (int32_t)value(k + "_lo"), (int32_t)value(k + "_hi")};
   }
   // The int32 cell, when prepare_layer found it exact for this layer ("acc32" = 1).
   Cell32 cell32() const {

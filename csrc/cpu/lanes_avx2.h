@@ -69,18 +69,11 @@ inline I32x8 wide_mul_shift32(I32x8 a, I32x8 d, I32x8 m, I32x8 sh) {
   return _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
 }
 
-// table_entry per lane. Where the entries fit int16 pairs (Table32::packed16): one 8-lane 32-bit
-// gather, each half sign-extended. Else two 4-lane 64-bit gathers; each one's low halves (T[i])
-// and high halves (T[i+1] - T[i]) gathered into its two 128-bit halves, then the halves paired up.
-inline void table_entry(const Table32& t, I32x8 i, I32x8& lo, I32x8& diff) {
-  if (t.packed16 != nullptr) {
-    const __m256i e = _mm256_i32gather_epi32(t.packed16, i.v, 4);
-    lo = _mm256_srai_epi32(_mm256_slli_epi32(e, 16), 16);
-    diff = _mm256_srai_epi32(e, 16);
-    return;
-  }
-  const __m256i e0 = _mm256_i32gather_epi64((const long long*)t.packed, _mm256_castsi256_si128(i.v), 8);
-  const __m256i e1 = _mm256_i32gather_epi64((const long long*)t.packed, _mm256_extracti128_si256(i.v, 1), 8);
+// table_entry per lane: two 4-lane 64-bit gathers; each one's low halves (T[i]) and high halves
+// (T[i+1] - T[i]) gathered into its two 128-bit halves, then the halves paired up.
+inline void table_entry(const int64_t* packed, I32x8 i, I32x8& lo, I32x8& diff) {
+  const __m256i e0 = _mm256_i32gather_epi64((const long long*)packed, _mm256_castsi256_si128(i.v), 8);
+  const __m256i e1 = _mm256_i32gather_epi64((const long long*)packed, _mm256_extracti128_si256(i.v, 1), 8);
   const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   const __m256i p0 = _mm256_permutevar8x32_epi32(e0, split), p1 = _mm256_permutevar8x32_epi32(e1, split);
   lo = _mm256_permute2x128_si256(p0, p1, 0x20);

@@ -75,18 +75,11 @@ inline I32x16 wide_mul_shift32(I32x16 a, I32x16 d, I32x16 m, I32x16 sh) {
   return _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
 }
 
-// table_entry per lane. Where the entries fit int16 pairs (Table32::packed16): one 16-lane 32-bit
-// gather, each half sign-extended. Else two 8-lane 64-bit gathers, then the low halves (T[i]) and
-// the high halves (T[i+1] - T[i]) of the 16 entries each into one register.
-inline void table_entry(const Table32& t, I32x16 i, I32x16& lo, I32x16& diff) {
-  if (t.packed16 != nullptr) {
-    const __m512i e = _mm512_i32gather_epi32(i.v, t.packed16, 4);
-    lo = _mm512_srai_epi32(_mm512_slli_epi32(e, 16), 16);
-    diff = _mm512_srai_epi32(e, 16);
-    return;
-  }
-  const __m512i e0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(i.v), t.packed, 8);
-  const __m512i e1 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(i.v, 1), t.packed, 8);
+// table_entry per lane: two 8-lane 64-bit gathers, then the low halves (T[i]) and the high
+// halves (T[i+1] - T[i]) of the 16 entries each into one register.
+inline void table_entry(const int64_t* packed, I32x16 i, I32x16& lo, I32x16& diff) {
+  const __m512i e0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(i.v), packed, 8);
+  const __m512i e1 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(i.v, 1), packed, 8);
   const __m512i low = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   lo = _mm512_permutex2var_epi32(e0, low, e1);
   diff = _mm512_permutex2var_epi32(e0, _mm512_add_epi32(low, _mm512_set1_epi32(1)), e1);

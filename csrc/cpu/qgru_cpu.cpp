@@ -233,7 +233,6 @@ class CpuLayer {
     cell_ = lt_.cell();
     fused_ = rh_.P == 1 && wx_.P == 1;
     if (fused_) rh_.packed.clear();  // the fused step reads R only in the gates layout
-    if (acc32_) pack_tables16();
   }
 
   // One-step calls of a batch of one (streaming) run on `isa`'s Layer of the same layer, made
@@ -322,28 +321,6 @@ class CpuLayer {
   }
 
  private:
-  // Table32::packed16 of the int32 cell's three tables, where every entry fits an int16 pair (8-bit
-  // gate outputs: entries below 2^12): the vector paths' lookups then gather one 32-bit lane
-  // instead of one 64-bit lane (16 lanes in one gather on AVX-512 instead of two gathers and two
-  // permutes). The same integers: each half is the int64 entry's value.
-  void pack_tables16() {
-    const char* gates[3] = {"r", "z", "g"};
-    for (int q = 0; q < 3; ++q) {
-      const at::Tensor& t = lt_.tensor(std::string("table_") + gates[q]);  // int64, validated
-      const int64_t n = t.numel();
-      const int64_t* e = t.data_ptr<int64_t>();
-      const auto fits = [](int64_t v) { return -32768 <= v && v <= 32767; };
-      bool all = true;
-      for (int64_t i = 0; i < n && all; ++i) all = fits((int32_t)e[i]) && fits(e[i] >> 32);
-      if (!all) continue;
-      table16_[q] = at::empty({n}, at::TensorOptions().dtype(at::kInt));
-      int32_t* o = table16_[q].data_ptr<int32_t>();
-      for (int64_t i = 0; i < n; ++i)
-        o[i] = (int32_t)((uint32_t)(uint16_t)(int32_t)e[i] | ((uint32_t)(uint16_t)(e[i] >> 32) << 16));
-      cell_.c32.table[q].packed16 = o;
-    }
-  }
-
   struct OneRowSpec {
     TensorMap tensors;
     IntMap values;
@@ -509,7 +486,6 @@ class CpuLayer {
   LayerTensors lt_;
   std::mutex mu_;
   const Kernels* k_ = nullptr;
-  at::Tensor table16_[3];            // pack_tables16
   OneRowSpec one_row_spec_;          // set_one_row
   std::shared_ptr<CpuLayer> one_row_;  // made from it on the first one-row call
   bool fused_ = false;
