@@ -79,19 +79,16 @@ def _cpu_flags() -> List[str]:
 
 
 def _toolchain_has_avxvnni(work: Path) -> bool:
-    """Whether the compiler and assembler build csrc/cpu/kernel_avxvnni.cpp's instruction (the VEX
-    form of vpdpbusd, written `{vex} vpdpbusd`: binutils 2.36 and later, gcc 11, clang 12). An older
-    toolchain builds every other path; without this check the whole extension would fail to build."""
+    """Whether the compiler and assembler build csrc/cpu/kernel_avxvnni.cpp (the VEX form of
+    vpdpbusd, written `{vex} vpdpbusd`, needs binutils 2.36 or later besides gcc 11 / clang 12): the
+    file itself is compiled once, unoptimised (it includes no torch header). An older toolchain then
+    builds every other path; without this check the whole extension would fail to build."""
     import subprocess
-    probe = work / "avxvnni_probe.cpp"
-    probe.write_text('#include <immintrin.h>\n'
-                     '__attribute__((target("avx2,avxvnni"))) __m256i f(__m256i a, __m256i b, __m256i c) {\n'
-                     '  __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(a) : "x"(b), "xm"(c));\n'
-                     '  return _mm256_dpbusd_avx_epi32(a, b, c);\n}\n')
+    src = csrc_dir()
+    cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-O0", "-I", str(src), "-I", str(src / "cpu"), "-c",
+           str(src / "cpu" / "kernel_avxvnni.cpp"), "-o", str(work / "avxvnni_probe.o")]
     try:
-        r = subprocess.run([os.environ.get("CXX", "c++"), "-c", str(probe), "-o", str(work / "avxvnni_probe.o")],
-                           capture_output=True, text=True, timeout=120)
-        return r.returncode == 0
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -653,7 +650,9 @@ def _channel_blocks(parts: Dict[str, torch.Tensor], H: int) -> torch.Tensor:
     return padded.reshape(len(CELL32_FIELDS), blocks, CELL32_BLOCK).permute(1, 0, 2).contiguous()
 
 
-_INT8_PATHS = ("amx", "avx512vnni", "avxvnni")  # the paths with int8 activation limbs (act_bytes 1)
+def _act_bytes(paths: List[Dict[str, object]], name: str) -> int:
+    """A path's activation bytes from cpu_paths(): 1 on the int8 paths (amx, avx512vnni, avxvnni)."""
+    return next((int(i["act_bytes"]) for i in paths if i["name"] == name), 0)
 
 
 def _avx2_takes_whole(p: LayerParams) -> bool:
@@ -686,10 +685,11 @@ def one_row_path(p: LayerParams, path: str) -> Optional[str]:
     * amx, avx512vnni or avxvnni, a layer with a 16-bit x or R.h operand that avx2 takes whole as
       int16 (one fused pass there, against two limb pairs per GEMM and a pass per GEMM on the int8
       paths): w8a16 57 us (amx) and 44 us (avx512vnni) against 37 us per step (bench.py, 2026-11-25)."""
-    usable = {str(i["name"]) for i in cpu_paths() if i["usable"]}
+    paths = cpu_paths()
+    usable = {str(i["name"]) for i in paths if i["usable"]}
     if path == "amx" and "avx512vnni" in usable and one_limb_pair(p, act16=False):
         return "avx512vnni"
-    if path in _INT8_PATHS and "avx2" in usable and _avx2_takes_whole(p):
+    if _act_bytes(paths, path) == 1 and "avx2" in usable and _avx2_takes_whole(p):
         return "avx2"
     return None
 
@@ -748,7 +748,7 @@ def cpu_gemm_detail() -> str:
                else "")
     if info["name"] == "avxvnni" and "avx2" in usable and cpu_isa_request() == "auto":
         one_row += "; a layer with 16-bit x or h that avx2 takes whole as int16 runs on avx2 (one fused pass)"
-    elif info["name"] in _INT8_PATHS and "avx2" in usable:
+    elif info["act_bytes"] == 1 and "avx2" in usable:
         one_row += ("; a streaming step of a layer with 16-bit x or h that avx2 takes whole as int16 runs on avx2 "
                     "(one fused pass instead of two limb pairs per GEMM)")
     return (f"path {info['name']}: {_PATH_TEXT.get(str(info['name']), info['name'])}, {why}; one fused pass per "

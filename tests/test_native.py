@@ -644,6 +644,15 @@ def test_cpu_paths_match_the_cpu_flags(cpu_backend):
         assert "amx_int8" in flags and "amx_tile" in flags
 
 
+def test_avxvnni_toolchain_probe_agrees_with_the_build(cpu_backend, tmp_path):
+    """The build compiles the avxvnni path exactly when its probe (qgru/native.py,
+    _toolchain_has_avxvnni: kernel_avxvnni.cpp compiled alone) succeeds with this toolchain."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the avxvnni path is x86-64's")
+    compiled = any(i["name"] == "avxvnni" and i["act_bytes"] > 0 for i in native.cpu_paths())
+    assert native._toolchain_has_avxvnni(tmp_path) == compiled
+
+
 @pytest.mark.parametrize("cfg,N", [("w8a16", 6), ("w8a8", 37)])
 def test_integer_bit_exact_across_thread_counts(cpu_backend, cfg, N):
     """The CPU kernels split work across threads: 1 thread, the default and more threads than cores

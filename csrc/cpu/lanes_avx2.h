@@ -1,8 +1,8 @@
-// I32x8: eight int32 lanes in one AVX2 register, the lane type (V) that the avx2 path
-// (kernel_avx2.cpp) runs the fused step's int32 cell with: lanes_avx512.h's I32x16 with half the
-// lanes, for the same reason (mul_hi32 as two vpmuldq and a blend). AVX2 has no 64-bit arithmetic
-// shift, so wide_mul_shift32 forms it from the logical one (below). Include from kernel_avx2.cpp
-// only, after its target pragma.
+// I32x8: eight int32 lanes in one AVX2 register, the lane type (V) that the 256-bit paths
+// (kernel_avx2.cpp, kernel_avxvnni.cpp) run the fused step's int32 cell with: lanes_avx512.h's
+// I32x16 with half the lanes, for the same reason (mul_hi32 as two vpmuldq and a blend). AVX2 has
+// no 64-bit arithmetic shift, so wide_mul_shift32 forms it from the logical one (below). Include
+// from those kernel files only, after their target pragma.
 //
 // Each function is the scalar primitive of qgru_cell.h of the same name, lane by lane, on the
 // same integers: the path's tests compare it with the golden model bit for bit.

@@ -389,9 +389,8 @@ class CpuLayer {
   // ws_.dwx), and then the cell on them while they are in L1.
   void fused_steps(int64_t t0, int64_t tc, int64_t N, int32_t* state, at::Tensor& out, const int64_t* lengths,
                    bool xacc) {
-    const Kernels* k = k_;
     constexpr int64_t W = kTaskUnits, T16 = kTileRows;
-    const int64_t H = H_, HB = ceil_div(H, W), RT = ceil_div(N, T16), G = k->group, ab = k->act_bytes;
+    const int64_t H = H_, HB = ceil_div(H, W), RT = ceil_div(N, T16), G = k_->group, ab = k_->act_bytes;
     const int64_t lda = rh_.lda, ldx = wx_.lda;
     const uint8_t* gates_x = wx_.gates.data_ptr<uint8_t>();
     const uint8_t* gates_h = rh_.gates.data_ptr<uint8_t>();
@@ -421,7 +420,7 @@ class CpuLayer {
       }
     const char* x_base = xacc ? static_cast<const char*>(ws_.x_act[0].data_ptr()) : nullptr;
     at::parallel_for(0, threads, 1, [&](int64_t home, int64_t) {
-      k->thread_init();
+      k_->thread_init();
       alignas(64) int32_t acc_x[3 * T16 * W], acc_h[3 * T16 * W];  // [gate][row][unit]
       uint8_t active[T16];
       for (int64_t t = t0; t < t0 + tc; ++t) {
@@ -439,10 +438,10 @@ class CpuLayer {
             const int64_t rows = std::min(T16, N - n0), j0 = b * W, nj = std::min(W, H - j0);
             const int64_t g0 = (j0 / G) * 3, g1 = g0 + 3 * ceil_div(nj, G);
             if (xacc)
-              k->gemm(cpu::GemmArgs{x_t + n0 * ldx * ab, ldx, rows, wx_.K, gates_x, g0, g1, acc_x, W, T16 * W});
-            k->gemm(cpu::GemmArgs{h_in + n0 * lda * ab, lda, rows, rh_.K, gates_h, g0, g1, acc_h, W, T16 * W});
+              k_->gemm(cpu::GemmArgs{x_t + n0 * ldx * ab, ldx, rows, wx_.K, gates_x, g0, g1, acc_x, W, T16 * W});
+            k_->gemm(cpu::GemmArgs{h_in + n0 * lda * ab, lda, rows, rh_.K, gates_h, g0, g1, acc_h, W, T16 * W});
             for (int64_t r = 0; r < rows; ++r) active[r] = lengths == nullptr || t < lengths[n0 + r];
-            k->cell_tile(cpu::CellTileArgs{&cell_, &acc_x_, j0, nj, rows, active, xacc ? acc_x : dwx_t + n0 * 3 * H,
+            k_->cell_tile(cpu::CellTileArgs{&cell_, &acc_x_, j0, nj, rows, active, xacc ? acc_x : dwx_t + n0 * 3 * H,
                                            acc_h, state + n0 * H, out_t + n0 * H, h_in + n0 * lda * ab,
                                            h_out + n0 * lda * ab, lda, pow2_, acc32_, xacc});
             step.done.fetch_add(1, std::memory_order_release);  // publishes this task's h_out, state, out
