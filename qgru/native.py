@@ -80,7 +80,7 @@ def _cpu_flags() -> List[str]:
 
 def _toolchain_has_avxvnni(work: Path) -> bool:
     """Whether the compiler and assembler build csrc/cpu/kernel_avxvnni.cpp (the VEX form of
-    vpdpbusd, written `{vex} vpdpbusd`, needs binutils 2.36 or later besides gcc 11 / clang 12): the
+    vpdpbusd, written `{vex} vpdpbusd`, needs an assembler that knows it besides gcc 11 / clang 12): the
     file itself is compiled once, unoptimised (it includes no torch header). An older toolchain then
     builds every other path; without this check the whole extension would fail to build."""
     import subprocess
