@@ -28,6 +28,7 @@
 #define QGRU_BUILD_AVX2 0
 #endif
 #if QGRU_BUILD_AVX2
+#define QGRU_LANES_SCALAR_TABLE  // table lookups as scalar loads, not gathers (lanes_avx2.h says why)
 #include "lanes_avx2.h"  // the int32 cell in explicit 8-lane vectors
 #define QGRU_CELL_LANES I32x8
 #endif

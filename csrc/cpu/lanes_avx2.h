@@ -69,11 +69,27 @@ inline I32x8 wide_mul_shift32(I32x8 a, I32x8 d, I32x8 m, I32x8 sh) {
   return _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
 }
 
-// table_entry per lane: two 4-lane 64-bit gathers; each one's low halves (T[i]) and high halves
-// (T[i+1] - T[i]) gathered into its two 128-bit halves, then the halves paired up.
+// table_entry per lane, in one of two ways; the including kernel file picks (each file compiles
+// its own copy of these functions, QGRU_ISA):
+// * QGRU_LANES_SCALAR_TABLE defined (kernel_avx2.cpp): the eight indices stored, eight scalar
+//   64-bit loads, the entries reloaded as two vectors. The avx2 path's CPUs (AMD Zen 1-3, Intel
+//   Haswell to Comet Lake, whose gathers the Gather Data Sampling microcode slows several-fold)
+//   gather slowly: on a Zen 3 EPYC, 8 lookups from a 1025-entry table took 4.3-4.6 ns this way
+//   against 7.7-8.3 ns with the gathers below (same binary, best of 200 rounds, 2026-11-26).
+// * otherwise: two 4-lane 64-bit gathers.
+// Either way the low halves (T[i]) and high halves (T[i+1] - T[i]) of each 4-entry vector go to
+// its two 128-bit halves, then the halves are paired up.
 inline void table_entry(const int64_t* packed, I32x8 i, I32x8& lo, I32x8& diff) {
+#if defined(QGRU_LANES_SCALAR_TABLE)
+  alignas(32) int32_t at[8];
+  alignas(32) int64_t e[8];
+  _mm256_store_si256((__m256i*)at, i.v);
+  for (int l = 0; l < 8; ++l) e[l] = packed[at[l]];
+  const __m256i e0 = _mm256_load_si256((const __m256i*)e), e1 = _mm256_load_si256((const __m256i*)(e + 4));
+#else
   const __m256i e0 = _mm256_i32gather_epi64((const long long*)packed, _mm256_castsi256_si128(i.v), 8);
   const __m256i e1 = _mm256_i32gather_epi64((const long long*)packed, _mm256_extracti128_si256(i.v, 1), 8);
+#endif
   const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   const __m256i p0 = _mm256_permutevar8x32_epi32(e0, split), p1 = _mm256_permutevar8x32_epi32(e1, split);
   lo = _mm256_permute2x128_si256(p0, p1, 0x20);
