@@ -306,15 +306,20 @@ struct Cell32 {
 };
 QGRU_ISA_BEGIN
 
-// computeR (gate 0) or computeZ (gate 1) in int32 from the gate's raw R.h accumulator and
-// Wx - Z_Wx: the gate's output relative to its zero point.
+// computeR (gate 0) or computeZ (gate 1) in int32 up to the table: the gate's pre-activation
+// (on its table's input grid, saturated) from its raw R.h accumulator and Wx - Z_Wx.
 template <bool POW2, typename V = int32_t>
-QGRU_HD V sigmoid_gate32(const Cell32& p, Channel32 ch, int gate, V acc_rh, V d_wx) {
+QGRU_HD V sigmoid_pre32(const Cell32& p, Channel32 ch, int gate, V acc_rh, V d_wx) {
   const V d_rh = requant32_at<POW2, V>(ch, kRhRequant, gate, acc_rh, p.rh_lo, p.rh_hi);
   const int f = kRWxLsh + 4 * gate;
-  const V pre = clamp32(apply32<POW2, V>(ch, f, d_wx) + apply32<POW2, V>(ch, f + 2, d_rh) + p.pre_zp[gate],
-                        p.pre_lo[gate], p.pre_hi[gate]);
-  return lookup32<V>(p.table[gate], pre);
+  return clamp32(apply32<POW2, V>(ch, f, d_wx) + apply32<POW2, V>(ch, f + 2, d_rh) + p.pre_zp[gate],
+                 p.pre_lo[gate], p.pre_hi[gate]);
+}
+
+// computeR / computeZ in int32: the gate's output relative to its zero point.
+template <bool POW2, typename V = int32_t>
+QGRU_HD V sigmoid_gate32(const Cell32& p, Channel32 ch, int gate, V acc_rh, V d_wx) {
+  return lookup32<V>(p.table[gate], sigmoid_pre32<POW2, V>(p, ch, gate, acc_rh, d_wx));
 }
 
 // The multiplier form's floor(a d m / 2^(16 + sh)) (rescale_wide32), in int64 (|a d| < 2^33).
@@ -343,17 +348,30 @@ QGRU_HD V rrh32(Channel32 ch, V d_r, V d_rh_g) {
   return rescale_wide32<POW2, V>(d_r, d_rh_g, POW2 ? V(0) : field<V>(ch, kMult + 5), field<V>(ch, kGRRhRsh));
 }
 
+// computeG in int32 up to the table: g's pre-activation from its raw R.h accumulator, Wx_g - Z
+// and the gate r (sigmoid_gate32).
+template <bool POW2, typename V = int32_t>
+QGRU_HD V candidate_pre32(const Cell32& p, Channel32 ch, V acc_rh_g, V d_wx_g, V d_r) {
+  const V d_rh_g = requant32_at<POW2, V>(ch, kRhRequant, 2, acc_rh_g, p.rh_lo, p.rh_hi);
+  return clamp32(apply32<POW2, V>(ch, kGWxLsh, d_wx_g) + rrh32<POW2, V>(ch, d_r, d_rh_g) + p.pre_zp[2],
+                 p.pre_lo[2], p.pre_hi[2]);
+}
+
+// computeH in int32: the new state from the candidate's table output d_g, the gate z and the
+// state h.
+template <bool POW2, typename V = int32_t>
+QGRU_HD V new_state32(const Cell32& p, V d_g, V d_z, V q_h) {
+  const V zh = rescale_wide32<POW2, V>(d_z, q_h - p.h_zp, p.zh_m, p.zh_sh);
+  const V zg = rescale32<POW2, V>((V(p.one_z) - d_z) * d_g, p.zg_m, p.zg_lsh, p.zg_rsh);
+  return clamp32(zh + zg + p.h_zp, p.h_lo, p.h_hi);
+}
+
 // computeG and computeH in int32: the new state from g's raw R.h accumulator, Wx_g - Z, the gates
 // r and z (sigmoid_gate32) and the state h.
 template <bool POW2, typename V = int32_t>
 QGRU_HD V candidate_state32(const Cell32& p, Channel32 ch, V acc_rh_g, V d_wx_g, V d_r, V d_z, V q_h) {
-  const V d_rh_g = requant32_at<POW2, V>(ch, kRhRequant, 2, acc_rh_g, p.rh_lo, p.rh_hi);
-  const V g_pre = clamp32(apply32<POW2, V>(ch, kGWxLsh, d_wx_g) + rrh32<POW2, V>(ch, d_r, d_rh_g) + p.pre_zp[2],
-                          p.pre_lo[2], p.pre_hi[2]);
-  const V d_g = lookup32<V>(p.table[2], g_pre);
-  const V zh = rescale_wide32<POW2, V>(d_z, q_h - p.h_zp, p.zh_m, p.zh_sh);
-  const V zg = rescale32<POW2, V>((V(p.one_z) - d_z) * d_g, p.zg_m, p.zg_lsh, p.zg_rsh);
-  return clamp32(zh + zg + p.h_zp, p.h_lo, p.h_hi);
+  const V d_g = lookup32<V>(p.table[2], candidate_pre32<POW2, V>(p, ch, acc_rh_g, d_wx_g, d_r));
+  return new_state32<POW2, V>(p, d_g, d_z, q_h);
 }
 
 // gemm_operand in int32 (layers with an h_gemm): |q_h - Z_h| < 2^17 and the bounds of rescale32

@@ -676,7 +676,7 @@ class QuantGRU(nn.GRU):
             return None
         # the cpu backend as current_backend decides it (an unavailable one: the general path falls
         # back to reference and warns, or raises where cpu is forced)
-        if not native.loaded_or_loads("cpu"):
+        if native.why_unavailable("cpu"):
             return None
         if hx is None:
             hx = input.new_zeros(self.num_layers, shape[1], self.hidden_size)

@@ -307,14 +307,10 @@ def load(kind: str, build: bool = True):
             raise
 
 
-def loaded_or_loads(kind: str) -> bool:
-    """why_unavailable(kind) == "", without its lock once the module is loaded (a streaming call
-    asks this every step)."""
-    return kind in _state.modules or why_unavailable(kind) == ""
-
-
 def why_unavailable(kind: str) -> str:
     """'' when the backend loads (building it if needed), else the reason."""
+    if kind in _state.modules:  # loaded: no lock (a streaming call asks this every step)
+        return ""
     try:
         load(kind)
         return ""
