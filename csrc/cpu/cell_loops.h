@@ -154,7 +154,7 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
     // measured ~15% faster than one on the AMX machine; four took the cell's samples per GEMM
     // sample from 0.234-0.236 to 0.196-0.228 on a Zen 3 EPYC, avx2 layer T=100 N=64, perf.)
     alignas(64) int32_t d_r[kTileRows * W], d_z[kTileRows * W], g_pre[kTileRows * W];  // row r's at [r * W]
-    const auto rz_pre = [&](auto lanes, int64_t rx, int64_t rh, int64_t c) {
+    const auto rz_pre = [&](auto lanes, int64_t rx, int64_t rh, int64_t, int64_t c) {
       using V = decltype(lanes);
       const Channel32 ch{fields + c};
       lanes_store(d_r + rh + c, sigmoid_pre32<POW2, V>(c32, ch, 0, lanes_load<V>(acc_h + rh + c),
@@ -162,19 +162,19 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
       lanes_store(d_z + rh + c, sigmoid_pre32<POW2, V>(c32, ch, 1, lanes_load<V>(acc_h + rh + gs + c),
                                                        d_wx(ch, 1, lanes_load<V>(x + rx + xs + c))));
     };
-    const auto rz_table = [&](auto lanes, int64_t rh, int64_t c) {
+    const auto rz_table = [&](auto lanes, int64_t, int64_t rh, int64_t, int64_t c) {
       using V = decltype(lanes);
       lanes_store(d_r + rh + c, lookup32<V>(c32.table[0], lanes_load<V>(d_r + rh + c)));
       lanes_store(d_z + rh + c, lookup32<V>(c32.table[1], lanes_load<V>(d_z + rh + c)));
     };
-    const auto g_preact = [&](auto lanes, int64_t rx, int64_t rh, int64_t c) {
+    const auto g_preact = [&](auto lanes, int64_t rx, int64_t rh, int64_t, int64_t c) {
       using V = decltype(lanes);
       const Channel32 ch{fields + c};
       lanes_store(g_pre + rh + c,
                   candidate_pre32<POW2, V>(c32, ch, lanes_load<V>(acc_h + rh + 2 * gs + c),
                                            d_wx(ch, 2, lanes_load<V>(x + rx + 2 * xs + c)), lanes_load<V>(d_r + rh + c)));
     };
-    const auto h_step = [&](auto lanes, int64_t rh, int64_t rs, int64_t c) {
+    const auto h_step = [&](auto lanes, int64_t, int64_t rh, int64_t rs, int64_t c) {
       using V = decltype(lanes);
       const V h_new = new_state32<POW2, V>(c32, lookup32<V>(c32.table[2], lanes_load<V>(g_pre + rh + c)),
                                            lanes_load<V>(d_z + rh + c), lanes_load<V>(s + rs + c));
@@ -182,33 +182,30 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
       lanes_store(o + rs + c, h_new);
     };
 #if defined(QGRU_CELL_LANES)
-    // the path's explicit vector (csrc/cpu/lanes_*.h) over whole groups of its lanes, int32_t
-    // lanes (the compiler's vectors) over the rest
     using VL = QGRU_CELL_LANES;
     constexpr int64_t L = VL::kLanes;
     const int64_t nv = nj / L * L;
-#define QGRU_CELL_PASS(BODY_V, BODY_1)          \
-    for (int64_t r = 0; r < rows; ++r) {          \
-      if (!active[r]) continue;                   \
-      const int64_t rx = r * xr, rh = r * W, rs = r * H; \
-      (void)rx, (void)rs;                         \
-      for (int64_t c = 0; c < nv; c += L) BODY_V; \
-      _Pragma("omp simd") for (int64_t c = nv; c < nj; ++c) BODY_1; \
-    }
 #else
-#define QGRU_CELL_PASS(BODY_V, BODY_1)          \
-    for (int64_t r = 0; r < rows; ++r) {          \
-      if (!active[r]) continue;                   \
-      const int64_t rx = r * xr, rh = r * W, rs = r * H; \
-      (void)rx, (void)rs;                         \
-      _Pragma("omp simd") for (int64_t c = 0; c < nj; ++c) BODY_1; \
-    }
+    const int64_t nv = 0;
 #endif
-    QGRU_CELL_PASS(rz_pre(VL{}, rx, rh, c), rz_pre(int32_t{}, rx, rh, c))
-    QGRU_CELL_PASS(rz_table(VL{}, rh, c), rz_table(int32_t{}, rh, c))
-    QGRU_CELL_PASS(g_preact(VL{}, rx, rh, c), g_preact(int32_t{}, rx, rh, c))
-    QGRU_CELL_PASS(h_step(VL{}, rh, rs, c), h_step(int32_t{}, rh, rs, c))
-#undef QGRU_CELL_PASS
+    // One pass: body(lanes, rx, rh, rs, c) on every active row's channels, the path's explicit
+    // vector (csrc/cpu/lanes_*.h) over whole groups of its lanes, int32_t lanes (the compiler's
+    // vectors) over the rest.
+    const auto pass = [&](auto body) {
+      for (int64_t r = 0; r < rows; ++r) {
+        if (!active[r]) continue;
+        const int64_t rx = r * xr, rh = r * W, rs = r * H;
+#if defined(QGRU_CELL_LANES)
+        for (int64_t c = 0; c < nv; c += L) body(VL{}, rx, rh, rs, c);
+#endif
+#pragma omp simd
+        for (int64_t c = nv; c < nj; ++c) body(int32_t{}, rx, rh, rs, c);
+      }
+    };
+    pass(rz_pre);
+    pass(rz_table);
+    pass(g_preact);
+    pass(h_step);
   } else {
     const auto d_wx = [&](int q, int64_t j, int32_t v) {
       return XACC ? (int32_t)requantize_acc<POW2>(wx, q * H + j, v) : v;
