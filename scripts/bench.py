@@ -9,6 +9,8 @@ model still runs warm, as a model serving a stream of calls does. The
 reference backend (a Python loop over time steps at about 1 s per call) is timed on its own, with
 min(repeats, 3) repeats. CPU timings use time.perf_counter, GPU timings CUDA events. Every qgru
 backend's output (and h_n) is checked bit for bit against the reference backend's on the same input.
+A CPU run times a fixed float32 matmul before and after (the steadiness probe) and says in its
+notes whether the machine kept one speed (within 25%); a run that did not should be repeated.
 
 Scenarios (issue targets in brackets):
   cpu throughput  T=100 N=64 input 256 hidden 512, --threads 2, w8a8
@@ -54,6 +56,8 @@ from accuracy import dynamic_quant_gru  # noqa: E402
 
 REF_REPEATS = 3  # the reference backend's cap on --repeats
 ROUNDS = 5  # turns the models of a scenario take at their repeats (timed_together)
+STEADY_TOLERANCE = 0.25  # steadiness probe: a larger change between a run's start and end is reported
+                         # (back-to-back probes on a quiet 2-core VM differ by up to ~15%)
 OTHER_DEVICE_BACKEND = {"cpu": "cuda", "cuda": "cpu"}  # backends that never run on the given device
 BASELINES = {"cpu": ["float nn.GRU", "torch dynamic-quant"], "cuda": ["cuDNN fp32", "cuDNN fp16"]}
 TARGETS = {"cpu": "CPU, 2 threads, T=100 N=64 I=256 H=512, w8a8: >= 2x faster than torch dynamic-quant and "
@@ -232,9 +236,35 @@ def quantized(gru, calib, configs):
     return {cfg: qgru.quantize_model(gru, calib, config=config_of(cfg), progress=False) for cfg in configs}
 
 
+def steadiness_probe() -> float:
+    """Milliseconds, median of 31: a fixed float32 matmul on one thread, timed at a CPU run's start
+    and end. The same figure twice says the machine kept one speed; on a shared VM the host can
+    take half the vector throughput for minutes (seen 2026-11-26 on a 2-core EPYC guest: vpaddd
+    3.2 -> 1.7 per cycle), which slows every row, the peers' too, but not by the same factor."""
+    # one thread, after a pause: the thread pool's workers spin for a while after parallel work
+    # and would slow a multi-threaded probe right after a run (measured: 1.35 against 0.8 ms)
+    threads = torch.get_num_threads()
+    time.sleep(0.5)
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.full((384, 384), 0.5), torch.full((384, 384), 0.25)
+        return statistics.median(time_once(lambda: torch.mm(a, b), "cpu") for _ in range(31))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def steadiness_note(before: float, after: float) -> str:
+    change = after / before - 1
+    verdict = ("steady" if abs(change) <= STEADY_TOLERANCE else
+               "NOT steady: the machine's speed changed during the run; rerun on a quiet machine before comparing")
+    return (f"steadiness probe (a 384 x 384 float32 matmul on one thread, median of 31): {before:.3f} ms "
+            f"before the runs, {after:.3f} ms after ({change:+.0%}): {verdict}")
+
+
 def bench_cpu(args, configs) -> Bench:
     torch.set_num_threads(args.threads)
     bench = Bench(args, "cpu")
+    probe_before = steadiness_probe()
     T, N, I, H = args.T, args.N, args.input, args.hidden
     torch.manual_seed(args.seed)
     gru = torch.nn.GRU(I, H).eval()
@@ -265,6 +295,7 @@ def bench_cpu(args, configs) -> Bench:
         bench.flush()
     bench.notes.append("streaming reuses the throughput models' calibration; `T=1 xT` rows time T "
                        "single-step calls carrying h (one timed repeat = all T calls) and report the time per call (= per step)")
+    bench.notes.append(steadiness_note(probe_before, steadiness_probe()))
     return bench
 
 
