@@ -382,8 +382,8 @@ QGRU_HD int32_t gemm_operand32(const Cell32& p, int32_t q_h) {
 }
 
 // One element of one step from the three gates' int32 R.h accumulators and Wx - Z_Wx: the int32
-// form of gru_cell_acc. (The CPU's fused loop calls the two halves in two loops: a loop with one
-// table gather in its dependency chain instead of two overlaps more iterations, ~15% faster.)
+// form of gru_cell_acc. (The CPU's fused step runs its pieces, sigmoid_pre32, lookup32,
+// candidate_pre32 and new_state32, in four passes: cpu/cell_loops.h cell_tile says why.)
 template <bool POW2>
 QGRU_HD int32_t gru_cell32(const Cell32& p, Channel32 ch, int32_t acc_r, int32_t acc_z, int32_t acc_g, int32_t d_wx_r,
                            int32_t d_wx_z, int32_t d_wx_g, int32_t q_h) {

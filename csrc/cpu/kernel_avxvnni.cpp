@@ -8,7 +8,8 @@
 // and the GEMM subtracts 128 colsum(w), which gives a . w exactly. Per K quad that is 32 products
 // per instruction, against the avx2 path's 16 (vpmaddwd on operands widened to int16). Groups of
 // 8 columns, micro-kernels of up to 4 rows x 3 groups (12 of the 16 ymm registers).
-// The cell: the int32 cell in 8-lane vectors (lanes_avx2.h), as on the avx2 path.
+// The cell: the int32 cell in 8-lane vectors (lanes_avx2.h), as on the avx2 path, but with its
+// table lookups as gathers (avx2 takes scalar loads: lanes_avx2.h says why).
 #define QGRU_ISA avxvnni
 // (QGRU_NO_AVXVNNI: qgru/native.py found that the toolchain cannot build it, _toolchain_has_avxvnni)
 #if defined(__x86_64__) && !defined(QGRU_NO_AVXVNNI) && \
