@@ -82,10 +82,11 @@ inline I32x8 wide_mul_shift32(I32x8 a, I32x8 d, I32x8 m, I32x8 sh) {
 inline void table_entry(const int64_t* packed, I32x8 i, I32x8& lo, I32x8& diff) {
 #if defined(QGRU_LANES_SCALAR_TABLE)
   alignas(32) int32_t at[8];
-  alignas(32) int64_t e[8];
   _mm256_store_si256((__m256i*)at, i.v);
-  for (int l = 0; l < 8; ++l) e[l] = packed[at[l]];
-  const __m256i e0 = _mm256_load_si256((const __m256i*)e), e1 = _mm256_load_si256((const __m256i*)(e + 4));
+  // the entries straight into registers (vmovq / vpinsrq / vinserti128): stored to memory and
+  // reloaded as vectors, each reload would wait on four smaller stores (no store forwarding)
+  const __m256i e0 = _mm256_set_epi64x(packed[at[3]], packed[at[2]], packed[at[1]], packed[at[0]]);
+  const __m256i e1 = _mm256_set_epi64x(packed[at[7]], packed[at[6]], packed[at[5]], packed[at[4]]);
 #else
   const __m256i e0 = _mm256_i32gather_epi64((const long long*)packed, _mm256_castsi256_si128(i.v), 8);
   const __m256i e1 = _mm256_i32gather_epi64((const long long*)packed, _mm256_extracti128_si256(i.v, 1), 8);
