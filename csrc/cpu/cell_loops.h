@@ -170,9 +170,9 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
     const auto g_preact = [&](auto lanes, int64_t rx, int64_t rh, int64_t, int64_t c) {
       using V = decltype(lanes);
       const Channel32 ch{fields + c};
+      const V acc_g = lanes_load<V>(acc_h + rh + 2 * gs + c), d_r_c = lanes_load<V>(d_r + rh + c);
       lanes_store(g_pre + rh + c,
-                  candidate_pre32<POW2, V>(c32, ch, lanes_load<V>(acc_h + rh + 2 * gs + c),
-                                           d_wx(ch, 2, lanes_load<V>(x + rx + 2 * xs + c)), lanes_load<V>(d_r + rh + c)));
+                  candidate_pre32<POW2, V>(c32, ch, acc_g, d_wx(ch, 2, lanes_load<V>(x + rx + 2 * xs + c)), d_r_c));
     };
     const auto h_step = [&](auto lanes, int64_t, int64_t rh, int64_t rs, int64_t c) {
       using V = decltype(lanes);

@@ -74,8 +74,9 @@ inline I32x8 wide_mul_shift32(I32x8 a, I32x8 d, I32x8 m, I32x8 sh) {
 // * QGRU_LANES_SCALAR_TABLE defined (kernel_avx2.cpp): the eight indices stored, eight scalar
 //   64-bit loads, the entries made into two vectors. The avx2 path's CPUs (AMD Zen 1-3, Intel
 //   Haswell and Broadwell, Skylake to Tiger Lake under the Gather Data Sampling microcode, which
-//   slows their gathers several-fold) gather slowly: on a Zen 3 EPYC, 8 lookups from a 1025-entry table took 4.3-4.6 ns this way
-//   against 7.7-8.3 ns with the gathers below (same binary, best of 200 rounds, 2026-11-26).
+//   slows their gathers several-fold) gather slowly: on a Zen 3 EPYC, 8 lookups from a
+//   1025-entry table took 4.3-4.6 ns this way against 7.7-8.3 ns with the gathers below (same
+//   binary, best of 200 rounds, 2026-11-26).
 // * otherwise: two 4-lane 64-bit gathers.
 // Either way the low halves (T[i]) and high halves (T[i+1] - T[i]) of each 4-entry vector go to
 // its two 128-bit halves, then the halves are paired up.
