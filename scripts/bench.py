@@ -57,7 +57,7 @@ from accuracy import dynamic_quant_gru  # noqa: E402
 REF_REPEATS = 3  # the reference backend's cap on --repeats
 ROUNDS = 5  # turns the models of a scenario take at their repeats (timed_together)
 STEADY_TOLERANCE = 0.25  # steadiness probe: a larger change between a run's start and end is reported
-                         # (back-to-back probes on a quiet 2-core VM differ by up to ~15%)
+                         # (ten back-to-back probes spanned 6% on the 2-core AMD EPYC VM, 2026-11-26)
 OTHER_DEVICE_BACKEND = {"cpu": "cuda", "cuda": "cpu"}  # backends that never run on the given device
 BASELINES = {"cpu": ["float nn.GRU", "torch dynamic-quant"], "cuda": ["cuDNN fp32", "cuDNN fp16"]}
 TARGETS = {"cpu": "CPU, 2 threads, T=100 N=64 I=256 H=512, w8a8: >= 2x faster than torch dynamic-quant and "
