@@ -1641,6 +1641,24 @@ def test_stack_forward_is_the_layer_by_layer_path(cpu_backend):
     assert not any(k[0] == "cpu-stack" for row in m._qparams for p in row for k in p.__dict__.get("_native", {}))
 
 
+def test_stack_refuses_operands_of_other_shapes(cpu_backend):
+    """The native Stack reads x and h0 through raw pointers: called directly (not through the
+    module, which checks them first) with an x or h0 of another shape it raises before reading,
+    and with the right shapes it still gives the module's floats."""
+    m = _converted(_cfg("w8a8"), 7, 12, 2, False, False, 0)
+    _forget_native(m)
+    plan = native.cpu_stack_plan(m._qparams_on["cpu"], native.cpu_isa_request())
+    assert plan is not None
+    x, h0 = torch.randn(4, 3, 7), torch.randn(2, 3, 12)
+    for bad_x, bad_h in ((torch.randn(4, 3, 8), h0), (torch.randn(4, 7), h0), (x, torch.randn(2, 2, 12)),
+                         (x, torch.randn(2, 3, 13)), (x, torch.randn(1, 3, 12)), (x, torch.randn(3, 12))):
+        with pytest.raises(RuntimeError, match="stack_forward"):
+            plan.forward(bad_x, bad_h)
+    with qgru.backend("cpu"), torch.no_grad():
+        want = m(x, h0)
+    _assert_same(plan.forward(x, h0), want)
+
+
 @pytest.mark.parametrize("cfg,layers", [("w8a16", 1), ("w8a16", 2), ("w8a8", 1)])
 def test_stack_one_row_calls(cpu_backend, monkeypatch, cfg, layers):
     """A stack's one-step calls of a batch of one run on each layer's one-row Layer

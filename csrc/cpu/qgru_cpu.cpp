@@ -85,6 +85,12 @@ int64_t ceil_div(int64_t v, int64_t m) { return (v + m - 1) / m; }
 // C++ holds the tensor.) The cache and its aliases are made outside InferenceMode even when the
 // call runs inside it: an inference tensor cached by a call under torch.inference_mode() would be
 // handed out, and written in place, by later calls outside it, which torch forbids.
+// t as int32 and contiguous, with no dispatched call where it already is (each costs a streaming
+// call ~0.5 us, even a no-op)
+at::Tensor int32_contiguous(const at::Tensor& t) {
+  return t.scalar_type() == at::kInt && t.is_contiguous() ? t : t.to(at::kInt).contiguous();
+}
+
 at::Tensor reuse_or_empty(at::Tensor& cache, at::IntArrayRef sizes) {
   c10::InferenceMode normal_tensors(false);
   if (!(cache.defined() && !cache.is_inference() && cache.storage().use_count() == 1 && cache.sizes() == sizes))
@@ -276,19 +282,28 @@ class CpuLayer {
     TORCH_CHECK(qx_in.dim() == 3 && qx_in.size(2) == I_, "qgru cpu: qx must be [T, N, ", I_, "]");
     TORCH_CHECK(qh0_in.dim() == 2 && qh0_in.size(0) == qx_in.size(1) && qh0_in.size(1) == H_,
                 "qgru cpu: qh0 must be [N, ", H_, "]");
-    if (qx_in.size(0) == 1 && qx_in.size(1) == 1)
-      if (std::shared_ptr<CpuLayer> other = one_row_layer()) return other->forward(qx_in, qh0_in, lengths_in);
-    const at::Tensor qx = qx_in.to(at::kInt).contiguous();  // values fit: at most 16 bits
-    const int64_t T = qx.size(0), N = qx.size(1);
-    at::Tensor state = qh0_in.to(at::kInt).contiguous().clone();
-    std::lock_guard<std::mutex> lock(mu_);  // the workspace and out_ are shared by calls on this layer
-    at::Tensor out = reuse_or_empty(out_, {T, N, H_});
-    if (T == 0 || N == 0) return {out, state};
     at::Tensor lengths;
     if (lengths_in.has_value()) {
       lengths = lengths_in->to(at::kLong).contiguous();
-      TORCH_CHECK(lengths.numel() == N, "qgru cpu: lengths must have N entries");
+      TORCH_CHECK(lengths.numel() == qx_in.size(1), "qgru cpu: lengths must have N entries");
     }
+    // values fit int32: at most 16 bits; the state is this call's own copy (run updates it)
+    return run(int32_contiguous(qx_in), int32_contiguous(qh0_in).clone(), lengths);
+  }
+
+  int64_t hidden_size() const { return H_; }
+  int64_t input_size() const { return I_; }
+
+  // forward on checked operands: qx int32 contiguous [T, N, I]; state int32 contiguous [N, H], the
+  // initial state, owned by this call (updated in place and returned as h_n); lengths undefined or
+  // int64 contiguous [N]. (stack_forward quantizes h0 straight into such a state.)
+  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& qx, at::Tensor state, const at::Tensor& lengths) {
+    if (qx.size(0) == 1 && qx.size(1) == 1)
+      if (std::shared_ptr<CpuLayer> other = one_row_layer()) return other->run(qx, std::move(state), lengths);
+    const int64_t T = qx.size(0), N = qx.size(1);
+    std::lock_guard<std::mutex> lock(mu_);  // the workspace and out_ are shared by calls on this layer
+    at::Tensor out = reuse_or_empty(out_, {T, N, H_});
+    if (T == 0 || N == 0) return {out, state};
     const int64_t* len = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
     // W.x is computed for a chunk of steps at a time, right before those steps run: its buffers
     // stay small and warm in cache, and are reused across chunks and calls (fresh large buffers
@@ -526,11 +541,29 @@ const Kernels* kernels_for(const std::string& isa) {
   return nullptr;
 }
 
-// float -> int32 on (scale, zp, bits); NaN is an error (it has no quantized value).
-at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bits, const std::string& what,
+// x as float64 if it is, else float32, contiguous (what quantize reads)
+at::Tensor float_contiguous(const at::Tensor& x) {
+  TORCH_CHECK(x.is_floating_point() && x.device().is_cpu(), "qgru cpu quantize: float CPU tensor expected");
+  const at::ScalarType t = x.scalar_type();
+  return (t == at::kFloat || t == at::kDouble ? x : x.to(at::kFloat)).contiguous();
+}
+
+// Elements [first, first + n) of xc (float_contiguous) -> int32 on (scale, zp, bits) into q; NaN
+// is an error (it has no quantized value). The caller checks that xc holds them.
+void quantize_into(const at::Tensor& xc, int64_t first, int64_t n, double scale, int64_t zp, int64_t bits,
+                   const char* what, const Kernels* k, int32_t* q) {
+  const Range r = signed_range((int32_t)bits);
+  const bool ok = xc.scalar_type() == at::kDouble
+                      ? quantize_loop(k, xc.data_ptr<double>() + first, q, n, scale, zp, r)
+                      : quantize_loop(k, xc.data_ptr<float>() + first, q, n, scale, zp, r);
+  TORCH_CHECK_VALUE(ok, "QuantGRU ", what, " contains NaN, which has no quantized value ",
+                    "(out-of-range and infinite values saturate)");
+}
+
+// float -> int32 on (scale, zp, bits), into a buffer reused per calling thread.
+at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bits, const char* what,
                     const Kernels* k) {
-  TORCH_CHECK(x_in.is_floating_point() && x_in.device().is_cpu(), "qgru cpu quantize: float CPU tensor expected");
-  const at::Tensor x = (x_in.scalar_type() == at::kDouble ? x_in : x_in.to(at::kFloat)).contiguous();
+  const at::Tensor x = float_contiguous(x_in);
   // per calling thread (no other thread sees a buffer being reused), a few shapes: a module call
   // quantizes its input and then h0 while still holding the input's result
   thread_local at::Tensor cache[kQuantizeBuffers];
@@ -540,34 +573,32 @@ at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bi
     if (!c.defined() || c.storage().use_count() == 1) slot = &c;  // free: may be replaced
   }
   at::Tensor q = reuse_or_empty(*slot, x.sizes());
-  const Range r = signed_range((int32_t)bits);
-  const bool ok = x.scalar_type() == at::kDouble
-                      ? quantize_loop(k, x.data_ptr<double>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, r)
-                      : quantize_loop(k, x.data_ptr<float>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, r);
-  TORCH_CHECK_VALUE(ok, "QuantGRU ", what, " contains NaN, which has no quantized value ",
-                    "(out-of-range and infinite values saturate)");
+  quantize_into(x, 0, x.numel(), scale, zp, bits, what, k, q.data_ptr<int32_t>());
   return q;
 }
 
-// int -> float32: (q - zp) * scale in float64, rounded once to float32 (as primitives.dequantize).
-at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
-  const at::Tensor q = q_in.to(at::kInt).contiguous();
-  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-  const int32_t* src = q.data_ptr<int32_t>();
-  float* dst = out.data_ptr<float>();
+// int32 src[0, n) -> float32 dst: (q - zp) * scale in float64, rounded once to float32 (as
+// primitives.dequantize).
+void dequantize_into(const int32_t* src, int64_t n, double scale, int64_t zp, float* dst) {
   // dequantize_value (qgru_fixedpoint.h): an int32 -> double conversion, which the baseline x86-64
   // target vectorises (int64 -> double it does not: that loop measured 6% of an AMX call)
   const double z = (double)zp;
-  at::parallel_for(0, q.numel(), 4096, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) dst[i] = dequantize_value(src[i], scale, z);
   });
+}
+
+at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
+  const at::Tensor q = int32_contiguous(q_in);
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  dequantize_into(q.data_ptr<int32_t>(), q.numel(), scale, zp, out.data_ptr<float>());
   return out;
 }
 
 // golden.requantize_input: sat(rescale(q - from_zp) + to_zp, to_bits), per-tensor factor.
 at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
                       int64_t to_bits) {
-  const at::Tensor q = q_in.to(at::kInt).contiguous();
+  const at::Tensor q = int32_contiguous(q_in);
   at::Tensor out = at::empty(q.sizes(), q.options());
   const int32_t* src = q.data_ptr<int32_t>();
   int32_t* dst = out.data_ptr<int32_t>();
@@ -591,20 +622,34 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<CpuLayer*>& l
   const int64_t L = (int64_t)layers.size();
   TORCH_CHECK(L > 0 && (int64_t)q.size() == L && h0.dim() == 3 && h0.size(0) == L,
               "qgru cpu stack_forward: one Layer, one parameter row and one h0 per layer");
-  for (const auto& row : q) TORCH_CHECK(row.size() == 8, "qgru cpu stack_forward: 8 values per layer");
+  const int64_t H = layers[0]->hidden_size();
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == layers[0]->input_size(), "qgru cpu stack_forward: x must be [T, N, ",
+              layers[0]->input_size(), "]");
+  const int64_t N = x.size(1);
+  TORCH_CHECK(h0.size(1) == N && h0.size(2) == H, "qgru cpu stack_forward: h0 must be [", L, ", ", N, ", ", H, "]");
+  for (int64_t l = 0; l < L; ++l) {
+    TORCH_CHECK(q[l].size() == 8, "qgru cpu stack_forward: 8 values per layer");
+    TORCH_CHECK(layers[l]->hidden_size() == H && (l == 0 || layers[l]->input_size() == H),
+                "qgru cpu stack_forward: layer ", l, " does not take layer ", l - 1, "'s output");
+  }
   const Kernels* k = layers[0]->kernels();
   at::Tensor qx = quantize(x, q[0][0], (int64_t)q[0][1], (int64_t)q[0][2], "input", k);
+  // h0 is read and h_n written in place, layer by layer (no per-layer views of them)
+  const at::Tensor h0c = float_contiguous(h0);
+  at::Tensor h_n = at::empty({L, N, H}, at::TensorOptions().dtype(at::kFloat));
   at::Tensor out;
-  std::vector<at::Tensor> h_n;
   for (int64_t l = 0; l < L; ++l) {
     if (l > 0)
       qx = requantize(out, (int64_t)q[l - 1][4], (int64_t)q[l][6], (int64_t)q[l][7], (int64_t)q[l][1], (int64_t)q[l][2]);
-    const at::Tensor qh = quantize(h0[l], q[l][3], (int64_t)q[l][4], (int64_t)q[l][5], "h0", k);
-    auto res = layers[l]->forward(qx, qh, c10::nullopt);
+    at::Tensor state = at::empty({N, H}, at::TensorOptions().dtype(at::kInt));  // the layer's own, updated
+    quantize_into(h0c, l * N * H, N * H, q[l][3], (int64_t)q[l][4], (int64_t)q[l][5], "h0", k,
+                  state.data_ptr<int32_t>());
+    auto res = layers[l]->run(qx, std::move(state), at::Tensor());
     out = std::get<0>(res);
-    h_n.push_back(dequantize(std::get<1>(res), q[l][3], (int64_t)q[l][4]));
+    dequantize_into(std::get<1>(res).data_ptr<int32_t>(), N * H, q[l][3], (int64_t)q[l][4],
+                    h_n.data_ptr<float>() + l * N * H);
   }
-  return {dequantize(out, q[L - 1][3], (int64_t)q[L - 1][4]), L == 1 ? h_n[0].unsqueeze(0) : at::stack(h_n)};
+  return {dequantize(out, q[L - 1][3], (int64_t)q[L - 1][4]), h_n};
 }
 
 // A stack's Layers and per-layer values, held for its one call per forward: a streaming call
@@ -692,7 +737,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_model", &qgru::cpu::cpu_model, "the CPU's model name (CPUID)");
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("quantize", [](const at::Tensor& x, double scale, int64_t zp, int64_t bits, const std::string& what,
-                       const std::string& isa) { return qgru::quantize(x, scale, zp, bits, what, qgru::kernels_for(isa)); },
+                       const std::string& isa) { return qgru::quantize(x, scale, zp, bits, what.c_str(), qgru::kernels_for(isa)); },
         "float -> int32 (primitives.quantize) on a CPU path", pybind11::arg("x"), pybind11::arg("scale"),
         pybind11::arg("zp"), pybind11::arg("bits"), pybind11::arg("what"), pybind11::arg("isa") = "auto", release_gil());
   m.def("dequantize", &qgru::dequantize, "int -> float (primitives.dequantize)", release_gil());
