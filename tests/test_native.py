@@ -1654,6 +1654,15 @@ def test_stack_refuses_operands_of_other_shapes(cpu_backend):
                          (x, torch.randn(2, 3, 13)), (x, torch.randn(1, 3, 12)), (x, torch.randn(3, 12))):
         with pytest.raises(RuntimeError, match="stack_forward"):
             plan.forward(bad_x, bad_h)
+    # tensors on another device (meta: no memory at all) are refused too, by the Stack and by a
+    # Layer called on its own
+    with pytest.raises(RuntimeError, match="CPU tensor"):
+        plan.forward(x, h0.to("meta"))
+    layer = native._cpu_layer(m._qparams_on["cpu"][0][0], native.cpu_isa_request()).layer
+    qx, qh = torch.zeros(4, 3, 7, dtype=torch.int32), torch.zeros(3, 12, dtype=torch.int32)
+    for args in ((qx.to("meta"), qh), (qx, qh.to("meta")), (qx, qh, torch.full((3,), 4).to("meta"))):
+        with pytest.raises(RuntimeError, match="CPU tensors"):
+            layer.forward(*args)
     with qgru.backend("cpu"), torch.no_grad():
         want = m(x, h0)
     _assert_same(plan.forward(x, h0), want)

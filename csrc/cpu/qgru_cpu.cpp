@@ -75,6 +75,12 @@ constexpr int kQuantizeBuffers = 4;            // quantize outputs reused per th
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 int64_t ceil_div(int64_t v, int64_t m) { return (v + m - 1) / m; }
 
+// t as int32 and contiguous, with no dispatched call where it already is (each costs a streaming
+// call ~0.5 us, even a no-op)
+at::Tensor int32_contiguous(const at::Tensor& t) {
+  return t.scalar_type() == at::kInt && t.is_contiguous() ? t : t.to(at::kInt).contiguous();
+}
+
 // An int32 tensor of the given sizes whose memory is `cache`'s, reused when the last caller has let
 // go of it, else fresh. For the layer's output and the quantized input, buffers of many MB that a
 // forward call makes and drops: fresh, each call paid their pages' faults, ~3000 per call on the
@@ -85,12 +91,6 @@ int64_t ceil_div(int64_t v, int64_t m) { return (v + m - 1) / m; }
 // C++ holds the tensor.) The cache and its aliases are made outside InferenceMode even when the
 // call runs inside it: an inference tensor cached by a call under torch.inference_mode() would be
 // handed out, and written in place, by later calls outside it, which torch forbids.
-// t as int32 and contiguous, with no dispatched call where it already is (each costs a streaming
-// call ~0.5 us, even a no-op)
-at::Tensor int32_contiguous(const at::Tensor& t) {
-  return t.scalar_type() == at::kInt && t.is_contiguous() ? t : t.to(at::kInt).contiguous();
-}
-
 at::Tensor reuse_or_empty(at::Tensor& cache, at::IntArrayRef sizes) {
   c10::InferenceMode normal_tensors(false);
   if (!(cache.defined() && !cache.is_inference() && cache.storage().use_count() == 1 && cache.sizes() == sizes))
@@ -279,6 +279,9 @@ class CpuLayer {
 
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx_in, const at::Tensor& qh0_in,
                                              const c10::optional<at::Tensor>& lengths_in) {
+    TORCH_CHECK(qx_in.device().is_cpu() && qh0_in.device().is_cpu() &&
+                    (!lengths_in.has_value() || lengths_in->device().is_cpu()),
+                "qgru cpu: qx, qh0 and lengths must be CPU tensors");
     TORCH_CHECK(qx_in.dim() == 3 && qx_in.size(2) == I_, "qgru cpu: qx must be [T, N, ", I_, "]");
     TORCH_CHECK(qh0_in.dim() == 2 && qh0_in.size(0) == qx_in.size(1) && qh0_in.size(1) == H_,
                 "qgru cpu: qh0 must be [N, ", H_, "]");
