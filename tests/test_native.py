@@ -1663,6 +1663,13 @@ def test_stack_refuses_operands_of_other_shapes(cpu_backend):
     for args in ((qx.to("meta"), qh), (qx, qh.to("meta")), (qx, qh, torch.full((3,), 4).to("meta"))):
         with pytest.raises(RuntimeError, match="CPU tensors"):
             layer.forward(*args)
+    mod = native.load("cpu")
+    with pytest.raises(RuntimeError, match="CPU tensor"):
+        mod.dequantize(qh.to("meta"), 0.1, 0)
+    with pytest.raises(RuntimeError, match="CPU tensor"):
+        mod.requantize(qh.to("meta"), 0, 1 << 30, 31, 0, 8)
+    with pytest.raises(RuntimeError, match="CPU tensor"):
+        mod.quantize(h0.to("meta"), 0.1, 0, 8, "h0")
     with qgru.backend("cpu"), torch.no_grad():
         want = m(x, h0)
     _assert_same(plan.forward(x, h0), want)

@@ -592,6 +592,7 @@ void dequantize_into(const int32_t* src, int64_t n, double scale, int64_t zp, fl
 }
 
 at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
+  TORCH_CHECK(q_in.device().is_cpu(), "qgru cpu dequantize: a CPU tensor expected");
   const at::Tensor q = int32_contiguous(q_in);
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   dequantize_into(q.data_ptr<int32_t>(), q.numel(), scale, zp, out.data_ptr<float>());
@@ -601,6 +602,7 @@ at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
 // golden.requantize_input: sat(rescale(q - from_zp) + to_zp, to_bits), per-tensor factor.
 at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
                       int64_t to_bits) {
+  TORCH_CHECK(q_in.device().is_cpu(), "qgru cpu requantize: a CPU tensor expected");
   const at::Tensor q = int32_contiguous(q_in);
   at::Tensor out = at::empty(q.sizes(), q.options());
   const int32_t* src = q.data_ptr<int32_t>();
