@@ -316,12 +316,6 @@ QGRU_HD V sigmoid_pre32(const Cell32& p, Channel32 ch, int gate, V acc_rh, V d_w
                  p.pre_lo[gate], p.pre_hi[gate]);
 }
 
-// computeR / computeZ in int32: the gate's output relative to its zero point.
-template <bool POW2, typename V = int32_t>
-QGRU_HD V sigmoid_gate32(const Cell32& p, Channel32 ch, int gate, V acc_rh, V d_wx) {
-  return lookup32<V>(p.table[gate], sigmoid_pre32<POW2, V>(p, ch, gate, acc_rh, d_wx));
-}
-
 // The multiplier form's floor(a d m / 2^(16 + sh)) (rescale_wide32), in int64 (|a d| < 2^33).
 QGRU_HD int32_t wide_mul_shift32(int32_t a, int32_t d, int32_t m, int32_t sh) {
   const int64_t y = (int64_t)a * d;
@@ -349,7 +343,7 @@ QGRU_HD V rrh32(Channel32 ch, V d_r, V d_rh_g) {
 }
 
 // computeG in int32 up to the table: g's pre-activation from its raw R.h accumulator, Wx_g - Z
-// and the gate r (sigmoid_gate32).
+// and the gate r (its table output relative to its zero point).
 template <bool POW2, typename V = int32_t>
 QGRU_HD V candidate_pre32(const Cell32& p, Channel32 ch, V acc_rh_g, V d_wx_g, V d_r) {
   const V d_rh_g = requant32_at<POW2, V>(ch, kRhRequant, 2, acc_rh_g, p.rh_lo, p.rh_hi);
@@ -366,14 +360,6 @@ QGRU_HD V new_state32(const Cell32& p, V d_g, V d_z, V q_h) {
   return clamp32(zh + zg + p.h_zp, p.h_lo, p.h_hi);
 }
 
-// computeG and computeH in int32: the new state from g's raw R.h accumulator, Wx_g - Z, the gates
-// r and z (sigmoid_gate32) and the state h.
-template <bool POW2, typename V = int32_t>
-QGRU_HD V candidate_state32(const Cell32& p, Channel32 ch, V acc_rh_g, V d_wx_g, V d_r, V d_z, V q_h) {
-  const V d_g = lookup32<V>(p.table[2], candidate_pre32<POW2, V>(p, ch, acc_rh_g, d_wx_g, d_r));
-  return new_state32<POW2, V>(p, d_g, d_z, q_h);
-}
-
 // gemm_operand in int32 (layers with an h_gemm): |q_h - Z_h| < 2^17 and the bounds of rescale32
 // (_add_acc32 checks them with the others).
 template <bool POW2>
@@ -382,14 +368,17 @@ QGRU_HD int32_t gemm_operand32(const Cell32& p, int32_t q_h) {
 }
 
 // One element of one step from the three gates' int32 R.h accumulators and Wx - Z_Wx: the int32
-// form of gru_cell_acc. (The CPU's fused step runs its pieces, sigmoid_pre32, lookup32,
-// candidate_pre32 and new_state32, in four passes: cpu/cell_loops.h cell_tile says why.)
+// form of gru_cell_acc, its pieces in the order the CPU's fused step runs them as four passes
+// over a task (cpu/cell_loops.h cell_tile says why): computeR and computeZ (pre-activation, then
+// table: each gate's output relative to its zero point), computeG's pre-activation and table,
+// computeH.
 template <bool POW2>
 QGRU_HD int32_t gru_cell32(const Cell32& p, Channel32 ch, int32_t acc_r, int32_t acc_z, int32_t acc_g, int32_t d_wx_r,
                            int32_t d_wx_z, int32_t d_wx_g, int32_t q_h) {
-  const int32_t d_r = sigmoid_gate32<POW2>(p, ch, 0, acc_r, d_wx_r);
-  const int32_t d_z = sigmoid_gate32<POW2>(p, ch, 1, acc_z, d_wx_z);
-  return candidate_state32<POW2>(p, ch, acc_g, d_wx_g, d_r, d_z, q_h);
+  const int32_t d_r = lookup32(p.table[0], sigmoid_pre32<POW2>(p, ch, 0, acc_r, d_wx_r));
+  const int32_t d_z = lookup32(p.table[1], sigmoid_pre32<POW2>(p, ch, 1, acc_z, d_wx_z));
+  const int32_t d_g = lookup32(p.table[2], candidate_pre32<POW2>(p, ch, acc_g, d_wx_g, d_r));
+  return new_state32<POW2>(p, d_g, d_z, q_h);
 }
 
 QGRU_ISA_END
