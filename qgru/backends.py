@@ -129,7 +129,17 @@ _REGISTRY: Dict[str, Backend] = {
     "cpu": Backend("cpu", "cpu"),
     "cuda": Backend("cuda", "cuda"),
 }
-_forced = threading.local()
+
+
+class _Forced(threading.local):
+    """The backend qgru.backend() forces on this thread (each thread starts with None). A class
+    default, not getattr(..., None): getattr raises and catches inside where a thread never set
+    the attribute (0.63 us a read, against 0.08 us, on the AMD EPYC), and a streaming call reads it
+    every call."""
+    name: Optional[str] = None
+
+
+_forced = _Forced()
 _warned = set()
 _warn_lock = threading.Lock()
 
@@ -162,7 +172,7 @@ def backend(name: str) -> Iterator[Backend]:
     why = b.why_unavailable
     if why:
         raise RuntimeError(f"backend {name!r} is unavailable: {why}")
-    previous = getattr(_forced, "name", None)
+    previous = _forced.name
     _forced.name = name
     try:
         yield b
@@ -172,12 +182,12 @@ def backend(name: str) -> Iterator[Backend]:
 
 def forced_backend_name() -> Optional[str]:
     """The backend qgru.backend() forces on this thread, or None."""
-    return getattr(_forced, "name", None)
+    return _forced.name
 
 
 def current_backend(device_type: str = "cpu") -> Backend:
     """The forced backend, else the native backend for ``device_type``, else reference (warned once)."""
-    name = getattr(_forced, "name", None)
+    name = _forced.name
     if name is not None:
         b = _REGISTRY[name]
         if b.device_type not in (None, device_type):
