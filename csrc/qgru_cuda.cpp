@@ -501,8 +501,7 @@ class CudaLayer {
 // the reference boundary's isnan(x).any() waited too).
 at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bits, const std::string& what) {
   TORCH_CHECK(x_in.is_cuda() && x_in.is_floating_point(), "qgru cuda quantize: a floating-point CUDA tensor expected");
-  TORCH_CHECK(bits >= 2 && bits <= 16 && zp >= -(int64_t(1) << 16) && zp <= (int64_t(1) << 16) && scale > 0,
-              "qgru cuda quantize: bits ", bits, ", zero point ", zp, ", scale ", scale, " out of range");
+  check_quantize_args("qgru cuda quantize", scale, zp, bits);  // qgru_layer.h
   c10::cuda::CUDAGuard guard(x_in.device());
   {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;

@@ -23,11 +23,27 @@ namespace qgru {
 using TensorMap = std::map<std::string, at::Tensor>;
 using IntMap = std::map<std::string, int64_t>;
 
+// The float boundary's arguments (quantize: x / scale, then a zero point on a `bits`-bit grid):
+// bits in [2, 16] (signed_range shifts by bits - 1), a zero point within 2^16 and a positive scale
+// (a NaN or non-positive scale would turn every element into NaN or an infinity). The bounds keep
+// every intermediate of quantize_value and its vector forms within +-2^17.
+inline void check_quantize_args(const char* who, double scale, int64_t zp, int64_t bits) {
+  TORCH_CHECK(bits >= 2 && bits <= 16 && zp >= -(int64_t(1) << 16) && zp <= (int64_t(1) << 16) && scale > 0,
+              who, ": bits ", bits, ", zero point ", zp, ", scale ", scale, " out of range");
+}
+
 struct LayerTensors {
   TensorMap t;
   IntMap v;
 
-  LayerTensors(TensorMap tensors, IntMap values) : t(std::move(tensors)), v(std::move(values)) { validate(); }
+  // Every tensor is copied first: the checks below and the raw pointers the kernels keep then see
+  // memory nobody else holds. (A caller's tensor edited in place after construction, or a negative
+  // view whose sign torch applies only on reading, would otherwise pass the checks with one value
+  // and be read with another; clone() applies the sign.)
+  LayerTensors(TensorMap tensors, IntMap values) : t(std::move(tensors)), v(std::move(values)) {
+    for (auto& kv : t) kv.second = kv.second.clone();
+    validate();
+  }
 
   static constexpr int64_t kMaxK = int64_t(1) << 17;  // primitives.INT8_GEMM_K_MAX: sizes below it
 
@@ -44,7 +60,10 @@ struct LayerTensors {
     const int64_t H3 = 3 * H, M_pad = value("M_pad");
     TORCH_CHECK(M_pad >= H3 && M_pad <= H3 + 64, "qgru native layer: M_pad = ", M_pad, " must lie in [3H, 3H + 64]");
     check_value("ones_col", 0, M_pad - 1);
-    const int64_t px = check_gemm("x", I, value("x_bits"), M_pad), ph = check_gemm("h", H, value("h_bits"), M_pad);
+    check_value("x_direct16", 0, 1);
+    check_value("h_direct16", 0, 1);
+    const int64_t px = check_gemm("x", I, value("x_bits"), value("x_direct16") != 0, M_pad),
+                  ph = check_gemm("h", H, value("h_bits"), value("h_direct16") != 0, M_pad);
     for (const char* r : {"Wx", "Rh", "r_pre", "z_pre", "g_pre", "r", "z", "g", "h"}) {
       const std::string k = r;
       const int64_t lo = value(k + "_lo"), hi = value(k + "_hi");
@@ -103,8 +122,12 @@ struct LayerTensors {
                 "], outside [", lo, ", ", hi, "]");
   }
   // The weight limbs [L, M_pad, K_pad] (K_pad >= K: rows of K activations are written at that
-  // stride) and the limb pairs [P, 4], whose limb indices select buffers. Returns P.
-  int64_t check_gemm(const std::string& k, int64_t K, int64_t bits, int64_t M_pad) const {
+  // stride) and the limb pairs [P, 4] (activation limb, weight limb, scale, weight offset), whose
+  // limb indices select buffers. The scales and offsets are native.py's _limb_gemm's (1, 256 or
+  // 65536; 0 or 128), which keeps exact_product's int64 sums far from overflow; one pair is the
+  // GEMM's output itself (exact_product<1>, the fused step), so it must be (0, 0, 1, 0) on one
+  // activation limb. Returns P.
+  int64_t check_gemm(const std::string& k, int64_t K, int64_t bits, bool direct, int64_t M_pad) const {
     const at::Tensor& w = tensor(k + "_weight_limbs");
     TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 3 && w.is_contiguous() && (w.size(0) == 1 || w.size(0) == 2) &&
                     w.size(1) == M_pad && w.size(2) >= K && w.size(2) <= K + 64,
@@ -116,11 +139,18 @@ struct LayerTensors {
                 "qgru native layer: '", k, "_pairs' must be int64 [1, 2 or 4, 4], got ", p.scalar_type(), " ", p.sizes());
     const at::Tensor hp = p.cpu().contiguous();
     const int64_t* a = hp.data_ptr<int64_t>();
-    const int64_t n_act = bits > 8 ? 2 : 1;
-    for (int64_t i = 0; i < p.size(0); ++i)
+    const int64_t n_act = bits > 8 && !direct ? 2 : 1;
+    for (int64_t i = 0; i < p.size(0); ++i) {
       TORCH_CHECK(0 <= a[4 * i] && a[4 * i] < n_act && 0 <= a[4 * i + 1] && a[4 * i + 1] < w.size(0),
                   "qgru native layer: '", k, "_pairs' row ", i, " names limbs (", a[4 * i], ", ", a[4 * i + 1],
                   ") of ", n_act, " activation and ", w.size(0), " weight limb(s)");
+      TORCH_CHECK(1 <= a[4 * i + 2] && a[4 * i + 2] <= 65536 && 0 <= a[4 * i + 3] && a[4 * i + 3] <= 128,
+                  "qgru native layer: '", k, "_pairs' row ", i, " has scale ", a[4 * i + 2], " and weight offset ",
+                  a[4 * i + 3], ", outside [1, 65536] and [0, 128]");
+    }
+    TORCH_CHECK(p.size(0) > 1 || (n_act == 1 && a[0] == 0 && a[1] == 0 && a[2] == 1 && a[3] == 0),
+                "qgru native layer: one limb pair must be (0, 0, 1, 0) on a one-limb activation (", bits,
+                " bits", direct ? ", taken whole" : "", "), got (", a[0], ", ", a[1], ", ", a[2], ", ", a[3], ")");
     return p.size(0);
   }
   // Multipliers fit the 32 x 32 -> 64 multiply, shifts lie in [1, 62] (rounding_mul_shift), and

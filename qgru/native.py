@@ -842,30 +842,36 @@ def cpu_stack_plan(params: List[List[LayerParams]], req: str):
     if len(params[0]) != 1:
         return None
     cache = params[0][0].__dict__.setdefault("_native", {})  # beside the first layer's Layers
-    # keyed by the stack's layers too: one LayerParams may head stacks of other depths (qgru.compare
-    # runs a model's first layers alone)
-    key = ("cpu-stack", req, tuple(id(row[0]) for row in params))
-    plan = cache.get(key)
-    if plan is None:
-        if any(len(row) != 1 for row in params):
-            return None
-        if torch.is_inference_mode_enabled():
-            with torch.inference_mode(False), torch.no_grad():
-                return cpu_stack_plan(params, req)
-        rows = []
-        for layer, (p,) in enumerate(params):
-            m, s = (1, 1)
-            if layer > 0:
-                r = p.rescale["in_0"]
-                if r.multiplier.numel() != 1:
-                    cache[key] = False
-                    return None
-                m, s = int(r.multiplier), int(r.shift)
-            rows.append([float(p.scale["x"]), float(int(p.zp["x"])), float(p.bits["x"]), float(p.scale["h"]),
-                         float(int(p.zp["h"])), float(p.bits["h"]), float(m), float(s)])
-        plan = load("cpu").Stack([_cpu_layer(p, req).layer for (p,) in params], rows)
-        cache[key] = plan
-    return plan or None
+    # One plan per path request and depth (one LayerParams may head stacks of other depths: qgru.compare
+    # runs a model's first layers alone), kept with the LayerParams of the layers below the first
+    # and used only while the stack holds those same objects: LayerParams are shared between
+    # models (QuantParams.to_module), and a key of their ids could match a later object at a freed
+    # one's address. A stack that heads with the same first layer but differs below it makes its
+    # own plan and replaces the kept one.
+    key = ("cpu-stack", req, len(params))
+    entry = cache.get(key)
+    if entry is not None and (len(params) == 1 or all(a is row[0] for a, row in zip(entry[0], params[1:]))):
+        return entry[1] or None
+    if any(len(row) != 1 for row in params):
+        return None
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False), torch.no_grad():
+            return cpu_stack_plan(params, req)
+    below = tuple(row[0] for row in params[1:])
+    rows = []
+    for layer, (p,) in enumerate(params):
+        m, s = (1, 1)
+        if layer > 0:
+            r = p.rescale["in_0"]
+            if r.multiplier.numel() != 1:
+                cache[key] = (below, False)
+                return None
+            m, s = int(r.multiplier), int(r.shift)
+        rows.append([float(p.scale["x"]), float(int(p.zp["x"])), float(p.bits["x"]), float(p.scale["h"]),
+                     float(int(p.zp["h"])), float(p.bits["h"]), float(m), float(s)])
+    plan = load("cpu").Stack([_cpu_layer(p, req).layer for (p,) in params], rows)
+    cache[key] = (below, plan)
+    return plan
 
 
 def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor, resolve: bool = True):

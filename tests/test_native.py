@@ -1675,6 +1675,169 @@ def test_stack_refuses_operands_of_other_shapes(cpu_backend):
     _assert_same(plan.forward(x, h0), want)
 
 
+def _layer_maps(cfg: str = "w8a8", I: int = 7, H: int = 12, act16: bool = False):
+    """A converted one-layer model, its LayerParams and the C++ Layer's maps for it."""
+    m = _converted(_cfg(cfg), I, H)
+    p = m._qparams[0][0]
+    t, v = native.prepare_layer(p, act16=act16)
+    return m, p, t, v
+
+
+def test_layer_keeps_its_own_copies_of_its_tensors(cpu_backend):
+    """A native Layer reads copies of the tensors it was given, made before it checks them: an
+    in-place edit of the caller's tensors afterwards (a shift past 62, a freed table) changes
+    nothing, and a negative view is read with its sign (torch applies it only on reading)."""
+    mod = native.load("cpu")
+    m, p, t, v = _layer_maps()
+    qx, qh, _ = _random_inputs(p, 5, 3, False, torch.Generator().manual_seed(1))  # int64, as golden takes them
+    want = golden.gru_direction(p, qx, qh)
+    layer = mod.Layer(dict(t), dict(v), "portable")
+    t["r_from_wx_shift"].fill_(200)   # past any valid shift
+    t["table_r"].set_(torch.zeros(1, dtype=torch.int64))  # the old storage is freed
+    t["x_weight_limbs"].zero_()
+    if "c32_channels" in t:
+        t["c32_channels"].fill_(99)
+    got = layer.forward(qx, qh)
+    assert torch.equal(got[0].long(), want[0].long()) and torch.equal(got[1].long(), want[1].long())
+    # negative views: made of the negated values, they hold the same numbers
+    _, _, t2, v2 = _layer_maps()
+    neg = {k: torch._neg_view(-x) if x.dtype in (torch.int32, torch.int64) else x for k, x in t2.items()}
+    assert all(torch.equal(neg[k], t2[k]) for k in t2)
+    got = mod.Layer(neg, v2, "portable").forward(torch._neg_view(-qx), torch._neg_view(-qh))
+    assert torch.equal(got[0].long(), want[0].long()) and torch.equal(got[1].long(), want[1].long())
+
+
+def test_layer_refuses_inconsistent_limb_pairs(cpu_backend):
+    """One limb pair is the GEMM's output itself (the fused step reads it so): it must be (0, 0, 1,
+    0) on a one-limb activation. A 16-bit h (two activation limbs) with one pair, or a pair with
+    another scale or offset, is refused before anything runs."""
+    mod = native.load("cpu")
+    _, _, t, v = _layer_maps()
+    assert t["h_pairs"].tolist() == [[0, 0, 1, 0]]
+    bad_v = dict(v, h_bits=16, h_lo=-32768, h_hi=32767, acc32=0, hg=0, h_direct16=0)
+    with pytest.raises(RuntimeError, match="one limb pair must be"):
+        mod.Layer(dict(t), bad_v, "portable")
+    for row in ([0, 0, 2, 0], [0, 0, 1, 128], [0, 0, 1 << 20, 0]):
+        with pytest.raises(RuntimeError, match="pair"):
+            mod.Layer(dict(t, h_pairs=torch.tensor([row])), dict(v), "portable")
+    with pytest.raises(RuntimeError, match="outside"):
+        mod.Layer(dict(t), dict(v, x_direct16=2), "portable")
+
+
+def test_direct16_bound_counts_minus_128(cpu_backend):
+    """A 16-bit activation taken whole needs K 2^15 max|w| < 2^31: at K = 512 weights of 127 fit
+    and -128 does not (int8's abs of -128 is -128; the check must take it as 128)."""
+    mod = native.load("cpu")
+    _, p, t, v = _layer_maps("w8a16", I=512, H=12, act16=True)
+    assert v["x_direct16"] == 1 and t["x_pairs"].tolist() == [[0, 0, 1, 0]]
+    mod.Layer(dict(t), dict(v), "portable")
+    w = t["x_weight_limbs"].clone()
+    w[0, : 3 * 12, :512] = 127
+    mod.Layer(dict(t, x_weight_limbs=w), dict(v), "portable")
+    w[0, 0, 0] = -128
+    with pytest.raises(RuntimeError, match="direct16"):
+        mod.Layer(dict(t, x_weight_limbs=w), dict(v), "portable")
+
+
+def test_native_boundary_refuses_bad_arguments(cpu_backend):
+    """The float boundary, requantize, a Layer's integer operands and the Stack's values are
+    checked before any pointer is read or any shift is made: bits outside [2, 16], a scale that is
+    not positive, shifts outside [1, 62], operands off their grid or of a float type, and values
+    that do not match the Stack's Layers are errors; negative views are read with their sign."""
+    mod = native.load("cpu")
+    x = torch.randn(4, 3)
+    for scale, zp, bits in ((0.1, 0, 0), (0.1, 0, 17), (0.0, 0, 8), (float("nan"), 0, 8), (-1.0, 0, 8),
+                            (0.1, 1 << 17, 8)):
+        with pytest.raises(RuntimeError, match="out of range"):
+            mod.quantize(x, scale, zp, bits, "x")
+    q = mod.quantize(x, 0.05, 3, 8, "x")
+    assert torch.equal(mod.quantize(torch._neg_view(-x), 0.05, 3, 8, "x"), q)
+    assert torch.equal(mod.dequantize(torch._neg_view(-q), 0.05, 3), mod.dequantize(q, 0.05, 3))
+    for args in ((0, 1 << 30, 0, 0, 8), (0, 1 << 30, 63, 0, 8), (0, 1 << 31, 31, 0, 8), (0, -1, 31, 0, 8),
+                 (0, 1 << 30, 31, 0, 1), (0, 1 << 30, 31, 1 << 17, 8)):
+        with pytest.raises(RuntimeError, match="out of range"):
+            mod.requantize(q, *args)
+    with pytest.raises(RuntimeError, match="integer tensor"):
+        mod.requantize(x, 0, 1 << 30, 31, 0, 8)
+    assert torch.equal(mod.requantize(torch._neg_view(-q), 0, 1 << 30, 31, 0, 8), mod.requantize(q, 0, 1 << 30, 31, 0, 8))
+    # a Layer's operands: on their grids, integers
+    m = _converted(_cfg("w8a8"), 7, 12, 2, False, False, 0)
+    _forget_native(m)
+    params = m._qparams_on["cpu"]
+    layer = native._cpu_layer(params[0][0], native.cpu_isa_request()).layer
+    qx, qh = torch.zeros(4, 3, 7, dtype=torch.int32), torch.zeros(3, 12, dtype=torch.int32)
+    layer.forward(qx, qh)
+    for bad_x, bad_h, msg in ((qx + 128, qh, "qx holds"), (qx - 129, qh, "qx holds"), (qx, qh + (1 << 15), "qh0 holds"),
+                              (qx.float(), qh, "integer tensor"), (qx.long() + (1 << 32), qh, "qx holds")):
+        with pytest.raises(RuntimeError, match=msg):
+            layer.forward(bad_x, bad_h)
+    # the Stack's values against its Layers
+    plan = native.cpu_stack_plan(params, native.cpu_isa_request())
+    layers = [native._cpu_layer(p, native.cpu_isa_request()).layer for (p,) in params]
+    rows = [[float(p.scale["x"]), float(int(p.zp["x"])), float(p.bits["x"]), float(p.scale["h"]),
+             float(int(p.zp["h"])), float(p.bits["h"]), 1.0, 1.0] for (p,) in params]
+    rows[1][6:] = [float(int(params[1][0].rescale["in_0"].multiplier)), float(int(params[1][0].rescale["in_0"].shift))]
+    xs, h0 = torch.randn(4, 3, 7), torch.randn(2, 3, 12)
+    assert all(torch.equal(a, b) for a, b in zip(mod.Stack(layers, rows).forward(xs, h0), plan.forward(xs, h0)))
+    for l, i, value, msg in ((0, 2, 16.0, "takes"), (1, 5, 8.0, "takes"), (0, 4, rows[0][4] + 1, "takes"),
+                             (0, 1, 0.5, "not an integer"), (0, 0, 0.0, "out of range"), (1, 7, 0.0, "out of range"),
+                             (1, 6, 2.0 ** 31, "out of range")):
+        bad = [list(r) for r in rows]
+        bad[l][i] = value
+        with pytest.raises(RuntimeError, match=msg):
+            mod.Stack(layers, bad)
+    with pytest.raises(RuntimeError, match="CPU tensors"):
+        mod.kernel_gemm("portable", torch.zeros(2, 3).to("meta"), torch.zeros(4, 3))
+
+
+def test_stack_owns_its_layers(cpu_backend):
+    """The native Stack shares the ownership of its Layers: with the list it was made from
+    emptied and every other reference dropped, it still runs them."""
+    mod = native.load("cpu")
+    m = _converted(_cfg("w8a8"), 7, 12, 1, False, False, 0)
+    p = m._qparams[0][0]
+    t, v = native.prepare_layer(p)
+    layers = [mod.Layer(t, v, "portable")]
+    rows = [[float(p.scale["x"]), float(int(p.zp["x"])), float(p.bits["x"]), float(p.scale["h"]),
+             float(int(p.zp["h"])), float(p.bits["h"]), 1.0, 1.0]]
+    stack = mod.Stack(layers, rows)
+    x, h0 = torch.randn(5, 2, 7), torch.randn(1, 2, 12)
+    want = stack.forward(x, h0)
+    layers.clear()
+    del t, v
+    import gc
+    gc.collect()
+    got = stack.forward(x, h0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with qgru.backend("reference"), torch.no_grad():
+        ref = m(x, h0)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+def test_stack_plan_is_tied_to_its_layers(cpu_backend):
+    """The stack plan kept with a first layer's LayerParams serves only stacks of those same
+    LayerParams below it: another object in its place (as QuantParams.to_module shares
+    LayerParams between models) gets a plan of its own, and the first layer keeps one plan per
+    depth, not one per stack it ever headed."""
+    import copy
+    m = _converted(_cfg("w8a8"), 7, 12, 2, False, False, 0)
+    _forget_native(m)
+    (p0,), (p1,) = m._qparams_on["cpu"]
+    req = native.cpu_isa_request()
+    plan = native.cpu_stack_plan([[p0], [p1]], req)
+    assert native.cpu_stack_plan([[p0], [p1]], req) is plan
+    for i in range(5):
+        other = copy.copy(p1)
+        other.__dict__.pop("_native", None)
+        assert native.cpu_stack_plan([[p0], [other]], req) is not plan
+    assert sum(k[0] == "cpu-stack" for k in p0.__dict__["_native"]) == 1
+    x, h0 = torch.randn(3, 2, 7), torch.randn(2, 2, 12)
+    with qgru.backend("reference"), torch.no_grad():
+        ref = m(x, h0)
+    got = native.cpu_stack_plan([[p0], [p1]], req).forward(x, h0)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
 @pytest.mark.parametrize("cfg,layers", [("w8a16", 1), ("w8a16", 2), ("w8a8", 1)])
 def test_stack_one_row_calls(cpu_backend, monkeypatch, cfg, layers):
     """A stack's one-step calls of a batch of one run on each layer's one-row Layer

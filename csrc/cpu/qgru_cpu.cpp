@@ -76,9 +76,24 @@ int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 int64_t ceil_div(int64_t v, int64_t m) { return (v + m - 1) / m; }
 
 // t as int32 and contiguous, with no dispatched call where it already is (each costs a streaming
-// call ~0.5 us, even a no-op)
+// call ~0.5 us, even a no-op). A negative view (torch._neg_view) is resolved: its memory holds the
+// values before the sign that torch applies on reading, and native code reads the memory.
 at::Tensor int32_contiguous(const at::Tensor& t) {
-  return t.scalar_type() == at::kInt && t.is_contiguous() ? t : t.to(at::kInt).contiguous();
+  if (t.scalar_type() == at::kInt && t.is_contiguous() && !t.is_neg()) return t;
+  return t.resolve_neg().to(at::kInt).contiguous();
+}
+
+// Refuses an integer operand (qx, qh0) that is not an integer tensor or holds values outside r:
+// the layer reads its values as r's bits (the GEMM operand's limbs, the state's grid) and would
+// compute on other ones without a word.
+void check_operand_values(const at::Tensor& t, Range r, const char* what) {
+  TORCH_CHECK(at::isIntegralType(t.scalar_type(), /*includeBool=*/false), "qgru cpu: ", what,
+              " must be an integer tensor, got ", t.scalar_type());
+  if (t.numel() == 0) return;
+  const auto mm = at::aminmax(t);
+  const int64_t lo = std::get<0>(mm).item<int64_t>(), hi = std::get<1>(mm).item<int64_t>();
+  TORCH_CHECK(r.lo <= lo && hi <= r.hi, "qgru cpu: ", what, " holds values in [", lo, ", ", hi, "], outside its grid [",
+              r.lo, ", ", r.hi, "]");
 }
 
 // An int32 tensor of the given sizes whose memory is `cache`'s, reused when the last caller has let
@@ -139,7 +154,8 @@ struct Gemm {
     M_pad = w.size(1);
     const int64_t K_pad = w.size(2);
     if (direct) {  // a whole 16-bit activation: the int32 sums must be exact (native.direct16_fits)
-      const int64_t max_w = w.numel() ? w.abs().max().item<int64_t>() : 0;
+      // (in int32: int8's abs leaves -128 at -128)
+      const int64_t max_w = w.numel() ? w.to(at::kInt).abs().max().item<int64_t>() : 0;
       TORCH_CHECK(w.size(0) == 1 && K_real * 32768 * max_w < (int64_t(1) << 31), "qgru: ", k_name,
                   "_direct16 needs one weight limb with K 2^15 max|w| < 2^31");
     }
@@ -230,6 +246,8 @@ class CpuLayer {
     ones_col_ = lt_.value("ones_col");
     x_bits_ = (int32_t)lt_.value("x_bits");
     h_bits_ = (int32_t)lt_.value("h_bits");
+    h_zp_ = lt_.value("h_zp");
+    for (state_bits_ = 1; (int64_t(1) << state_bits_) < lt_.value("h_hi") - lt_.value("h_lo") + 1;) ++state_bits_;
     pow2_ = lt_.value("pow2") != 0;
     acc32_ = lt_.value("acc32") != 0;
     wx_.init(lt_, "x", k_, H_, I_, x_bits_, (int)lt_.value("x_direct16"));
@@ -239,13 +257,19 @@ class CpuLayer {
     cell_ = lt_.cell();
     fused_ = rh_.P == 1 && wx_.P == 1;
     if (fused_) rh_.packed.clear();  // the fused step reads R only in the gates layout
+    // nothing reads the weights again but in their packed copies
+    lt_.t.erase("x_weight_limbs");
+    lt_.t.erase("h_weight_limbs");
   }
 
   // One-step calls of a batch of one (streaming) run on `isa`'s Layer of the same layer, made
   // from `tensors` / `values` (prepared for that path) on the first such call and kept. Which path
   // and when is qgru/native.py's one_row_path, the one place that decides it. The maps are
-  // validated now; they must describe this layer (its sizes and bit widths).
+  // validated now (LayerTensors, the CPU device; they must describe this layer: its sizes and bit
+  // widths); what the path itself requires (Gemm::init) is checked when the Layer is made.
   void set_one_row(TensorMap tensors, IntMap values, const std::string& isa) {
+    for (auto& kv : tensors)
+      TORCH_CHECK(kv.second.device().is_cpu(), "qgru cpu backend: '", kv.first, "' is not on the CPU");
     const LayerTensors spec{tensors, values};
     for (const char* v : {"H", "I", "x_bits", "h_bits"})
       TORCH_CHECK(spec.value(v) == lt_.value(v), "qgru cpu: the one-row Layer's ", v, " (", spec.value(v),
@@ -285,9 +309,11 @@ class CpuLayer {
     TORCH_CHECK(qx_in.dim() == 3 && qx_in.size(2) == I_, "qgru cpu: qx must be [T, N, ", I_, "]");
     TORCH_CHECK(qh0_in.dim() == 2 && qh0_in.size(0) == qx_in.size(1) && qh0_in.size(1) == H_,
                 "qgru cpu: qh0 must be [N, ", H_, "]");
+    check_operand_values(qx_in, signed_range(x_bits_), "qx");
+    check_operand_values(qh0_in, lt_.range("h"), "qh0");
     at::Tensor lengths;
     if (lengths_in.has_value()) {
-      lengths = lengths_in->to(at::kLong).contiguous();
+      lengths = lengths_in->resolve_neg().to(at::kLong).contiguous();
       TORCH_CHECK(lengths.numel() == qx_in.size(1), "qgru cpu: lengths must have N entries");
     }
     // values fit int32: at most 16 bits; the state is this call's own copy (run updates it)
@@ -296,6 +322,10 @@ class CpuLayer {
 
   int64_t hidden_size() const { return H_; }
   int64_t input_size() const { return I_; }
+  int64_t x_bits() const { return x_bits_; }
+  // the bits and zero point of the state's grid (h_lo .. h_hi; an h_gemm operand may have fewer bits)
+  int64_t state_bits() const { return state_bits_; }
+  int64_t state_zp() const { return h_zp_; }
 
   // forward on checked operands: qx int32 contiguous [T, N, I]; state int32 contiguous [N, H], the
   // initial state, owned by this call (updated in place and returned as h_n); lengths undefined or
@@ -353,6 +383,7 @@ class CpuLayer {
     if (!one_row_) {
       c10::InferenceMode normal_tensors(false);  // it packs weights kept across calls
       one_row_ = std::make_shared<CpuLayer>(one_row_spec_.tensors, one_row_spec_.values, one_row_spec_.isa);
+      one_row_spec_.tensors.clear();  // the Layer holds its own copies
     }
     return one_row_;
   }
@@ -510,6 +541,7 @@ class CpuLayer {
   at::Tensor out_;  // the last output, reused once its caller drops it (reuse_or_empty)
   int64_t H_, I_, ones_col_;
   int32_t x_bits_, h_bits_;
+  int64_t state_bits_, h_zp_;
   bool pow2_, acc32_;
   Gemm wx_, rh_;
   AccRequant acc_x_;
@@ -544,17 +576,21 @@ const Kernels* kernels_for(const std::string& isa) {
   return nullptr;
 }
 
-// x as float64 if it is, else float32, contiguous (what quantize reads)
-at::Tensor float_contiguous(const at::Tensor& x) {
-  TORCH_CHECK(x.is_floating_point() && x.device().is_cpu(), "qgru cpu quantize: float CPU tensor expected");
+// x as float64 if it is, else float32, contiguous and with any negative view resolved (what
+// quantize reads)
+at::Tensor float_contiguous(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.is_floating_point() && x.device().is_cpu(), "qgru cpu: ", what, " must be a float CPU tensor, got ",
+              x.scalar_type(), " on ", x.device());
   const at::ScalarType t = x.scalar_type();
-  return (t == at::kFloat || t == at::kDouble ? x : x.to(at::kFloat)).contiguous();
+  if ((t == at::kFloat || t == at::kDouble) && x.is_contiguous() && !x.is_neg()) return x;
+  return (t == at::kFloat || t == at::kDouble ? x.resolve_neg() : x.resolve_neg().to(at::kFloat)).contiguous();
 }
 
 // Elements [first, first + n) of xc (float_contiguous) -> int32 on (scale, zp, bits) into q; NaN
 // is an error (it has no quantized value). The caller checks that xc holds them.
 void quantize_into(const at::Tensor& xc, int64_t first, int64_t n, double scale, int64_t zp, int64_t bits,
                    const char* what, const Kernels* k, int32_t* q) {
+  check_quantize_args("qgru cpu quantize", scale, zp, bits);  // qgru_layer.h
   const Range r = signed_range((int32_t)bits);
   const bool ok = xc.scalar_type() == at::kDouble
                       ? quantize_loop(k, xc.data_ptr<double>() + first, q, n, scale, zp, r)
@@ -566,7 +602,7 @@ void quantize_into(const at::Tensor& xc, int64_t first, int64_t n, double scale,
 // float -> int32 on (scale, zp, bits), into a buffer reused per calling thread.
 at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bits, const char* what,
                     const Kernels* k) {
-  const at::Tensor x = float_contiguous(x_in);
+  const at::Tensor x = float_contiguous(x_in, what);
   // per calling thread (no other thread sees a buffer being reused), a few shapes: a module call
   // quantizes its input and then h0 while still holding the input's result
   thread_local at::Tensor cache[kQuantizeBuffers];
@@ -603,6 +639,13 @@ at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
 at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
                       int64_t to_bits) {
   TORCH_CHECK(q_in.device().is_cpu(), "qgru cpu requantize: a CPU tensor expected");
+  // rounding_mul_shift's domain: |(q - from_zp) mult| < 2^63 for int32 q, a shift in [1, 62]
+  TORCH_CHECK(to_bits >= 2 && to_bits <= 16 && std::abs(from_zp) <= (int64_t(1) << 16) &&
+                  std::abs(to_zp) <= (int64_t(1) << 16) && mult >= 0 && mult < (int64_t(1) << 31) && shift >= 1 &&
+                  shift <= 62,
+              "qgru cpu requantize: to_bits ", to_bits, ", zero points ", from_zp, " and ", to_zp, ", multiplier ",
+              mult, ", shift ", shift, " out of range");
+  TORCH_CHECK(!q_in.is_floating_point(), "qgru cpu requantize: an integer tensor expected");
   const at::Tensor q = int32_contiguous(q_in);
   at::Tensor out = at::empty(q.sizes(), q.options());
   const int32_t* src = q.data_ptr<int32_t>();
@@ -640,7 +683,7 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<CpuLayer*>& l
   const Kernels* k = layers[0]->kernels();
   at::Tensor qx = quantize(x, q[0][0], (int64_t)q[0][1], (int64_t)q[0][2], "input", k);
   // h0 is read and h_n written in place, layer by layer (no per-layer views of them)
-  const at::Tensor h0c = float_contiguous(h0);
+  const at::Tensor h0c = float_contiguous(h0, "h0");
   at::Tensor h_n = at::empty({L, N, H}, at::TensorOptions().dtype(at::kFloat));
   at::Tensor out;
   for (int64_t l = 0; l < L; ++l) {
@@ -658,22 +701,44 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<CpuLayer*>& l
 }
 
 // A stack's Layers and per-layer values, held for its one call per forward: a streaming call
-// (one step of a batch of one, ~20 us) then converts no Python lists. The Layers are the Python
-// objects' (kept alive with the Stack, pybind keep_alive); each runs one-row calls on its own
-// one-row Layer where it has one (CpuLayer::set_one_row).
+// (one step of a batch of one, ~20 us) then converts no Python lists. The Stack shares the
+// ownership of its Layers (the Python objects' shared_ptr holders), so they live as long as it
+// does whatever becomes of the list it was made from; each runs one-row calls on its own one-row
+// Layer where it has one (CpuLayer::set_one_row). The values are checked once, here, against the
+// Layers: quantize's and requantize's ranges, and each layer's x and h bits.
 class Stack {
  public:
-  Stack(std::vector<CpuLayer*> layers, std::vector<std::vector<double>> q)
-      : layers_(std::move(layers)), q_(std::move(q)) {
-    TORCH_CHECK(!layers_.empty() && layers_.size() == q_.size(), "qgru cpu Stack: one parameter row per Layer");
-    for (const auto* l : layers_) TORCH_CHECK(l != nullptr, "qgru cpu Stack: a Layer is None");
+  Stack(std::vector<std::shared_ptr<CpuLayer>> layers, std::vector<std::vector<double>> q)
+      : owned_(std::move(layers)), q_(std::move(q)) {
+    TORCH_CHECK(!owned_.empty() && owned_.size() == q_.size(), "qgru cpu Stack: one parameter row per Layer");
+    for (size_t l = 0; l < owned_.size(); ++l) {
+      TORCH_CHECK(owned_[l] != nullptr, "qgru cpu Stack: a Layer is None");
+      const std::vector<double>& v = q_[l];
+      TORCH_CHECK(v.size() == 8, "qgru cpu Stack: 8 values per layer");
+      // integer values must be integers (they are passed as doubles) before any cast
+      for (int i : {1, 2, 4, 5, 6, 7})
+        TORCH_CHECK(std::abs(v[i]) < 9.0e15 && v[i] == std::floor(v[i]), "qgru cpu Stack: layer ", l, " value ", i,
+                    " (", v[i], ") is not an integer");
+      check_quantize_args("qgru cpu Stack (x)", v[0], (int64_t)v[1], (int64_t)v[2]);  // qgru_layer.h
+      check_quantize_args("qgru cpu Stack (h)", v[3], (int64_t)v[4], (int64_t)v[5]);
+      TORCH_CHECK((int64_t)v[2] == owned_[l]->x_bits() && (int64_t)v[5] == owned_[l]->state_bits() &&
+                      (int64_t)v[4] == owned_[l]->state_zp(),
+                  "qgru cpu Stack: layer ", l, " values name ", (int64_t)v[2], "-bit x and ", (int64_t)v[5],
+                  "-bit h with zero point ", (int64_t)v[4], "; its Layer takes ", owned_[l]->x_bits(), "-bit x and ",
+                  owned_[l]->state_bits(), "-bit h with zero point ", owned_[l]->state_zp());
+      if (l > 0)  // requantize's multiplier and shift (from layer l - 1's h grid onto layer l's x grid)
+        TORCH_CHECK(v[6] >= 0 && v[6] < 2147483648.0 && v[7] >= 1 && v[7] <= 62, "qgru cpu Stack: layer ", l,
+                    " multiplier ", v[6], " and shift ", v[7], " out of range");
+      layers_.push_back(owned_[l].get());
+    }
   }
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& h0) const {
     return stack_forward(layers_, x, h0, q_);
   }
 
  private:
-  std::vector<CpuLayer*> layers_;
+  std::vector<std::shared_ptr<CpuLayer>> owned_;
+  std::vector<CpuLayer*> layers_;  // owned_'s, as stack_forward takes them
   std::vector<std::vector<double>> q_;
 };
 
@@ -684,8 +749,9 @@ class Stack {
 // with an exact product where that fits int32.
 at::Tensor kernel_gemm(const std::string& isa, const at::Tensor& a_in, const at::Tensor& w_in, bool gates) {
   const Kernels* k = kernels_for(isa);
+  TORCH_CHECK(a_in.device().is_cpu() && w_in.device().is_cpu(), "kernel_gemm: CPU tensors expected");
   TORCH_CHECK(a_in.dim() == 2 && w_in.dim() == 2 && a_in.size(1) == w_in.size(1), "kernel_gemm: A [rows, K], W [M, K]");
-  const at::Tensor w = w_in.to(at::kChar).contiguous();
+  const at::Tensor w = w_in.resolve_neg().to(at::kChar).contiguous();
   const int64_t rows = a_in.size(0), K = a_in.size(1), M = w.size(0);
   TORCH_CHECK(!gates || M % 3 == 0, "kernel_gemm: gates need M = 3 H");
   const int64_t lda = cpu::k_padded(std::max<int64_t>(K, 1)), G = k->group;
@@ -750,10 +816,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernel_gemm", &qgru::kernel_gemm, "one CPU path's GEMM alone (tests)", pybind11::arg("isa"),
         pybind11::arg("a"), pybind11::arg("w"), pybind11::arg("gates") = false);
   pybind11::class_<qgru::Stack>(m, "Stack")
-      .def(pybind11::init<std::vector<qgru::CpuLayer*>, std::vector<std::vector<double>>>(),
-           pybind11::arg("layers"), pybind11::arg("values"), pybind11::keep_alive<1, 2>())
+      .def(pybind11::init<std::vector<std::shared_ptr<qgru::CpuLayer>>, std::vector<std::vector<double>>>(),
+           pybind11::arg("layers"), pybind11::arg("values"))
       .def("forward", &qgru::Stack::forward, pybind11::arg("x"), pybind11::arg("h0"), release_gil());
-  pybind11::class_<qgru::CpuLayer>(m, "Layer")
+  pybind11::class_<qgru::CpuLayer, std::shared_ptr<qgru::CpuLayer>>(m, "Layer")
       .def(pybind11::init<qgru::TensorMap, qgru::IntMap, std::string>(), pybind11::arg("tensors"),
            pybind11::arg("values"), pybind11::arg("isa") = "auto")
       .def_property_readonly("gemm", &qgru::CpuLayer::gemm_path)
