@@ -510,7 +510,8 @@ at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bi
                 "run inside a CUDA graph capture: it reads a NaN flag of its input on the host. Capture the ",
                 "integer layer (qgru.native.NativeLayer on quantized tensors) or run the module outside the capture");
   }
-  const at::Tensor x = (x_in.scalar_type() == at::kDouble ? x_in : x_in.to(at::kFloat)).contiguous();
+  // (resolve_neg: a negative view's memory holds the values before the sign torch applies on reading)
+  const at::Tensor x = (x_in.scalar_type() == at::kDouble ? x_in : x_in.to(at::kFloat)).resolve_neg().contiguous();
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kInt));
   at::Tensor nan = at::zeros({1}, x.options().dtype(at::kInt));
   cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
@@ -528,7 +529,7 @@ at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bi
 at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
   TORCH_CHECK(q_in.is_cuda() && !q_in.is_floating_point(), "qgru cuda dequantize: an integer CUDA tensor expected");
   c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = q_in.to(at::kInt).contiguous();  // values of at most 16 bits
+  const at::Tensor q = q_in.to(at::kInt).resolve_neg().contiguous();  // values of at most 16 bits
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   cuda::dequantize(q.data_ptr<int32_t>(), out.data_ptr<float>(), q.numel(), scale, zp,
                    at::cuda::getCurrentCUDAStream().stream());
