@@ -164,7 +164,7 @@ const Kernels* select_isa(const std::string& name) {
     }
     names += (names.empty() ? "" : ", ") + i.name;
   }
-  throw std::runtime_error("qgru cpu: unknown path '" + name + "' (QGRU_CPU_ISA); this build knows: auto, " + names);
+  throw std::runtime_error("qgru cpu: unknown path '" + name + "'; this build knows: auto, " + names);
 }
 
 }  // namespace cpu
