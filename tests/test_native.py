@@ -1694,7 +1694,6 @@ def test_layer_keeps_its_own_copies_of_its_tensors(cpu_backend):
     layer = mod.Layer(dict(t), dict(v), "portable")
     t["r_from_wx_shift"].fill_(200)   # past any valid shift
     t["table_r"].set_(torch.zeros(1, dtype=torch.int64))  # the old storage is freed
-    t["x_weight_limbs"].zero_()
     if "c32_channels" in t:
         t["c32_channels"].fill_(99)
     got = layer.forward(qx, qh)
@@ -1717,8 +1716,9 @@ def test_layer_refuses_inconsistent_limb_pairs(cpu_backend):
     bad_v = dict(v, h_bits=16, h_lo=-32768, h_hi=32767, acc32=0, hg=0, h_direct16=0)
     with pytest.raises(RuntimeError, match="one limb pair must be"):
         mod.Layer(dict(t), bad_v, "portable")
-    for row in ([0, 0, 2, 0], [0, 0, 1, 128], [0, 0, 1 << 20, 0]):
-        with pytest.raises(RuntimeError, match="pair"):
+    for row, msg in (([0, 0, 2, 0], "one limb pair must be"), ([0, 0, 1, 128], "one limb pair must be"),
+                     ([0, 0, 1 << 20, 0], "has scale 1048576")):
+        with pytest.raises(RuntimeError, match=msg):
             mod.Layer(dict(t, h_pairs=torch.tensor([row])), dict(v), "portable")
     with pytest.raises(RuntimeError, match="outside"):
         mod.Layer(dict(t), dict(v, x_direct16=2), "portable")
