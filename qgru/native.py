@@ -851,27 +851,34 @@ def cpu_stack_plan(params: List[List[LayerParams]], req: str):
     key = ("cpu-stack", req, len(params))
     entry = cache.get(key)
     if entry is not None and (len(params) == 1 or all(a is row[0] for a, row in zip(entry[0], params[1:]))):
-        return entry[1] or None
+        return entry[1]
     if any(len(row) != 1 for row in params):
         return None
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False), torch.no_grad():
             return cpu_stack_plan(params, req)
     below = tuple(row[0] for row in params[1:])
+    rows = stack_values(params)
+    plan = None if rows is None else load("cpu").Stack([_cpu_layer(p, req).layer for (p,) in params], rows)
+    cache[key] = (below, plan)  # None: a per-channel requantization between layers
+    return plan
+
+
+def stack_values(params: List[List[LayerParams]]) -> Optional[List[List[float]]]:
+    """The native Stack's per-layer values of a unidirectional stack: (S_x, Z_x, bits_x, S_h, Z_h,
+    bits_h, multiplier, shift of layer l - 1's h grid onto layer l's x grid; 1, 1 for layer 0), or
+    None where a layer's requantization is per channel (the Stack takes one factor per layer)."""
     rows = []
     for layer, (p,) in enumerate(params):
         m, s = (1, 1)
         if layer > 0:
             r = p.rescale["in_0"]
             if r.multiplier.numel() != 1:
-                cache[key] = (below, False)
                 return None
             m, s = int(r.multiplier), int(r.shift)
         rows.append([float(p.scale["x"]), float(int(p.zp["x"])), float(p.bits["x"]), float(p.scale["h"]),
                      float(int(p.zp["h"])), float(p.bits["h"]), float(m), float(s)])
-    plan = load("cpu").Stack([_cpu_layer(p, req).layer for (p,) in params], rows)
-    cache[key] = (below, plan)
-    return plan
+    return rows
 
 
 def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor, resolve: bool = True):

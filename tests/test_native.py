@@ -1774,9 +1774,7 @@ def test_native_boundary_refuses_bad_arguments(cpu_backend):
     # the Stack's values against its Layers
     plan = native.cpu_stack_plan(params, native.cpu_isa_request())
     layers = [native._cpu_layer(p, native.cpu_isa_request()).layer for (p,) in params]
-    rows = [[float(p.scale["x"]), float(int(p.zp["x"])), float(p.bits["x"]), float(p.scale["h"]),
-             float(int(p.zp["h"])), float(p.bits["h"]), 1.0, 1.0] for (p,) in params]
-    rows[1][6:] = [float(int(params[1][0].rescale["in_0"].multiplier)), float(int(params[1][0].rescale["in_0"].shift))]
+    rows = native.stack_values(params)
     xs, h0 = torch.randn(4, 3, 7), torch.randn(2, 3, 12)
     assert all(torch.equal(a, b) for a, b in zip(mod.Stack(layers, rows).forward(xs, h0), plan.forward(xs, h0)))
     for l, i, value, msg in ((0, 2, 16.0, "takes"), (1, 5, 8.0, "takes"), (0, 4, rows[0][4] + 1, "takes"),
@@ -1798,8 +1796,7 @@ def test_stack_owns_its_layers(cpu_backend):
     p = m._qparams[0][0]
     t, v = native.prepare_layer(p)
     layers = [mod.Layer(t, v, "portable")]
-    rows = [[float(p.scale["x"]), float(int(p.zp["x"])), float(p.bits["x"]), float(p.scale["h"]),
-             float(int(p.zp["h"])), float(p.bits["h"]), 1.0, 1.0]]
+    rows = native.stack_values([[p]])
     stack = mod.Stack(layers, rows)
     x, h0 = torch.randn(5, 2, 7), torch.randn(1, 2, 12)
     want = stack.forward(x, h0)

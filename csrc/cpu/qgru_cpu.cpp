@@ -257,8 +257,6 @@ class CpuLayer {
     ones_col_ = lt_.value("ones_col");
     x_bits_ = (int32_t)lt_.value("x_bits");
     h_bits_ = (int32_t)lt_.value("h_bits");
-    h_zp_ = lt_.value("h_zp");
-    for (state_bits_ = 1; (int64_t(1) << state_bits_) < lt_.value("h_hi") - lt_.value("h_lo") + 1;) ++state_bits_;
     pow2_ = lt_.value("pow2") != 0;
     acc32_ = lt_.value("acc32") != 0;
     wx_.init(lt_, "x", k_, H_, I_, x_bits_, (int)lt_.value("x_direct16"));
@@ -334,9 +332,9 @@ class CpuLayer {
   int64_t hidden_size() const { return H_; }
   int64_t input_size() const { return I_; }
   int64_t x_bits() const { return x_bits_; }
-  // the bits and zero point of the state's grid (h_lo .. h_hi; an h_gemm operand may have fewer bits)
-  int64_t state_bits() const { return state_bits_; }
-  int64_t state_zp() const { return h_zp_; }
+  // the state's grid (an h_gemm operand may have fewer bits) and zero point
+  Range state_range() const { return lt_.range("h"); }
+  int64_t state_zp() const { return lt_.value("h_zp"); }
 
   // forward on checked operands: qx int32 contiguous [T, N, I]; state int32 contiguous [N, H], the
   // initial state, owned by this call (updated in place and returned as h_n); lengths undefined or
@@ -552,7 +550,6 @@ class CpuLayer {
   at::Tensor out_;  // the last output, reused once its caller drops it (reuse_or_empty)
   int64_t H_, I_, ones_col_;
   int32_t x_bits_, h_bits_;
-  int64_t state_bits_, h_zp_;
   bool pow2_, acc32_;
   Gemm wx_, rh_;
   AccRequant acc_x_;
@@ -592,9 +589,10 @@ const Kernels* kernels_for(const std::string& isa) {
 at::Tensor float_contiguous(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.is_floating_point() && x.device().is_cpu(), "qgru cpu: ", what, " must be a float CPU tensor, got ",
               x.scalar_type(), " on ", x.device());
-  const at::ScalarType t = x.scalar_type();
-  if ((t == at::kFloat || t == at::kDouble) && x.is_contiguous() && !x.is_neg()) return x;
-  return (t == at::kFloat || t == at::kDouble ? x.resolve_neg() : x.resolve_neg().to(at::kFloat)).contiguous();
+  const bool f32_or_f64 = x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble;
+  if (f32_or_f64 && x.is_contiguous() && !x.is_neg()) return x;
+  const at::Tensor y = x.resolve_neg();
+  return (f32_or_f64 ? y : y.to(at::kFloat)).contiguous();
 }
 
 // Elements [first, first + n) of xc (float_contiguous) -> int32 on (scale, zp, bits) into q; NaN
@@ -646,16 +644,22 @@ at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
   return out;
 }
 
+// requantize's arguments: rounding_mul_shift's domain, |(q - from_zp) mult| < 2^63 for int32 q
+// and a shift in [1, 62], and a target grid of 2 to 16 bits.
+void check_requantize_args(const char* who, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
+                           int64_t to_bits) {
+  TORCH_CHECK(to_bits >= 2 && to_bits <= 16 && std::abs(from_zp) <= (int64_t(1) << 16) &&
+                  std::abs(to_zp) <= (int64_t(1) << 16) && mult >= 0 && mult < (int64_t(1) << 31) && shift >= 1 &&
+                  shift <= 62,
+              who, ": to_bits ", to_bits, ", zero points ", from_zp, " and ", to_zp, ", multiplier ", mult, ", shift ",
+              shift, " out of range");
+}
+
 // golden.requantize_input: sat(rescale(q - from_zp) + to_zp, to_bits), per-tensor factor.
 at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
                       int64_t to_bits) {
   TORCH_CHECK(q_in.device().is_cpu(), "qgru cpu requantize: a CPU tensor expected");
-  // rounding_mul_shift's domain: |(q - from_zp) mult| < 2^63 for int32 q, a shift in [1, 62]
-  TORCH_CHECK(to_bits >= 2 && to_bits <= 16 && std::abs(from_zp) <= (int64_t(1) << 16) &&
-                  std::abs(to_zp) <= (int64_t(1) << 16) && mult >= 0 && mult < (int64_t(1) << 31) && shift >= 1 &&
-                  shift <= 62,
-              "qgru cpu requantize: to_bits ", to_bits, ", zero points ", from_zp, " and ", to_zp, ", multiplier ",
-              mult, ", shift ", shift, " out of range");
+  check_requantize_args("qgru cpu requantize", from_zp, mult, shift, to_zp, to_bits);
   TORCH_CHECK(!q_in.is_floating_point(), "qgru cpu requantize: an integer tensor expected");
   const at::Tensor q = int32_contiguous(q_in);
   at::Tensor out = at::empty(q.sizes(), q.options());
@@ -675,9 +679,11 @@ at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int
 // Layer, requantize, dequantize), minus their Python round trips: for one step of a batch of one
 // (streaming) those cost more than the layer. q[l] = (S_x, Z_x, bits_x, S_h, Z_h, bits_h,
 // multiplier and shift of S_h,l-1 / S_x,l), the per-tensor values qgru/native.py reads from the
-// layer's parameters.
-std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<CpuLayer*>& layers, const at::Tensor& x,
-                                                 const at::Tensor& h0, const std::vector<std::vector<double>>& q) {
+// layer's parameters. The Stack checked the layers and the values against each other; x and h0
+// are checked here, per call.
+std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<std::shared_ptr<CpuLayer>>& layers,
+                                                 const at::Tensor& x, const at::Tensor& h0,
+                                                 const std::vector<std::vector<double>>& q) {
   const int64_t L = (int64_t)layers.size();
   TORCH_CHECK(L > 0 && (int64_t)q.size() == L && h0.dim() == 3 && h0.size(0) == L,
               "qgru cpu stack_forward: one Layer, one parameter row and one h0 per layer");
@@ -686,11 +692,6 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<CpuLayer*>& l
               layers[0]->input_size(), "]");
   const int64_t N = x.size(1);
   TORCH_CHECK(h0.size(1) == N && h0.size(2) == H, "qgru cpu stack_forward: h0 must be [", L, ", ", N, ", ", H, "]");
-  for (int64_t l = 0; l < L; ++l) {
-    TORCH_CHECK(q[l].size() == 8, "qgru cpu stack_forward: 8 values per layer");
-    TORCH_CHECK(layers[l]->hidden_size() == H && (l == 0 || layers[l]->input_size() == H),
-                "qgru cpu stack_forward: layer ", l, " does not take layer ", l - 1, "'s output");
-  }
   const Kernels* k = layers[0]->kernels();
   at::Tensor qx = quantize(x, q[0][0], (int64_t)q[0][1], (int64_t)q[0][2], "input", k);
   // h0 is read and h_n written in place, layer by layer (no per-layer views of them)
@@ -716,31 +717,38 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<CpuLayer*>& l
 // ownership of its Layers (the Python objects' shared_ptr holders), so they live as long as it
 // does whatever becomes of the list it was made from; each runs one-row calls on its own one-row
 // Layer where it has one (CpuLayer::set_one_row). The values are checked once, here, against the
-// Layers: quantize's and requantize's ranges, and each layer's x and h bits.
+// Layers: each layer takes the previous one's output, quantize's and requantize's ranges, and
+// each layer's x bits, state grid and state zero point.
 class Stack {
  public:
   Stack(std::vector<std::shared_ptr<CpuLayer>> layers, std::vector<std::vector<double>> q)
-      : owned_(std::move(layers)), q_(std::move(q)) {
-    TORCH_CHECK(!owned_.empty() && owned_.size() == q_.size(), "qgru cpu Stack: one parameter row per Layer");
-    for (size_t l = 0; l < owned_.size(); ++l) {
-      TORCH_CHECK(owned_[l] != nullptr, "qgru cpu Stack: a Layer is None");
+      : layers_(std::move(layers)), q_(std::move(q)) {
+    TORCH_CHECK(!layers_.empty() && layers_.size() == q_.size(), "qgru cpu Stack: one parameter row per Layer");
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const CpuLayer* layer = layers_[l].get();
+      TORCH_CHECK(layer != nullptr, "qgru cpu Stack: a Layer is None");
+      const int64_t H = layers_[0]->hidden_size();
+      TORCH_CHECK(l == 0 || (layer->hidden_size() == H && layer->input_size() == H), "qgru cpu Stack: layer ", l,
+                  " does not take layer ", l - 1, "'s output");
       const std::vector<double>& v = q_[l];
       TORCH_CHECK(v.size() == 8, "qgru cpu Stack: 8 values per layer");
       // integer values must be integers (they are passed as doubles) before any cast
       for (int i : {1, 2, 4, 5, 6, 7})
         TORCH_CHECK(std::abs(v[i]) < 9.0e15 && v[i] == std::floor(v[i]), "qgru cpu Stack: layer ", l, " value ", i,
                     " (", v[i], ") is not an integer");
+      // the calls stack_forward makes with them, checked once here (quantize_into and requantize
+      // check them again, as every entry point does)
       check_quantize_args("qgru cpu Stack (x)", v[0], (int64_t)v[1], (int64_t)v[2]);  // qgru_layer.h
       check_quantize_args("qgru cpu Stack (h)", v[3], (int64_t)v[4], (int64_t)v[5]);
-      TORCH_CHECK((int64_t)v[2] == owned_[l]->x_bits() && (int64_t)v[5] == owned_[l]->state_bits() &&
-                      (int64_t)v[4] == owned_[l]->state_zp(),
+      if (l > 0)  // layer l - 1's output onto layer l's x grid
+        check_requantize_args("qgru cpu Stack", (int64_t)q_[l - 1][4], (int64_t)v[6], (int64_t)v[7], (int64_t)v[1],
+                              (int64_t)v[2]);
+      const Range h = signed_range((int32_t)v[5]), state = layer->state_range();
+      TORCH_CHECK((int64_t)v[2] == layer->x_bits() && h.lo == state.lo && h.hi == state.hi &&
+                      (int64_t)v[4] == layer->state_zp(),
                   "qgru cpu Stack: layer ", l, " values name ", (int64_t)v[2], "-bit x and ", (int64_t)v[5],
-                  "-bit h with zero point ", (int64_t)v[4], "; its Layer takes ", owned_[l]->x_bits(), "-bit x and ",
-                  owned_[l]->state_bits(), "-bit h with zero point ", owned_[l]->state_zp());
-      if (l > 0)  // requantize's multiplier and shift (from layer l - 1's h grid onto layer l's x grid)
-        TORCH_CHECK(v[6] >= 0 && v[6] < 2147483648.0 && v[7] >= 1 && v[7] <= 62, "qgru cpu Stack: layer ", l,
-                    " multiplier ", v[6], " and shift ", v[7], " out of range");
-      layers_.push_back(owned_[l].get());
+                  "-bit h with zero point ", (int64_t)v[4], "; its Layer takes ", layer->x_bits(), "-bit x and h in [",
+                  state.lo, ", ", state.hi, "] with zero point ", layer->state_zp());
     }
   }
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& h0) const {
@@ -748,8 +756,7 @@ class Stack {
   }
 
  private:
-  std::vector<std::shared_ptr<CpuLayer>> owned_;
-  std::vector<CpuLayer*> layers_;  // owned_'s, as stack_forward takes them
+  std::vector<std::shared_ptr<CpuLayer>> layers_;
   std::vector<std::vector<double>> q_;
 };
 
