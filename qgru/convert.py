@@ -17,6 +17,8 @@ from .primitives import (choose_qparams, qrange, quantize, quantize_multipliers,
                          saturate)
 from .tables import build_table, output_grid
 
+_CPU = torch.device("cpu")  # integer parameters are derived on the CPU; factories name it (never the default device)
+
 BIAS_BITS = 32
 
 
@@ -35,7 +37,7 @@ def weight_qparams(w: torch.Tensor, spec: TensorSpec, power_of_two: bool,
     scale, _ = choose_qparams(*observer.range(), spec.bits, True, power_of_two)
     if second_moment is not None:
         return scale, gptq_round(w, scale, second_moment, spec.bits)
-    q = quantize(w.detach().double(), scale.unsqueeze(1), torch.zeros(1, dtype=torch.int64), spec.bits)
+    q = quantize(w.detach().double(), scale.unsqueeze(1), torch.zeros(1, dtype=torch.int64, device=w.device), spec.bits)
     return scale, q
 
 
@@ -66,7 +68,7 @@ def gptq_round(w: torch.Tensor, scale: torch.Tensor, second_moment: torch.Tensor
     nearest = lambda v: round_half_up(v / s).clamp(-qmax, qmax).double()
     if not (mean_diag > 0 and torch.isfinite(M).all()):
         return nearest(W).to(torch.int64)
-    M += GPTQ_DAMP * mean_diag * torch.eye(K, dtype=torch.float64)
+    M += GPTQ_DAMP * mean_diag * torch.eye(K, dtype=torch.float64, device=M.device)
     order = torch.argsort(M.diagonal(), descending=True, stable=True)
     M = M[order][:, order]
     W = W[:, order]
@@ -123,9 +125,9 @@ def expected_sq_error(h: Histogram, scale: torch.Tensor, zero_point: torch.Tenso
     G, nb = c.shape
     B = nb // 2
     w = h.width.unsqueeze(1)
-    a = (torch.arange(nb, dtype=torch.float64) - B).unsqueeze(0) * w  # lower edges [G, 2B]
+    a = (torch.arange(nb, dtype=torch.float64, device=w.device) - B).unsqueeze(0) * w  # lower edges [G, 2B]
     b = a + w
-    zero = torch.zeros(G, 1, dtype=torch.float64)
+    zero = torch.zeros(G, 1, dtype=torch.float64, device=w.device)
     P0 = torch.cat([zero, c.cumsum(1)], 1)
     P1 = torch.cat([zero, (c * (a + b) / 2).cumsum(1)], 1)
     P2 = torch.cat([zero, (c * (a * a + a * b + b * b) / 3).cumsum(1)], 1)
@@ -161,12 +163,13 @@ def expected_sq_error(h: Histogram, scale: torch.Tensor, zero_point: torch.Tenso
     return n_in * s * s / 12 + sq_hi + sq_lo
 
 
-def _zero_point_lattice(bits: int, symmetric: bool, count: int) -> torch.Tensor:
+def _zero_point_lattice(bits: int, symmetric: bool, count: int, device: torch.device) -> torch.Tensor:
     """Up to ``count`` zero points spread evenly over the integer range (all of them if fewer), float64."""
     if symmetric:
-        return torch.zeros(1, dtype=torch.float64)
+        return torch.zeros(1, dtype=torch.float64, device=device)
     qmin, qmax = qrange(bits)
-    return torch.unique(torch.round(torch.linspace(qmin, qmax, min(count, qmax - qmin + 1), dtype=torch.float64)))
+    return torch.unique(torch.round(torch.linspace(qmin, qmax, min(count, qmax - qmin + 1), dtype=torch.float64,
+                                                   device=device)))
 
 
 def _best(h: Histogram, scale: torch.Tensor, zp: torch.Tensor, bits: int):
@@ -201,23 +204,24 @@ def search_grid(h: Histogram, bits: int, symmetric: bool, power_of_two: bool,
     seen = (h.lo.clamp(max=0.0), h.hi.clamp(min=0.0))
     grids = [choose_qparams(lo, hi, bits, symmetric, power_of_two) for lo, hi in (seen, *anchors)]
     G = h.counts.shape[0]
+    dev = h.counts.device
     steps = 1 if power_of_two else MULTIPLIER_STEPS_PER_OCTAVE
     coarse = 1 if power_of_two else COARSE
-    j = torch.arange(coarse, SEARCH_OCTAVES * steps + 1, coarse, dtype=torch.float64)
-    z1 = _zero_point_lattice(bits, symmetric, COARSE_ZERO_POINTS)
+    j = torch.arange(coarse, SEARCH_OCTAVES * steps + 1, coarse, dtype=torch.float64, device=dev)
+    z1 = _zero_point_lattice(bits, symmetric, COARSE_ZERO_POINTS, dev)
     s1, zz1 = _grid_product(grids[0][0].unsqueeze(1) * torch.pow(2.0, -j / steps), z1.expand(G, -1))
     scale = torch.cat([torch.stack([g[0] for g in grids], 1), s1], 1)
     zp = torch.cat([torch.stack([g[1].double() for g in grids], 1), zz1], 1)
     s, z, _ = _best(h, scale, zp, bits)
     # second pass: the scales and zero points between the best one's coarse neighbours
-    f2 = torch.pow(2.0, torch.arange(-coarse + 1, coarse, dtype=torch.float64) / steps)
+    f2 = torch.pow(2.0, torch.arange(-coarse + 1, coarse, dtype=torch.float64, device=dev) / steps)
     qmin, qmax = qrange(bits)
     if symmetric:
-        z2 = torch.zeros(G, 1, dtype=torch.float64)
+        z2 = torch.zeros(G, 1, dtype=torch.float64, device=dev)
     else:
         gap = float(z1[1] - z1[0]) if z1.numel() > 1 else 1.0  # the coarse lattice's spacing
         dz = torch.unique(torch.round(torch.linspace(-gap, gap, min(COARSE_ZERO_POINTS, 2 * int(gap) + 1),
-                                                     dtype=torch.float64)))
+                                                     dtype=torch.float64, device=dev)))
         z2 = (z.unsqueeze(1) + dz).clamp(qmin, qmax)
     s2, zz2 = _grid_product(s.unsqueeze(1) * f2, z2)
     s, z, _ = _best(h, torch.cat([s.unsqueeze(1), s2], 1), torch.cat([z.unsqueeze(1), zz2], 1), bits)
@@ -263,11 +267,11 @@ def grid_error(observer: Observer, scale: torch.Tensor, zero_point: torch.Tensor
     expected SQNR on its own calibration data."""
     h = observer.histogram()
     G = h.counts.shape[0]
-    s = torch.as_tensor(scale, dtype=torch.float64).reshape(-1).expand(G).unsqueeze(1)
-    z = torch.as_tensor(zero_point, dtype=torch.float64).reshape(-1).expand(G).unsqueeze(1)
+    s = torch.as_tensor(scale, dtype=torch.float64, device=h.counts.device).reshape(-1).expand(G).unsqueeze(1)
+    z = torch.as_tensor(zero_point, dtype=torch.float64, device=h.counts.device).reshape(-1).expand(G).unsqueeze(1)
     err = float(expected_sq_error(h, s, z, bits).sum())
     B = h.counts.shape[1] // 2
-    a = (torch.arange(2 * B, dtype=torch.float64) - B).unsqueeze(0) * h.width.unsqueeze(1)
+    a = (torch.arange(2 * B, dtype=torch.float64, device=h.width.device) - B).unsqueeze(0) * h.width.unsqueeze(1)
     b = a + h.width.unsqueeze(1)
     power = float((h.counts * (a * a + a * b + b * b) / 3).sum())
     return err, power
@@ -305,7 +309,7 @@ def operand_bounds(bits: Dict[str, int], input_size: int, hidden_size: int) -> D
 
 
 def _rescale(real: torch.Tensor, operand_bound: int, power_of_two: bool) -> Rescale:
-    real = torch.as_tensor(real, dtype=torch.float64)
+    real = torch.as_tensor(real, dtype=torch.float64, device=real.device if isinstance(real, torch.Tensor) else _CPU)
     m, s = quantize_multipliers(real, _bits_of(operand_bound), power_of_two)
     return Rescale(m, s)
 
@@ -344,7 +348,7 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
 
     def bias(b, w_scale, act_scale):
         if b is None:
-            return torch.zeros(H3, dtype=torch.int64)
+            return torch.zeros(H3, dtype=torch.int64, device=w_scale.device)
         return saturate(round_half_up(b.detach().double() / (w_scale * act_scale)), BIAS_BITS)
 
     b_x = bias(b_ih, S["W"], S["x"])
@@ -353,7 +357,8 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
     grids = {"r": output_grid("sigmoid", bits["r"], pow2), "z": output_grid("sigmoid", bits["z"], pow2),
              "g": output_grid("tanh", bits["g"], pow2)}
     for n, grid in grids.items():
-        S[n], Z[n] = torch.tensor(grid.scale, dtype=torch.float64), torch.tensor(grid.zero_point)
+        S[n] = torch.tensor(grid.scale, dtype=torch.float64, device=_CPU)
+        Z[n] = torch.tensor(grid.zero_point, device=_CPU)
 
     bound = operand_bounds(bits, I, H)
     one_z = grids["z"].one

@@ -209,8 +209,9 @@ class _LayerErrors:
         T, N = ref.shape[:2]
         sig = ref.pow(2).sum(dim=(1, 2)).numpy()
         noise = (out - ref).pow(2).sum(dim=(1, 2)).numpy()
-        cnt = ((lengths.unsqueeze(0) > torch.arange(T).unsqueeze(1)).sum(1) if lengths is not None
-               else torch.full((T,), N)).numpy().astype(np.float64)
+        cpu = torch.device("cpu")
+        cnt = ((lengths.unsqueeze(0) > torch.arange(T, device=cpu).unsqueeze(1)).sum(1) if lengths is not None
+               else torch.full((T,), N, device=cpu)).numpy().astype(np.float64)
         acc = self.sums.setdefault(key, [np.zeros(0)] * 3)
         for i, v in enumerate((sig, noise, cnt)):
             a = acc[i]
@@ -335,6 +336,9 @@ def run(model: nn.Module, calib_batches: Sequence, test_batches: Sequence,
     result = Result(rows=[], models={}, backend=backend or f"default {device_type}")
     if note:
         result.notes.append(note)
+    if dynamic and device_type != "cpu":
+        dynamic = False
+        result.notes.append(f"torch's dynamic-quant GRU runs on the CPU only: its row is left out on {device_type}")
     calib_batches, test_batches = list(calib_batches), list(test_batches)
     float_grus = _gru_modules(model)
     if not float_grus:
@@ -609,8 +613,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="qgru-demo", help="output folder (default: ./qgru-demo)")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated (default: %(default)s)")
     ap.add_argument("--scale-modes", default=",".join(DEFAULT_SCALE_MODES), help="comma-separated (default: %(default)s)")
-    ap.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu"],
-                    help="integer backend; auto: cpu if already built, else reference (same results)")
+    ap.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "cuda"],
+                    help="integer backend; auto: on the CPU, cpu if already built, else reference (same "
+                         "results); on a GPU, cuda")
+    ap.add_argument("--device", default="cpu",
+                    help="where the model, its calibration and its evaluation run: cpu (default) or cuda[:N] "
+                         "(torch's dynamic-quant row is CPU-only and is left out there)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: the model is tiny, threads only add overhead; 0 keeps torch's)")
     ap.add_argument("--retrain", action="store_true",
@@ -643,8 +651,30 @@ def run_cli(args) -> Result:
         torch.set_num_threads(threads)
 
 
+def to_device(batch, device: torch.device):
+    """A batch (tensor, PackedSequence, or a tuple/list of them) on ``device``."""
+    if isinstance(batch, (torch.Tensor, PackedSequence)):
+        return batch.to(device)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(b, device) for b in batch)
+    return batch
+
+
+def _demo_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise SystemExit(f"--device {name}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: torch {torch.__version__} sees no CUDA GPU on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {name}: qgru runs on cpu or cuda")
+    return device
+
+
 def _run_cli(args, t_start: float, configs: List[str], modes: List[str]) -> Result:
     out = Path(args.out)
+    device = _demo_device(getattr(args, "device", "cpu"))
     if args.model:
         model, calib, test, targets = load_user_inputs(args.model, args.data)
         print(f"qgru demo: your model ({args.model}), {len(calib)} calibration and {len(test)} test batches")
@@ -674,6 +704,10 @@ def _run_cli(args, t_start: float, configs: List[str], modes: List[str]) -> Resu
             save_checkpoint(model, out / CHECKPOINT.name, acc)
             print(f"  float test accuracy {acc:.2f}%; checkpoint written to {out / CHECKPOINT.name} "
                   f"(copy it over {CHECKPOINT} to ship it)")
+    if device.type != "cpu":
+        model = model.to(device)
+        calib, test = [to_device(b, device) for b in calib], [to_device(b, device) for b in test]
+        targets = None if targets is None else [to_device(t, device) for t in targets]
     result = run(model, calib, test, targets, configs, modes, backend=args.backend,
                  progress=not args.no_progress)
     write_outputs(result, out)

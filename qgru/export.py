@@ -146,7 +146,7 @@ class QuantParams:
         self.validate()
         m = self.meta
         q = QuantGRU(m["input_size"], m["hidden_size"], m["num_layers"], m["bias"], m["batch_first"],
-                     0.0, m["bidirectional"], config=m["config"])
+                     0.0, m["bidirectional"], device=self.layers[0][0].W.device, config=m["config"])
         with torch.no_grad():
             for li, row in enumerate(self.layers):
                 for d, p in enumerate(row):

@@ -51,14 +51,15 @@ def golden_vectors(p: LayerParams, steps: int = 8, seed: int = 0) -> Tuple[torch
     step 0 is set to x's two extremes (alternating) so that both ends always occur. h0 is uniform
     over h's range.
     """
-    g = torch.Generator().manual_seed(seed)
+    cpu = torch.device("cpu")  # the vectors are made where the generator is (not the default device)
+    g = torch.Generator(device=cpu).manual_seed(seed)
     lo, hi = qrange(p.bits["x"])
-    d = torch.randn(steps, p.input_size, generator=g, dtype=torch.float64) * ((hi - lo) / 4)
+    d = torch.randn(steps, p.input_size, generator=g, dtype=torch.float64, device=cpu) * ((hi - lo) / 4)
     qx = saturate(d.round().to(torch.int64) + p.zp["x"], p.bits["x"])
     if steps:
         qx[0, 0::2], qx[0, 1::2] = lo, hi
     hlo, hhi = qrange(p.bits["h"])
-    qh0 = torch.randint(hlo, hhi + 1, (p.hidden_size,), generator=g, dtype=torch.int64)
+    qh0 = torch.randint(hlo, hhi + 1, (p.hidden_size,), generator=g, dtype=torch.int64, device=cpu)
     out, _ = gru_direction(p, qx.unsqueeze(1), qh0.unsqueeze(0))
     return qx, qh0, out.squeeze(1)
 

@@ -526,12 +526,13 @@ class QuantGRU(nn.GRU):
             out[pre + n + ".range_min"], out[pre + n + ".range_max"] = ranges[n]
             out[pre + n + ".seen_min"] = o.seen_min.cpu()
             out[pre + n + ".seen_max"] = o.seen_max.cpu()
-            out[pre + n + ".count"] = torch.tensor(o.count, dtype=torch.int64)
-            out[pre + n + ".clipped"] = torch.tensor(o.count_outside(lo_edge, hi_edge), dtype=torch.int64)
+            cpu = torch.device("cpu")  # the record is kept on the CPU, as the observers' statistics
+            out[pre + n + ".count"] = torch.tensor(o.count, dtype=torch.int64, device=cpu)
+            out[pre + n + ".clipped"] = torch.tensor(o.count_outside(lo_edge, hi_edge), dtype=torch.int64, device=cpu)
             # the grid's expected squared error over its own calibration data, and that data's power
             err, power = grid_error(o, S, Z, spec.bits)
-            out[pre + n + ".grid_err2"] = torch.tensor(err, dtype=torch.float64)
-            out[pre + n + ".calib_power"] = torch.tensor(power, dtype=torch.float64)
+            out[pre + n + ".grid_err2"] = torch.tensor(err, dtype=torch.float64, device=cpu)
+            out[pre + n + ".calib_power"] = torch.tensor(power, dtype=torch.float64, device=cpu)
         return out
 
     def _set_params(self, params: List[List[LayerParams]]) -> None:
@@ -760,7 +761,7 @@ class QuantGRU(nn.GRU):
             idx = input.sorted_indices
             rows = []
             for t, bs in enumerate(input.batch_sizes.tolist()):
-                sel = torch.arange(bs) if idx is None else idx[:bs]
+                sel = torch.arange(bs, device=out.device) if idx is None else idx[:bs]
                 rows.append(out[t, sel.to(out.device)])
             data = torch.cat(rows) if rows else out.new_zeros(0, out.shape[-1])
             return PackedSequence(data, input.batch_sizes, input.sorted_indices, input.unsorted_indices), h_n

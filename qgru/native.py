@@ -361,8 +361,8 @@ def _limb_gemm(prefix: str, weights: torch.Tensor, w_bits: int, act_bits: int, M
     any_offset = any(c for _, _, c in w_limbs)
     # as csrc act_limb()
     act_limbs = [(1, 0)] if act_bits <= 8 or act_direct else [(1, 128), (256, 0)]
-    stacked = torch.zeros(len(w_limbs), M_pad, K_pad, dtype=torch.int8)
-    const = torch.zeros(M, dtype=torch.int64)
+    stacked = torch.zeros(len(w_limbs), M_pad, K_pad, dtype=torch.int8, device=weights.device)
+    const = torch.zeros(M, dtype=torch.int64, device=weights.device)
     pairs = []
     for j, (limb, wscale, d) in enumerate(w_limbs):
         stacked[j, :M, :K] = limb
@@ -373,7 +373,7 @@ def _limb_gemm(prefix: str, weights: torch.Tensor, w_bits: int, act_bits: int, M
             s = ascale * wscale
             pairs.append([i, j, s, d])
             const += s * (c * colsum + c * d * K)
-    return {f"{prefix}_weight_limbs": stacked, f"{prefix}_pairs": torch.tensor(pairs, dtype=torch.int64)}, const
+    return {f"{prefix}_weight_limbs": stacked, f"{prefix}_pairs": torch.tensor(pairs, dtype=torch.int64, device=weights.device)}, const
 
 
 def pack_table(entries: torch.Tensor) -> torch.Tensor:
@@ -533,7 +533,7 @@ def _acc32_pow2(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[
         parts[name + "_bias_lo"] = (bias - hi * (1 << r)).to(torch.int32)
         parts[name + "_rshift"] = r.to(torch.int32)
         parts[name + "_zp32"] = t[name + "_zp"].to(torch.int32)
-    zeros = torch.zeros(v["H"], dtype=torch.int32)  # the multiplier form's fields, unused here
+    zeros = torch.zeros(v["H"], dtype=torch.int32, device=bias.device)  # the multiplier form's fields, unused here
     parts.update({f"{name}_m": zeros for name in MULT_RESCALES})
     parts.update({f"{name}_mult32": zeros.repeat(3) for name in ("Wx", "Rh")})
     return parts
@@ -545,7 +545,8 @@ MULT_RESCALES = ("r_from_wx", "r_from_rh", "z_from_wx", "z_from_rh", "g_from_wx"
 
 def _product_range(a: Tuple, b: Tuple) -> Tuple:
     """[lo, hi] of x y for x in [a0, a1], y in [b0, b1] (ints or per-channel int64 tensors)."""
-    corners = [torch.as_tensor(x, dtype=torch.int64) * torch.as_tensor(y, dtype=torch.int64)
+    dev = next((v.device for v in (*a, *b) if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    corners = [torch.as_tensor(x, dtype=torch.int64, device=dev) * torch.as_tensor(y, dtype=torch.int64, device=dev)
                for x in a for y in b]
     lo, hi = corners[0], corners[0]
     for c in corners[1:]:
@@ -566,7 +567,8 @@ def _acc32_mult(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[
         m, s = t[name + "_mult"], t[name + "_shift"].to(torch.int64)
         lsh, rsh = (33 - s).clamp(min=0), (s - 33).clamp(min=0)
         step = torch.ones_like(lsh) << lsh.clamp(max=32)
-        fits = ((torch.as_tensor(x_lo) * step >= -(1 << 31)) & (torch.as_tensor(x_hi) * step < (1 << 31))
+        fits = ((torch.as_tensor(x_lo, device=step.device) * step >= -(1 << 31))
+                & (torch.as_tensor(x_hi, device=step.device) * step < (1 << 31))
                 & (m >= 0) & (m < (1 << 31)))
         return (lsh.to(torch.int32), rsh.to(torch.int32), m.to(torch.int32)) if bool(fits.all()) else None
 
@@ -647,7 +649,7 @@ def _channel_blocks(parts: Dict[str, torch.Tensor], H: int) -> torch.Tensor:
         rows.append(x[int(q) * H:(int(q) + 1) * H] if q else x)
     fields = torch.stack(rows)  # [F, H]
     blocks = -(-H // CELL32_BLOCK)
-    padded = torch.zeros(len(CELL32_FIELDS), blocks * CELL32_BLOCK, dtype=torch.int32)
+    padded = torch.zeros(len(CELL32_FIELDS), blocks * CELL32_BLOCK, dtype=torch.int32, device=fields.device)
     padded[:, :H] = fields
     return padded.reshape(len(CELL32_FIELDS), blocks, CELL32_BLOCK).permute(1, 0, 2).contiguous()
 

@@ -75,6 +75,7 @@ HIST_HALF_BINS = 256  # histogram bins on each side of 0, per channel of a per-c
 HIST_HALF_BINS_TENSOR = 2048
 _PENDING_LIMIT = 1 << 20  # percentile: values held before they are binned
 HISTOGRAM_KINDS = ("percentile", "mse")  # kinds whose statistic is the histogram alone
+_CPU = torch.device("cpu")  # where every observer keeps its statistics (factories name it: never the default device)
 _EXP_NONE = -1100  # exponent of a channel that saw only zeros: below every double's (2^-1074)
 
 
@@ -131,8 +132,8 @@ class Observer:
         v = v.detach().double()
         if self.channels:
             v = v.reshape(-1, self.channels)
-            return v.amin(0), v.amax(0)
-        return v.amin(), v.amax()
+            return v.amin(0).to(_CPU), v.amax(0).to(_CPU)
+        return v.amin().to(_CPU), v.amax().to(_CPU)
 
     def observe(self, v: torch.Tensor) -> None:
         """Observe one time step's (or one call's) values; rows already restricted to valid ones."""
@@ -159,7 +160,9 @@ class Observer:
     def _flush(self) -> None:
         if not self._pending:
             return
-        v = torch.cat(self._pending)
+        # statistics live on the CPU whatever device the model runs on (one copy per flush): the
+        # histograms, and so the grids convert() reads off them, are those of a CPU calibration
+        v = torch.cat(self._pending).to(_CPU)
         self._pending, self._pending_numel = [], 0
         lo, hi = v.amin(0), v.amax(0)
         if not self.channels:
@@ -180,10 +183,10 @@ class Observer:
             return 0
         B = self.half_bins
         C = self.hist.shape[0]
-        lo = torch.as_tensor(lo, dtype=torch.float64).reshape(-1).expand(C)
-        hi = torch.as_tensor(hi, dtype=torch.float64).reshape(-1).expand(C)
+        lo = torch.as_tensor(lo, dtype=torch.float64, device=_CPU).reshape(-1).expand(C)
+        hi = torch.as_tensor(hi, dtype=torch.float64, device=_CPU).reshape(-1).expand(C)
         width_exp = self.exp - self._log2_b
-        i = torch.arange(2 * B, dtype=torch.float64).unsqueeze(0) - B
+        i = torch.arange(2 * B, dtype=torch.float64, device=_CPU).unsqueeze(0) - B
         upper = _times_pow2(i + 1, width_exp.unsqueeze(1))  # bin i covers [lower, upper)
         lower = _times_pow2(i, width_exp.unsqueeze(1))
         out = (upper <= lo.unsqueeze(1)) | (lower > hi.unsqueeze(1))
@@ -226,13 +229,13 @@ class Observer:
         exp = torch.where(amax > 0, torch.frexp(amax).exponent.to(torch.int64),
                           torch.full_like(amax, _EXP_NONE, dtype=torch.int64))  # amax < 2^exp
         if self.hist is None:
-            self.hist = torch.zeros(C, 2 * B, dtype=torch.int64)
+            self.hist = torch.zeros(C, 2 * B, dtype=torch.int64, device=_CPU)
             self.exp = exp
         else:
             self._rebin(torch.maximum(self.exp, exp))
         # v * B / 2^exp is exact (a power-of-two scaling); |v| < 2^exp puts it in [-B, B)
         idx = torch.floor(_times_pow2(v, self._log2_b - self.exp)).to(torch.int64)
-        idx = idx.clamp(-B, B - 1) + B + torch.arange(C).unsqueeze(0) * (2 * B)
+        idx = idx.clamp(-B, B - 1) + B + torch.arange(C, device=_CPU).unsqueeze(0) * (2 * B)
         self.hist += torch.bincount(idx.reshape(-1), minlength=C * 2 * B).reshape(C, 2 * B)
 
     def _rebin(self, exp: torch.Tensor) -> None:
@@ -241,7 +244,7 @@ class Observer:
         if bool((k == 0).all()):
             return
         B = self.half_bins
-        i = torch.arange(2 * B, dtype=torch.int64).unsqueeze(0) - B
+        i = torch.arange(2 * B, dtype=torch.int64, device=_CPU).unsqueeze(0) - B
         idx = (i >> k.unsqueeze(1)) + B
         self.hist = torch.zeros_like(self.hist).scatter_add_(1, idx, self.hist)
         self.exp = exp
@@ -256,7 +259,7 @@ class Observer:
         # above[i]: values in bins > i; below[i]: values in bins < i
         above = n - h.cumsum(1)
         below = h.cumsum(1) - h
-        i = torch.arange(2 * B, dtype=torch.int64).unsqueeze(0)
+        i = torch.arange(2 * B, dtype=torch.int64, device=_CPU).unsqueeze(0)
         hi_bin = torch.where(above <= allowed, i, torch.full_like(i, 2 * B)).amin(1)
         lo_bin = torch.where(below <= allowed, i, torch.full_like(i, -1)).amax(1)
         width_exp = self.exp - self._log2_b
@@ -281,11 +284,11 @@ class Observer:
         seen_lo, seen_hi = self.seen_min.reshape(-1), self.seen_max.reshape(-1)
         if groups and groups != hist.shape[0]:
             C = hist.shape[0]
-            g = torch.arange(C) // (C // groups)
+            g = torch.arange(C, device=_CPU) // (C // groups)
             wide = exp.reshape(groups, -1).amax(1)
             k = (wide[g] - exp).clamp(max=62)
             B = self.half_bins
-            i = torch.arange(2 * B, dtype=torch.int64).unsqueeze(0) - B
+            i = torch.arange(2 * B, dtype=torch.int64, device=_CPU).unsqueeze(0) - B
             moved = torch.zeros_like(hist).scatter_add_(1, (i >> k.unsqueeze(1)) + B, hist)
             hist = moved.reshape(groups, -1, 2 * B).sum(1)
             exp, zeros = wide, zeros.reshape(groups, -1).sum(1)
@@ -304,22 +307,22 @@ class Observer:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
         shape = (self.channels,) if self.channels else ()
-        count = torch.tensor(float(self.count), dtype=torch.float64)
+        count = torch.tensor(float(self.count), dtype=torch.float64, device=_CPU)
         dist.all_reduce(count, op=dist.ReduceOp.SUM)
         if count.item() == 0:
             return
         # every kind: the exact extremes and the histogram (summed on common bins: what one process
         # binning all the data would hold)
         big = torch.finfo(torch.float64).max
-        seen_lo = self.seen_min.clone() if self.seen_min is not None else torch.full(shape, big, dtype=torch.float64)
-        seen_hi = self.seen_max.clone() if self.seen_max is not None else torch.full(shape, -big, dtype=torch.float64)
+        seen_lo = self.seen_min.clone() if self.seen_min is not None else torch.full(shape, big, dtype=torch.float64, device=_CPU)
+        seen_hi = self.seen_max.clone() if self.seen_max is not None else torch.full(shape, -big, dtype=torch.float64, device=_CPU)
         dist.all_reduce(seen_lo, op=dist.ReduceOp.MIN)
         dist.all_reduce(seen_hi, op=dist.ReduceOp.MAX)
         C = self.channels or 1
         if self.hist is None:
-            self.hist = torch.zeros(C, 2 * self.half_bins, dtype=torch.int64)
-            self.exp = torch.full((C,), _EXP_NONE, dtype=torch.int64)
-            self.zeros = torch.zeros(C, dtype=torch.int64)
+            self.hist = torch.zeros(C, 2 * self.half_bins, dtype=torch.int64, device=_CPU)
+            self.exp = torch.full((C,), _EXP_NONE, dtype=torch.int64, device=_CPU)
+            self.zeros = torch.zeros(C, dtype=torch.int64, device=_CPU)
         exp = self.exp.clone()
         dist.all_reduce(exp, op=dist.ReduceOp.MAX)
         self._rebin(exp)
@@ -328,14 +331,14 @@ class Observer:
         self.seen_min, self.seen_max, self.count = seen_lo, seen_hi, int(count.item())
         if self.kind in HISTOGRAM_KINDS:
             return
-        saw = torch.tensor(1.0 if self.min is not None else 0.0, dtype=torch.float64)  # 0-dim: keeps shapes
-        lo = self.min if self.min is not None else torch.zeros(shape, dtype=torch.float64)
-        hi = self.max if self.max is not None else torch.zeros(shape, dtype=torch.float64)
+        saw = torch.tensor(1.0 if self.min is not None else 0.0, dtype=torch.float64, device=_CPU)  # 0-dim: keeps shapes
+        lo = self.min if self.min is not None else torch.zeros(shape, dtype=torch.float64, device=_CPU)
+        hi = self.max if self.max is not None else torch.zeros(shape, dtype=torch.float64, device=_CPU)
         ranks_with_data = saw.clone()
         dist.all_reduce(ranks_with_data, op=dist.ReduceOp.SUM)
         if self.kind == "minmax":
-            lo = lo if self.min is not None else torch.full(shape, big, dtype=torch.float64)
-            hi = hi if self.max is not None else torch.full(shape, -big, dtype=torch.float64)
+            lo = lo if self.min is not None else torch.full(shape, big, dtype=torch.float64, device=_CPU)
+            hi = hi if self.max is not None else torch.full(shape, -big, dtype=torch.float64, device=_CPU)
             lo, hi = lo.clone(), hi.clone()
             dist.all_reduce(lo, op=dist.ReduceOp.MIN)
             dist.all_reduce(hi, op=dist.ReduceOp.MAX)
@@ -382,8 +385,9 @@ class WeightObserver:
         if self.granularity == "per_tensor":
             amax = amax.amax().expand(rows)
         elif self.granularity == "per_group":
-            group = torch.arange(rows) // self.group_size
-            group_max = torch.zeros(int(group.max()) + 1, dtype=torch.float64).scatter_reduce(0, group, amax, "amax")
+            group = torch.arange(rows, device=amax.device) // self.group_size
+            group_max = torch.zeros(int(group.max()) + 1, dtype=torch.float64,
+                                    device=amax.device).scatter_reduce(0, group, amax, "amax")
             amax = group_max[group]
         self.amax = amax
 
@@ -420,8 +424,8 @@ class SecondMoment:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
-        s = self.sum if self.sum is not None else torch.zeros(self.size, self.size, dtype=torch.float64)
-        n = torch.tensor(float(self.count), dtype=torch.float64)
+        s = self.sum if self.sum is not None else torch.zeros(self.size, self.size, dtype=torch.float64, device=_CPU)
+        n = torch.tensor(float(self.count), dtype=torch.float64, device=_CPU)
         dist.all_reduce(s, op=dist.ReduceOp.SUM)
         dist.all_reduce(n, op=dist.ReduceOp.SUM)
         self.sum, self.count = s, int(n.item())

@@ -127,8 +127,8 @@ def quantize_multiplier(real: float, x_bits: int, power_of_two: bool = False) ->
 def quantize_multipliers(reals: torch.Tensor, x_bits: int, power_of_two: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Vector form of ``quantize_multiplier``: one (multiplier, shift) per element, int64 tensors."""
     pairs = [quantize_multiplier(float(r), x_bits, power_of_two) for r in reals.reshape(-1).tolist()]
-    m = torch.tensor([p[0] for p in pairs], dtype=torch.int64).reshape(reals.shape)
-    s = torch.tensor([p[1] for p in pairs], dtype=torch.int64).reshape(reals.shape)
+    m = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=reals.device).reshape(reals.shape)
+    s = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=reals.device).reshape(reals.shape)
     return m, s
 
 
@@ -287,7 +287,7 @@ def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
     q = q.to(torch.int64)
     pad = (-q.shape[-1]) % n
     q = torch.nn.functional.pad(q, (0, pad)).reshape(*q.shape[:-1], -1, n)
-    shifts = torch.arange(n, dtype=torch.int64) * bits
+    shifts = torch.arange(n, dtype=torch.int64, device=q.device) * bits
     words = ((q & ((1 << bits) - 1)) << shifts).sum(-1)
     return torch.where(words >= (1 << 31), words - (1 << 32), words).to(torch.int32)
 
@@ -295,7 +295,7 @@ def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_int32(words: torch.Tensor, bits: int, length: int) -> torch.Tensor:
     """Inverse of ``pack_int32``: the first ``length`` signed values of each row, as int64."""
     n = 32 // bits
-    shifts = torch.arange(n, dtype=torch.int64) * bits
+    shifts = torch.arange(n, dtype=torch.int64, device=words.device) * bits
     u = (words.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     q = torch.where(u >= (1 << (bits - 1)), u - (1 << bits), u)
     return q.reshape(*words.shape[:-1], -1)[..., :length]

@@ -65,7 +65,7 @@ def build_table(func: str, in_bits: int, in_scale: float, in_zero_point: int, ou
     k, frac = table_geometry(in_bits)
     qmin, _ = qrange(in_bits)
     n = (1 << (in_bits - k)) + 1
-    q = qmin + torch.arange(n, dtype=torch.float64) * (1 << k)
+    q = qmin + torch.arange(n, dtype=torch.float64, device=torch.device("cpu")) * (1 << k)  # tables: built on the CPU
     real = FUNCTIONS[func]((q - in_zero_point) * in_scale)
     return round_half_up(real * (1 << frac) / out_scale)
 

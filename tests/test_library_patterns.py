@@ -688,37 +688,39 @@ def _recording_backend():
     return graphs, backend
 
 
-def test_torch_compile_without_allow_rnn_runs_the_module_eager(converted_net, monkeypatch):
+def test_torch_compile_without_allow_rnn_runs_the_module_eager(converted_net):
     """Without allow_rnn Dynamo refuses GRU modules and runs them as Python; QuantGRU then runs its
     forward eager under torch.compiler.disable. Before, Dynamo compiled each function that forward
     called on its own: 71 small graphs and 77 graph breaks for this model, ~50x slower than eager."""
     _, q = converted_net
-    monkeypatch.setattr(torch._dynamo.config, "allow_rnn", False)
-    torch._dynamo.reset()
-    graphs, backend = _recording_backend()
-    compiled = torch.compile(q, backend=backend)
-    with torch.no_grad():
-        for shape in ((5, 7, 3), (2, 4, 3)):
-            x = torch.randn(*shape)
-            assert _same(compiled(x), q(x)), shape
+    # torch's own patch, not monkeypatch.setattr: pytest >= 9.2's undo deletes a config entry that
+    # torch's config module serves through __getattr__, and every later use of it then fails
+    with torch._dynamo.config.patch(allow_rnn=False):
+        torch._dynamo.reset()
+        graphs, backend = _recording_backend()
+        compiled = torch.compile(q, backend=backend)
+        with torch.no_grad():
+            for shape in ((5, 7, 3), (2, 4, 3)):
+                x = torch.randn(*shape)
+                assert _same(compiled(x), q(x)), shape
     qgru_code = [gm for gm in graphs if "qgru" in gm.code or any(
         "qgru" in str(n.meta.get("stack_trace", "")) for n in gm.graph.nodes)]
     assert not qgru_code, f"{len(qgru_code)} of {len(graphs)} graphs compiled from qgru's Python"
     torch._dynamo.reset()
 
 
-def test_torch_compile_fullgraph_puts_the_custom_op_in_the_graph(converted_net, monkeypatch):
+def test_torch_compile_fullgraph_puts_the_custom_op_in_the_graph(converted_net):
     """torch.compile does not trace into GRU modules by default (it runs them as Python, and a
     converted QuantGRU runs eager: the test above); with allow_rnn it traces the QuantGRU whole,
     one graph around the custom op."""
     _, q = converted_net
-    monkeypatch.setattr(torch._dynamo.config, "allow_rnn", True)
-    torch._dynamo.reset()
-    graphs, backend = _recording_backend()
-    compiled = torch.compile(q, backend=backend, fullgraph=True)
-    x = torch.randn(3, 5, 3)
-    with torch.no_grad():
-        assert _same(compiled(x), q(x))
+    with torch._dynamo.config.patch(allow_rnn=True):  # not monkeypatch: see the test above
+        torch._dynamo.reset()
+        graphs, backend = _recording_backend()
+        compiled = torch.compile(q, backend=backend, fullgraph=True)
+        x = torch.randn(3, 5, 3)
+        with torch.no_grad():
+            assert _same(compiled(x), q(x))
     assert len(graphs) == 1
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert torch.ops.qgru.integer_gru.default in targets or torch.ops.qgru.integer_gru in targets

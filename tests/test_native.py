@@ -92,15 +92,38 @@ def test_unavailable_cuda_backend_fails_where_torch_sees_a_gpu(monkeypatch):
     _cuda_must_be_available("cuda", "the link failed (test)")
 
 
-@pytest.fixture(scope="module")
-def cuda_backend():
-    """For the CUDA-only tests: skipped without a CUDA device, a failure if one is there and the
-    backend does not load."""
+def _require_cuda_backend() -> str:
+    """The cuda_backend fixture's body: skipped without a CUDA device, a failure if one is there and
+    the backend does not load, else "cuda"."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device (torch.cuda.is_available() is False)")
     why = qgru.backends()["cuda"]["why"]
-    _cuda_must_be_available("cuda", why)
+    if why:
+        _cuda_must_be_available("cuda", why)
     return "cuda"
+
+
+@pytest.fixture(scope="module")
+def cuda_backend():
+    """For the CUDA-only tests (see _require_cuda_backend)."""
+    return _require_cuda_backend()
+
+
+def test_cuda_backend_fixture_on_a_machine_with_a_gpu(monkeypatch):
+    """What the fixture does where torch sees a GPU, checked without one (on 81e8d62 it failed every
+    test that used it on a GPU machine, the backend loaded or not): with the backend loaded it
+    gives "cuda"; with the backend unavailable it fails with the reason; with no GPU it skips."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a test GPU")
+    loaded = {"cuda": {"available": True, "why": ""}}
+    monkeypatch.setattr(qgru, "backends", lambda: loaded)
+    assert _require_cuda_backend() == "cuda"
+    loaded["cuda"] = {"available": False, "why": "the link failed (test)"}
+    with pytest.raises(pytest.fail.Exception, match=r"a test GPU.*unavailable: the link failed \(test\)"):
+        _require_cuda_backend()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(pytest.skip.Exception, match="no CUDA device"):
+        _require_cuda_backend()
 
 
 @pytest.fixture(scope="module", params=("cuda",) + tuple(f"cpu:{p}" for p in CPU_PATHS))
@@ -991,13 +1014,17 @@ def test_cuda_after_clearing_cublas_workspaces(cuda_backend, monkeypatch):
 
 @pytest.mark.parametrize("cfg,mode", [("w8a8", "pow2"), ("w16a16", "multiplier")])
 def test_cuda_large_layer(cuda_backend, monkeypatch, cfg, mode):
-    """H = I = 1024, N = 64, T = 300 with lengths (19200 rows of x: two W.x chunks): calls 1-3 on one
-    Layer (eager, capture, replay) with new data, each equal to golden."""
+    """H = I = 1024, N = 64, T = 48 with lengths (3072 rows of x over at least two W.x windows: the
+    window is bounded by bytes, about 21 steps at this size): calls 1-3 on one Layer (eager,
+    capture, replay) with new data, each equal to golden. (T was 300: the golden model's int64
+    GEMMs on the CPU took 89-100 s a case; the windows, not the length, are what is tested.)"""
+    T, N = 48, 64
     p = _plain_layer(cfg, mode, 1024, 1024, seed=29, w_exp=-5)
     layer = _cuda_layer(p, True, monkeypatch)
+    assert layer.layer.window_steps(plan_steps(T), N) < T, "the call must span more than one W.x window"
     gen = torch.Generator().manual_seed(29)
     for i in range(3):
-        c = _random_inputs(p, 300, 64, True, gen)
+        c = _random_inputs(p, T, N, True, gen)
         _assert_golden(layer(*_on_cuda(*c)), p, *c, f"call {i + 1}")
     assert layer.layer.counters["replays"] == 1
 
