@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU check: whenever a machine with an NVIDIA GPU is available, run this first.
+#   bash scripts/gpu_check.sh            (logs in ./gpu-check/, or $QGRU_GPU_LOG)
+# 1. builds the cuda backend (parallel jobs), 2. runs every CUDA test (pytest -k cuda: the
+# CUDA-only tests and every test parametrised over backends or devices on its cuda case),
+# 3. runs the CUDA benchmark (scripts/bench.py --device cuda, into the log folder's BENCHMARKS.md,
+# not the repository's), keeps each stage's log, and prints a summary last. Each stage has a time
+# limit so the whole check ends within 8 minutes on an H100 or H200.
+# It installs nothing: it uses the Python that holds torch with CUDA (python3, or $PYTHON) and
+# needs pytest, hypothesis, numpy and tqdm there (the GPU machines we test on have them, with
+# torch 2.11+cu130 and no package registry). qgru is imported from this checkout.
+# Exit status: 0 when the build, the tests and the benchmark all succeeded.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+LOG="${QGRU_GPU_LOG:-gpu-check}"
+mkdir -p "$LOG"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"  # torch.utils.cpp_extension's parallel compile jobs
+T_BUILD="${QGRU_GPU_BUILD_S:-240}" T_TESTS="${QGRU_GPU_TESTS_S:-200}" T_BENCH="${QGRU_GPU_BENCH_S:-150}"
+start=$(date +%s)
+stage() { echo "== $1 ($(($(date +%s) - start)) s)"; }
+
+stage "environment"
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1
+  "$PY" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda',
+torch.version.cuda, '| device', torch.cuda.get_device_name() if torch.cuda.is_available() else 'NONE')"
+  "$PY" -c "import pytest, hypothesis, numpy, tqdm; print('pytest', pytest.__version__, '| hypothesis',
+hypothesis.__version__, '| numpy', numpy.__version__)"
+  git log -1 --format='qgru %h %s' 2>/dev/null
+  lscpu 2>/dev/null | grep -m1 'Model name'
+} > "$LOG/env.txt" 2>&1
+cat "$LOG/env.txt"
+
+stage "build (MAX_JOBS=$MAX_JOBS)"
+b0=$(date +%s)
+QGRU_VERBOSE_BUILD=1 timeout "$T_BUILD" "$PY" -m qgru build --kind cuda > "$LOG/build.log" 2>&1
+build_rc=$?
+build_s=$(($(date +%s) - b0))
+tail -n 4 "$LOG/build.log"
+
+tests_rc=99 tests_line="not run (the build failed)"
+if [ "$build_rc" -eq 0 ]; then
+  stage "CUDA tests"
+  timeout "$T_TESTS" "$PY" -m pytest tests -k cuda -q -p no:cacheprovider -o addopts="" -rfE \
+    --durations=12 --junitxml="$LOG/tests.xml" > "$LOG/tests.log" 2>&1
+  tests_rc=$?
+  tests_line="$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)' "$LOG/tests.log" | tail -n 1)"
+  [ "$tests_rc" -eq 124 ] && tests_line="TIMED OUT after ${T_TESTS} s; $tests_line"
+  grep -E '^(FAILED|ERROR) ' "$LOG/tests.log" | head -n 30
+fi
+
+bench_rc=99
+if [ "$build_rc" -eq 0 ]; then
+  stage "CUDA benchmark"
+  timeout "$T_BENCH" "$PY" scripts/bench.py --device cuda --configs w8a8,w8a16 --out "$LOG/BENCHMARKS.md" \
+    > "$LOG/bench.log" 2>&1
+  bench_rc=$?
+fi
+
+stage "summary"
+echo "GPU:        $(sed -n 2p "$LOG/env.txt")"
+echo "software:   $(grep -m1 '^python' "$LOG/env.txt")"
+echo "build:      rc=$build_rc in ${build_s} s"
+echo "CUDA tests: rc=$tests_rc: $tests_line"
+grep -E '^[0-9.]+s (call|setup)' "$LOG/tests.log" 2>/dev/null | head -n 5 | sed 's/^/  slowest: /'
+echo "benchmark:  rc=$bench_rc (table in $LOG/bench.log and $LOG/BENCHMARKS.md)"
+if [ -f "$LOG/bench.log" ]; then
+  grep -E '^\|' "$LOG/bench.log" | tail -n 40
+  [ "$bench_rc" -ne 0 ] && tail -n 8 "$LOG/bench.log"
+fi
+echo "total:      $(($(date +%s) - start)) s; logs in $LOG/"
+[ "$build_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
