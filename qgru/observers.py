@@ -75,7 +75,7 @@ HIST_HALF_BINS = 256  # histogram bins on each side of 0, per channel of a per-c
 HIST_HALF_BINS_TENSOR = 2048
 _PENDING_LIMIT = 1 << 20  # percentile: values held before they are binned
 HISTOGRAM_KINDS = ("percentile", "mse")  # kinds whose statistic is the histogram alone
-_CPU = torch.device("cpu")  # where every observer keeps its statistics (factories name it: never the default device)
+_CPU = torch.device("cpu")  # where the statistics are read (factories name their device: never the default one)
 _EXP_NONE = -1100  # exponent of a channel that saw only zeros: below every double's (2^-1074)
 
 
@@ -132,8 +132,8 @@ class Observer:
         v = v.detach().double()
         if self.channels:
             v = v.reshape(-1, self.channels)
-            return v.amin(0).to(_CPU), v.amax(0).to(_CPU)
-        return v.amin().to(_CPU), v.amax().to(_CPU)
+            return v.amin(0), v.amax(0)
+        return v.amin(), v.amax()
 
     def observe(self, v: torch.Tensor) -> None:
         """Observe one time step's (or one call's) values; rows already restricted to valid ones."""
@@ -160,9 +160,12 @@ class Observer:
     def _flush(self) -> None:
         if not self._pending:
             return
-        # statistics live on the CPU whatever device the model runs on (one copy per flush): the
-        # histograms, and so the grids convert() reads off them, are those of a CPU calibration
-        v = torch.cat(self._pending).to(_CPU)
+        # the statistics stay on the data's device while calibrating (binning a GPU model's values
+        # on the GPU: no copy to the host), and move to the CPU when read (_to_cpu). Binning is
+        # exact integer work, so the histogram is the same on every device for the same values.
+        v = torch.cat(self._pending)
+        if self.hist is not None:
+            v = v.to(self.hist.device)
         self._pending, self._pending_numel = [], 0
         lo, hi = v.amin(0), v.amax(0)
         if not self.channels:
@@ -179,6 +182,7 @@ class Observer:
         """How many observed values lie below ``lo`` or above ``hi`` (scalars, or one per channel),
         counting whole bins only: a lower bound, short by at most the two bins the ends fall in."""
         self._flush()
+        self._to_cpu()
         if self.hist is None:
             return 0
         B = self.half_bins
@@ -200,7 +204,16 @@ class Observer:
             self._fold(self._call_min, self._call_max)
         self._call_min = self._call_max = None
 
+    def _to_cpu(self) -> None:
+        """Move the statistics to the CPU, where convert() and the reports read them."""
+        for name in ("hist", "exp", "zeros", "seen_min", "seen_max", "min", "max"):
+            t = getattr(self, name)
+            if t is not None and t.device != _CPU:
+                setattr(self, name, t.to(_CPU))
+
     def _fold(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        if self.min is not None:
+            lo, hi = lo.to(self.min.device), hi.to(self.min.device)
         if self.min is None:
             self.min, self.max = lo.clone(), hi.clone()
         elif self.kind == "minmax":
@@ -229,13 +242,13 @@ class Observer:
         exp = torch.where(amax > 0, torch.frexp(amax).exponent.to(torch.int64),
                           torch.full_like(amax, _EXP_NONE, dtype=torch.int64))  # amax < 2^exp
         if self.hist is None:
-            self.hist = torch.zeros(C, 2 * B, dtype=torch.int64, device=_CPU)
+            self.hist = torch.zeros(C, 2 * B, dtype=torch.int64, device=v.device)
             self.exp = exp
         else:
             self._rebin(torch.maximum(self.exp, exp))
         # v * B / 2^exp is exact (a power-of-two scaling); |v| < 2^exp puts it in [-B, B)
         idx = torch.floor(_times_pow2(v, self._log2_b - self.exp)).to(torch.int64)
-        idx = idx.clamp(-B, B - 1) + B + torch.arange(C, device=_CPU).unsqueeze(0) * (2 * B)
+        idx = idx.clamp(-B, B - 1) + B + torch.arange(C, device=v.device).unsqueeze(0) * (2 * B)
         self.hist += torch.bincount(idx.reshape(-1), minlength=C * 2 * B).reshape(C, 2 * B)
 
     def _rebin(self, exp: torch.Tensor) -> None:
@@ -244,7 +257,7 @@ class Observer:
         if bool((k == 0).all()):
             return
         B = self.half_bins
-        i = torch.arange(2 * B, dtype=torch.int64, device=_CPU).unsqueeze(0) - B
+        i = torch.arange(2 * B, dtype=torch.int64, device=self.hist.device).unsqueeze(0) - B
         idx = (i >> k.unsqueeze(1)) + B
         self.hist = torch.zeros_like(self.hist).scatter_add_(1, idx, self.hist)
         self.exp = exp
@@ -277,6 +290,7 @@ class Observer:
         group's common bins (each channel rebinned to the group's widest, exactly as a later, larger
         value would), or one row for a per-tensor observer."""
         self._flush()
+        self._to_cpu()
         if self.hist is None:
             raise RuntimeError(f"observer {self.name!r} saw no data: run qgru.calibrate() with at "
                                "least one batch before convert()")
@@ -303,6 +317,7 @@ class Observer:
     def sync(self) -> None:
         """Reduce the statistics over torch.distributed ranks, when a process group is running."""
         self._flush()
+        self._to_cpu()
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
@@ -352,6 +367,7 @@ class Observer:
     def range(self):
         """(min, max) as float64 tensors; raises if nothing was observed."""
         self._flush()
+        self._to_cpu()
         if self.kind in HISTOGRAM_KINDS and self.hist is not None and self.seen_min is not None:
             self.min, self.max = self._percentile_range()
         if self.min is None:
@@ -415,16 +431,17 @@ class SecondMoment:
         v = v.detach().reshape(-1, self.size)
         if v.shape[0] == 0:
             return
-        v = v.to(device="cpu", dtype=torch.float64)  # on the CPU, as the histograms
+        v = v.to(dtype=torch.float64)  # on the data's device; read on the CPU (value())
         s = v.t() @ v
-        self.sum = s if self.sum is None else self.sum + s
+        self.sum = s if self.sum is None else self.sum + s.to(self.sum.device)
         self.count += v.shape[0]
 
     def sync(self) -> None:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
-        s = self.sum if self.sum is not None else torch.zeros(self.size, self.size, dtype=torch.float64, device=_CPU)
+        s = self.sum.to(_CPU) if self.sum is not None else torch.zeros(self.size, self.size, dtype=torch.float64,
+                                                                        device=_CPU)
         n = torch.tensor(float(self.count), dtype=torch.float64, device=_CPU)
         dist.all_reduce(s, op=dist.ReduceOp.SUM)
         dist.all_reduce(n, op=dist.ReduceOp.SUM)
@@ -432,5 +449,5 @@ class SecondMoment:
 
     def value(self) -> Optional[torch.Tensor]:
         """E[v v^T] (float64 [size, size]), or None if nothing was observed."""
-        return None if self.count == 0 or self.sum is None else self.sum / self.count
+        return None if self.count == 0 or self.sum is None else self.sum.to(_CPU) / self.count
 
