@@ -258,7 +258,6 @@ struct Plan {  // buffers (and the captured graph) for one (steps, N, lengths?) 
   Buffers b;
   at::Tensor cublas_ws;  // the workspace of the graph's GEMMs (and of the eager run before its capture)
   cudaGraphExec_t exec = nullptr;
-  cudaEvent_t ready = nullptr, done = nullptr;
   // recorded on the caller's stream after every call's last use of the buffers (the output copies);
   // the next call, on whichever stream, waits for it before touching them
   cudaEvent_t last_use = nullptr;
@@ -269,8 +268,7 @@ struct Plan {  // buffers (and the captured graph) for one (steps, N, lengths?) 
     // graph on a side stream): wait for it on the host before they are freed (after this body).
     if (last_use != nullptr) cudaEventSynchronize(last_use);
     if (exec != nullptr) cudaGraphExecDestroy(exec);
-    for (cudaEvent_t e : {ready, done, last_use})
-      if (e != nullptr) cudaEventDestroy(e);
+    if (last_use != nullptr) cudaEventDestroy(last_use);
   }
 };
 
@@ -417,22 +415,19 @@ class CudaLayer {
       ++counters_.eager_runs;
       run_owned(p.b, p.cublas_ws, cur, nullptr);
     } else {
-      // graphs cannot be captured on the legacy default stream: capture and replay on the layer's
-      // own side stream, ordered after the copies above and before the copies out. Its own, not
-      // one of PyTorch's pooled streams: a capture records whatever any thread enqueues on the
-      // capturing stream, and a pooled stream can be another thread's current stream.
-      const cudaStream_t side = side_stream();
-      check_cuda(cudaEventRecord(p.ready, cur), "cudaEventRecord");
-      check_cuda(cudaStreamWaitEvent(side, p.ready, 0), "cudaStreamWaitEvent");
+      // graphs cannot be captured on the legacy default stream: capture on the layer's own side
+      // stream (its own, not one of PyTorch's pooled streams: a capture records whatever any thread
+      // enqueues on the capturing stream, and a pooled stream can be another thread's current
+      // stream). A capture runs nothing. The graph is launched on the caller's stream, in order
+      // after the fill above and before the drain below, with no event hops between streams (a
+      // streaming call's latency); launches of one graph are ordered after its earlier launches.
       if (p.exec == nullptr) {
-        run_owned(p.b, p.cublas_ws, side, &p.exec);
+        run_owned(p.b, p.cublas_ws, side_stream(), &p.exec);
         ++counters_.captures;
       } else {
         ++counters_.replays;
       }
-      check_cuda(cudaGraphLaunch(p.exec, side), "cudaGraphLaunch");
-      check_cuda(cudaEventRecord(p.done, side), "cudaEventRecord");
-      check_cuda(cudaStreamWaitEvent(cur, p.done, 0), "cudaStreamWaitEvent");
+      check_cuda(cudaGraphLaunch(p.exec, cur), "cudaGraphLaunch");
     }
     drain(p.b, cur);
     last_use.record();
@@ -588,8 +583,7 @@ class CudaLayer {
     TORCH_CHECK(buffer_bytes(p->b) == buffer_bytes(d_, T, N, has_lengths),
                 "qgru cuda: internal error: a plan's buffer size differs from its estimate");
     if (use_graph_) p->cublas_ws = at::empty({cublas_workspace_bytes(device_.index())}, opts.dtype(at::kByte));
-    for (cudaEvent_t* e : {&p->ready, &p->done, &p->last_use})
-      check_cuda(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventCreateWithFlags(&p->last_use, cudaEventDisableTiming), "cudaEventCreate");
     p->bytes = buffer_bytes(p->b) + (p->cublas_ws.defined() ? (int64_t)p->cublas_ws.nbytes() : 0);
     ++counters_.plans;
     return p;
