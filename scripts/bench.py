@@ -350,23 +350,29 @@ def bench_cuda(args, configs) -> Bench:
             sc = f"H={H} " + (f"{T} calls of T=1 B={N}" if streaming else f"T={T} B={N}")
             call, steps, calls = ("T=1 x%d" % T, 1, T) if streaming else (f"T={T}", T, 1)
             make = step_calls if streaming else full_call
+            # peak memory of one call: for streaming rows one step (the first, h0 None)
+            one = (lambda m, x: full_call(m, x[:1])) if streaming else full_call
+            x16 = x.half()
+            peaks = [one(gru, x), one(gru16, x16)]
             bench.add(sc, "float nn.GRU", "cuDNN fp32", call, steps, make(gru, x), calls=calls)
-            bench.add(sc, "float nn.GRU", "cuDNN fp16", call, steps, make(gru16, x.half()), calls=calls)
+            bench.add(sc, "float nn.GRU", "cuDNN fp16", call, steps, make(gru16, x16), calls=calls)
             for cfg, q in qs.items():
                 with torch.inference_mode():
                     expected = in_backend("reference", make(q, x))()
                 bench.add(sc, f"qgru {cfg}", "cuda", call, steps, in_backend("cuda", make(q, x)), expected, calls=calls)
+                peaks.append(in_backend("cuda", one(q, x)))
             pending = list(bench.pending)
             bench.flush()
             with torch.inference_mode():
-                for r in pending:
-                    if r in bench.rows:
-                        r["peak_mib"] = peak_mib(r["fn"])
-            del x
+                for r, fn in zip(pending, peaks):
+                    if any(r is kept for kept in bench.rows):  # (a row that failed was dropped)
+                        r["peak_mib"] = peak_mib(fn)
+            del x, x16
         del gru, gru16, qs
         torch.cuda.empty_cache()
-    bench.notes.append("peak MiB: torch.cuda.max_memory_allocated() during one timed unit (a call; for "
-                       "`T=1 xN` rows all N calls) above torch.cuda.memory_allocated() before it, after warm-up")
+    bench.notes.append("peak MiB: torch.cuda.max_memory_allocated() during one call (for `T=1 xN` rows one step) "
+                       "above torch.cuda.memory_allocated() before it, after the timed calls (a qgru layer's kept "
+                       "plans count as allocated before)")
     bench.notes.append("qgru models calibrated on the CPU (2 batches T=50 B=8) and moved with .cuda(); bit-exact: "
                        "against one call of the reference backend on the GPU")
     return bench
@@ -403,7 +409,7 @@ def compact(bench: Bench) -> str:
     head = ["scenario", "fp32 ms", "fp16 ms"] + [f"{m[5:]} ms" for m in qcols] + \
         ([f"{qcols[0][5:]} vs fp16"] if qcols else []) + (["w8a16/w8a8"] if {"qgru w8a8", "qgru w8a16"} <= set(qcols) else []) + \
         ["MiB fp16", f"MiB {qcols[0][5:]}" if qcols else "MiB", "exact"]
-    out = ["  ".join(f"{h:>14}" if i else f"{h:<26}" for i, h in enumerate(head))]
+    out = ["  ".join(f"{h:>12}" if i else f"{h:<28}" for i, h in enumerate(head))]
     ms = lambda r: f"{r['ms']:.3f}" if r and r.get("ms") else "—"  # noqa: E731
     mib = lambda r: f"{r['peak_mib']:.1f}" if r and r.get("peak_mib") is not None else "—"  # noqa: E731
     for sc, rs in by.items():
@@ -416,7 +422,7 @@ def compact(bench: Bench) -> str:
             cells.append(f"{b['ms'] / a['ms']:.2f}" if a and b and a.get("ms") and b.get("ms") else "—")
         exact = [rs[m]["exact"] for m in qcols if m in rs]
         cells += [mib(fp16), mib(q0), "yes" if exact and all(e == "yes" for e in exact) else ",".join(exact) or "—"]
-        out.append("  ".join(f"{c:>14}" if i else f"{c:<26}" for i, c in enumerate(cells)))
+        out.append("  ".join(f"{c:>12}" if i else f"{c:<28}" for i, c in enumerate(cells)))
     return "\n".join(out)
 
 

@@ -42,8 +42,11 @@ def _same(got, want, what=""):
 
 
 def _stack_layers(m, device="cuda:0"):
-    """The CUDA Layers the model's layers run on (made by its first call on the device)."""
-    return [p.__dict__["_native"][("cuda", device, "")].layer for row in m._qparams_on[device] for p in row]
+    """The CUDA Layers of the model's one-call Stack (native.cuda_stack_plan, made by its first
+    call on the device; an error where the calls did not take the Stack)."""
+    params = m._qparams_on[device]
+    assert ("cuda-stack", device, len(params)) in params[0][0].__dict__["_native"], "the calls did not take the Stack"
+    return [p.__dict__["_native"][("cuda", device, "")].layer for row in params for p in row]
 
 
 SHAPES = [  # cfg, I, H, layers, bidirectional
@@ -80,8 +83,9 @@ def test_cuda_module_is_the_reference(cuda_backend, cfg, I, H, layers, bidi):
 @pytest.mark.parametrize("N", [1, 64])
 def test_cuda_streaming_calls_carrying_h(cuda_backend, N):
     """100 calls of one step carrying h (the streaming pattern of issue 34's bench) through the lean
-    entry: each call's output and state equal the reference's for the same step, and the whole run
-    equals one call over the 100 steps."""
+    entry (after the first call, which moves the parameters, the general path is never taken):
+    each call's output and state equal the reference's for the same step, and the whole run equals
+    one call over the 100 steps."""
     cfg, I, H, layers = "w8a8", 16, 32, 2
     m = _model(cfg, I, H, layers, seed=5).to("cuda")
     ref = _model(cfg, I, H, layers, seed=5)
@@ -95,6 +99,8 @@ def test_cuda_streaming_calls_carrying_h(cuda_backend, N):
             with qgru.backend("reference"):
                 want_out, h_ref = ref(xs[t], h_ref)
             outs.append(out)
+            if t == 0:  # from here on the lean entry (QuantGRU._cuda_one_call), never the general path
+                m._prepare = lambda *a: pytest.fail("a streaming call took the general path")
             if t % 10 == 0 or t == 99:
                 _same((out, h), (want_out, h_ref), f"step {t}")
         with qgru.backend("reference"):
