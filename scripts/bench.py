@@ -53,6 +53,7 @@ import time
 import torch
 
 import qgru
+from qgru import native
 from qgru.native import cpu_model_name
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -144,6 +145,12 @@ def step_calls(m, x):
 class Bench:
     def __init__(self, args, device: str):
         self.args, self.device, self.rows, self.notes, self.pending = args, device, [], [], []
+        if device == "cuda":  # the cuda backend only (qgru.backends() would build the cpu one too)
+            why = native.why_unavailable("cuda")
+            self.backends = [] if why else ["cuda"]
+            if why:
+                self.notes.append(f"backend `cuda` unavailable: {why}")
+            return
         names = qgru.backends()
         self.backends = []
         for name, info in names.items():
@@ -334,7 +341,6 @@ def bench_cuda(args, configs) -> Bench:
     for bit against one untimed call of the reference backend on the GPU. The qgru models are
     calibrated on the CPU (a short calibration: the rows time speed, not accuracy) and moved."""
     bench = Bench(args, "cuda")
-    bench.backends = [b for b in bench.backends if b == "cuda"]
     scenarios = CUDA_QUICK if args.quick else CUDA_SCENARIOS
     for H in sorted({s[0] for s in scenarios}):
         torch.manual_seed(args.seed)
