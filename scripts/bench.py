@@ -438,8 +438,9 @@ def section(bench: Bench, args) -> str:
     gpu = f"; GPU {torch.cuda.get_device_name()}" if d == "cuda" else ""
     notes = list(bench.notes)
     notes.append(f"median of {args.repeats} repeats after {args.warmup} warm-up run(s), the models of a scenario "
-                 f"taking their repeats in {ROUNDS} turns; the reference backend (golden model, a Python loop over steps) "
-                 f"is timed alone: 1 warm-up and min(repeats, {REF_REPEATS}) repeats")
+                 f"taking their repeats in {ROUNDS} turns" + (
+                     "" if d == "cuda" else "; the reference backend (golden model, a Python loop over steps) "
+                     f"is timed alone: 1 warm-up and min(repeats, {REF_REPEATS}) repeats"))
     notes.append("ratios are speedups (baseline time / row time, > 1 is faster), against the baseline row "
                  "of the same scenario and call; bit-exact compares outputs and h_n with the reference backend")
     notes.append(f"target: {TARGETS[d]}")
