@@ -335,6 +335,19 @@ def peak_mib(fn) -> float:
     return peak / 2 ** 20
 
 
+def layer_counters(q) -> dict:
+    """The summed counters of a converted model's CUDA Layers (empty before its first CUDA call)."""
+    total = {}
+    for key, rows in q._qparams_on.items():
+        if key.startswith("cuda"):
+            for row in rows:
+                for p in row:
+                    layer = p.__dict__.get("_native", {}).get(("cuda", key, ""))
+                    for k, v in (layer.layer.counters.items() if layer is not None else ()):
+                        total[k] = total.get(k, 0) + v
+    return total
+
+
 def bench_cuda(args, configs) -> Bench:
     """Issue 34's rows: cuDNN fp32 and fp16 and each qgru config (cuda backend) on the same input,
     timed together with CUDA events (median), peak memory per call, and qgru's outputs checked bit
@@ -368,7 +381,14 @@ def bench_cuda(args, configs) -> Bench:
                 bench.add(sc, f"qgru {cfg}", "cuda", call, steps, in_backend("cuda", make(q, x)), expected, calls=calls)
                 peaks.append(in_backend("cuda", one(q, x)))
             pending = list(bench.pending)
+            before = {cfg: layer_counters(q) for cfg, q in qs.items()}
             bench.flush()
+            for cfg, q in qs.items():  # which path the timed calls took (qgru_cuda.cpp's counters)
+                after = layer_counters(q)
+                d = {k: after.get(k, 0) - before[cfg].get(k, 0) for k in after}
+                if d.get("unplanned_runs", 0) > 0:
+                    bench.notes.append(f"{sc} / qgru {cfg}: {d['unplanned_runs']} layer runs without a plan (no "
+                                       "graph: the plan would pass QGRU_CUDA_PLAN_MAX_BYTES, default 256 MiB)")
             with torch.inference_mode():
                 for r, fn in zip(pending, peaks):
                     if any(r is kept for kept in bench.rows):  # (a row that failed was dropped)
