@@ -21,7 +21,9 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
@@ -54,6 +56,81 @@ void check_cublas_version() {
   TORCH_CHECK(major == CUBLAS_VER_MAJOR, "qgru cuda: compiled against the cuBLAS ", CUBLAS_VER_MAJOR, ".",
               CUBLAS_VER_MINOR, " headers, but the loaded libcublas is ", major, ".", minor, ".", patch,
               ": rebuild with the CUDA toolkit of torch's CUDA version (python -m qgru build --kind cuda)");
+}
+
+// NaN at the float boundary (docs/spec.md section 11). NaN has no quantized value: it takes the
+// value 0.0 takes (quantize_value) and sets a bit of its device's NaN flag, kNanInput for an input,
+// kNanH0 for an h0. By default nothing reads the flag during a forward (reading it would wait for
+// the GPU: no forward synchronises, and a caller's torch.cuda.graph can capture one); qgru's
+// cuda_nan_seen() reads it and clears it (nan_flags below). QGRU_CUDA_NAN_CHECK=1 restores the
+// synchronous check instead: each call then raises the CPU backend's ValueError on NaN, reading a
+// flag of its own on the host (and cannot run inside a capture).
+constexpr int32_t kNanInput = 1, kNanH0 = 2;
+
+// The device's flag: one int32, made once, outside any capture (captured graphs keep its
+// address, so it is never freed), zeroed before its first use.
+int32_t* device_nan_flag(c10::DeviceIndex device) {
+  static std::mutex mu;
+  static std::map<c10::DeviceIndex, int32_t*> flags;
+  std::lock_guard<std::mutex> lock(mu);
+  int32_t*& f = flags[device];
+  if (f == nullptr) {
+    c10::cuda::CUDAGuard guard(device);
+    cudaStream_t cur = at::cuda::getCurrentCUDAStream().stream();
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(cur, &capture), "cudaStreamIsCapturing");
+    TORCH_CHECK(capture == cudaStreamCaptureStatusNone, "qgru cuda: the first qgru call on a device must run ",
+                "outside a CUDA graph capture (it sets up the device's NaN flag): call the model once before ",
+                "capturing, as torch.cuda.graph's warm-up advice says");
+    int32_t* made = nullptr;
+    check_cuda(cudaMalloc(&made, sizeof(int32_t)), "cudaMalloc (NaN flag)");
+    // once per device and process: zeroed before any stream can use it
+    check_cuda(cudaMemsetAsync(made, 0, sizeof(int32_t), cur), "cudaMemsetAsync (NaN flag)");
+    check_cuda(cudaStreamSynchronize(cur), "cudaStreamSynchronize (NaN flag)");
+    f = made;
+  }
+  return f;
+}
+
+// QGRU_CUDA_NAN_CHECK: unset, "" or "0": no check (the default); "1": the synchronous check.
+bool nan_check_enabled() {
+  const char* env = std::getenv("QGRU_CUDA_NAN_CHECK");
+  if (env == nullptr || *env == '\0' || std::string(env) == "0") return false;
+  TORCH_CHECK_VALUE(std::string(env) == "1", "qgru cuda: QGRU_CUDA_NAN_CHECK='", env, "' must be 0 or 1");
+  return true;
+}
+
+// The synchronous check's flag: this call's own, zeroed on the current stream; refused inside a
+// capture, where reading it on the host is impossible.
+at::Tensor checked_nan_flag(const at::TensorOptions& opts) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream().stream(), &capture), "cudaStreamIsCapturing");
+  TORCH_CHECK(capture == cudaStreamCaptureStatusNone, "qgru cuda: QGRU_CUDA_NAN_CHECK=1 reads each call's NaN ",
+              "flag on the host, which a CUDA graph capture forbids: unset it to capture (NaN then quantizes as ",
+              "0.0 and is reported by qgru.cuda_nan_seen())");
+  return at::zeros({1}, opts.dtype(at::kInt));
+}
+
+// Reads a call's own flag (waits for the GPU): the CPU backend's ValueError where it is set.
+void raise_on_nan(const at::Tensor& flag) {
+  const int32_t v = flag.item<int32_t>();
+  const char* what = (v & kNanInput) ? "input" : "h0";
+  TORCH_CHECK_VALUE(v == 0, "QuantGRU ", what, " contains NaN, which has no quantized value ",
+                    "(out-of-range and infinite values saturate)");
+}
+
+// qgru.cuda_nan_seen(): the device's flag (kNanInput | kNanH0 bits) after the work enqueued on the
+// current stream so far, cleared when `clear`. Waits for that work.
+int64_t nan_flags(int64_t device, bool clear) {
+  TORCH_CHECK(device >= 0 && device < at::cuda::device_count(), "qgru cuda: no CUDA device ", device);
+  c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
+  int32_t* f = device_nan_flag((c10::DeviceIndex)device);
+  cudaStream_t cur = at::cuda::getCurrentCUDAStream().stream();
+  int32_t v = 0;
+  check_cuda(cudaMemcpyAsync(&v, f, sizeof(int32_t), cudaMemcpyDeviceToHost, cur), "cudaMemcpyAsync (NaN flag)");
+  if (clear) check_cuda(cudaMemsetAsync(f, 0, sizeof(int32_t), cur), "cudaMemsetAsync (NaN flag)");
+  check_cuda(cudaStreamSynchronize(cur), "cudaStreamSynchronize (NaN flag)");
+  return v;
 }
 
 cuda::GemmDesc gemm_desc(const LayerTensors& lt, const std::string& k) {
@@ -181,7 +258,6 @@ struct Plan {  // buffers (and the captured graph) for one (steps, N, lengths?) 
   Buffers b;
   at::Tensor cublas_ws;  // the workspace of the graph's GEMMs (and of the eager run before its capture)
   cudaGraphExec_t exec = nullptr;
-  cudaEvent_t ready = nullptr, done = nullptr;
   // recorded on the caller's stream after every call's last use of the buffers (the output copies);
   // the next call, on whichever stream, waits for it before touching them
   cudaEvent_t last_use = nullptr;
@@ -192,8 +268,7 @@ struct Plan {  // buffers (and the captured graph) for one (steps, N, lengths?) 
     // graph on a side stream): wait for it on the host before they are freed (after this body).
     if (last_use != nullptr) cudaEventSynchronize(last_use);
     if (exec != nullptr) cudaGraphExecDestroy(exec);
-    for (cudaEvent_t e : {ready, done, last_use})
-      if (e != nullptr) cudaEventDestroy(e);
+    if (last_use != nullptr) cudaEventDestroy(last_use);
   }
 };
 
@@ -243,6 +318,7 @@ class CudaLayer {
     // qgru's own cuBLAS handle exists from here on: creating it inside a graph capture would fail
     c10::cuda::CUDAGuard guard(device_);
     own_handle(device_.index());
+    device_nan_flag(device_.index());  // so is the device's NaN flag
   }
 
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx, const at::Tensor& qh0,
@@ -261,12 +337,43 @@ class CudaLayer {
     const int64_t T = qx.size(0), N = qx.size(1);
     if (T == 0 || N == 0)
       return {at::empty({T, N, d_.H}, qx.options().dtype(at::kInt)), qh0.to(at::kInt).clone()};
+    at::Tensor out, state;
+    run_call(
+        T, N, lengths, qx.options(),
+        [&](Buffers& b, cudaStream_t) {
+          // steps T .. Tp - 1 of a plan's qx keep an earlier call's (or the plan's zero) values:
+          // valid operands whose results are never read
+          b.qx.narrow(0, 0, T).copy_(qx);
+          b.state.copy_(qh0);
+        },
+        [&](const Buffers& b, cudaStream_t) {
+          // a plan's buffers are reused by the next call: hand out copies (of the call's own
+          // steps), the output as the int32 the Layer returns
+          out = b.out.narrow(0, 0, T).to(at::kInt);
+          state = b.state.clone();
+        });
+    return {out, state};
+  }
+
+  // What one call writes into a run's buffers before it (`fill`: qx's first T steps and the
+  // state) and reads from them after it (`drain`: out's first T steps and the state), each on the
+  // stream passed (the caller's current one). A Layer call copies its integer operands in and its
+  // results out; a Stack call (CudaStack) quantizes its floats straight into them and dequantizes
+  // straight out of them. Everything between is this function's: the plan (or a call's own
+  // buffers), the lengths, the ordering against other calls, the eager run or the graph. Nothing
+  // here waits on the host for the GPU.
+  using Fill = std::function<void(Buffers&, cudaStream_t)>;
+  using Drain = std::function<void(const Buffers&, cudaStream_t)>;
+
+  void run_call(int64_t T, int64_t N, const c10::optional<at::Tensor>& lengths, const at::TensorOptions& opts,
+                const Fill& fill, const Drain& drain) {
+    const bool has_lengths = lengths.has_value();
     cudaStream_t cur = at::cuda::getCurrentCUDAStream().stream();
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     check_cuda(cudaStreamIsCapturing(cur, &capture), "cudaStreamIsCapturing");
     TORCH_CHECK(capture != cudaStreamCaptureStatusInvalidated,
                 "qgru cuda: the current stream's graph capture was invalidated (by an earlier error in it)");
-    if (capture == cudaStreamCaptureStatusActive) return forward_unplanned(qx, qh0, lengths, cur, true);
+    if (capture == cudaStreamCaptureStatusActive) return run_unplanned(T, N, lengths, opts, cur, true, fill, drain);
 
     // With graphs, a call of more than kExactPlanSteps steps runs in a plan of plan_steps(T) steps
     // (qgru_cuda_launch.h), its rows' lengths capped at T: calls of nearby lengths share a plan and
@@ -282,20 +389,17 @@ class CudaLayer {
     // large to capture and instantiate quickly, and launches matter little over so many steps.
     const int64_t ws_bytes = use_graph_ ? cublas_workspace_bytes(device_.index()) : 0;
     if (buffer_bytes(d_, Tp, N, masked) + ws_bytes > plan_max_bytes_ || (use_graph_ && Tp > cuda::kMaxGraphSteps))
-      return forward_unplanned(qx, qh0, lengths, cur, false);
+      return run_unplanned(T, N, lengths, opts, cur, false, fill, drain);
 
     std::lock_guard<std::mutex> lock(mu_);  // one call at a time enqueues work on the plan
     bool fresh = false;
-    Plan& p = plan_for(Tp, N, masked, qx.options(), &fresh);
+    Plan& p = plan_for(Tp, N, masked, opts, &fresh);
     // The mutex orders only the host side. On the device, every use of the plan's buffers (the
     // copies in, the run, eager or graph, and the copies out) is ordered after the previous call's
     // last use, whichever stream or thread that call ran on.
     check_cuda(cudaStreamWaitEvent(cur, p.last_use, 0), "cudaStreamWaitEvent");
     RecordOnExit last_use(p.last_use, cur);
-    // steps T .. Tp - 1 of qx keep an earlier call's (or the plan's zero) values: valid operands
-    // whose results are never read
-    p.b.qx.narrow(0, 0, T).copy_(qx);
-    p.b.state.copy_(qh0);
+    fill(p.b, cur);
     if (has_lengths) {
       p.b.lengths.copy_(*lengths);
       if (Tp != T) p.b.lengths.clamp_max_(T);  // the plan's extra steps leave every row's state as it is
@@ -311,29 +415,31 @@ class CudaLayer {
       ++counters_.eager_runs;
       run_owned(p.b, p.cublas_ws, cur, nullptr);
     } else {
-      // graphs cannot be captured on the legacy default stream: capture and replay on the layer's
-      // own side stream, ordered after the copies above and before the copies out. Its own, not
-      // one of PyTorch's pooled streams: a capture records whatever any thread enqueues on the
-      // capturing stream, and a pooled stream can be another thread's current stream.
-      const cudaStream_t side = side_stream();
-      check_cuda(cudaEventRecord(p.ready, cur), "cudaEventRecord");
-      check_cuda(cudaStreamWaitEvent(side, p.ready, 0), "cudaStreamWaitEvent");
+      // graphs cannot be captured on the legacy default stream: capture on the layer's own side
+      // stream (its own, not one of PyTorch's pooled streams: a capture records whatever any thread
+      // enqueues on the capturing stream, and a pooled stream can be another thread's current
+      // stream). A capture runs nothing. The graph is launched on the caller's stream, in order
+      // after the fill above and before the drain below, with no event hops between streams (a
+      // streaming call's latency); launches of one graph are ordered after its earlier launches.
       if (p.exec == nullptr) {
-        run_owned(p.b, p.cublas_ws, side, &p.exec);
+        run_owned(p.b, p.cublas_ws, side_stream(), &p.exec);
         ++counters_.captures;
       } else {
         ++counters_.replays;
       }
-      check_cuda(cudaGraphLaunch(p.exec, side), "cudaGraphLaunch");
-      check_cuda(cudaEventRecord(p.done, side), "cudaEventRecord");
-      check_cuda(cudaStreamWaitEvent(cur, p.done, 0), "cudaStreamWaitEvent");
+      check_cuda(cudaGraphLaunch(p.exec, cur), "cudaGraphLaunch");
     }
-    // the plan's buffers are reused by the next call: hand out copies (of the call's own steps),
-    // the output as the int32 the Layer returns
-    at::Tensor out = p.b.out.narrow(0, 0, T).to(at::kInt), state = p.b.state.clone();
+    drain(p.b, cur);
     last_use.record();
-    return {out, state};
   }
+
+  // The Stack's checks (CudaStack): the bits of x this Layer takes, its state's grid and zero point.
+  int64_t x_bits() const { return d_.x_bits; }
+  Range state_range() const { return lt_.range("h"); }
+  int64_t state_zp() const { return lt_.value("h_zp"); }
+  int64_t hidden_size() const { return d_.H; }
+  int64_t input_size() const { return d_.I; }
+  at::Device device() const { return device_; }
 
   int64_t window_steps(int64_t T, int64_t N) const { return cuda::workspace_sizes(d_, T, N).window_steps; }
 
@@ -416,22 +522,20 @@ class CudaLayer {
   //   was set up.
   // * else a shape too large for a plan (plan_max_bytes_): run eagerly on PyTorch's handle, as
   //   QGRU_CUDA_GRAPH=0 does (no graph keeps its workspace).
-  std::tuple<at::Tensor, at::Tensor> forward_unplanned(const at::Tensor& qx, const at::Tensor& qh0,
-                                                       const c10::optional<at::Tensor>& lengths, cudaStream_t cur,
-                                                       bool in_capture) {
+  void run_unplanned(int64_t T, int64_t N, const c10::optional<at::Tensor>& lengths, const at::TensorOptions& opts,
+                     cudaStream_t cur, bool in_capture, const Fill& fill, const Drain& drain) {
     ++(in_capture ? counters_.in_foreign_capture : counters_.unplanned_runs);
     if (in_capture) keep_for_foreign_graphs();
-    Buffers b = make_buffers(d_, qx.size(0), qx.size(1), lengths.has_value(), qx.options());
-    b.qx.copy_(qx);
-    b.state.copy_(qh0);
+    Buffers b = make_buffers(d_, T, N, lengths.has_value(), opts);
+    fill(b, cur);
     if (lengths.has_value()) b.lengths.copy_(*lengths);
     if (in_capture) {
-      at::Tensor workspace = at::empty({cublas_workspace_bytes(device_.index())}, qx.options().dtype(at::kByte));
+      at::Tensor workspace = at::empty({cublas_workspace_bytes(device_.index())}, opts.dtype(at::kByte));
       run_owned(b, workspace, cur, nullptr);
     } else {
       run(b, cur, at::cuda::getCurrentCUDABlasHandle());
     }
-    return {b.out.to(at::kInt), b.state};  // this call's own tensors (out as the int32 the Layer returns)
+    drain(b, cur);  // (the buffers are this call's: freed for reuse after its work on `cur`)
   }
 
   // The caller's graph holds pointers into this layer's parameter tensors and may outlive the
@@ -479,8 +583,7 @@ class CudaLayer {
     TORCH_CHECK(buffer_bytes(p->b) == buffer_bytes(d_, T, N, has_lengths),
                 "qgru cuda: internal error: a plan's buffer size differs from its estimate");
     if (use_graph_) p->cublas_ws = at::empty({cublas_workspace_bytes(device_.index())}, opts.dtype(at::kByte));
-    for (cudaEvent_t* e : {&p->ready, &p->done, &p->last_use})
-      check_cuda(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventCreateWithFlags(&p->last_use, cudaEventDisableTiming), "cudaEventCreate");
     p->bytes = buffer_bytes(p->b) + (p->cublas_ws.defined() ? (int64_t)p->cublas_ws.nbytes() : 0);
     ++counters_.plans;
     return p;
@@ -499,33 +602,34 @@ class CudaLayer {
 };
 
 // The float boundary (BoundaryOps of the cuda backend, qgru/backends.py): one kernel pass each on
-// the current stream, the arithmetic of qgru_fixedpoint.h shared with the CPU backend. NaN is an
-// error, as on every backend: reading the device flag waits for the pass (one small copy, where
-// the reference boundary's isnan(x).any() waited too).
+// the current stream, the arithmetic of qgru_fixedpoint.h shared with the CPU backend. NaN: see
+// kNanInput above (no host synchronisation unless QGRU_CUDA_NAN_CHECK=1).
+at::Tensor float_operand(const at::Tensor& x_in) {
+  // (resolve_neg: a negative view's memory holds the values before the sign torch applies on reading)
+  return (x_in.scalar_type() == at::kDouble ? x_in : x_in.to(at::kFloat)).resolve_neg().contiguous();
+}
+
+template <typename Q>
+void quantize_into(const at::Tensor& x, int64_t first, Q* q, int64_t n, double scale, int64_t zp, int64_t bits,
+                   int32_t* flag, int32_t bit, cudaStream_t stream) {
+  if (x.scalar_type() == at::kDouble)
+    cuda::quantize(x.data_ptr<double>() + first, q, n, scale, zp, (int32_t)bits, flag, bit, stream);
+  else
+    cuda::quantize(x.data_ptr<float>() + first, q, n, scale, zp, (int32_t)bits, flag, bit, stream);
+}
+
 at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bits, const std::string& what) {
   TORCH_CHECK(x_in.is_cuda() && x_in.is_floating_point(), "qgru cuda quantize: a floating-point CUDA tensor expected");
   check_quantize_args("qgru cuda quantize", scale, zp, bits);  // qgru_layer.h
   c10::cuda::CUDAGuard guard(x_in.device());
-  {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    check_cuda(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream().stream(), &capture), "cudaStreamIsCapturing");
-    TORCH_CHECK(capture == cudaStreamCaptureStatusNone, "qgru cuda: a converted QuantGRU's float boundary cannot ",
-                "run inside a CUDA graph capture: it reads a NaN flag of its input on the host. Capture the ",
-                "integer layer (qgru.native.NativeLayer on quantized tensors) or run the module outside the capture");
-  }
-  // (resolve_neg: a negative view's memory holds the values before the sign torch applies on reading)
-  const at::Tensor x = (x_in.scalar_type() == at::kDouble ? x_in : x_in.to(at::kFloat)).resolve_neg().contiguous();
+  const bool check = nan_check_enabled();
+  const at::Tensor own_flag = check ? checked_nan_flag(x_in.options()) : at::Tensor();
+  int32_t* flag = check ? own_flag.data_ptr<int32_t>() : device_nan_flag(x_in.device().index());
+  const at::Tensor x = float_operand(x_in);
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kInt));
-  at::Tensor nan = at::zeros({1}, x.options().dtype(at::kInt));
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
-  if (x.scalar_type() == at::kDouble)
-    cuda::quantize(x.data_ptr<double>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, (int32_t)bits,
-                   nan.data_ptr<int32_t>(), stream);
-  else
-    cuda::quantize(x.data_ptr<float>(), q.data_ptr<int32_t>(), x.numel(), scale, zp, (int32_t)bits,
-                   nan.data_ptr<int32_t>(), stream);
-  TORCH_CHECK_VALUE(nan.item<int32_t>() == 0, "QuantGRU ", what, " contains NaN, which has no quantized value ",
-                    "(out-of-range and infinite values saturate)");
+  quantize_into(x, 0, q.data_ptr<int32_t>(), x.numel(), scale, zp, bits, flag, what == "h0" ? kNanH0 : kNanInput,
+                at::cuda::getCurrentCUDAStream().stream());
+  if (check) raise_on_nan(own_flag);
   return q;
 }
 
@@ -539,6 +643,107 @@ at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
   return out;
 }
 
+// A whole unidirectional stack without padding in one native call (the CPU backend's Stack, on the
+// GPU): quantize the input straight into layer 0's qx buffer and each layer's h0 straight into its
+// state, run the layers (layer l > 0 on layer l - 1's output moved onto its x grid), dequantize
+// the last layer's output and every h_n straight out of the layers' buffers. The same functions as
+// the separate calls (quantize, the Layer, requantize, dequantize), without their Python round
+// trips and copies: a streaming call (one step carrying h) is a few kernels, the layers' graphs
+// and no host work that waits for the GPU. q[l] = (S_x, Z_x, bits_x, S_h, Z_h, bits_h, multiplier
+// and shift of S_h,l-1 / S_x,l), as for the CPU Stack (qgru/native.py stack_values); checked
+// against the Layers once, when the Stack is made.
+class CudaStack {
+ public:
+  CudaStack(std::vector<std::shared_ptr<CudaLayer>> layers, std::vector<std::vector<double>> q)
+      : layers_(std::move(layers)), q_(std::move(q)) {
+    TORCH_CHECK(!layers_.empty() && layers_.size() == q_.size(), "qgru cuda Stack: one parameter row per Layer");
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const CudaLayer* layer = layers_[l].get();
+      TORCH_CHECK(layer != nullptr, "qgru cuda Stack: a Layer is None");
+      const int64_t H = layers_[0]->hidden_size();
+      TORCH_CHECK(l == 0 || (layer->hidden_size() == H && layer->input_size() == H &&
+                             layer->device() == layers_[0]->device()),
+                  "qgru cuda Stack: layer ", l, " does not take layer ", l - 1, "'s output on its device");
+      const std::vector<double>& v = q_[l];
+      TORCH_CHECK(v.size() == 8, "qgru cuda Stack: 8 values per layer");
+      for (int i : {1, 2, 4, 5, 6, 7})
+        TORCH_CHECK(std::abs(v[i]) < 9.0e15 && v[i] == std::floor(v[i]), "qgru cuda Stack: layer ", l, " value ", i,
+                    " (", v[i], ") is not an integer");
+      check_quantize_args("qgru cuda Stack (x)", v[0], (int64_t)v[1], (int64_t)v[2]);  // qgru_layer.h
+      check_quantize_args("qgru cuda Stack (h)", v[3], (int64_t)v[4], (int64_t)v[5]);
+      if (l > 0)  // layer l - 1's output onto layer l's x grid
+        check_requantize_args("qgru cuda Stack", (int64_t)q_[l - 1][4], (int64_t)v[6], (int64_t)v[7], (int64_t)v[1],
+                              (int64_t)v[2]);
+      const Range h = signed_range((int32_t)v[5]), state = layer->state_range();
+      TORCH_CHECK((int64_t)v[2] == layer->x_bits() && h.lo == state.lo && h.hi == state.hi &&
+                      (int64_t)v[4] == layer->state_zp(),
+                  "qgru cuda Stack: layer ", l, " values name ", (int64_t)v[2], "-bit x and ", (int64_t)v[5],
+                  "-bit h with zero point ", (int64_t)v[4], "; its Layer takes ", layer->x_bits(), "-bit x and h in [",
+                  state.lo, ", ", state.hi, "] with zero point ", layer->state_zp());
+    }
+  }
+
+  // x float [T, N, I] and h0 [L, N, H] (floating point, on the layers' device) -> float32 output
+  // [T, N, H] and h_n [L, N, H].
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x_in, const at::Tensor& h0_in) const {
+    const int64_t L = (int64_t)layers_.size(), H = layers_[0]->hidden_size(), I = layers_[0]->input_size();
+    const at::Device device = layers_[0]->device();
+    TORCH_CHECK(x_in.is_cuda() && h0_in.is_cuda() && x_in.device() == device && h0_in.device() == device &&
+                    x_in.is_floating_point() && h0_in.is_floating_point(),
+                "qgru cuda Stack: x and h0 must be floating-point tensors on ", device);
+    TORCH_CHECK(x_in.dim() == 3 && x_in.size(2) == I && x_in.size(0) > 0, "qgru cuda Stack: x must be [T >= 1, N, ", I,
+                "]");
+    const int64_t T = x_in.size(0), N = x_in.size(1);
+    TORCH_CHECK(h0_in.dim() == 3 && h0_in.size(0) == L && h0_in.size(1) == N && h0_in.size(2) == H,
+                "qgru cuda Stack: h0 must be [", L, ", ", N, ", ", H, "]");
+    // what the layers keep across calls (plans) is made outside inference mode: a plan made as
+    // inference tensors could not be written by a later call outside it
+    c10::InferenceMode no_inference(false);
+    c10::cuda::CUDAGuard guard(device);
+    const at::TensorOptions opts = x_in.options();
+    at::Tensor out = at::empty({T, N, H}, opts.dtype(at::kFloat));
+    at::Tensor h_n = at::empty({L, N, H}, opts.dtype(at::kFloat));
+    if (N == 0) return {out, h_n};
+    const bool check = nan_check_enabled();
+    const at::Tensor own_flag = check ? checked_nan_flag(opts) : at::Tensor();
+    int32_t* flag = check ? own_flag.data_ptr<int32_t>() : device_nan_flag(device.index());
+    const at::Tensor x = float_operand(x_in), h0 = float_operand(h0_in);
+    at::Tensor moved;  // int16 [T, N, H]: layer l - 1's output on layer l's x grid
+    for (int64_t l = 0; l < L; ++l) {
+      const std::vector<double>& v = q_[l];
+      layers_[l]->run_call(
+          T, N, c10::nullopt, opts,
+          [&](Buffers& b, cudaStream_t s) {
+            if (l == 0)
+              quantize_into(x, 0, b.qx.data_ptr<int16_t>(), T * N * I, v[0], (int64_t)v[1], (int64_t)v[2], flag,
+                            kNanInput, s);
+            else
+              b.qx.narrow(0, 0, T).copy_(moved);
+            quantize_into(h0, l * N * H, b.state.data_ptr<int32_t>(), N * H, v[3], (int64_t)v[4], (int64_t)v[5], flag,
+                          kNanH0, s);
+          },
+          [&](const Buffers& b, cudaStream_t s) {
+            cuda::dequantize(b.state.data_ptr<int32_t>(), h_n.data_ptr<float>() + l * N * H, N * H, v[3],
+                             (int64_t)v[4], s);
+            if (l == L - 1) {
+              cuda::dequantize(b.out.data_ptr<int16_t>(), out.data_ptr<float>(), T * N * H, v[3], (int64_t)v[4], s);
+            } else {
+              const std::vector<double>& w = q_[l + 1];
+              moved = at::empty({T, N, H}, opts.dtype(at::kShort));
+              cuda::requantize(b.out.data_ptr<int16_t>(), moved.data_ptr<int16_t>(), T * N * H, (int64_t)v[4],
+                               (int64_t)w[6], (int32_t)w[7], (int64_t)w[1], (int32_t)w[2], s);
+            }
+          });
+    }
+    if (check) raise_on_nan(own_flag);
+    return {out, h_n};
+  }
+
+ private:
+  std::vector<std::shared_ptr<CudaLayer>> layers_;
+  std::vector<std::vector<double>> q_;
+};
+
 }  // namespace
 }  // namespace qgru
 
@@ -550,13 +755,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "qgru CUDA backend (bit-exact with qgru/golden.py)";
   m.attr("built_for_torch") = QGRU_TORCH_VERSION;
   m.attr("max_window_rows") = qgru::cuda::kMaxWindowRows;  // input rows of one W.x window, at most
-  m.def("quantize", &qgru::quantize, "float CUDA tensor -> int32 on (scale, zp, bits); NaN raises ValueError",
+  m.def("quantize", &qgru::quantize, "float CUDA tensor -> int32 on (scale, zp, bits); NaN: see nan_flags",
         pybind11::arg("x"), pybind11::arg("scale"), pybind11::arg("zp"), pybind11::arg("bits"), pybind11::arg("what"));
   m.def("dequantize", &qgru::dequantize, "integer CUDA tensor -> float32 (q - zp) * scale", pybind11::arg("q"),
         pybind11::arg("scale"), pybind11::arg("zp"));
+  m.def("nan_flags", &qgru::nan_flags, pybind11::arg("device"), pybind11::arg("clear"),
+        "the device's NaN flag (1: an input, 2: an h0 held NaN) after the current stream's work; waits for it");
   m.def("check_cublas", &qgru::check_cublas_version,
         "raise unless the loaded cuBLAS has the major version of the headers the extension was built with");
-  pybind11::class_<qgru::CudaLayer>(m, "Layer")
+  pybind11::class_<qgru::CudaStack>(m, "Stack")
+      .def(pybind11::init<std::vector<std::shared_ptr<qgru::CudaLayer>>, std::vector<std::vector<double>>>(),
+           pybind11::arg("layers"), pybind11::arg("values"))
+      .def("forward", &qgru::CudaStack::forward, pybind11::arg("x"), pybind11::arg("h0"),
+           pybind11::call_guard<pybind11::gil_scoped_release>());
+  pybind11::class_<qgru::CudaLayer, std::shared_ptr<qgru::CudaLayer>>(m, "Layer")
       .def(pybind11::init<qgru::TensorMap, qgru::IntMap>())
       .def("forward", &qgru::CudaLayer::forward, pybind11::arg("qx"), pybind11::arg("qh0"),
            pybind11::arg("lengths") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>())

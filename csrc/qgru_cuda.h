@@ -75,14 +75,19 @@ WorkspaceSizes workspace_sizes(const LayerDesc& d, int64_t T, int64_t N);
 void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, int64_t T, int64_t N, int32_t* state,
              int16_t* out, const int64_t* lengths, cudaStream_t stream, cublasHandle_t handle);
 
-// The float boundary (primitives.quantize / dequantize) in one pass each, on `stream`: x [n] float32
-// or float64 -> q int32 on the grid (scale, zp, bits), *nan_flag (device int32, zeroed by the
-// caller) set to 1 if any x is NaN; q int32 [n] -> out float32.
-void quantize(const float* x, int32_t* q, int64_t n, double scale, int64_t zp, int32_t bits, int32_t* nan_flag,
+// The float boundary (primitives.quantize / dequantize) and the layer-to-layer requantization,
+// one pass each on `stream`. quantize: x [n] float32 or float64 -> q [n] int32 or int16 on the grid
+// (scale, zp, bits); a NaN x takes the value 0.0 takes, and nan_bit is ORed into *nan_flag (a
+// device int32; nullptr: not recorded). dequantize: q [n] int32 or int16 -> out float32.
+// requantize (golden.requantize_input, per-tensor factor): int16 q [n] on one h grid -> int16 out
+// on the next layer's x grid. Instantiated in qgru_cuda_kernels.cu for these types only.
+template <typename X, typename Q>
+void quantize(const X* x, Q* q, int64_t n, double scale, int64_t zp, int32_t bits, int32_t* nan_flag, int32_t nan_bit,
               cudaStream_t stream);
-void quantize(const double* x, int32_t* q, int64_t n, double scale, int64_t zp, int32_t bits, int32_t* nan_flag,
-              cudaStream_t stream);
-void dequantize(const int32_t* q, float* out, int64_t n, double scale, int64_t zp, cudaStream_t stream);
+template <typename Q>
+void dequantize(const Q* q, float* out, int64_t n, double scale, int64_t zp, cudaStream_t stream);
+void requantize(const int16_t* q, int16_t* out, int64_t n, int64_t from_zp, int64_t mult, int32_t shift, int64_t to_zp,
+                int32_t to_bits, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace qgru

@@ -106,35 +106,35 @@ __global__ void cell_kernel(CellParams p, LimbProducts lp, int64_t N, int64_t t,
 
 // The float boundary in one pass each (issue 13 item 7): qgru_fixedpoint.h's quantize_value and
 // dequantize_value, the functions the CPU backend's boundary computes too. A grid-stride loop over
-// the elements; a NaN sets *nan_flag (the binding raises).
-template <typename T>
-__global__ void quantize_kernel(const T* __restrict__ x, int32_t* __restrict__ q, int64_t n, double scale, int64_t zp,
-                                Range r, QuantizeBounds b, int32_t* __restrict__ nan_flag) {
+// the elements. A NaN takes the value 0.0 takes (quantize_value) and ORs nan_bit into *nan_flag
+// (a device word that the binding reads only where it checks synchronously: docs/spec.md 11).
+// Q: int32, or int16 straight into a plan's qx (values of at most 16 bits).
+template <typename X, typename Q>
+__global__ void quantize_kernel(const X* __restrict__ x, Q* __restrict__ q, int64_t n, double scale, int64_t zp,
+                                Range r, QuantizeBounds b, int32_t* __restrict__ nan_flag, int32_t nan_bit) {
   bool nan = false;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-    q[i] = quantize_value((double)x[i], scale, zp, r, b, &nan);
-  if (nan) *nan_flag = 1;
+    q[i] = (Q)quantize_value((double)x[i], scale, zp, r, b, &nan);
+  if (nan && nan_flag != nullptr) atomicOr(nan_flag, nan_bit);
 }
 
-__global__ void dequantize_kernel(const int32_t* __restrict__ q, float* __restrict__ out, int64_t n, double scale,
+template <typename Q>
+__global__ void dequantize_kernel(const Q* __restrict__ q, float* __restrict__ out, int64_t n, double scale,
                                   double zp) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-    out[i] = dequantize_value(q[i], scale, zp);
+    out[i] = dequantize_value((int32_t)q[i], scale, zp);
+}
+
+// golden.requantize_input with a per-tensor factor: sat(rounding_mul_shift(q - from_zp) + to_zp)
+__global__ void requantize_kernel(const int16_t* __restrict__ q, int16_t* __restrict__ out, int64_t n, int64_t from_zp,
+                                  int64_t mult, int32_t shift, int64_t to_zp, Range r) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    out[i] = (int16_t)saturate(rounding_mul_shift((int64_t)q[i] - from_zp, mult, shift) + to_zp, r);
 }
 
 unsigned elementwise_blocks(int64_t n) {
   const int64_t b = (n + kThreads - 1) / kThreads;
   return (unsigned)(b < 1 ? 1 : (b > 65535 ? 65535 : b));  // the grid-stride loop covers the rest
-}
-
-template <typename T>
-void quantize_t(const T* x, int32_t* q, int64_t n, double scale, int64_t zp, int32_t bits, int32_t* nan_flag,
-                cudaStream_t stream) {
-  const Range r = signed_range(bits);
-  if (n == 0) return;
-  quantize_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(x, q, n, scale, zp, r, quantize_bounds(r, zp),
-                                                                     nan_flag);
-  check(cudaGetLastError(), "quantize_kernel launch");
 }
 
 // Every limb pair of one product in one GEMM (qgru_cuda_launch.h, one_gemm_for_pairs), and their
@@ -228,21 +228,43 @@ void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, int64_t
   }
 }
 
-void quantize(const float* x, int32_t* q, int64_t n, double scale, int64_t zp, int32_t bits, int32_t* nan_flag,
+template <typename X, typename Q>
+void quantize(const X* x, Q* q, int64_t n, double scale, int64_t zp, int32_t bits, int32_t* nan_flag, int32_t nan_bit,
               cudaStream_t stream) {
-  quantize_t(x, q, n, scale, zp, bits, nan_flag, stream);
-}
-
-void quantize(const double* x, int32_t* q, int64_t n, double scale, int64_t zp, int32_t bits, int32_t* nan_flag,
-              cudaStream_t stream) {
-  quantize_t(x, q, n, scale, zp, bits, nan_flag, stream);
-}
-
-void dequantize(const int32_t* q, float* out, int64_t n, double scale, int64_t zp, cudaStream_t stream) {
+  static_assert(std::is_same<Q, int32_t>::value || std::is_same<Q, int16_t>::value, "int32 or int16 output");
   if (n == 0) return;
-  dequantize_kernel<<<elementwise_blocks(n), kThreads, 0, stream>>>(q, out, n, scale, (double)zp);
+  const Range r = signed_range(bits);
+  quantize_kernel<X, Q><<<elementwise_blocks(n), kThreads, 0, stream>>>(x, q, n, scale, zp, r, quantize_bounds(r, zp),
+                                                                        nan_flag, nan_bit);
+  check(cudaGetLastError(), "quantize_kernel launch");
+}
+
+template <typename Q>
+void dequantize(const Q* q, float* out, int64_t n, double scale, int64_t zp, cudaStream_t stream) {
+  if (n == 0) return;
+  dequantize_kernel<Q><<<elementwise_blocks(n), kThreads, 0, stream>>>(q, out, n, scale, (double)zp);
   check(cudaGetLastError(), "dequantize_kernel launch");
 }
+
+void requantize(const int16_t* q, int16_t* out, int64_t n, int64_t from_zp, int64_t mult, int32_t shift, int64_t to_zp,
+                int32_t to_bits, cudaStream_t stream) {
+  if (n == 0) return;
+  requantize_kernel<<<elementwise_blocks(n), kThreads, 0, stream>>>(q, out, n, from_zp, mult, shift, to_zp,
+                                                                   signed_range(to_bits));
+  check(cudaGetLastError(), "requantize_kernel launch");
+}
+
+// the forms qgru_cuda.cpp calls
+template void quantize<float, int32_t>(const float*, int32_t*, int64_t, double, int64_t, int32_t, int32_t*, int32_t,
+                                       cudaStream_t);
+template void quantize<double, int32_t>(const double*, int32_t*, int64_t, double, int64_t, int32_t, int32_t*, int32_t,
+                                        cudaStream_t);
+template void quantize<float, int16_t>(const float*, int16_t*, int64_t, double, int64_t, int32_t, int32_t*, int32_t,
+                                       cudaStream_t);
+template void quantize<double, int16_t>(const double*, int16_t*, int64_t, double, int64_t, int32_t, int32_t*, int32_t,
+                                        cudaStream_t);
+template void dequantize<int32_t>(const int32_t*, float*, int64_t, double, int64_t, cudaStream_t);
+template void dequantize<int16_t>(const int16_t*, float*, int64_t, double, int64_t, cudaStream_t);
 
 }  // namespace cuda
 }  // namespace qgru

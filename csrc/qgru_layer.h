@@ -13,6 +13,7 @@
 
 #include <torch/extension.h>
 
+#include <cstdlib>
 #include <map>
 #include <string>
 
@@ -30,6 +31,17 @@ using IntMap = std::map<std::string, int64_t>;
 inline void check_quantize_args(const char* who, double scale, int64_t zp, int64_t bits) {
   TORCH_CHECK(bits >= 2 && bits <= 16 && zp >= -(int64_t(1) << 16) && zp <= (int64_t(1) << 16) && scale > 0,
               who, ": bits ", bits, ", zero point ", zp, ", scale ", scale, " out of range");
+}
+
+// requantize's arguments: rounding_mul_shift's domain, |(q - from_zp) mult| < 2^63 for int32 q
+// and a shift in [1, 62], and a target grid of 2 to 16 bits (both backends' requantize and Stacks).
+inline void check_requantize_args(const char* who, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
+                                  int64_t to_bits) {
+  TORCH_CHECK(to_bits >= 2 && to_bits <= 16 && std::abs(from_zp) <= (int64_t(1) << 16) &&
+                  std::abs(to_zp) <= (int64_t(1) << 16) && mult >= 0 && mult < (int64_t(1) << 31) && shift >= 1 &&
+                  shift <= 62,
+              who, ": to_bits ", to_bits, ", zero points ", from_zp, " and ", to_zp, ", multiplier ", mult, ", shift ",
+              shift, " out of range");
 }
 
 struct LayerTensors {

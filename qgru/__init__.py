@@ -4,6 +4,7 @@ from .calibrate import calibrate, prepare_model, quantize_model
 from .compare import CompareReport, compare
 from .config import QuantConfig, TensorSpec
 from .export import ParamsFileError, QuantParams, load_params
+from .native import cuda_nan_seen
 from .module import CalibrationWarning, QGRUDtypeError, QGRUInputError, QuantGRU
 from . import ops as _ops  # registers torch.ops.qgru.integer_gru (torch.compile / torch.export)
 from .observers import NonFiniteCalibrationError, NonFiniteWeightError
@@ -14,4 +15,4 @@ __all__ = ["QuantGRU", "QuantConfig", "TensorSpec", "QuantParams", "calibrate", 
            "prepare_qat", "convert_qat",
            "load_params", "backends", "backend", "compare", "CompareReport", "NonFiniteCalibrationError",
            "NonFiniteWeightError", "CalibrationWarning", "ParamsFileError", "QGRUInputError", "QGRUDtypeError",
-           "__version__"]
+           "cuda_nan_seen", "__version__"]

@@ -77,7 +77,9 @@ def _host_scalar(t, kind=float):
 class _NativeCudaBoundaryOps(BoundaryOps):
     """One kernel pass each for quantize and dequantize (csrc/qgru_cuda.cpp), on the arithmetic of
     csrc/qgru_fixedpoint.h that the CPU backend's boundary computes too; the layer-to-layer
-    requantization stays the reference's (torch integer ops on the device)."""
+    requantization stays the reference's (torch integer ops on the device). Neither waits for the
+    GPU: NaN quantizes as 0.0 and sets the device's NaN flag (qgru.cuda_nan_seen), unless
+    QGRU_CUDA_NAN_CHECK=1 (then the reference's ValueError, after a wait; docs/spec.md section 11)."""
 
     def __init__(self, mod) -> None:
         self.mod = mod

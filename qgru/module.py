@@ -118,6 +118,12 @@ def _integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch
         if fast is not None:
             out, h_n = fast  # float32
             return (out, h_n) if x.dtype == torch.float32 else (out.to(x.dtype), h_n.to(x.dtype))
+    if backend.name == "cuda" and lengths is None and len(params[0]) == 1:
+        # the same on the GPU: one native call, nothing in it waiting for the GPU on the host
+        fast = native.cuda_stack_forward(params, x, hx)
+        if fast is not None:
+            out, h_n = fast  # float32
+            return (out, h_n) if x.dtype == torch.float32 else (out.to(x.dtype), h_n.to(x.dtype))
     ops = backend.boundary  # quantize / dequantize / requantize, golden semantics
     if lengths is not None:
         lengths = lengths.to(x.device)
@@ -636,6 +642,8 @@ class QuantGRU(nn.GRU):
     def _forward(self, input, hx: Optional[torch.Tensor] = None):
         if self._qparams is not None:
             fast = self._cpu_one_call(input, hx)
+            if fast is None:
+                fast = self._cuda_one_call(input, hx)
             if fast is not None:
                 return fast
         if not self.is_converted and not self._calibrating and self._qat is None:
@@ -684,6 +692,34 @@ class QuantGRU(nn.GRU):
             hx = input.new_zeros(self.num_layers, shape[1], self.hidden_size)
         # None where the one-call form does not apply; x and hx were checked: no negative views
         return native.cpu_stack_forward(params, input, hx, resolve=False)
+
+    def _cuda_one_call(self, input, hx):
+        """_cpu_one_call's counterpart on the GPU (a streaming call's lean entry): a float32 CUDA
+        tensor [T >= 1, N, input_size], time-major, h0 None or a float32 tensor [num_layers, N,
+        hidden_size] on the same device, one direction, the cuda backend (loaded, not forced
+        elsewhere), the module's weights and integer parameters already on that device (after a
+        first call there), nothing tracing or compiling: native.cuda_stack_forward, one native call
+        that quantizes, runs the layers and dequantizes, with nothing on the host that waits for the
+        GPU. Else None (the general path then runs, and raises what it must)."""
+        if (type(input) is not torch.Tensor or input.dtype is not torch.float32 or not input.is_cuda
+                or self.batch_first or self.bidirectional or self._qat is not None or self._calibrating):
+            return None
+        shape = input.shape
+        if len(shape) != 3 or shape[2] != self.input_size or shape[0] == 0 or input.is_neg():
+            return None
+        device = input.device
+        if hx is not None and (type(hx) is not torch.Tensor or hx.dtype is not torch.float32 or hx.device != device
+                               or hx.shape != (self.num_layers, shape[1], self.hidden_size) or hx.is_neg()):
+            return None
+        params = self._qparams_on.get(str(device))
+        if (params is None or forced_backend_name() not in (None, "cuda") or torch.jit.is_tracing()
+                or torch.compiler.is_compiling() or self._flat_weights[0].device != device):
+            return None
+        if native.why_unavailable("cuda"):
+            return None
+        if hx is None:
+            hx = input.new_zeros(self.num_layers, shape[1], self.hidden_size)
+        return native.cuda_stack_forward(params, input, hx, resolve=False)
 
     def _check_input(self, input, hx) -> None:
         """Refuse what torch.nn.GRU refuses, with the exception types it raises (QGRUInputError,

@@ -896,3 +896,65 @@ def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torc
     if plan is None:
         return None
     return plan.forward(resolved(x), resolved(hx)) if resolve else plan.forward(x, hx)
+
+
+def _cuda_layer(p: LayerParams, device: torch.device) -> "NativeLayer":
+    """The CUDA NativeLayer of p on ``device`` (the one gru_direction makes and caches)."""
+    cache = p.__dict__.setdefault("_native", {})
+    key = ("cuda", str(device), "")
+    if key not in cache:
+        cache[key] = NativeLayer("cuda", p, device)
+    return cache[key]
+
+
+def cuda_stack_plan(params: List[List[LayerParams]], device: torch.device):
+    """The CUDA backend's Stack (csrc/qgru_cuda.cpp CudaStack: the layers' CUDA Layers and the
+    per-layer grid values, as cpu_stack_plan's) of a unidirectional stack on ``device``, made once
+    and cached beside the first layer's Layers (kept while the stack holds the same LayerParams
+    below it, as cpu_stack_plan's); None where the one-call form does not apply (bidirectional, or
+    a per-channel requantization between layers). Making it reads the parameters' values on the
+    host (a device-to-host copy when they are on the GPU): the first call of a model on a device
+    must therefore run outside a CUDA graph capture, as torch.cuda.graph's warm-up asks anyway."""
+    if len(params[0]) != 1:
+        return None
+    cache = params[0][0].__dict__.setdefault("_native", {})
+    key = ("cuda-stack", str(device), len(params))
+    entry = cache.get(key)
+    if entry is not None and (len(params) == 1 or all(a is row[0] for a, row in zip(entry[0], params[1:]))):
+        return entry[1]
+    if any(len(row) != 1 for row in params):
+        return None
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False), torch.no_grad():
+            return cuda_stack_plan(params, device)
+    below = tuple(row[0] for row in params[1:])
+    rows = stack_values(params)
+    plan = None if rows is None else load("cuda").Stack([_cuda_layer(p, device).layer for (p,) in params], rows)
+    cache[key] = (below, plan)
+    return plan
+
+
+def cuda_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor, resolve: bool = True):
+    """A unidirectional stack without padding in one native call on the GPU (float x [T, N, I] and
+    h0 [L, N, H] in, float32 output [T, N, H] and h_n [L, N, H] out), or None where it does not
+    apply (cuda_stack_plan). The same integers as the layer-by-layer path; no host work in it waits
+    for the GPU (docs/spec.md section 11), so a caller's torch.cuda.graph can capture it.
+    ``resolve=False``: the caller has checked that neither x nor hx is a negative view."""
+    plan = cuda_stack_plan(params, x.device)
+    if plan is None:
+        return None
+    return plan.forward(resolved(x), resolved(hx)) if resolve else plan.forward(x, hx)
+
+
+def cuda_nan_seen(device=None, clear: bool = True) -> Dict[str, bool]:
+    """Whether a converted model's CUDA forward on ``device`` (default: the current one) met NaN in
+    an input or an h0 since the last clear: {"input": bool, "h0": bool}. A CUDA forward never
+    synchronises with the host to check for NaN (it quantizes NaN as 0.0 and sets this device
+    flag); this reads the flag after the work enqueued so far on the current stream, waiting for
+    it, and clears it when ``clear``. QGRU_CUDA_NAN_CHECK=1 makes every CUDA forward raise the CPU
+    backend's ValueError instead (one wait per call; not inside a graph capture)."""
+    d = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if d.type != "cuda":
+        raise ValueError(f"cuda_nan_seen: a CUDA device expected, got {d}")
+    v = int(load("cuda").nan_flags(d.index if d.index is not None else torch.cuda.current_device(), bool(clear)))
+    return {"input": bool(v & 1), "h0": bool(v & 2)}

@@ -19,8 +19,11 @@ Scenarios (issue targets in brackets):
                    AVX2-only: >= 2x dynamic-quant, >= 3x float]
   cpu streaming   N=1: a T=100 call, and T=1 calls repeated T times carrying h (`out, h = m(x_t, h)`)
                   [every path: T=1 calls >= 1.5x faster than dynamic-quant]
-  gpu             B=64, hidden = input = 512 and 1024, T=1000, w8a8
-                  [>= 2x faster than cuDNN fp32, faster than cuDNN fp16]
+  gpu             hidden = input = 512 and 1024: T=1000 at B=64 and B=1, T=100 at B=256, and 100 calls of
+                  T=1 carrying h at B=1 and B=64; cuDNN fp32 and fp16, qgru w8a8 and w8a16; peak memory
+                  per call; a compact summary printed last (issue 34; about a minute and a half on an H200)
+                  [w8a8 vs cuDNN fp16: T=1000 B=64 >= 3x, T=1000 B=1 >= 5x, streaming >= 2x,
+                   T=100 B=256 H=1024 >= 2x; peak memory <= fp16's; w8a16 within 1.3x of w8a8]
 
     python scripts/bench.py                        # cpu (+ cuda when available), writes BENCHMARKS.md
     python scripts/bench.py --quick --no-write     # small shapes, few repeats: a smoke test
@@ -50,6 +53,7 @@ import time
 import torch
 
 import qgru
+from qgru import native
 from qgru.native import cpu_model_name
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -64,8 +68,9 @@ BASELINES = {"cpu": ["float nn.GRU", "torch dynamic-quant"], "cuda": ["cuDNN fp3
 TARGETS = {"cpu": "CPU, 2 threads, T=100 N=64 I=256 H=512, w8a8: >= 2x faster than torch dynamic-quant and "
                   ">= 6x faster than float nn.GRU with AMX, >= 3x float on AVX2-only CPUs (w8a16 within 1.5x "
                   "of w8a8 there); on every path, T=1 N=1 calls >= 1.5x faster than dynamic-quant.",
-           "cuda": "GPU, B=64, H=512 and 1024, T=1000, w8a8: >= 2x faster than cuDNN fp32 and faster "
-                   "than cuDNN fp16."}
+           "cuda": "GPU (issue 34), w8a8 against cuDNN fp16: T=1000 B=64 >= 3x, T=1000 B=1 >= 5x, 100 calls "
+                   "of T=1 carrying h >= 2x per call, T=100 B=256 H=1024 >= 2x; peak memory per call at most "
+                   "fp16's; w8a16 within 1.3x of w8a8."}
 
 
 def time_once(fn, device: str) -> float:
@@ -140,6 +145,12 @@ def step_calls(m, x):
 class Bench:
     def __init__(self, args, device: str):
         self.args, self.device, self.rows, self.notes, self.pending = args, device, [], [], []
+        if device == "cuda":  # the cuda backend only (qgru.backends() would build the cpu one too)
+            why = native.why_unavailable("cuda")
+            self.backends = [] if why else ["cuda"]
+            if why:
+                self.notes.append(f"backend `cuda` unavailable: {why}")
+            return
         names = qgru.backends()
         self.backends = []
         for name, info in names.items():
@@ -303,24 +314,93 @@ def bench_cpu(args, configs) -> Bench:
     return bench
 
 
+# issue 34's GPU rows: (I = H, T, B, streaming). streaming: T calls of one step carrying h (one
+# timed repeat = all T calls; reported per call), else one call of T steps.
+CUDA_SCENARIOS = [(512, 1000, 64, False), (512, 1000, 1, False), (512, 100, 256, False), (512, 100, 1, True),
+                  (512, 100, 64, True), (1024, 1000, 64, False), (1024, 1000, 1, False), (1024, 100, 256, False),
+                  (1024, 100, 1, True), (1024, 100, 64, True)]
+CUDA_QUICK = [(64, 20, 4, False), (64, 10, 1, True)]
+
+
+def peak_mib(fn) -> float:
+    """MiB a call allocates at its peak above what was allocated before it (after warm-up: a
+    layer's kept plans count as before)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return peak / 2 ** 20
+
+
+def layer_counters(q) -> dict:
+    """The summed counters of a converted model's CUDA Layers (empty before its first CUDA call)."""
+    total = {}
+    for key, rows in q._qparams_on.items():
+        if key.startswith("cuda"):
+            for row in rows:
+                for p in row:
+                    layer = p.__dict__.get("_native", {}).get(("cuda", key, ""))
+                    for k, v in (layer.layer.counters.items() if layer is not None else ()):
+                        total[k] = total.get(k, 0) + v
+    return total
+
+
 def bench_cuda(args, configs) -> Bench:
+    """Issue 34's rows: cuDNN fp32 and fp16 and each qgru config (cuda backend) on the same input,
+    timed together with CUDA events (median), peak memory per call, and qgru's outputs checked bit
+    for bit against one untimed call of the reference backend on the GPU. The qgru models are
+    calibrated on the CPU (a short calibration: the rows time speed, not accuracy) and moved."""
     bench = Bench(args, "cuda")
-    T, N = (20, 4) if args.quick else (1000, 64)
-    for H in ((64,) if args.quick else (512, 1024)):
+    scenarios = CUDA_QUICK if args.quick else CUDA_SCENARIOS
+    for H in sorted({s[0] for s in scenarios}):
         torch.manual_seed(args.seed)
-        gru = torch.nn.GRU(H, H).eval().cuda()
-        calib = [torch.randn(T, N, H, device="cuda") for _ in range(args.calib_batches)]
-        qs = quantized(gru, calib, configs)
-        x = torch.randn(T, N, H, device="cuda")
-        sc = f"T={T} B={N} I=H={H}"
-        bench.add(sc, "float nn.GRU", "cuDNN fp32", f"T={T}", T, full_call(gru, x))
-        gru16, x16 = copy.deepcopy(gru).half(), x.half()
-        bench.add(sc, "float nn.GRU", "cuDNN fp16", f"T={T}", T, full_call(gru16, x16))
-        for cfg, q in qs.items():
-            bench.qgru_rows(sc, q.cuda(), cfg, f"T={T}", T, lambda m: full_call(m, x))
-        bench.flush()
+        gru = torch.nn.GRU(H, H).eval()
+        calib = [torch.randn(50, 8, H) for _ in range(args.calib_batches)]
+        qs = {cfg: q.cuda() for cfg, q in quantized(gru, calib, configs).items()}
+        gru = gru.cuda()
+        gru16 = copy.deepcopy(gru).half()
+        for H_, T, N, streaming in scenarios:
+            if H_ != H:
+                continue
+            x = torch.randn(T, N, H, device="cuda")
+            sc = f"H={H} " + (f"{T} calls of T=1 B={N}" if streaming else f"T={T} B={N}")
+            call, steps, calls = ("T=1 x%d" % T, 1, T) if streaming else (f"T={T}", T, 1)
+            make = step_calls if streaming else full_call
+            # peak memory of one call: for streaming rows one step (the first, h0 None)
+            one = (lambda m, x: full_call(m, x[:1])) if streaming else full_call
+            x16 = x.half()
+            peaks = [one(gru, x), one(gru16, x16)]
+            bench.add(sc, "float nn.GRU", "cuDNN fp32", call, steps, make(gru, x), calls=calls)
+            bench.add(sc, "float nn.GRU", "cuDNN fp16", call, steps, make(gru16, x16), calls=calls)
+            for cfg, q in qs.items():
+                with torch.inference_mode():
+                    expected = in_backend("reference", make(q, x))()
+                bench.add(sc, f"qgru {cfg}", "cuda", call, steps, in_backend("cuda", make(q, x)), expected, calls=calls)
+                peaks.append(in_backend("cuda", one(q, x)))
+            pending = list(bench.pending)
+            before = {cfg: layer_counters(q) for cfg, q in qs.items()}
+            bench.flush()
+            for cfg, q in qs.items():  # which path the timed calls took (qgru_cuda.cpp's counters)
+                after = layer_counters(q)
+                d = {k: after.get(k, 0) - before[cfg].get(k, 0) for k in after}
+                if d.get("unplanned_runs", 0) > 0:
+                    bench.notes.append(f"{sc} / qgru {cfg}: {d['unplanned_runs']} layer runs without a plan (no "
+                                       "graph: the plan would pass QGRU_CUDA_PLAN_MAX_BYTES, default 256 MiB)")
+            with torch.inference_mode():
+                for r, fn in zip(pending, peaks):
+                    if any(r is kept for kept in bench.rows):  # (a row that failed was dropped)
+                        r["peak_mib"] = peak_mib(fn)
+            del x, x16
         del gru, gru16, qs
         torch.cuda.empty_cache()
+    bench.notes.append("peak MiB: torch.cuda.max_memory_allocated() during one call (for `T=1 xN` rows one step) "
+                       "above torch.cuda.memory_allocated() before it, after the timed calls (a qgru layer's kept "
+                       "plans count as allocated before)")
+    bench.notes.append("qgru models calibrated on the CPU (2 batches T=50 B=8) and moved with .cuda(); bit-exact: "
+                       "against one call of the reference backend on the GPU")
     return bench
 
 
@@ -328,16 +408,48 @@ def table(bench: Bench) -> str:
     base_cols = BASELINES[bench.device]
     base = {(r["scenario"], r["call"], r["backend"] if bench.device == "cuda" else r["model"]): r["ms"]
             for r in bench.rows}
-    head = ["scenario", "model", "backend", "call", "ms/call", "µs/step"] + [f"x vs {b}" for b in base_cols] + ["bit-exact"]
+    mem = bench.device == "cuda"
+    head = ["scenario", "model", "backend", "call", "ms/call", "µs/step"] + [f"x vs {b}" for b in base_cols] + \
+        (["peak MiB"] if mem else []) + ["bit-exact"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in bench.rows:
         ratios = []
         for b in base_cols:
             ms = base.get((r["scenario"], r["call"], b))
             ratios.append(f"{ms / r['ms']:.2f}x" if ms else "—")
-        cells = [r["scenario"], r["model"], r["backend"], r["call"], f"{r['ms']:.3f}", f"{r['us_step']:.1f}"] + ratios + [r["exact"]]
+        peak = [f"{r['peak_mib']:.1f}" if r.get("peak_mib") is not None else "—"] if mem else []
+        cells = [r["scenario"], r["model"], r["backend"], r["call"], f"{r['ms']:.3f}", f"{r['us_step']:.1f}"] + ratios + \
+            peak + [r["exact"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def compact(bench: Bench) -> str:
+    """One line per GPU scenario (printed last): ms per call of cuDNN fp32, fp16 and each qgru
+    config, the first config's speedup over fp16 (issue 34's targets), w8a16 / w8a8, peak MiB of
+    fp16 and the first config, and whether every qgru row was bit-exact."""
+    by = {}
+    for r in bench.rows:
+        by.setdefault(r["scenario"], {})[r["model"] if r["model"].startswith("qgru") else r["backend"]] = r
+    qcols = [m for m in dict.fromkeys(r["model"] for r in bench.rows) if m.startswith("qgru")]
+    head = ["scenario", "fp32 ms", "fp16 ms"] + [f"{m[5:]} ms" for m in qcols] + \
+        ([f"{qcols[0][5:]} vs fp16"] if qcols else []) + (["w8a16/w8a8"] if {"qgru w8a8", "qgru w8a16"} <= set(qcols) else []) + \
+        ["MiB fp16", f"MiB {qcols[0][5:]}" if qcols else "MiB", "exact"]
+    out = ["  ".join(f"{h:>12}" if i else f"{h:<28}" for i, h in enumerate(head))]
+    ms = lambda r: f"{r['ms']:.3f}" if r and r.get("ms") else "—"  # noqa: E731
+    mib = lambda r: f"{r['peak_mib']:.1f}" if r and r.get("peak_mib") is not None else "—"  # noqa: E731
+    for sc, rs in by.items():
+        fp16, q0 = rs.get("cuDNN fp16"), rs.get(qcols[0]) if qcols else None
+        cells = [sc, ms(rs.get("cuDNN fp32")), ms(fp16)] + [ms(rs.get(m)) for m in qcols]
+        if qcols:
+            cells.append(f"{fp16['ms'] / q0['ms']:.2f}x" if fp16 and q0 and fp16.get("ms") and q0.get("ms") else "—")
+        if {"qgru w8a8", "qgru w8a16"} <= set(qcols):
+            a, b = rs.get("qgru w8a8"), rs.get("qgru w8a16")
+            cells.append(f"{b['ms'] / a['ms']:.2f}" if a and b and a.get("ms") and b.get("ms") else "—")
+        exact = [rs[m]["exact"] for m in qcols if m in rs]
+        cells += [mib(fp16), mib(q0), "yes" if exact and all(e == "yes" for e in exact) else ",".join(exact) or "—"]
+        out.append("  ".join(f"{c:>12}" if i else f"{c:<28}" for i, c in enumerate(cells)))
+    return "\n".join(out)
 
 
 def section(bench: Bench, args) -> str:
@@ -346,8 +458,9 @@ def section(bench: Bench, args) -> str:
     gpu = f"; GPU {torch.cuda.get_device_name()}" if d == "cuda" else ""
     notes = list(bench.notes)
     notes.append(f"median of {args.repeats} repeats after {args.warmup} warm-up run(s), the models of a scenario "
-                 f"taking their repeats in {ROUNDS} turns; the reference backend (golden model, a Python loop over steps) "
-                 f"is timed alone: 1 warm-up and min(repeats, {REF_REPEATS}) repeats")
+                 f"taking their repeats in {ROUNDS} turns" + (
+                     "" if d == "cuda" else "; the reference backend (golden model, a Python loop over steps) "
+                     f"is timed alone: 1 warm-up and min(repeats, {REF_REPEATS}) repeats"))
     notes.append("ratios are speedups (baseline time / row time, > 1 is faster), against the baseline row "
                  "of the same scenario and call; bit-exact compares outputs and h_n with the reference backend")
     notes.append(f"target: {TARGETS[d]}")
@@ -364,7 +477,7 @@ def section(bench: Bench, args) -> str:
         "",
         f"- date: {now}",
         f"- machine: {cpu_model_name()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}{gpu}",
-        f"- torch {torch.__version__}, qgru {qgru.__version__}, configs {args.configs}",
+        f"- torch {torch.__version__}, qgru {qgru.__version__}, configs {','.join(configs_for(args, d))}",
         f"- command: `{shlex.join(['python', 'scripts/bench.py', *args.argv])}`",
         "",
         table(bench),
@@ -394,12 +507,19 @@ def write(path: str, sections: dict) -> None:
         f.write(text)
 
 
+def configs_for(args, device: str):
+    """--configs, or the device's default (w8a8; w8a8,w8a16 on the GPU)."""
+    if args.configs:
+        return args.configs.split(",")
+    return ["w8a8", "w8a16"] if device == "cuda" else ["w8a8"]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda", "all"], default=None,
                     help="default: cpu, plus cuda when available")
-    ap.add_argument("--configs", default="w8a8", help="comma-separated built-in configs; NAME:MODE for another "
-                    "scale mode (w8a8:pow2)")
+    ap.add_argument("--configs", default=None, help="comma-separated built-in configs; NAME:MODE for another "
+                    "scale mode (w8a8:pow2); default w8a8 on the CPU, w8a8,w8a16 on the GPU (issue 34 compares them)")
     ap.add_argument("--paths", default="", help="cpu backend paths to time, comma-separated (default: every "
                                                  "path this CPU runs: amx, avx512vnni, avxvnni, avx2, portable)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -423,22 +543,27 @@ def main(argv=None) -> None:
                None: ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])}[args.device]
     if "cuda" in devices and not torch.cuda.is_available():
         sys.exit("--device cuda: torch.cuda.is_available() is False")
-    configs = args.configs.split(",")
-    for c in configs:  # a bad name is an error before anything runs
+    configs = (args.configs or "w8a8").split(",")
+    for c in configs + configs_for(args, "cuda"):  # a bad name is an error before anything runs
         try:
             config_of(c)
         except (ValueError, TypeError) as e:
             sys.exit(f"--configs {c}: {e}")
 
-    sections = {}
+    sections, last = {}, ""
     for d in devices:
         t0 = time.perf_counter()
-        bench = bench_cpu(args, configs) if d == "cpu" else bench_cuda(args, configs)
+        bench = bench_cpu(args, configs) if d == "cpu" else bench_cuda(args, configs_for(args, d))
         sections[d] = section(bench, args)
-        print("\n" + sections[d] + f"\n({d} benchmark took {time.perf_counter() - t0:.0f} s)", flush=True)
+        took = f"({d} benchmark took {time.perf_counter() - t0:.0f} s)"
+        print("\n" + sections[d] + "\n" + took, flush=True)
+        if d == "cuda":
+            last = f"\nGPU summary ({torch.cuda.get_device_name()}, ms per call, median; {took[1:-1]}):\n" + compact(bench)
     if not args.no_write:
         write(args.out, sections)
         print(f"\nwrote {args.out} ({', '.join(sections)} section{'s' if len(sections) > 1 else ''})")
+    if last:
+        print(last, flush=True)
 
 
 if __name__ == "__main__":

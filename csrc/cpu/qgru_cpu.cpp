@@ -644,17 +644,6 @@ at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
   return out;
 }
 
-// requantize's arguments: rounding_mul_shift's domain, |(q - from_zp) mult| < 2^63 for int32 q
-// and a shift in [1, 62], and a target grid of 2 to 16 bits.
-void check_requantize_args(const char* who, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
-                           int64_t to_bits) {
-  TORCH_CHECK(to_bits >= 2 && to_bits <= 16 && std::abs(from_zp) <= (int64_t(1) << 16) &&
-                  std::abs(to_zp) <= (int64_t(1) << 16) && mult >= 0 && mult < (int64_t(1) << 31) && shift >= 1 &&
-                  shift <= 62,
-              who, ": to_bits ", to_bits, ", zero points ", from_zp, " and ", to_zp, ", multiplier ", mult, ", shift ",
-              shift, " out of range");
-}
-
 // golden.requantize_input: sat(rescale(q - from_zp) + to_zp, to_bits), per-tensor factor.
 at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
                       int64_t to_bits) {
