@@ -44,16 +44,21 @@ tail -n 4 "$LOG/build.log"
 tests_rc=99 tests_line="not run (the build failed)"
 if [ "$build_rc" -eq 0 ]; then
   stage "CUDA tests"
-  timeout "$T_TESTS" "$PY" -m pytest tests -k cuda -q -p no:cacheprovider -o addopts="" -rfE \
-    --durations=12 --junitxml="$LOG/tests.xml" > "$LOG/tests.log" 2>&1
+  # with pytest-xdist (the GPU machines have it): two worker processes, so that a test that
+  # crashes the process (a segmentation fault) is reported as failed and the others still run
+  par=""
+  "$PY" -c "import xdist" 2>/dev/null && par="-n ${QGRU_GPU_TEST_WORKERS:-2}"
+  timeout "$T_TESTS" "$PY" -m pytest tests -k "${QGRU_GPU_TESTS_K:-cuda}" $par -q -p no:cacheprovider -o addopts="" \
+    -rfE --durations=12 --junitxml="$LOG/tests.xml" > "$LOG/tests.log" 2>&1
   tests_rc=$?
   tests_line="$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)' "$LOG/tests.log" | tail -n 1)"
+  grep -E 'crashed|Segmentation|Fatal Python' "$LOG/tests.log" | head -n 5
   [ "$tests_rc" -eq 124 ] && tests_line="TIMED OUT after ${T_TESTS} s; $tests_line"
   grep -E '^(FAILED|ERROR) ' "$LOG/tests.log" | head -n 30
 fi
 
 bench_rc=99
-if [ "$build_rc" -eq 0 ]; then
+if [ "$build_rc" -eq 0 ] && [ -z "${QGRU_GPU_NO_BENCH:-}" ]; then
   stage "CUDA benchmark"
   timeout "$T_BENCH" "$PY" scripts/bench.py --device cuda --configs w8a8,w8a16 --out "$LOG/BENCHMARKS.md" \
     > "$LOG/bench.log" 2>&1
