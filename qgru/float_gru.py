@@ -28,6 +28,8 @@ def float_direction(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[torch
     and the state h entering step t).
     """
     H = w_hh.shape[1]
+    if lengths is not None:
+        lengths = lengths.to(x.device)  # a PackedSequence's lengths are on the CPU, whatever x's device
     Wx = x @ w_ih.t()
     if b_ih is not None:
         Wx = Wx + b_ih
