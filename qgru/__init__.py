@@ -3,6 +3,7 @@ from .backends import backend, backends
 from .calibrate import calibrate, prepare_model, quantize_model
 from .compare import CompareReport, compare
 from .config import QuantConfig, TensorSpec
+from .convert import RescaleError
 from .export import ParamsFileError, QuantParams, load_params
 from .module import CalibrationWarning, QGRUDtypeError, QGRUInputError, QuantGRU
 from . import ops as _ops  # registers torch.ops.qgru.integer_gru (torch.compile / torch.export)
@@ -14,4 +15,5 @@ __all__ = ["QuantGRU", "QuantConfig", "TensorSpec", "QuantParams", "calibrate", 
            "prepare_qat", "convert_qat",
            "load_params", "backends", "backend", "compare", "CompareReport", "NonFiniteCalibrationError",
            "NonFiniteWeightError", "CalibrationWarning", "ParamsFileError", "QGRUInputError", "QGRUDtypeError",
+           "RescaleError",
            "__version__"]

@@ -21,10 +21,10 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from . import native
 from .backends import current_backend, forced_backend_name
 from .config import QuantConfig
-from .convert import activation_qparams, calibrated_range, derive_layer_params, grid_error
+from .convert import RescaleError, activation_qparams, calibrated_range, derive_layer_params, grid_error
 from .float_gru import float_direction
 from .golden import LayerParams
-from .observers import Observer, SecondMoment
+from .observers import NonFiniteWeightError, Observer, SecondMoment
 from .primitives import qrange
 
 _ACT_OBSERVED = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre")
@@ -477,9 +477,24 @@ class QuantGRU(nn.GRU):
             for d in range(self.num_directions):
                 # integer parameters are derived on the CPU; _params_on() copies them to a device
                 weights = [w.detach().cpu() if w is not None else None for w in self._weights(layer, d)]
+                sfx = f"_l{layer}" + ("_reverse" if d else "")
+                names = [n + sfx for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+                for n, w in zip(names, weights):  # (QAT trains them: a step can make them NaN)
+                    if w is not None and not bool(torch.isfinite(w).all()):
+                        raise NonFiniteWeightError(
+                            f"the QuantGRU's parameter {n!r} contains NaN or Inf"
+                            + (" (after a QAT training step: lower the learning rate, clip the gradients)"
+                               if self._qat is not None else "") + ": its integer parameters cannot be derived")
                 out = None if scales is None else scales.setdefault((layer, d), {})
                 mom = None if moments is None else moments.get((layer, d))
-                row.append(derive_layer_params(*weights, ranges[(layer, d)], self.qconfig, prev, out, mom))
+                try:
+                    row.append(derive_layer_params(*weights, ranges[(layer, d)], self.qconfig, prev, out, mom))
+                except RescaleError as e:
+                    big = ", ".join(f"{n} {float(w.abs().max()):.3g}" for n, w in zip(names, weights)
+                                    if w is not None and w.numel())
+                    raise RescaleError(f"layer {layer}{' reverse' if d else ''}: {e} (largest |value| of the "
+                                       f"parameters: {big}; a weight far beyond the calibrated activations' "
+                                       "range makes such a factor)") from None
             params.append(row)
         return params
 
