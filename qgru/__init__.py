@@ -3,6 +3,7 @@ from .backends import backend, backends
 from .calibrate import calibrate, prepare_model, quantize_model
 from .compare import CompareReport, compare
 from .config import QuantConfig, TensorSpec
+from .convert import RescaleError
 from .export import ParamsFileError, QuantParams, load_params
 from .native import cuda_nan_seen
 from .module import CalibrationWarning, QGRUDtypeError, QGRUInputError, QuantGRU
@@ -15,4 +16,4 @@ __all__ = ["QuantGRU", "QuantConfig", "TensorSpec", "QuantParams", "calibrate", 
            "prepare_qat", "convert_qat",
            "load_params", "backends", "backend", "compare", "CompareReport", "NonFiniteCalibrationError",
            "NonFiniteWeightError", "CalibrationWarning", "ParamsFileError", "QGRUInputError", "QGRUDtypeError",
-           "cuda_nan_seen", "__version__"]
+           "cuda_nan_seen", "RescaleError", "__version__"]

@@ -308,9 +308,27 @@ def operand_bounds(bits: Dict[str, int], input_size: int, hidden_size: int) -> D
     }
 
 
-def _rescale(real: torch.Tensor, operand_bound: int, power_of_two: bool) -> Rescale:
+class RescaleError(ValueError):
+    """convert() (or a QAT forward, which derives the same parameters) met a ratio of two grids that
+    the fixed-point rescale cannot represent (a factor of 2^30 or more): a broken weight (1e30) or
+    calibration. The message names the layer, direction, rescale and the weights' largest values."""
+
+
+# what each rescale maps (docs/spec.md section 6): named in RescaleError's message
+_RESCALE_TEXT = {
+    "Wx": "S_W S_x / S_Wx: the input GEMM x.W onto the Wx grid", "Rh": "S_R S_h / S_Rh: the recurrent GEMM onto "
+    "the Rh grid", "Wx_r": "S_Wx / S_r_pre", "Rh_r": "S_Rh / S_r_pre", "Wx_z": "S_Wx / S_z_pre", "Rh_z": "S_Rh / S_z_pre",
+    "Wx_g": "S_Wx / S_g_pre", "rRh_g": "S_r S_Rh / S_g_pre", "zh": "S_z", "zg": "S_z S_g / S_h",
+    "h_gemm": "S_h / S_h_gemm", "in_0": "S_h of the previous layer / S_x", "in_1": "S_h of the previous layer's "
+    "reverse direction / S_x"}
+
+
+def _rescale(name: str, real: torch.Tensor, operand_bound: int, power_of_two: bool) -> Rescale:
     real = torch.as_tensor(real, dtype=torch.float64, device=real.device if isinstance(real, torch.Tensor) else _CPU)
-    m, s = quantize_multipliers(real, _bits_of(operand_bound), power_of_two)
+    try:
+        m, s = quantize_multipliers(real, _bits_of(operand_bound), power_of_two)
+    except ValueError as e:
+        raise RescaleError(f"rescale {name} ({_RESCALE_TEXT.get(name, name)}): {e}") from None
     return Rescale(m, s)
 
 
@@ -367,21 +385,21 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
         return v if v.dim() == 0 else v[i * H:(i + 1) * H]
 
     rescale = {
-        "Wx": _rescale(S["W"] * S["x"] / S["Wx"], bound["Wx"], pow2),
-        "Rh": _rescale(S["R"] * S[op] / S["Rh"], bound["Rh"], pow2),
-        "Wx_r": _rescale(gate(S["Wx"], 0) / S["r_pre"], bound["Wx_r"], pow2),
-        "Rh_r": _rescale(gate(S["Rh"], 0) / S["r_pre"], bound["Rh_r"], pow2),
-        "Wx_z": _rescale(gate(S["Wx"], 1) / S["z_pre"], bound["Wx_z"], pow2),
-        "Rh_z": _rescale(gate(S["Rh"], 1) / S["z_pre"], bound["Rh_z"], pow2),
-        "Wx_g": _rescale(gate(S["Wx"], 2) / S["g_pre"], bound["Wx_g"], pow2),
-        "rRh_g": _rescale(S["r"] * gate(S["Rh"], 2) / S["g_pre"], bound["rRh_g"], pow2),
-        "zh": _rescale(S["z"], bound["zh"], pow2),
-        "zg": _rescale(S["z"] * S["g"] / S["h"], bound["zg"], pow2),
+        "Wx": _rescale("Wx", S["W"] * S["x"] / S["Wx"], bound["Wx"], pow2),
+        "Rh": _rescale("Rh", S["R"] * S[op] / S["Rh"], bound["Rh"], pow2),
+        "Wx_r": _rescale("Wx_r", gate(S["Wx"], 0) / S["r_pre"], bound["Wx_r"], pow2),
+        "Rh_r": _rescale("Rh_r", gate(S["Rh"], 0) / S["r_pre"], bound["Rh_r"], pow2),
+        "Wx_z": _rescale("Wx_z", gate(S["Wx"], 1) / S["z_pre"], bound["Wx_z"], pow2),
+        "Rh_z": _rescale("Rh_z", gate(S["Rh"], 1) / S["z_pre"], bound["Rh_z"], pow2),
+        "Wx_g": _rescale("Wx_g", gate(S["Wx"], 2) / S["g_pre"], bound["Wx_g"], pow2),
+        "rRh_g": _rescale("rRh_g", S["r"] * gate(S["Rh"], 2) / S["g_pre"], bound["rRh_g"], pow2),
+        "zh": _rescale("zh", S["z"], bound["zh"], pow2),
+        "zg": _rescale("zg", S["z"] * S["g"] / S["h"], bound["zg"], pow2),
     }
     if op == "h_gemm":
-        rescale["h_gemm"] = _rescale(S["h"] / S["h_gemm"], bound["h_gemm"], pow2)
+        rescale["h_gemm"] = _rescale("h_gemm", S["h"] / S["h_gemm"], bound["h_gemm"], pow2)
     for d, (s_prev, _) in enumerate(prev_h):
-        rescale[f"in_{d}"] = _rescale(s_prev / S["x"], bound["in"], pow2)
+        rescale[f"in_{d}"] = _rescale(f"in_{d}", s_prev / S["x"], bound["in"], pow2)
 
     tables = {n: build_table("sigmoid" if n != "g" else "tanh", bits[f"{n}_pre"], float(S[f"{n}_pre"]),
                              int(Z[f"{n}_pre"]), float(S[n])) for n in ("r", "z", "g")}

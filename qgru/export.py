@@ -27,6 +27,7 @@ on its grid. Files of configs without it are the same as before it existed.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import pickle
@@ -54,6 +55,7 @@ _ZP_NAMES = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre", "r", "z", "g")
 _RESCALES = ("Wx", "Rh", "Wx_r", "Rh_r", "Wx_z", "Rh_z", "Wx_g", "rRh_g", "zh", "zg")
 _SCALES = ("x", "h", "W", "R")
 _GATES = ("r", "z", "g")
+_F32_MAX = float(torch.finfo(torch.float32).max)
 _LAYER_KEY = re.compile(r"l(0|[1-9][0-9]{0,8})\.(fwd|rev)\.(.+)\Z", re.S)
 
 
@@ -72,7 +74,9 @@ class QuantParams:
         meta = {"format_version": FORMAT_VERSION, "input_size": m.input_size, "hidden_size": m.hidden_size,
                 "num_layers": m.num_layers, "bias": m.bias, "batch_first": m.batch_first,
                 "bidirectional": m.bidirectional, "config": m.qconfig.to_dict()}
-        return cls(meta=meta, layers=[list(row) for row in m._qparams])
+        # copies: an in-place edit of what export() hands out must not reach the module, whose
+        # native backends run their own copies while the reference backend would run the edit
+        return cls(meta=meta, layers=[[p.clone() for p in row] for row in m._qparams])
 
     def to_dict(self) -> Dict[str, Union[torch.Tensor, int, str]]:
         meta = {**self.meta, "format_version": FORMAT_VERSION}  # what this qgru writes
@@ -143,12 +147,17 @@ class QuantParams:
         """A converted QuantGRU that runs these parameters (float weights are the dequantized ones).
         The parameters are validated first (validate())."""
         from .module import QuantGRU
-        self.validate()
-        m = self.meta
+        # the module's own copies, validated: later edits of these parameters do not reach it
+        params = QuantParams(meta=copy.deepcopy(self.meta) if isinstance(self.meta, dict) else self.meta,
+                             layers=[[p.clone() if isinstance(p, LayerParams) else p for p in row]
+                                     if isinstance(row, (list, tuple)) else row for row in self.layers]
+                             if isinstance(self.layers, (list, tuple)) else self.layers)
+        params.validate()
+        m = params.meta
         q = QuantGRU(m["input_size"], m["hidden_size"], m["num_layers"], m["bias"], m["batch_first"],
                      0.0, m["bidirectional"], device=self.layers[0][0].W.device, config=m["config"])
         with torch.no_grad():
-            for li, row in enumerate(self.layers):
+            for li, row in enumerate(params.layers):
                 for d, p in enumerate(row):
                     w_ih, w_hh, b_ih, b_hh = q._weights(li, d)
                     w_ih.copy_(p.W.double() * p.scale["W"].unsqueeze(1))
@@ -157,7 +166,7 @@ class QuantParams:
                         b_ih.copy_(p.b_x.double() * p.scale["W"] * p.scale["x"])
                         # b_h is at the R.h operand's scale (S_h_gemm when there is one)
                         b_hh.copy_(p.b_h.double() * p.scale["R"] * p.scale[recurrent_operand(p.bits)])
-        q._set_params([list(row) for row in self.layers])
+        q._set_params([list(row) for row in params.layers])
         return q
 
 
@@ -253,6 +262,15 @@ def _read_header(d) -> Tuple[Dict[str, Any], QuantConfig]:
             if v.layout != torch.strided or v.is_quantized or v.dtype not in _STORED_DTYPES:
                 raise ParamsFileError(f"{k}: a {v.dtype} tensor ({v.layout}); qgru files hold dense int8, int16, "
                                       "int32, int64 and float64 tensors only")
+            if v.is_meta:
+                raise ParamsFileError(f"{k}: a tensor on the meta device, which holds no values")
+            # a tensor's shape is a claim: torch.load accepts any shape whose strides stay inside
+            # the stored bytes, stride 0 included (a 1-element storage read as 10^9 elements). The
+            # checks below make copies (checksum, dtypes): the elements must be ones the file holds
+            if v.numel() * v.element_size() > v.untyped_storage().nbytes():
+                raise ParamsFileError(f"{k}: shape {tuple(v.shape)} ({v.numel()} elements) over a storage of "
+                                      f"{v.untyped_storage().nbytes()} bytes (elements repeated by zero or "
+                                      "overlapping strides); qgru writes every element")
         elif type(v) not in (int, str):
             raise ParamsFileError(f"{k}: a {type(v).__name__}; qgru files hold tensors, ints and strings only")
     if "meta" not in d:
@@ -263,6 +281,8 @@ def _read_header(d) -> Tuple[Dict[str, Any], QuantConfig]:
         meta = json.loads(d["meta"])
     except ValueError as e:
         raise ParamsFileError(f"meta: not valid JSON ({e})") from None
+    except RecursionError:  # arrays or objects nested thousands deep (qgru writes 4 levels)
+        raise ParamsFileError("meta: JSON nested too deeply to read (qgru writes 4 levels)") from None
     if not isinstance(meta, dict):
         raise ParamsFileError(f"meta: expected a JSON object, got {type(meta).__name__}")
     version = meta.get("format_version")
@@ -331,9 +351,11 @@ def _check_entries(d: Dict[str, Any], meta: Dict[str, Any], cfg: QuantConfig, nd
         if not m:
             raise ParamsFileError(f"unexpected entry {k!r}")
         found.setdefault((int(m[1]), _DIRS.index(m[2])), set()).add(m[3])
+    # num_layers is a claim: compared with the layers the entries hold before anything is made per
+    # claimed layer (a count of 10^9 with resigned checksums once built a list of 10^9 indices)
     n = meta["num_layers"]
     layers = sorted({li for li, _ in found})
-    if layers != list(range(n)):
+    if len(layers) != n or (layers and layers[-1] != n - 1):
         raise ParamsFileError(f"meta.num_layers is {n}, but the file holds the parameters of "
                               f"{len(layers)} layer(s) ({_listed(layers) or 'none'})")
     dirs = {di for _, di in found}
@@ -358,7 +380,9 @@ def _read_layer(d: Dict[str, Any], pre: str, cfg: QuantConfig) -> LayerParams:
         if not isinstance(v, torch.Tensor) or v.dtype != dtype:
             what = v.dtype if isinstance(v, torch.Tensor) else type(v).__name__
             raise ParamsFileError(f"{pre}{field}: expected a {dtype} tensor, got {what}")
-        return v.to(torch.int64) if dtype != torch.float64 else v  # the golden model's working types
+        # the golden model's working types, always a copy: the parameters own their tensors (the
+        # caller's dict, a state_dict, may be edited in place afterwards)
+        return v.to(torch.int64, copy=True) if dtype != torch.float64 else v.detach().clone()
 
     def integer(field: str) -> int:
         v = d[pre + field]
@@ -505,9 +529,20 @@ def _check_layer(p: LayerParams, where: str, cfg: QuantConfig, meta: Dict[str, A
         if not bool(torch.isfinite(s).all()) or bool((s <= 0).any()):
             fail(f"scale.{n}", "scales are positive and finite")
         # the calibrated grids (x, h and h_gemm, which is h's data on fewer bits): choose_qparams makes
-        # >= 1e-8 / (2^16 - 1) from any range and at most ~2^129 from float32 data; far outside,
-        # dequantized values (and the b_hh read back at S_R S_h_gemm) leave float32 altogether
-        if n not in ("W", "R") and not 2.0 ** -64 <= float(s) <= 2.0 ** 130:
-            fail(f"scale.{n}", f"{float(s)!r} is outside [2^-64, 2^130], the scales calibration can make")
+        # >= 1e-8 / (2^16 - 1) from any range; below 2^-64, dequantized values (and the b_hh read back
+        # at S_R S_h_gemm) leave float32's normal range
+        if n not in ("W", "R") and not 2.0 ** -64 <= float(s):
+            fail(f"scale.{n}", f"{float(s)!r} is below 2^-64, the smallest scale calibration can make")
+        if n not in ("W", "R"):
+            # every value of the grid must be a float32: the outputs and h_n are (q - zp) S rounded
+            # to float32, and a grid end beyond float32's largest value makes them +-inf (S_h = 2^127
+            # made every output inf). Calibrated from float32 data a grid spans that data's range.
+            lo, hi = qrange(bits[n])
+            z = int(p.zp[n])
+            end = max(hi - z, z - lo) * float(s)
+            if not end <= _F32_MAX:
+                fail(f"scale.{n}", f"{float(s)!r}: the grid's end value ({max(hi - z, z - lo)} steps from its zero "
+                                   f"point {z}) is {end:.4g}, beyond float32's largest value {_F32_MAX:.4g}: its "
+                                   "values would dequantize to +-inf (x and h grids lie in float32's range)")
         if pow2 and not bool((torch.frexp(s).mantissa == 0.5).all()):
             fail(f"scale.{n}", "not a power of two (meta.config.scale_mode is pow2)")

@@ -67,6 +67,11 @@ def golden_vectors(p: LayerParams, steps: int = 8, seed: int = 0) -> Tuple[torch
 def write_c(params: QuantParams, path: Union[str, Path], layer: int = 0, direction: int = 0,
             golden_steps: int = 8, seed: int = 0, prefix: Optional[str] = None) -> Tuple[Path, Path]:
     """Write ``<stem>.h`` and ``<stem>.c`` for ``params.layers[layer][direction]``; returns their paths."""
+    for name, v in (("layer", layer), ("direction", direction), ("golden_steps", golden_steps), ("seed", seed)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"write_c: {name} must be an int, got {type(v).__name__} {v!r}")
+    if prefix is not None and not isinstance(prefix, str):
+        raise TypeError(f"write_c: prefix must be a str (a C identifier) or None, got {type(prefix).__name__}")
     if not 0 <= layer < len(params.layers):
         raise ValueError(f"layer {layer} out of range: the model has {len(params.layers)} layer(s)")
     row = params.layers[layer]
@@ -75,6 +80,14 @@ def write_c(params: QuantParams, path: Union[str, Path], layer: int = 0, directi
     stem = Path(path)
     if stem.suffix in (".h", ".c"):
         stem = stem.with_suffix("")
+    # the stem's name is written into the C text, in #include "<stem>.h" and in comments, where a
+    # '"', a backslash or a line break would end them early (C that does not compile); a file name
+    # holds no '/', so no "*/" either
+    bad = sorted({c for c in stem.name if not c.isprintable() or c in '"\\'})
+    if bad:
+        raise ValueError(f"write_c: the file name {stem.name!r} cannot be written into C (#include \"{{name}}.h\" "
+                         f"and comments): it holds {', '.join(map(repr, bad))}; use printable characters other "
+                         "than '\"' and '\\'")
     if prefix is None:
         prefix = re.sub(r"\W", "_", stem.name, flags=re.ASCII) or "gru"
         if prefix[0].isdigit():

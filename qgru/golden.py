@@ -71,6 +71,19 @@ class LayerParams:
             return v
         return LayerParams(**{f.name: mv(getattr(self, f.name)) for f in fields(self)})
 
+    def clone(self) -> "LayerParams":
+        """A copy that shares no tensor (nor dict) with this one, and no native cache: what a module
+        runs must not change when a caller edits, in place, what it was handed (export())."""
+        def cp(v):
+            if isinstance(v, torch.Tensor):
+                return v.detach().clone()
+            if isinstance(v, Rescale):
+                return Rescale(cp(v.multiplier), cp(v.shift))
+            if isinstance(v, dict):
+                return {k: cp(x) for k, x in v.items()}
+            return v
+        return LayerParams(**{f.name: cp(getattr(self, f.name)) for f in fields(self)})
+
 
 def _gate(v: torch.Tensor, gate: int, hidden: int) -> torch.Tensor:
     """Slice gate ``gate`` (0 = r, 1 = z, 2 = g) out of the last (3H) axis."""

@@ -21,10 +21,10 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from . import native
 from .backends import current_backend, forced_backend_name
 from .config import QuantConfig
-from .convert import activation_qparams, calibrated_range, derive_layer_params, grid_error
+from .convert import RescaleError, activation_qparams, calibrated_range, derive_layer_params, grid_error
 from .float_gru import float_direction
 from .golden import LayerParams
-from .observers import Observer, SecondMoment
+from .observers import NonFiniteWeightError, Observer, SecondMoment
 from .primitives import qrange
 
 _ACT_OBSERVED = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre")
@@ -39,6 +39,13 @@ class QGRUInputError(RuntimeError, ValueError):
 class QGRUDtypeError(TypeError, ValueError, RuntimeError):
     """An input or h0 of the wrong dtype: torch.nn.GRU raises ValueError for the input's dtype and
     RuntimeError for h0's; qgru raised TypeError before. This is all three."""
+
+
+def empty_sequence_error(shape) -> QGRUInputError:
+    """What a QuantGRU raises for an input of sequence length 0 (eagerly, and in the custom operator
+    that torch.export'ed programs run, qgru/ops.py)."""
+    return QGRUInputError(f"QuantGRU expects a sequence of at least one step, got an input of shape {tuple(shape)} "
+                          "(sequence length 0; torch.nn.GRU refuses it too)")
 
 
 class CalibrationWarning(UserWarning):
@@ -310,7 +317,19 @@ class QuantGRU(nn.GRU):
                                f"(got {type(state).__name__}); was this state_dict saved from a QuantGRU?")
         if state.get("version") != _EXTRA_STATE_VERSION:
             raise RuntimeError(f"{type(self).__name__}: unsupported qgru state version {state.get('version')!r}")
-        params = QuantParams.from_dict(state["params"])
+        from .export import ParamsFileError
+        if "params" not in state:
+            raise ParamsFileError(f"{type(self).__name__} state_dict '_extra_state': missing its 'params' entry "
+                                  "(the integer parameters a converted QuantGRU saves)")
+        calib = state.get("calibration", {})
+        if not isinstance(calib, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                   for k, v in calib.items()):
+            raise ParamsFileError(f"{type(self).__name__} state_dict '_extra_state.calibration': expected a dict of "
+                                  f"named tensors (what convert() records), got {type(calib).__name__}")
+        try:
+            params = QuantParams.from_dict(state["params"])
+        except ParamsFileError as e:
+            raise ParamsFileError(f"{type(self).__name__} state_dict '_extra_state.params': {e}") from None
         mine = {"input_size": self.input_size, "hidden_size": self.hidden_size, "num_layers": self.num_layers,
                 "bias": self.bias, "batch_first": self.batch_first, "bidirectional": self.bidirectional}
         saved = {k: params.meta[k] for k in mine}
@@ -320,7 +339,7 @@ class QuantGRU(nn.GRU):
                                f"with other arguments: {diff}; build this one with the same arguments")
         self.qconfig = QuantConfig.load(params.meta["config"])
         self._set_params([list(row) for row in params.layers])
-        self._calib = dict(state.get("calibration", {}))
+        self._calib = {k: v.detach().clone() for k, v in calib.items()}
         self._observers = None
         self._moments = {}
         self._calibrating = False
@@ -464,9 +483,24 @@ class QuantGRU(nn.GRU):
             for d in range(self.num_directions):
                 # integer parameters are derived on the CPU; _params_on() copies them to a device
                 weights = [w.detach().cpu() if w is not None else None for w in self._weights(layer, d)]
+                sfx = f"_l{layer}" + ("_reverse" if d else "")
+                names = [n + sfx for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+                for n, w in zip(names, weights):  # (QAT trains them: a step can make them NaN)
+                    if w is not None and not bool(torch.isfinite(w).all()):
+                        raise NonFiniteWeightError(
+                            f"the QuantGRU's parameter {n!r} contains NaN or Inf"
+                            + (" (after a QAT training step: lower the learning rate, clip the gradients)"
+                               if self._qat is not None else "") + ": its integer parameters cannot be derived")
                 out = None if scales is None else scales.setdefault((layer, d), {})
                 mom = None if moments is None else moments.get((layer, d))
-                row.append(derive_layer_params(*weights, ranges[(layer, d)], self.qconfig, prev, out, mom))
+                try:
+                    row.append(derive_layer_params(*weights, ranges[(layer, d)], self.qconfig, prev, out, mom))
+                except RescaleError as e:
+                    big = ", ".join(f"{n} {float(w.abs().max()):.3g}" for n, w in zip(names, weights)
+                                    if w is not None and w.numel())
+                    raise RescaleError(f"layer {layer}{' reverse' if d else ''}: {e} (largest |value| of the "
+                                       f"parameters: {big}; a weight far beyond the calibrated activations' "
+                                       "range makes such a factor)") from None
             params.append(row)
         return params
 
@@ -671,8 +705,11 @@ class QuantGRU(nn.GRU):
         H = 8) took 16 us this way and 31 us by the general path on an AVX2 AMD EPYC (2026-11-27)."""
         # (the cheapest form of each check: is_cpu, not device.type, ~1 us each of three; the
         # bidirectional flag, not the num_directions property)
-        if (type(input) is not torch.Tensor or input.dtype is not torch.float32 or not input.is_cpu
-                or self.batch_first or self.bidirectional or self._qat is not None or self._calibrating):
+        # torch.compile / torch.export first: Dynamo cannot trace is_neg() below (fullgraph=True
+        # failed on it with "torch.* op returned non-Tensor"); compiled, the custom operator runs
+        if (torch.compiler.is_compiling() or type(input) is not torch.Tensor or input.dtype is not torch.float32
+                or not input.is_cpu or self.batch_first or self.bidirectional or self._qat is not None
+                or self._calibrating):
             return None
         shape = input.shape
         if len(shape) != 3 or shape[2] != self.input_size or shape[0] == 0 or input.is_neg():
@@ -682,7 +719,7 @@ class QuantGRU(nn.GRU):
             return None
         params = self._qparams_on.get("cpu")
         if (params is None or forced_backend_name() not in (None, "cpu") or torch.jit.is_tracing()
-                or torch.compiler.is_compiling() or not self._flat_weights[0].is_cpu):
+                or not self._flat_weights[0].is_cpu):
             return None
         # the cpu backend as current_backend decides it (an unavailable one: the general path falls
         # back to reference and warns, or raises where cpu is forced)
@@ -727,7 +764,8 @@ class QuantGRU(nn.GRU):
         quantized on entry); the float modes, which compute with the weights, need the weights'."""
         data = input.data if isinstance(input, PackedSequence) else input
         if not isinstance(data, torch.Tensor):
-            raise TypeError(f"QuantGRU expects a Tensor or PackedSequence, got {type(input).__name__}")
+            # a qgru type (a TypeError still): calibrate() names the batch it came from
+            raise QGRUDtypeError(f"QuantGRU expects a Tensor or PackedSequence, got {type(input).__name__}")
         w = self.weight_ih_l0
         # nn.GRU's forward, or the float reference while calibrating, compute with the weights'
         # dtype (nn.GRU lets autocast cast for it, and so does a QuantGRU in float mode)
@@ -751,8 +789,7 @@ class QuantGRU(nn.GRU):
             raise QGRUInputError(f"input size mismatch: expected last dimension {self.input_size}, "
                                  f"got {data.shape[-1]} (shape {tuple(data.shape)})")
         if not isinstance(input, PackedSequence) and data.shape[1 if self.batch_first and data.dim() == 3 else 0] == 0:
-            raise QGRUInputError(f"QuantGRU expects a sequence of at least one step, got an input of shape "
-                                 f"{tuple(data.shape)} (sequence length 0; torch.nn.GRU refuses it too)")
+            raise empty_sequence_error(tuple(data.shape))
         if hx is not None:
             if not isinstance(hx, torch.Tensor) or not hx.is_floating_point():
                 raise QGRUDtypeError("h0 must be a floating-point tensor" +

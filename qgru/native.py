@@ -25,6 +25,7 @@ import platform
 import sys
 import sysconfig
 import threading
+import weakref
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -160,9 +161,56 @@ class _State:
         self.lock = threading.Lock()
         self.modules: Dict[str, object] = {}
         self.errors: Dict[str, str] = {}
+        self.forked = False  # this process is a child of os.fork() (made after qgru was imported)
+        self.warned_fork = False
 
 
 _state = _State()
+
+# Every LayerParams that holds native Layers (its __dict__["_native"] cache), by id: the child of a
+# fork drops them all (_after_fork_in_child).
+_cached_layers: "weakref.WeakValueDictionary[int, LayerParams]" = weakref.WeakValueDictionary()
+# The native state a fork's child inherited from its parent and must never touch nor free: kept.
+_forked_away: List[object] = []
+
+
+def _native_cache(p: LayerParams) -> Dict:
+    """p's cache of native Layers (and Stacks), registered so that a fork's child can drop it."""
+    cache = p.__dict__.get("_native")
+    if cache is None:
+        cache = p.__dict__.setdefault("_native", {})
+        _cached_layers[id(p)] = p
+    return cache
+
+
+def _after_fork_in_child() -> None:
+    """os.fork()'s child: forget every native Layer made before the fork, and the loader's lock.
+
+    A C++ Layer serialises its calls with a mutex (its workspaces are shared by the calls on it),
+    released when the call returns; a fork copies the mutex as it is, locked if another thread of
+    the parent was inside a call, and that thread does not exist in the child: the child's first
+    call on the Layer would wait for it forever (issue 30). Its workspaces may be half-written too.
+    So the child starts afresh: each LayerParams drops its cached Layers and makes new ones on its
+    next call (a millisecond or so per layer); the old ones are kept, never called and never freed
+    (freeing a locked mutex is undefined). The loader's threading.Lock is replaced for the same
+    reason.
+
+    GNU OpenMP's thread pool (torch's intra-op threads, at::parallel_for) does not survive a fork
+    either: a child forked by a thread that ran a parallel region waits forever in its next one
+    (torch's own operators as well). The cpu backend's loops run on the calling thread in a child
+    (csrc/cpu/qgru_cpu.cpp, parallel_for; its pthread_atfork handler, or set_forked_child where the
+    extension is first loaded in the child); a warning says so where torch would use more threads."""
+    _state.lock = threading.Lock()
+    _state.forked = True
+    for p in list(_cached_layers.values()):
+        old = p.__dict__.pop("_native", None)
+        if old:
+            _forked_away.append(old)
+    _cached_layers.clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _cuda_unavailable_reason() -> str:
@@ -296,6 +344,8 @@ def load(kind: str, build: bool = True):
                                        f"rerun with QGRU_VERBOSE_BUILD=1 python -m qgru build for the compiler output")
                 if getattr(mod, "built_for_torch", None) != torch.__version__:
                     raise RuntimeError("freshly built extension reports another torch version")
+            if kind == "cpu" and _state.forked:
+                mod.set_forked_child()  # loaded in a child of fork: no OpenMP (_after_fork_in_child)
             if kind == "cuda":
                 # the cuBLAS loaded at run time must be the major version the headers were (raises
                 # with both versions otherwise)
@@ -760,6 +810,20 @@ def cpu_gemm_detail() -> str:
             + (f"; not usable here: {'; '.join(skipped)}" if skipped else ""))
 
 
+def _warn_forked_child(mod) -> None:
+    """Once per process: a child of fork runs the cpu backend on one thread (_after_fork_in_child),
+    which is slower where torch would use more (a DataLoader worker sets one thread itself)."""
+    if _state.warned_fork or not mod.forked_child() or torch.get_num_threads() <= 1:
+        return
+    _state.warned_fork = True
+    import warnings
+    warnings.warn("qgru cpu backend: this process is a child of fork(), where OpenMP's thread pool does not "
+                  "work (a parallel region can wait forever for threads of the parent): qgru's CPU kernels run "
+                  f"on the calling thread here, not on torch's {torch.get_num_threads()} threads. Start worker "
+                  "processes with the 'spawn' or 'forkserver' method for multi-threaded inference in them, or "
+                  "call torch.set_num_threads(1) in the child to silence this.", RuntimeWarning, stacklevel=3)
+
+
 class NativeLayer:
     """One layer and direction on one native backend: the C++ Layer and the tensors it points into.
 
@@ -770,6 +834,7 @@ class NativeLayer:
     def __init__(self, kind: str, p: LayerParams, device: torch.device, isa: Optional[str] = None) -> None:
         mod = load(kind)
         if kind == "cpu":
+            _warn_forked_child(mod)
             info = resolve_cpu_isa(isa)
             request = cpu_isa_request() if isa is None else isa.strip().lower()
             name = layer_path(p, str(info["name"]), request)
@@ -819,7 +884,7 @@ def gru_direction(kind: str, isa: Optional[str] = None):
             with torch.inference_mode(False), torch.no_grad():
                 return run(p, qx, qh0, lengths)
         qx, qh0, lengths = resolved(qx), resolved(qh0), resolved(lengths)
-        cache = p.__dict__.setdefault("_native", {})
+        cache = _native_cache(p)
         key = (kind, str(qx.device), (cpu_isa_request() if isa is None else isa) if kind == "cpu" else "")
         if key not in cache:
             cache[key] = NativeLayer(kind, p, qx.device, isa)
@@ -829,7 +894,7 @@ def gru_direction(kind: str, isa: Optional[str] = None):
 
 def _cpu_layer(p: LayerParams, isa_request: str) -> "NativeLayer":
     """The CPU NativeLayer of p for this path request (the one gru_direction makes and caches)."""
-    cache = p.__dict__.setdefault("_native", {})
+    cache = _native_cache(p)
     key = ("cpu", "cpu", isa_request)
     if key not in cache:
         cache[key] = NativeLayer("cpu", p, torch.device("cpu"), isa_request)
@@ -843,7 +908,7 @@ def cpu_stack_plan(params: List[List[LayerParams]], req: str):
     between layers). Made outside inference mode (the Layers keep tensors)."""
     if len(params[0]) != 1:
         return None
-    cache = params[0][0].__dict__.setdefault("_native", {})  # beside the first layer's Layers
+    cache = _native_cache(params[0][0])  # beside the first layer's Layers
     # One plan per path request and depth (one LayerParams may head stacks of other depths: qgru.compare
     # runs a model's first layers alone), kept with the LayerParams of the layers below the first
     # and used only while the stack holds those same objects: LayerParams are shared between

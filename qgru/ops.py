@@ -77,7 +77,12 @@ def _layers(params: List[torch.Tensor], spec: str, device: torch.device):
 def integer_gru(x: torch.Tensor, hx: torch.Tensor, lengths: Optional[torch.Tensor], params: List[torch.Tensor],
                 spec: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """A converted QuantGRU's integer forward (module.integer_forward), as one operator."""
-    from .module import integer_forward
+    from .module import empty_sequence_error, integer_forward
+    if x.shape[0] == 0:
+        # eager mode refuses it in the module (_check_input); an exported program whose sequence
+        # length is dynamic traced that check for lengths >= 2 (torch's size rule) and runs only
+        # this operator: it refuses it here, as eager mode does
+        raise empty_sequence_error(tuple(x.shape))
     return integer_forward(_layers(params, spec, x.device), x, hx, lengths)
 
 

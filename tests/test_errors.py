@@ -90,6 +90,17 @@ class TestInputValidation:
         with pytest.raises(ValueError, match=r"h0 must have shape \(1, 2, 4\), got \(1, 5, 4\)"):
             m(x, torch.zeros(1, 5, H))
 
+    @pytest.mark.parametrize("batch", [{"x": 1}, "text", 3.5], ids=["dict", "str", "float"])
+    def test_non_tensor_calibration_batch_is_named(self, batch):
+        """Issue 30 item 9: a dict batch raised a TypeError without the "calibration batch 0:"
+        prefix the README promises; it is a QGRUDtypeError (still a TypeError), which calibrate()
+        names the batch of."""
+        m = qgru.QuantGRU(I, H)
+        with pytest.raises(TypeError, match=r"^calibration batch 1: QuantGRU expects a Tensor or PackedSequence, "
+                                            rf"got {type(batch).__name__}") as e:
+            qgru.calibrate(m, [torch.randn(5, 2, I), batch], progress=False)
+        assert isinstance(e.value, qgru.QGRUDtypeError)
+
     def test_bad_input_during_calibration(self):
         m = qgru.QuantGRU(I, H)
         m.train()

@@ -354,3 +354,26 @@ def test_bad_arguments(tmp_path):
         params.to_c(tmp_path / "gru", prefix="my-gru")
     h, _ = params.to_c(tmp_path / "2nd layer")
     assert "void qgru_2nd_layer_run(" in h.read_text()
+
+
+def test_a_stem_that_cannot_be_written_into_c_is_refused(tmp_path):
+    """Issue 30 item 11: a stem with '"' or a line break wrote C that did not compile (the name
+    goes into #include "<stem>.h" and comments), with no error at export time. What the check lets
+    through compiles: spaces, quotes ', parentheses, non-ASCII letters."""
+    params = converted("w8a8-pow2")
+    for name in ('my"gru', "my\ngru", "a\\b", "cr\rlf", "tab\there"):
+        with pytest.raises(ValueError, match=r"cannot be written into C"):
+            params.to_c(tmp_path / "bad" / name)
+    assert not (tmp_path / "bad").exists()  # nothing written
+    if CC is not None:
+        h, c = params.to_c(tmp_path / "my 'gru' (v2) \u00e9")
+        compile_c([c], tmp_path / "gru.o", extra=("-c",))
+
+
+@pytest.mark.parametrize("kw", [{"layer": 1.0}, {"direction": "0"}, {"golden_steps": 2.5}, {"layer": True}])
+def test_non_integer_arguments_are_named(kw, tmp_path):
+    """Issue 30 item 11: layer=1.0 raised a raw TypeError from list indexing."""
+    params = converted("w8a8-pow2")
+    name = next(iter(kw))
+    with pytest.raises(TypeError, match=rf"write_c: {name} must be an int, got"):
+        params.to_c(tmp_path / "gru", **kw)

@@ -375,3 +375,28 @@ def test_a_calibration_convert_refuses_fails_at_prepare_qat():
         with pytest.raises(ValueError, match="check the calibration"):
             qgru.prepare_qat(gru, [torch.randn(1, 1, 1, generator=torch.Generator().manual_seed(0))],
                              config("w2a8", "pow2"), progress=False)
+
+
+@pytest.mark.parametrize("where,value", [("weight_hh_l0", float("nan")), ("bias_ih_l1_reverse", float("inf"))])
+def test_a_non_finite_weight_in_qat_names_the_parameter(where, value):
+    """Issue 30 item 8: a NaN or Inf weight after prepare_qat raised NonFiniteCalibrationError
+    "weight 'weight'", which blames calibration data and names no parameter; it is the
+    NonFiniteWeightError that calibrate() raises for the same fault, naming the parameter."""
+    torch.manual_seed(0)
+    qat = qgru.prepare_qat(nn.GRU(4, 5, num_layers=2, bidirectional=True), [torch.randn(6, 2, 4)], progress=False)
+    with torch.no_grad():
+        getattr(qat, where).view(-1)[3] = value
+    with pytest.raises(qgru.NonFiniteWeightError, match=rf"parameter '{where}' contains NaN or Inf"):
+        qat(torch.randn(6, 2, 4))
+
+
+def test_a_huge_weight_in_qat_names_layer_rescale_and_parameter():
+    """Issue 30 item 8: a weight of 1e30 gave "rescale factor ... too large ... check the
+    calibration", naming no layer or tensor; now a RescaleError (a ValueError) names them."""
+    torch.manual_seed(0)
+    qat = qgru.prepare_qat(nn.GRU(4, 5, num_layers=2), [torch.randn(6, 2, 4)], progress=False)
+    with torch.no_grad():
+        qat.weight_ih_l1[2, 1] = 1e30
+    with pytest.raises(qgru.RescaleError, match=r"layer 1: rescale Wx \(S_W S_x / S_Wx.*too large.*"
+                                                r"weight_ih_l1 1e\+30"):
+        qat(torch.randn(6, 2, 4))

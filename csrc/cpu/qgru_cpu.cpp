@@ -28,6 +28,10 @@
 #include <type_traits>
 #include <vector>
 
+#if !defined(_WIN32)
+#include <pthread.h>
+#endif
+
 #include "isa.h"
 #include "qgru_layer.h"
 
@@ -63,6 +67,25 @@ struct TaskSlot {
   alignas(64) std::atomic<int64_t> next{0};
   int64_t end = 0;
 };
+
+// fork(): GNU OpenMP's thread pool (at::parallel_for's, on this torch) does not survive it. A
+// thread that ran a parallel region keeps its pool's threads on record; the child of a fork made
+// by that thread has none of them, and its next parallel region waits for them forever (torch's
+// own operators too: `a * 3` on 4M elements hangs such a child, as torch documents). In a
+// child of fork this backend's loops therefore run on the calling thread (the same integers: no
+// result depends on the thread count); qgru/native.py says so with a warning where torch would
+// run more than one thread. Set by a pthread_atfork child handler (registered at module import),
+// or by qgru/native.py (set_forked_child) when the module is first loaded in a child of a fork.
+std::atomic<bool> g_forked{false};
+
+void mark_forked_child() { g_forked.store(true, std::memory_order_relaxed); }
+
+// at::parallel_for, or f(begin, end) on the calling thread in a child of fork (g_forked).
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (!g_forked.load(std::memory_order_relaxed)) return at::parallel_for(begin, end, grain, f);
+  if (begin < end) f(begin, end);
+}
 
 constexpr int64_t kInputChunkRows = 1024;      // rows of W.x per chunk of steps (unfused paths)
 constexpr int64_t kFusedChunkBytes = 1 << 17;  // fused path: x's activation rows per chunk, converted right before use
@@ -208,7 +231,7 @@ struct Gemm {
     const int64_t ab = k->act_bytes;
     const int64_t work = kGemmRows * kGemmGroups * k->group * K;  // MACs of a full task
     const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / std::max<int64_t>(work, 1));
-    at::parallel_for(0, P * RB * CB, grain, [&](int64_t i0, int64_t i1) {
+    parallel_for(0, P * RB * CB, grain, [&](int64_t i0, int64_t i1) {
       k->thread_init();
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t p = i / (RB * CB), rb = (i / CB) % RB, cb = i % CB;
@@ -236,7 +259,7 @@ struct Gemm {
               const CellParams* cell = nullptr, int pow2 = 0, int acc32 = 0) const {
     std::vector<void*> dst;
     for (auto& l : limbs) dst.push_back(l.data_ptr());
-    at::parallel_for(0, rows, std::max<int64_t>(16, kMinParallelWork * 8 / std::max<int64_t>(K_real, 1)),
+    parallel_for(0, rows, std::max<int64_t>(16, kMinParallelWork * 8 / std::max<int64_t>(K_real, 1)),
                      [&](int64_t r0, int64_t r1) {
       k->to_act(cpu::ToActArgs{src, r0, r1, K_real, lda, bits, n_act, direct, dst.data(), cell, pow2, acc32});
     });
@@ -477,7 +500,7 @@ class CpuLayer {
         slots[t * threads + m].end = (m + 1) * n_tasks / threads;
       }
     const char* x_base = xacc ? static_cast<const char*>(ws_.x_act[0].data_ptr()) : nullptr;
-    at::parallel_for(0, threads, 1, [&](int64_t home, int64_t) {
+    parallel_for(0, threads, 1, [&](int64_t home, int64_t) {
       k_->thread_init();
       alignas(64) int32_t acc_x[3 * T16 * W], acc_h[3 * T16 * W];  // [gate][row][unit]
       uint8_t active[T16];
@@ -516,7 +539,7 @@ class CpuLayer {
     wx_.to_act(src, rows, I_, ws_.x_act);
     const LimbProducts lp = wx_.run(ws_.x_act, ws_.Gx, rows, ones_col_);
     int32_t* o = ws_.dwx.data_ptr<int32_t>();
-    at::parallel_for(0, rows, std::max<int64_t>(1, kMinParallelWork * 4 / (3 * H_)), [&](int64_t r0, int64_t r1) {
+    parallel_for(0, rows, std::max<int64_t>(1, kMinParallelWork * 4 / (3 * H_)), [&](int64_t r0, int64_t r1) {
       k_->requant_rows(cpu::RequantRowsArgs{&acc_x_, &acc_x32_, &lp, r0, r1, 3 * H_, o, (int)wx_.P, pow2_, acc32_});
     });
   }
@@ -533,7 +556,7 @@ class CpuLayer {
       const LimbProducts lp = rh_.run(ws_.h_act, ws_.Gh, N, ones_col_);
       const int32_t* dwx_t = ws_.dwx.data_ptr<int32_t>() + (t - t0) * N * 3 * H_;
       int32_t* out_t = out.data_ptr<int32_t>() + t * N * H_;
-      at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
         k_->cell_rows(cpu::CellRowsArgs{&cell_, &lp, dwx_t, s, out_t, limb_ptrs.data(), rh_.n_act, h_bits_,
                                         rh_.direct, rh_.lda, n0, n1, lengths, t, (int)rh_.P, pow2_, acc32_});
       });
@@ -566,7 +589,7 @@ class CpuLayer {
 template <typename scalar_t>
 bool quantize_loop(const Kernels* k, const scalar_t* x, int32_t* q, int64_t n, double scale, int64_t zp, Range r) {
   std::atomic<bool> nan{false};
-  at::parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
+  parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
     const bool ok = std::is_same<scalar_t, float>::value
                         ? k->quantize_f32((const float*)(x + b), q + b, e - b, scale, zp, r.lo, r.hi)
                         : k->quantize_f64((const double*)(x + b), q + b, e - b, scale, zp, r.lo, r.hi);
@@ -631,7 +654,7 @@ void dequantize_into(const int32_t* src, int64_t n, double scale, int64_t zp, fl
   // dequantize_value (qgru_fixedpoint.h): an int32 -> double conversion, which the baseline x86-64
   // target vectorises (int64 -> double it does not: that loop measured 6% of an AMX call)
   const double z = (double)zp;
-  at::parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
+  parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) dst[i] = dequantize_value(src[i], scale, z);
   });
 }
@@ -655,7 +678,7 @@ at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int
   const int32_t* src = q.data_ptr<int32_t>();
   int32_t* dst = out.data_ptr<int32_t>();
   const Range r = signed_range((int32_t)to_bits);
-  at::parallel_for(0, q.numel(), 4096, [&](int64_t b, int64_t e) {
+  parallel_for(0, q.numel(), 4096, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) dst[i] = (int32_t)saturate(rounding_mul_shift((int64_t)src[i] - from_zp, mult,
                                                                                   (int32_t)shift) + to_zp, r);
   });
@@ -805,6 +828,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "qgru C++ CPU backend (bit-exact with qgru/golden.py)";
   // The torch version this binary was compiled against: qgru refuses to load a stale binary.
   m.attr("built_for_torch") = QGRU_TORCH_VERSION;
+#if !defined(_WIN32)
+  pthread_atfork(nullptr, nullptr, qgru::mark_forked_child);
+#endif
+  // Whether this process is a child of fork() made after this module was imported: the loops
+  // then run on the calling thread (g_forked).
+  m.def("forked_child", []() { return qgru::g_forked.load(std::memory_order_relaxed); });
+  m.def("set_forked_child", &qgru::mark_forked_child,
+        "Run on the calling thread from now on (this process is a child of fork; qgru/native.py calls it)");
   m.def("isa_table", []() {
     std::vector<std::tuple<std::string, bool, std::string, int, std::vector<std::string>>> rows;
     for (const auto& i : qgru::cpu::isa_table())
