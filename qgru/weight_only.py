@@ -296,7 +296,8 @@ def golden_forward(layers: Sequence[Sequence[WOLayer]], x: torch.Tensor, h0: Opt
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The definition of a weight-only GRU's forward, in float64: dequantize the stored weights
     (``dequantize``), round them, the biases and the input to the module's ``dtype`` (what its
-    kernels read), then the float GRU of torch.nn.GRU in float64.
+    kernels read; each layer's input too), then the float GRU of torch.nn.GRU in float64 (the state
+    between steps is not rounded).
 
     x [T, B, I] time-major, h0 [L * D, B, H] or None, lengths [B] (steps t >= lengths[b] of
     sequence b are padding: its state is not updated and its output is 0, as for a PackedSequence).
@@ -310,11 +311,12 @@ def golden_forward(layers: Sequence[Sequence[WOLayer]], x: torch.Tensor, h0: Opt
     def as_module(t):  # what the module's kernels read: the value in the module's dtype
         return t.to(dtype).to(f64)
 
-    inp = as_module(x)
+    inp = x
     valid = torch.ones(T, B, 1, dtype=torch.bool, device=dev) if lengths is None else \
         (torch.arange(T, device=dev).unsqueeze(1) < lengths.to(dev).unsqueeze(0)).unsqueeze(-1)
     h_n = []
     for li, row in enumerate(layers):
+        inp = as_module(inp)  # each layer reads its input in the module's dtype
         outs = []
         for d, p in enumerate(row):
             W, R = as_module(dequantize(p.W)), as_module(dequantize(p.R))

@@ -237,7 +237,7 @@ class WeightOnlyGRU(nn.Module):
                 out, h_n = self._native_forward(xt, hx)
             else:
                 from . import wo_triton
-                out, h_n = wo_triton.gru_forward(self.layers(), xt, hx, self.dtype)
+                out, h_n = wo_triton.gru_forward(self.layers(), xt, hx, self.dtype, lengths)
             out, h_n = out.to(out_dtype), h_n.to(out_dtype)
             if packed:
                 out = _repack(out, input)
