@@ -139,7 +139,8 @@ inline float sigmoidf_(float v) { return 1.f / (1.f + std::exp(-v)); }
 
 std::vector<torch::Tensor> wo_gru_direction(torch::Tensor gi, torch::Tensor h0, torch::Tensor codes,
                                             torch::Tensor scale, torch::Tensor zp, int64_t bits,
-                                            int64_t group, torch::Tensor b_hh, bool reverse) {
+                                            int64_t group, torch::Tensor b_hh, torch::Tensor lengths,
+                                            bool reverse) {
   TORCH_CHECK(gi.dim() == 3 && gi.is_contiguous() && gi.scalar_type() == torch::kFloat32 && gi.device().is_cpu(),
               "wo_gru_direction: gi must be contiguous float32 [T, B, 3H] on the CPU");
   const int64_t T = gi.size(0), B = gi.size(1), H = h0.size(1);
@@ -150,6 +151,10 @@ std::vector<torch::Tensor> wo_gru_direction(torch::Tensor gi, torch::Tensor h0, 
   const bool has_b = b_hh.numel() > 0;
   TORCH_CHECK(!has_b || (b_hh.scalar_type() == torch::kFloat32 && b_hh.is_contiguous() && b_hh.numel() == 3 * H),
               "wo_gru_direction: b_hh must be contiguous float32 [3H] or empty");
+  const bool has_len = lengths.numel() > 0;
+  TORCH_CHECK(!has_len || (lengths.scalar_type() == torch::kInt64 && lengths.numel() == B && lengths.is_contiguous()),
+              "wo_gru_direction: lengths must be contiguous int64 [B] or empty");
+  const int64_t* len = has_len ? lengths.data_ptr<int64_t>() : nullptr;
   auto out = torch::empty({T, B, H}, gi.options());
   auto h = h0.clone();
   std::vector<float> gh(B * 3 * H);
@@ -162,6 +167,10 @@ std::vector<torch::Tensor> wo_gru_direction(torch::Tensor gi, torch::Tensor h0, 
     const float* g = gi.data_ptr<float>() + t * B * 3 * H;
     float* o = out.data_ptr<float>() + t * B * H;
     for (int64_t b = 0; b < B; ++b) {
+      if (has_len && t >= len[b]) {  // padding of a shorter sequence: state kept, output 0
+        std::fill(o + b * H, o + (b + 1) * H, 0.f);
+        continue;
+      }
       const float* gib = g + b * 3 * H;
       const float* ghb = gh.data() + b * 3 * H;
       for (int64_t j = 0; j < H; ++j) {
@@ -243,10 +252,14 @@ def wo_mm(x: torch.Tensor, p) -> torch.Tensor:
     return mod.wo_mm(x.contiguous(), p.codes, p.scale, p.zp, p.bits, p.group, p.K)
 
 
-def gru_direction(gi: torch.Tensor, h0: torch.Tensor, R, b_hh: Optional[torch.Tensor], reverse: bool):
+def gru_direction(gi: torch.Tensor, h0: torch.Tensor, R, b_hh: Optional[torch.Tensor], reverse: bool,
+                  lengths: Optional[torch.Tensor] = None):
     mod = load()
     if mod is None:
         raise RuntimeError(f"the weight-only CPU kernel is unavailable: {why_unavailable()}")
-    b = b_hh if b_hh is not None else torch.empty(0, dtype=torch.float32, device=gi.device)
+    empty = torch.empty(0, dtype=torch.float32, device=gi.device)
+    b = b_hh if b_hh is not None else empty
+    empty = torch.empty(0, dtype=torch.int64, device=gi.device)
     return mod.wo_gru_direction(gi.contiguous(), h0.contiguous(), R.codes, R.scale, R.zp, R.bits, R.group,
-                                b.contiguous(), reverse)
+                                b.contiguous(), empty if lengths is None else lengths.to(torch.int64).contiguous(),
+                                reverse)

@@ -6,7 +6,7 @@ float copy of the weights. Its forward takes what nn.GRU's takes: [T, B, I] (or 
 [B, T, I]) tensors, unbatched [T, I] tensors, PackedSequence, and h0; it returns (output, h_n) as
 nn.GRU does. Which path runs a call (``last_path`` says which ran last):
 
-* ``native`` (CPU, float32, tensor input, batch <= NATIVE_MAX_BATCH): qgru/wo_cpu.py's kernel
+* ``native`` (CPU, float32, batch <= NATIVE_MAX_BATCH): qgru/wo_cpu.py's kernel
   multiplies the packed weights directly, unpacking them in registers; the time loop is in C++.
 * ``triton`` (CUDA, float16/bfloat16/float32): qgru/wo_triton.py's dequant-GEMM for W.x over
   the whole sequence and its GEMV for R.h each step, fused with the gates.
@@ -21,6 +21,7 @@ path cannot run raises WeightOnlyError instead of running another).
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
@@ -114,9 +115,12 @@ class WeightOnlyGRU(nn.Module):
     def _apply(self, fn, recurse=True):
         # .to(device) moves the buffers; .half() / .bfloat16() / .to(dtype) change the activation
         # dtype only: codes, scales, zero points and biases keep the types they are stored in
-        probe = fn(torch.zeros(1, dtype=torch.float32))
-        if probe.dtype != torch.float32 and probe.dtype in wo.WO_DTYPES.values():
+        probe = fn(torch.zeros(1, dtype=self.dtype))
+        if probe.dtype != self.dtype:
+            if probe.dtype not in wo.WO_DTYPES.values():
+                raise WeightOnlyError(f"WeightOnlyGRU: activations are float32, float16 or bfloat16, not {probe.dtype}")
             self.dtype = probe.dtype
+            self.config = dataclasses.replace(self.config, dtype=_dtype_name(probe.dtype))
         return super()._apply(lambda t: fn(t).to(t.dtype), recurse)
 
     def weight_bytes(self) -> int:
@@ -167,7 +171,7 @@ class WeightOnlyGRU(nn.Module):
     def meta(self) -> Dict[str, Any]:
         return {"input_size": self.input_size, "hidden_size": self.hidden_size, "num_layers": self.num_layers,
                 "bias": self.bias, "batch_first": self.batch_first, "bidirectional": self.bidirectional,
-                "config": {**self.config.to_dict(), "dtype": _dtype_name(self.dtype)}}
+                "config": self.config.to_dict()}
 
     def save(self, path: Union[str, Path]) -> None:
         """Write the packed weights, scales, zero points and biases bit for bit (qgru.weight_only.save)."""
@@ -234,7 +238,7 @@ class WeightOnlyGRU(nn.Module):
             if path == "golden":
                 out, h_n = wo.golden_forward(self.layers(), xt, hx, lengths, self.dtype)
             elif path == "native":
-                out, h_n = self._native_forward(xt, hx)
+                out, h_n = self._native_forward(xt, hx, lengths)
             else:
                 from . import wo_triton
                 out, h_n = wo_triton.gru_forward(self.layers(), xt, hx, self.dtype, lengths)
@@ -253,11 +257,11 @@ class WeightOnlyGRU(nn.Module):
         b = self.backend
         if b == "golden" or b == "dequant":
             return b
-        native_ok = dev.type == "cpu" and self.dtype == torch.float32 and not packed and B <= NATIVE_MAX_BATCH
+        native_ok = dev.type == "cpu" and self.dtype == torch.float32 and B <= NATIVE_MAX_BATCH
         if b == "native":
             if not native_ok:
                 raise WeightOnlyError("WeightOnlyGRU: backend 'native' runs float32 modules on the CPU with tensor "
-                                      f"input and batch <= {NATIVE_MAX_BATCH}; this call is not one")
+                                      f"batch <= {NATIVE_MAX_BATCH}; this call is not one")
             from . import wo_cpu
             why = wo_cpu.why_unavailable()
             if why:
@@ -320,7 +324,7 @@ class WeightOnlyGRU(nn.Module):
                                  self.bidirectional, False)
         return out, h_n
 
-    def _native_forward(self, x: torch.Tensor, hx: Optional[torch.Tensor]):
+    def _native_forward(self, x: torch.Tensor, hx: Optional[torch.Tensor], lengths: Optional[torch.Tensor]):
         from . import wo_cpu
         T, B, _ = x.shape
         H = self.hidden_size
@@ -335,7 +339,7 @@ class WeightOnlyGRU(nn.Module):
                     gi += p.b_ih
                 h0 = hx[li * D + d].to(torch.float32) if hx is not None else \
                     torch.zeros(B, H, dtype=torch.float32, device=x.device)
-                o, h = wo_cpu.gru_direction(gi.view(T, B, 3 * H), h0, p.R, p.b_hh, reverse=d == 1)
+                o, h = wo_cpu.gru_direction(gi.view(T, B, 3 * H), h0, p.R, p.b_hh, d == 1, lengths)
                 outs.append(o)
                 h_n.append(h)
             inp = outs[0] if D == 1 else torch.cat(outs, -1)

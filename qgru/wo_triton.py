@@ -48,15 +48,6 @@ def why_unavailable() -> str:
 
 if triton is not None:
     @triton.jit
-    def _round_bf16(w):
-        """float32 w rounded to the nearest bfloat16 (ties to even), still as float32. Written out in
-        integer bits because Triton 3.9's interpreter truncates in .to(tl.bfloat16) where the GPU
-        rounds to nearest; the result converts to bfloat16 exactly under either."""
-        b = w.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        return b.to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _wo_matmul_kernel(x_ptr, codes_ptr, scale_ptr, zp_ptr, y_ptr, M, N, K, group, stride_xm,
                           BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, FP32: tl.constexpr, BF16: tl.constexpr, DOT_IN_FP32: tl.constexpr):
@@ -82,10 +73,16 @@ if triton is not None:
             w = (q - zp).to(tl.float32) * sc  # [BLOCK_K, BLOCK_N], as stored
             if FP32:
                 acc += tl.dot(x, w, input_precision="ieee")
-            elif DOT_IN_FP32:  # the same products: 16-bit x 16-bit is exact in float32
-                acc += tl.dot(x.to(tl.float32), _round_bf16(w), input_precision="ieee")
             elif BF16:
-                acc += tl.dot(x, _round_bf16(w).to(tl.bfloat16))
+                # w rounded to the nearest bfloat16 (ties to even) in integer bits: Triton 3.9's
+                # interpreter truncates in .to(tl.bfloat16) where the GPU rounds to nearest; the
+                # rounded value converts to bfloat16 exactly under either
+                wb = w.to(tl.uint32, bitcast=True)
+                w = ((wb + 0x7FFF + ((wb >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+                if DOT_IN_FP32:  # the same products: 16-bit x 16-bit is exact in float32
+                    acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+                else:
+                    acc += tl.dot(x, w.to(tl.bfloat16))
             else:
                 acc += tl.dot(x, w.to(x.dtype))
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
@@ -119,8 +116,9 @@ if triton is not None:
                 w = (((words >> sh) & MASK) - zp).to(tl.float32) * sc
                 if ROUND == 1:
                     w = w.to(tl.float16).to(tl.float32)
-                elif ROUND == 2:
-                    w = _round_bf16(w)
+                elif ROUND == 2:  # to the nearest bfloat16 in integer bits, as in _wo_matmul_kernel
+                    wb = w.to(tl.uint32, bitcast=True)
+                    w = ((wb + 0x7FFF + ((wb >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
                 part = tl.sum(w * hk[:, None], axis=0)
                 if gate == 0:
                     acc_r += part
