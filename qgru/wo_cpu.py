@@ -7,11 +7,12 @@ it is built with -march=native: correct on the machine that builds it, vectorize
 instruction set). Two functions:
 
 * ``wo_mm(x [M, K], codes, scale, zp, bits, group) -> y [M, N]``: y = x . dequantize(w)^T,
-  computed per group as ``y += scale * sum_k float(code - zp) * x[k]`` (the integer difference is
-  exact, one float32 product and sum per weight, the scale once per group).
-* ``wo_gru_direction(gi [T, B, 3H], h0 [B, H], R codes/scale/zp, bits, group, b_hh, reverse)``: the
-  whole time loop of one layer and direction, R.h by the same kernel and the gates in float32,
-  given gi = W.x + b_ih for all steps.
+  computed per group as ``y += scale * (sum_k code * x[k] - zp * sum_k x[k])`` in float32 (the
+  codes are unpacked in registers without a shift: see mm_block).
+* ``wo_gru_direction(gi [T, B, 3H], h0 [B, H], R codes/scale/zp, bits, group, b_hh, lengths, reverse)``:
+  the whole time loop of one layer and direction, R.h by the same kernel and the gates in float32,
+  given gi = W.x + b_ih for all steps; ``wo_gru_layer`` computes gi (one wo_mm over all T * B rows)
+  and runs it, one call per layer and direction.
 
 Where no C++ compiler works, ``why_unavailable()`` says why; the module then refuses backend
 "native" and says so once for backend "auto" (it runs the dequantizing path instead).
@@ -36,75 +37,192 @@ _SOURCE = r"""
 
 namespace {
 
-// y[m, n] = sum_g scale[g, n] * sum_{k in g} float(code[n, k] - zp[g, n]) * x[m, k], n in [n0, n0 + NB)
-// NB output rows at once: their codes are read as NB consecutive words of a word row, unpacked
-// in registers, and their accumulators stay in registers through a group.
+// y[m, n] = sum_g scale[g, n] * (sum_{k in g} code[n, k] * x[m, k] - zp[g, n] * xsum[m, g]), n in [n0, n0 + NB).
+// NB output rows at once: their codes are read as NB consecutive words of a word row, unpacked in
+// registers, and their accumulators stay in registers through a group. Code i of a word is not
+// shifted down: (word & (MASK << BITS*i)) is code * 2^(BITS*i) exactly (at most BITS significant
+// bits), and xs holds x * 2^-(BITS*i) (exact: a power of two), so each weight costs an and, a
+// conversion and a fused multiply-add; the top code of a word is (word >> BITS*i) instead.
 template <int BITS, int NB>
-inline void mm_block(const float* x, int64_t M, int64_t K, const uint32_t* codes, const float* scale,
-                     const uint8_t* zp, int64_t N, int64_t group, float* y, int64_t ldy, int64_t n0) {
+inline void mm_block(const float* xs, const float* xsum, int64_t M, int64_t K, const uint32_t* codes,
+                     const float* scale, const uint8_t* zp, int64_t N, int64_t group, float* y, int64_t ldy,
+                     int64_t n0) {
   constexpr int PER = 32 / BITS;
   constexpr uint32_t MASK = (1u << BITS) - 1;
   const int64_t J = (K + PER - 1) / PER;
   const int64_t G = (K + group - 1) / group;
   const int64_t wpg = group / PER;  // word rows per group (group is a multiple of PER)
   for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
+    const float* xm = xs + m * J * PER;
     float out[NB];
     for (int l = 0; l < NB; ++l) out[l] = 0.f;
     for (int64_t g = 0; g < G; ++g) {
       float acc[NB];
-      int32_t z[NB];
-      for (int l = 0; l < NB; ++l) { acc[l] = 0.f; z[l] = zp[g * N + n0 + l]; }
+      for (int l = 0; l < NB; ++l) acc[l] = 0.f;
       const int64_t j1 = std::min(J, (g + 1) * wpg);
       for (int64_t j = g * wpg; j < j1; ++j) {
-        uint32_t w[NB];
-        for (int l = 0; l < NB; ++l) w[l] = codes[j * N + n0 + l];
-        const int64_t k0 = j * PER;
-        if (k0 + PER <= K) {
-          for (int i = 0; i < PER; ++i) {
-            const float xv = xm[k0 + i];
-            for (int l = 0; l < NB; ++l)
-              acc[l] += (float)((int32_t)((w[l] >> (BITS * i)) & MASK) - z[l]) * xv;
-          }
-        } else {
-          for (int i = 0; i < K - k0; ++i) {
-            const float xv = xm[k0 + i];
-            for (int l = 0; l < NB; ++l)
-              acc[l] += (float)((int32_t)((w[l] >> (BITS * i)) & MASK) - z[l]) * xv;
-          }
+        const uint32_t* w = codes + j * N + n0;
+        const float* xj = xm + j * PER;  // zero past K
+        for (int i = 0; i < PER - 1; ++i) {
+          const float xv = xj[i];
+          const uint32_t mask = MASK << (BITS * i);
+          for (int l = 0; l < NB; ++l) acc[l] += (float)(int32_t)(w[l] & mask) * xv;
         }
+        const float xv = xj[PER - 1];
+        for (int l = 0; l < NB; ++l) acc[l] += (float)(int32_t)(w[l] >> (32 - BITS)) * xv;
       }
-      for (int l = 0; l < NB; ++l) out[l] += scale[g * N + n0 + l] * acc[l];
+      const float xg = xsum[m * G + g];
+      const float* s = scale + g * N + n0;
+      const uint8_t* z = zp + g * N + n0;
+      for (int l = 0; l < NB; ++l) out[l] += s[l] * (acc[l] - (float)z[l] * xg);
     }
     for (int l = 0; l < NB; ++l) y[m * ldy + n0 + l] = out[l];
   }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// The same block as mm_block<BITS, 64> in AVX-512 intrinsics: 4 vectors of 16 output rows.
 template <int BITS>
-void mm_rows(const float* x, int64_t M, int64_t K, const uint32_t* codes, const float* scale,
+inline void mm_block_simd(const float* xs, const float* xsum, int64_t M, int64_t K, const uint32_t* codes,
+                          const float* scale, const uint8_t* zp, int64_t N, int64_t group, float* y, int64_t ldy,
+                          int64_t n0) {
+  constexpr int PER = 32 / BITS;
+  constexpr uint32_t MASK = (1u << BITS) - 1;
+  const int64_t J = (K + PER - 1) / PER;
+  const int64_t G = (K + group - 1) / group;
+  const int64_t wpg = group / PER;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = xs + m * J * PER;
+    __m512 out[4];
+    for (int v = 0; v < 4; ++v) out[v] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc[4];
+      for (int v = 0; v < 4; ++v) acc[v] = _mm512_setzero_ps();
+      const int64_t j1 = std::min(J, (g + 1) * wpg);
+      for (int64_t j = g * wpg; j < j1; ++j) {
+        const uint32_t* w = codes + j * N + n0;
+        __m512i wv[4];
+        for (int v = 0; v < 4; ++v) wv[v] = _mm512_loadu_si512(w + 16 * v);
+        const float* xj = xm + j * PER;
+#pragma GCC unroll 16
+        for (int i = 0; i < PER - 1; ++i) {
+          const __m512 xv = _mm512_set1_ps(xj[i]);
+          const __m512i mk = _mm512_set1_epi32((int)(MASK << (BITS * i)));
+          for (int v = 0; v < 4; ++v)
+            acc[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(wv[v], mk)), xv, acc[v]);
+        }
+        const __m512 xv = _mm512_set1_ps(xj[PER - 1]);
+        for (int v = 0; v < 4; ++v)
+          acc[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(wv[v], 32 - BITS)), xv, acc[v]);
+      }
+      const __m512 xg = _mm512_set1_ps(xsum[m * G + g]);
+      for (int v = 0; v < 4; ++v) {
+        const __m512 s = _mm512_loadu_ps(scale + g * N + n0 + 16 * v);
+        const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + g * N + n0 + 16 * v))));
+        out[v] = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(z, xg, acc[v]), out[v]);
+      }
+    }
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(y + m * ldy + n0 + 16 * v, out[v]);
+  }
+}
+constexpr int SIMD_NB = 64;
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+// The same block as mm_block<BITS, 32> in AVX2 intrinsics: 4 vectors of 8 output rows.
+template <int BITS>
+inline void mm_block_simd(const float* xs, const float* xsum, int64_t M, int64_t K, const uint32_t* codes,
+                          const float* scale, const uint8_t* zp, int64_t N, int64_t group, float* y, int64_t ldy,
+                          int64_t n0) {
+  constexpr int PER = 32 / BITS;
+  constexpr uint32_t MASK = (1u << BITS) - 1;
+  const int64_t J = (K + PER - 1) / PER;
+  const int64_t G = (K + group - 1) / group;
+  const int64_t wpg = group / PER;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = xs + m * J * PER;
+    __m256 out[4];
+    for (int v = 0; v < 4; ++v) out[v] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 acc[4];
+      for (int v = 0; v < 4; ++v) acc[v] = _mm256_setzero_ps();
+      const int64_t j1 = std::min(J, (g + 1) * wpg);
+      for (int64_t j = g * wpg; j < j1; ++j) {
+        const uint32_t* w = codes + j * N + n0;
+        __m256i wv[4];
+        for (int v = 0; v < 4; ++v) wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8 * v));
+        const float* xj = xm + j * PER;
+#pragma GCC unroll 16
+        for (int i = 0; i < PER - 1; ++i) {
+          const __m256 xv = _mm256_set1_ps(xj[i]);
+          const __m256i mk = _mm256_set1_epi32((int)(MASK << (BITS * i)));
+          for (int v = 0; v < 4; ++v)
+            acc[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(wv[v], mk)), xv, acc[v]);
+        }
+        const __m256 xv = _mm256_set1_ps(xj[PER - 1]);
+        for (int v = 0; v < 4; ++v)
+          acc[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(wv[v], 32 - BITS)), xv, acc[v]);
+      }
+      const __m256 xg = _mm256_set1_ps(xsum[m * G + g]);
+      for (int v = 0; v < 4; ++v) {
+        const __m256 s = _mm256_loadu_ps(scale + g * N + n0 + 8 * v);
+        const __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(zp + g * N + n0 + 8 * v))));
+        out[v] = _mm256_fmadd_ps(s, _mm256_fnmadd_ps(z, xg, acc[v]), out[v]);
+      }
+    }
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(y + m * ldy + n0 + 8 * v, out[v]);
+  }
+}
+constexpr int SIMD_NB = 32;
+#else
+template <int BITS>
+inline void mm_block_simd(const float* xs, const float* xsum, int64_t M, int64_t K, const uint32_t* codes,
+                          const float* scale, const uint8_t* zp, int64_t N, int64_t group, float* y, int64_t ldy,
+                          int64_t n0) {
+  mm_block<BITS, 32>(xs, xsum, M, K, codes, scale, zp, N, group, y, ldy, n0);
+}
+constexpr int SIMD_NB = 32;
+#endif
+
+// output rows [b0 * SIMD_NB, b1 * SIMD_NB) (clipped to N): whole blocks by the vector code, the rest one by one
+template <int BITS>
+void mm_rows(const float* xs, const float* xsum, int64_t M, int64_t K, const uint32_t* codes, const float* scale,
              const uint8_t* zp, int64_t N, int64_t group, float* y, int64_t ldy, int64_t b0, int64_t b1) {
-  constexpr int NB = 32;
   for (int64_t b = b0; b < b1; ++b) {
-    const int64_t n0 = b * NB;
-    if (n0 + NB <= N) {
-      mm_block<BITS, NB>(x, M, K, codes, scale, zp, N, group, y, ldy, n0);
+    const int64_t n0 = b * SIMD_NB;
+    if (n0 + SIMD_NB <= N) {
+      mm_block_simd<BITS>(xs, xsum, M, K, codes, scale, zp, N, group, y, ldy, n0);
     } else {
-      for (int64_t n = n0; n < N; ++n) mm_block<BITS, 1>(x, M, K, codes, scale, zp, N, group, y, ldy, n);
+      for (int64_t n = n0; n < N; ++n) mm_block<BITS, 1>(xs, xsum, M, K, codes, scale, zp, N, group, y, ldy, n);
     }
   }
 }
 
 void mm_dispatch(const float* x, int64_t M, int64_t K, const uint32_t* codes, const float* scale,
                  const uint8_t* zp, int64_t N, int64_t group, int64_t bits, float* y, int64_t ldy) {
-  // chunks of output rows: a few hundred per task keeps acc in L1 and gives the threads work
-  const int64_t blocks = (N + 31) / 32;  // mm_rows' blocks of 32 output rows
+  const int64_t per = 32 / bits;
+  const int64_t J = (K + per - 1) / per, G = (K + group - 1) / group;
+  // x scaled per slot of its word (x * 2^-(bits * i), the top slot unscaled), zero-padded to J words;
+  // and its sum over each group (the zero points' term)
+  std::vector<float> xs(M * J * per, 0.f), xsum(M * G, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t i = k % per;
+      const float v = x[m * K + k];
+      xs[m * J * per + k] = i == per - 1 ? v : std::ldexp(v, -(int)(bits * i));
+      xsum[m * G + k / group] += v;
+    }
+  }
+  const int64_t blocks = (N + SIMD_NB - 1) / SIMD_NB;  // mm_rows' blocks of output rows
   auto body = [&](int64_t b0, int64_t b1) {
-    if (bits == 2) mm_rows<2>(x, M, K, codes, scale, zp, N, group, y, ldy, b0, b1);
-    else if (bits == 4) mm_rows<4>(x, M, K, codes, scale, zp, N, group, y, ldy, b0, b1);
-    else mm_rows<8>(x, M, K, codes, scale, zp, N, group, y, ldy, b0, b1);
+    if (bits == 2) mm_rows<2>(xs.data(), xsum.data(), M, K, codes, scale, zp, N, group, y, ldy, b0, b1);
+    else if (bits == 4) mm_rows<4>(xs.data(), xsum.data(), M, K, codes, scale, zp, N, group, y, ldy, b0, b1);
+    else mm_rows<8>(xs.data(), xsum.data(), M, K, codes, scale, zp, N, group, y, ldy, b0, b1);
   };
   if (N * K * std::max<int64_t>(M, 1) < (1 << 17)) body(0, blocks);
-  else at::parallel_for(0, blocks, 4, body);
+  else at::parallel_for(0, blocks, 2, body);
 }
 
 void check(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
@@ -189,15 +307,36 @@ std::vector<torch::Tensor> wo_gru_direction(torch::Tensor gi, torch::Tensor h0, 
   return {out, h};
 }
 
+// One layer direction from its input: gi = W.x + b_ih for all T * B rows at once, then the time loop.
+std::vector<torch::Tensor> wo_gru_layer(torch::Tensor x, torch::Tensor w_codes, torch::Tensor w_scale,
+                                        torch::Tensor w_zp, int64_t w_group, torch::Tensor b_ih, torch::Tensor h0,
+                                        torch::Tensor r_codes, torch::Tensor r_scale, torch::Tensor r_zp,
+                                        int64_t r_group, torch::Tensor b_hh, torch::Tensor lengths, int64_t bits,
+                                        bool reverse) {
+  TORCH_CHECK(x.dim() == 3, "wo_gru_layer: x must be [T, B, K]");
+  const int64_t T = x.size(0), B = x.size(1), K = x.size(2), N = w_codes.size(1);
+  auto gi = wo_mm(x.reshape({T * B, K}), w_codes, w_scale, w_zp, bits, w_group, K);
+  if (b_ih.numel() > 0) {
+    TORCH_CHECK(b_ih.scalar_type() == torch::kFloat32 && b_ih.is_contiguous() && b_ih.numel() == N,
+                "wo_gru_layer: b_ih must be contiguous float32 [3H] or empty");
+    float* g = gi.data_ptr<float>();
+    const float* b = b_ih.data_ptr<float>();
+    for (int64_t r = 0; r < T * B; ++r)
+      for (int64_t n = 0; n < N; ++n) g[r * N + n] += b[n];
+  }
+  return wo_gru_direction(gi.view({T, B, N}), h0, r_codes, r_scale, r_zp, bits, r_group, b_hh, lengths, reverse);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wo_mm", &wo_mm, "x [M, K] float32 times packed weights -> [M, N]");
   m.def("wo_gru_direction", &wo_gru_direction, "one GRU layer direction over T steps");
+  m.def("wo_gru_layer", &wo_gru_layer, "one GRU layer direction from its input");
 }
 """
 
-_FLAGS = ["-O3", "-march=native"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]  # at::parallel_for is OpenMP in torch's CPU builds
 _lock = threading.Lock()
 _state = {"module": None, "error": None}
 
@@ -231,7 +370,8 @@ def load(build: bool = True):
             from torch.utils import cpp_extension
             d.mkdir(parents=True, exist_ok=True)
             _state["module"] = cpp_extension.load_inline(
-                name="qgru_wo_cpu", cpp_sources=[_SOURCE], extra_cflags=_FLAGS, build_directory=str(d),
+                name="qgru_wo_cpu", cpp_sources=[_SOURCE], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                build_directory=str(d),
                 verbose=False)
         except Exception as e:  # noqa: BLE001 - any build failure: reported by why_unavailable()
             _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
@@ -250,6 +390,20 @@ def wo_mm(x: torch.Tensor, p) -> torch.Tensor:
     if mod is None:
         raise RuntimeError(f"the weight-only CPU kernel is unavailable: {why_unavailable()}")
     return mod.wo_mm(x.contiguous(), p.codes, p.scale, p.zp, p.bits, p.group, p.K)
+
+
+def gru_layer(x: torch.Tensor, h0: torch.Tensor, p, reverse: bool, lengths: Optional[torch.Tensor] = None):
+    """One layer direction (a qgru.weight_only.WOLayer ``p``) on x [T, B, K] float32 from h0 [B, H]:
+    (out [T, B, H], h_T), W.x and the time loop in one call."""
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"the weight-only CPU kernel is unavailable: {why_unavailable()}")
+    f = torch.empty(0, dtype=torch.float32, device=x.device)
+    i = torch.empty(0, dtype=torch.int64, device=x.device)
+    return mod.wo_gru_layer(x.contiguous(), p.W.codes, p.W.scale, p.W.zp, p.W.group,
+                            f if p.b_ih is None else p.b_ih, h0.contiguous(), p.R.codes, p.R.scale, p.R.zp,
+                            p.R.group, f if p.b_hh is None else p.b_hh,
+                            i if lengths is None else lengths.to(torch.int64).contiguous(), p.W.bits, reverse)
 
 
 def gru_direction(gi: torch.Tensor, h0: torch.Tensor, R, b_hh: Optional[torch.Tensor], reverse: bool,

@@ -84,7 +84,22 @@ class WeightOnlyGRU(nn.Module):
         self._backend = b
 
     def layers(self) -> List[List[WOLayer]]:
-        """The stored parameters as qgru.weight_only.WOLayer rows (views of the buffers)."""
+        """The stored parameters as qgru.weight_only.WOLayer rows (the buffers themselves). Cached;
+        the cache is dropped whenever a buffer is assigned, moved or loaded."""
+        cached = self.__dict__.get("_layers_cache")
+        if cached is None:
+            cached = self.__dict__["_layers_cache"] = self._make_layers()
+        return cached
+
+    def __setattr__(self, name, value):
+        self.__dict__.pop("_layers_cache", None)
+        super().__setattr__(name, value)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.__dict__.pop("_layers_cache", None)
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _make_layers(self) -> List[List[WOLayer]]:
         D = 2 if self.bidirectional else 1
         out = []
         for li in range(self.num_layers):
@@ -121,6 +136,7 @@ class WeightOnlyGRU(nn.Module):
                 raise WeightOnlyError(f"WeightOnlyGRU: activations are float32, float16 or bfloat16, not {probe.dtype}")
             self.dtype = probe.dtype
             self.config = dataclasses.replace(self.config, dtype=_dtype_name(probe.dtype))
+        self.__dict__.pop("_layers_cache", None)
         return super()._apply(lambda t: fn(t).to(t.dtype), recurse)
 
     def weight_bytes(self) -> int:
@@ -334,12 +350,9 @@ class WeightOnlyGRU(nn.Module):
         for li, row in enumerate(self.layers()):
             outs = []
             for d, p in enumerate(row):
-                gi = wo_cpu.wo_mm(inp.reshape(T * B, -1), p.W)
-                if p.b_ih is not None:
-                    gi += p.b_ih
                 h0 = hx[li * D + d].to(torch.float32) if hx is not None else \
                     torch.zeros(B, H, dtype=torch.float32, device=x.device)
-                o, h = wo_cpu.gru_direction(gi.view(T, B, 3 * H), h0, p.R, p.b_hh, d == 1, lengths)
+                o, h = wo_cpu.gru_layer(inp, h0, p, d == 1, lengths)
                 outs.append(o)
                 h_n.append(h)
             inp = outs[0] if D == 1 else torch.cat(outs, -1)
