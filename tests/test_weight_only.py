@@ -347,7 +347,7 @@ m = WeightOnlyGRU.from_float(t._float_gru(I=24, H=16, L=1, bidir=True),
 torch.manual_seed(9)
 x, h0 = torch.randn(4, 3, 24), torch.randn(2, 3, 16)
 lengths = torch.tensor([4, 1, 3])
-for dtype in (torch.float32, torch.bfloat16):
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
     out, h = wo_triton.gru_forward(m.layers(), x.to(dtype), h0.to(dtype), dtype, lengths)
     gout, gh = wo.golden_forward(m.layers(), x.to(dtype).double(), h0.to(dtype).double(), lengths, dtype)
     res[f"gru out {dtype}"] = t._err(out, gout)
@@ -371,7 +371,7 @@ def test_triton_kernels_interpreted():
                        timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.split("RESULT ", 1)[1])
-    assert len(res) == 13
+    assert len(res) == 15
     bad = {k: v for k, v in res.items() if not v < 1e-5}
     assert not bad, bad
 
