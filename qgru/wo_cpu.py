@@ -221,7 +221,9 @@ void mm_dispatch(const float* x, int64_t M, int64_t K, const uint32_t* codes, co
     else if (bits == 4) mm_rows<4>(xs.data(), xsum.data(), M, K, codes, scale, zp, N, group, y, ldy, b0, b1);
     else mm_rows<8>(xs.data(), xsum.data(), M, K, codes, scale, zp, N, group, y, ldy, b0, b1);
   };
-  if (N * K * std::max<int64_t>(M, 1) < (1 << 17)) body(0, blocks);
+  // threads only for large products: a streaming step (one GEMV) is tens of microseconds, where a
+  // thread barrier on a busy machine can cost a scheduler quantum
+  if (N * K * std::max<int64_t>(M, 1) < (1 << 22)) body(0, blocks);
   else at::parallel_for(0, blocks, 2, body);
 }
 

@@ -146,7 +146,9 @@ def _median_time(fn, repeats, warmup=3, sync=None):
     return statistics.median(ts)
 
 
-def cpu_speed_rows(repeats, I=256, H=512, T=100, B=64, steps=50):
+def cpu_speed_rows(repeats, I=256, H=512, T=100, B=64, steps=20, rounds=5):
+    """The models take turns (``rounds`` rounds, each model's share of the repeats per round), so a
+    shared machine's drift shifts them alike; the median per model is reported."""
     torch.manual_seed(0)
     g = nn.GRU(I, H).eval()
     models = {"float nn.GRU": g}
@@ -159,26 +161,29 @@ def cpu_speed_rows(repeats, I=256, H=512, T=100, B=64, steps=50):
             g, wo.WeightOnlyConfig.load(cfg, weight_rounding="nearest"))
     xs = torch.randn(steps, 1, 1, I)
     xb = torch.randn(T, B, I)
+    t1 = {n: [] for n in models}
+    tb = {n: [] for n in models}
+    per_round = max(1, repeats // rounds)
+    for _ in range(rounds):
+        for name, m in models.items():
+            ctx = qgru.backend(backend) if "w8a8" in name else _null()
+            with ctx, torch.no_grad():
+                def stream():
+                    h = None
+                    for t in range(steps):
+                        _, h = m(xs[t], h)
+                t1[name].append(_median_time(stream, per_round, warmup=1) / steps)
+                tb[name].append(_median_time(lambda: m(xb), 1, warmup=1))
     rows = []
-    base = {}
+    f1, fb = statistics.median(t1["float nn.GRU"]), statistics.median(tb["float nn.GRU"])
     for name, m in models.items():
-        ctx = qgru.backend(backend) if "w8a8" in name else _null()
-        with ctx, torch.no_grad():
-            def stream():
-                h = None
-                for t in range(steps):
-                    _, h = m(xs[t], h)
-            t1 = _median_time(stream, repeats) / steps
-            tb = _median_time(lambda: m(xb), max(3, repeats // 3))
-        path = getattr(m, "last_path", None)
-        if path:
+        a, b = statistics.median(t1[name]), statistics.median(tb[name])
+        if isinstance(m, WeightOnlyGRU):
             m(xs[0])
             p1 = m.last_path
             m(xb)
             name = f"{name} ({p1} / {m.last_path})"
-        base.setdefault("s", t1)
-        base.setdefault("b", tb)
-        rows.append((name, f"{t1 * 1e6:.0f}", f"{base['s'] / t1:.2f}x", f"{tb * 1e3:.1f}", f"{base['b'] / tb:.2f}x"))
+        rows.append((name, f"{a * 1e6:.0f}", f"{f1 / a:.2f}x", f"{b * 1e3:.1f}", f"{fb / b:.2f}x"))
     return rows
 
 
@@ -251,7 +256,7 @@ def main():
     if args.skip_speed:
         return
     print(f"\n## CPU speed, nn.GRU(256, 512), {cpu_name()}, {torch.get_num_threads()} threads "
-          f"(median of {repeats}; weight-only rows name the path of the B=1 / B=64 calls)\n")
+          f"(models in turns, 5 rounds; weight-only rows name the path of the B=1 / B=64 calls)\n")
     print(_table(["model", "B=1 streaming, us per T=1 call", "vs float", "B=64 T=100 call, ms", "vs float"],
                  cpu_speed_rows(repeats)))
     rows = gpu_speed_rows(repeats)
