@@ -92,7 +92,8 @@ class WeightOnlyGRU(nn.Module):
         return cached
 
     def __setattr__(self, name, value):
-        self.__dict__.pop("_layers_cache", None)
+        if name in self.__dict__.get("_buffers", ()) or name == "config":
+            self.__dict__.pop("_layers_cache", None)
         super().__setattr__(name, value)
 
     def _load_from_state_dict(self, *args, **kwargs):

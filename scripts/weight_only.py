@@ -18,6 +18,7 @@ where a GPU is present. Prints markdown tables (docs/weight_only.md holds a run'
     python scripts/weight_only.py                 # everything this machine can run
     python scripts/weight_only.py --quick         # fewer repeats, smaller synthetic data
     python scripts/weight_only.py --skip-speed    # accuracy and bytes only
+    python scripts/weight_only.py --only-speed --threads 1   # the speed tables, one thread
 """
 from __future__ import annotations
 
@@ -225,12 +226,18 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--only-speed", action="store_true", help="the speed tables only")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     repeats = args.repeats or (5 if args.quick else 15)
     warnings.simplefilter("ignore")
     print(f"# weight-only mode, measured {datetime.date.today()} on {cpu_name()} "
           f"({torch.get_num_threads()} threads), torch {torch.__version__}\n")
 
+    if args.only_speed:
+        return speed(args, repeats)
     data = demo.load_dataset()
     model, _ = demo.load_checkpoint()
     calib = demo.batches(data["train"][0])
@@ -255,6 +262,10 @@ def main():
 
     if args.skip_speed:
         return
+    speed(args, repeats)
+
+
+def speed(args, repeats):
     print(f"\n## CPU speed, nn.GRU(256, 512), {cpu_name()}, {torch.get_num_threads()} threads "
           f"(models in turns, 5 rounds; weight-only rows name the path of the B=1 / B=64 calls)\n")
     print(_table(["model", "B=1 streaming, us per T=1 call", "vs float", "B=64 T=100 call, ms", "vs float"],

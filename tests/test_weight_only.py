@@ -476,3 +476,17 @@ def test_hostile_files(tmp_path):
 
 class _Evil:
     pass
+
+
+def test_layers_cache_follows_the_buffers():
+    """layers() is cached for speed; assigning, loading or moving buffers must not leave it stale."""
+    a = WeightOnlyGRU.from_float(_float_gru(seed=0), "w4g32")
+    b = WeightOnlyGRU.from_float(_float_gru(seed=1), "w4g32")
+    x = torch.randn(3, 2, 20)
+    a.backend = b.backend = "golden"
+    out_a = a(x)[0]
+    a.load_state_dict(b.state_dict())
+    assert torch.equal(a(x)[0], b(x)[0])
+    a.l0_fwd_W_scale = a.l0_fwd_W_scale * 2  # assigned, not copied into
+    assert a.layers()[0][0].W.scale is a.l0_fwd_W_scale
+    assert not torch.equal(a(x)[0], b(x)[0]) and not torch.equal(a(x)[0], out_a)
