@@ -193,11 +193,13 @@ def unpack_codes(words: torch.Tensor, bits: int, K: int) -> torch.Tensor:
 
 def dequantize(p: PackedWeight) -> torch.Tensor:
     """The float32 weight [N, K] the file stores: float32(code - zp) * scale, per group."""
-    q = unpack_codes(p.codes, p.bits, p.K)
-    idx = torch.arange(p.K, device=q.device) // p.group
-    zp = p.zp.to(torch.int64).t()[:, idx]
-    scale = p.scale.t()[:, idx]
-    return (q - zp).to(torch.float32) * scale
+    per = 32 // p.bits
+    shifts = torch.arange(per, dtype=torch.int32, device=p.codes.device) * p.bits
+    # int32 arithmetic shifts: the sign bits they bring in are masked off
+    q = ((p.codes.unsqueeze(1) >> shifts.view(1, per, 1)) & ((1 << p.bits) - 1)).reshape(-1, p.N)[:p.K]  # [K, N]
+    zp = p.zp.to(torch.int32).repeat_interleave(p.group, 0)[:p.K]
+    scale = p.scale.repeat_interleave(p.group, 0)[:p.K]
+    return ((q - zp).to(torch.float32) * scale).t().contiguous()
 
 
 SEARCH_SHRINK = tuple(1.0 - 0.04 * i for i in range(13))  # range factors tried per group: 1.0 ... 0.52

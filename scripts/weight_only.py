@@ -10,8 +10,8 @@ where a GPU is present. Prints markdown tables (docs/weight_only.md holds a run'
 2. Weight bytes of nn.GRU(256, 512): float16, w8a8 (int8 + its scales), each weight-only config
    (codes + scales + zero points).
 3. CPU speed, nn.GRU(256, 512): B=1 streaming (T=1 calls carrying h, the time per call) and
-   B=64 T=100 (one call), float nn.GRU vs qgru w8a8 (the cpu backend) vs weight-only; the
-   median of --repeats calls.
+   B=64 T=100 (one call), float nn.GRU vs qgru w8a8 (the cpu backend) vs weight-only; the models
+   take turns call by call and each reports its median (robust to a shared machine's drift).
 4. GPU speed (only with CUDA; skipped here otherwise): cuDNN fp16 nn.GRU vs the weight-only
    w4g128 float16 module (Triton kernels), B=1 and B=64, T=1000 and T=1 calls, hidden 512 / 1024.
 
@@ -147,9 +147,10 @@ def _median_time(fn, repeats, warmup=3, sync=None):
     return statistics.median(ts)
 
 
-def cpu_speed_rows(repeats, I=256, H=512, T=100, B=64, steps=20, rounds=5):
-    """The models take turns (``rounds`` rounds, each model's share of the repeats per round), so a
-    shared machine's drift shifts them alike; the median per model is reported."""
+def cpu_speed_rows(repeats, I=256, H=512, T=100, B=64):
+    """Paired timing: the models take turns call by call (each carries its own h), so a shared
+    machine's drift shifts them alike; the median per model is reported. B=1: 20 * repeats T=1
+    calls each; B=64 T=100: ``repeats`` calls each."""
     torch.manual_seed(0)
     g = nn.GRU(I, H).eval()
     models = {"float nn.GRU": g}
@@ -160,40 +161,35 @@ def cpu_speed_rows(repeats, I=256, H=512, T=100, B=64, steps=20, rounds=5):
     for cfg in ("w8g128", "w4g128", "w2g64"):
         models[f"weight-only {cfg}"] = WeightOnlyGRU.from_float(
             g, wo.WeightOnlyConfig.load(cfg, weight_rounding="nearest"))
-    xs = torch.randn(steps, 1, 1, I)
+    x1 = torch.randn(1, 1, I)
     xb = torch.randn(T, B, I)
     t1 = {n: [] for n in models}
     tb = {n: [] for n in models}
-    per_round = max(1, repeats // rounds)
-    for _ in range(rounds):
+    hs = {n: None for n in models}
+    with qgru.backend(backend), torch.no_grad():
+        for it in range(20 * repeats + 5):
+            for name, m in models.items():
+                a = time.perf_counter()
+                _, hs[name] = m(x1, hs[name])
+                if it >= 5:  # warm-up
+                    t1[name].append(time.perf_counter() - a)
+        for it in range(repeats + 1):
+            for name, m in models.items():
+                a = time.perf_counter()
+                m(xb)
+                if it >= 1:
+                    tb[name].append(time.perf_counter() - a)
+        rows = []
+        f1, fb = statistics.median(t1["float nn.GRU"]), statistics.median(tb["float nn.GRU"])
         for name, m in models.items():
-            ctx = qgru.backend(backend) if "w8a8" in name else _null()
-            with ctx, torch.no_grad():
-                def stream():
-                    h = None
-                    for t in range(steps):
-                        _, h = m(xs[t], h)
-                t1[name].append(_median_time(stream, per_round, warmup=1) / steps)
-                tb[name].append(_median_time(lambda: m(xb), 1, warmup=1))
-    rows = []
-    f1, fb = statistics.median(t1["float nn.GRU"]), statistics.median(tb["float nn.GRU"])
-    for name, m in models.items():
-        a, b = statistics.median(t1[name]), statistics.median(tb[name])
-        if isinstance(m, WeightOnlyGRU):
-            m(xs[0])
-            p1 = m.last_path
-            m(xb)
-            name = f"{name} ({p1} / {m.last_path})"
-        rows.append((name, f"{a * 1e6:.0f}", f"{f1 / a:.2f}x", f"{b * 1e3:.1f}", f"{fb / b:.2f}x"))
+            a, b = statistics.median(t1[name]), statistics.median(tb[name])
+            if isinstance(m, WeightOnlyGRU):
+                m(x1)
+                p1 = m.last_path
+                m(xb)
+                name = f"{name} ({p1} / {m.last_path})"
+            rows.append((name, f"{a * 1e6:.0f}", f"{f1 / a:.2f}x", f"{b * 1e3:.1f}", f"{fb / b:.2f}x"))
     return rows
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def gpu_speed_rows(repeats):
@@ -267,7 +263,7 @@ def main():
 
 def speed(args, repeats):
     print(f"\n## CPU speed, nn.GRU(256, 512), {cpu_name()}, {torch.get_num_threads()} threads "
-          f"(models in turns, 5 rounds; weight-only rows name the path of the B=1 / B=64 calls)\n")
+          f"(models in turns call by call, medians; weight-only rows name the path of the B=1 / B=64 calls)\n")
     print(_table(["model", "B=1 streaming, us per T=1 call", "vs float", "B=64 T=100 call, ms", "vs float"],
                  cpu_speed_rows(repeats)))
     rows = gpu_speed_rows(repeats)
