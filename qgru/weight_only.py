@@ -274,7 +274,7 @@ def quantize_weight(w: torch.Tensor, config: WeightOnlyConfig,
     importance = second_moment.diagonal() if second_moment is not None and \
         bool(torch.isfinite(second_moment).all()) else None
     scale, zp = group_params(w, bits, config.group_size, config.symmetric, config.search, importance)
-    idx = torch.arange(K) // g
+    idx = torch.arange(K, device=w.device) // g
     s_cols = scale.t()[:, idx].double()  # [N, K]
     z_cols = zp.t()[:, idx].double()
     lo, hi = _code_range(bits, config.symmetric)
@@ -285,14 +285,14 @@ def quantize_weight(w: torch.Tensor, config: WeightOnlyConfig,
 
     M = None
     if config.weight_rounding == "gptq" and second_moment is not None:
-        M = second_moment.detach().double().clone()
+        M = second_moment.detach().double().to(w.device).clone()
         mean_diag = float(M.diagonal().mean()) if K else 0.0
         if not (mean_diag > 0 and bool(torch.isfinite(M).all())):
             M = None
         else:
-            M += 0.01 * mean_diag * torch.eye(K, dtype=torch.float64)
+            M += 0.01 * mean_diag * torch.eye(K, dtype=torch.float64, device=M.device)
     if M is None:
-        q = nearest(W, torch.arange(K))
+        q = nearest(W, torch.arange(K, device=w.device))
     else:
         order = torch.argsort(M.diagonal(), descending=True, stable=True)
         M = M[order][:, order]
@@ -302,7 +302,7 @@ def quantize_weight(w: torch.Tensor, config: WeightOnlyConfig,
         except RuntimeError:
             U = None
         if U is None:
-            q = nearest(w.detach().double(), torch.arange(K))
+            q = nearest(w.detach().double(), torch.arange(K, device=w.device))
         else:
             Q = torch.empty_like(W)
             for jj in range(K):

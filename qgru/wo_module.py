@@ -42,7 +42,7 @@ _warned: set = set()
 class WeightOnlyGRU(nn.Module):
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, bidirectional: bool = False,
-                 config: Union[str, dict, WeightOnlyConfig] = "w4g128", backend: str = "auto"):
+                 config: Union[str, dict, WeightOnlyConfig] = "w4g128", backend: str = "auto", device=None):
         super().__init__()
         for name, v in (("input_size", input_size), ("hidden_size", hidden_size), ("num_layers", num_layers)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -61,12 +61,12 @@ class WeightOnlyGRU(nn.Module):
                 for name, k in (("W", K), ("R", H)):
                     g, G = wo.groups_of(k, self.config.group_size)
                     per = 32 // self.config.bits
-                    self.register_buffer(self._key(li, d, name, "codes"), torch.zeros(-(-k // per), 3 * H, dtype=torch.int32))
-                    self.register_buffer(self._key(li, d, name, "scale"), torch.ones(G, 3 * H, dtype=torch.float32))
-                    self.register_buffer(self._key(li, d, name, "zp"), torch.zeros(G, 3 * H, dtype=torch.uint8))
+                    self.register_buffer(self._key(li, d, name, "codes"), torch.zeros(-(-k // per), 3 * H, dtype=torch.int32, device=device))
+                    self.register_buffer(self._key(li, d, name, "scale"), torch.ones(G, 3 * H, dtype=torch.float32, device=device))
+                    self.register_buffer(self._key(li, d, name, "zp"), torch.zeros(G, 3 * H, dtype=torch.uint8, device=device))
                 if bias:
-                    self.register_buffer(self._key(li, d, "b_ih"), torch.zeros(3 * H, dtype=torch.float32))
-                    self.register_buffer(self._key(li, d, "b_hh"), torch.zeros(3 * H, dtype=torch.float32))
+                    self.register_buffer(self._key(li, d, "b_ih"), torch.zeros(3 * H, dtype=torch.float32, device=device))
+                    self.register_buffer(self._key(li, d, "b_hh"), torch.zeros(3 * H, dtype=torch.float32, device=device))
 
     # ---- storage -----------------------------------------------------------------------------
     @staticmethod
@@ -131,7 +131,7 @@ class WeightOnlyGRU(nn.Module):
     def _apply(self, fn, recurse=True):
         # .to(device) moves the buffers; .half() / .bfloat16() / .to(dtype) change the activation
         # dtype only: codes, scales, zero points and biases keep the types they are stored in
-        probe = fn(torch.zeros(1, dtype=self.dtype))
+        probe = fn(torch.zeros(1, dtype=self.dtype, device="cpu"))
         if probe.dtype != self.dtype:
             if probe.dtype not in wo.WO_DTYPES.values():
                 raise WeightOnlyError(f"WeightOnlyGRU: activations are float32, float16 or bfloat16, not {probe.dtype}")
@@ -166,7 +166,7 @@ class WeightOnlyGRU(nn.Module):
         if config.weight_rounding == "gptq" and batches is not None:
             moments = second_moments(gru, batches, model)
         m = cls(gru.input_size, gru.hidden_size, gru.num_layers, gru.bias, gru.batch_first, gru.bidirectional,
-                config)
+                config, device="cpu")
         D = 2 if gru.bidirectional else 1
         layers = []
         for li in range(gru.num_layers):
@@ -200,7 +200,7 @@ class WeightOnlyGRU(nn.Module):
         """A WeightOnlyGRU from a file save() wrote, checked as untrusted input (WeightOnlyFileError)."""
         meta, cfg, layers = wo.load_file(path)
         m = cls(meta["input_size"], meta["hidden_size"], meta["num_layers"], meta["bias"], meta["batch_first"],
-                meta["bidirectional"], cfg, backend)
+                meta["bidirectional"], cfg, backend, device="cpu")
         m._set_layers(layers)
         return m
 
@@ -418,22 +418,22 @@ def second_moments(gru: nn.GRU, batches: Iterable, model: Optional[nn.Module] = 
                 x = inp.unsqueeze(0 if gru.batch_first else 1) if inp.dim() == 2 else inp
                 if gru.batch_first:
                     x = x.transpose(0, 1)
-                lengths = torch.full((x.shape[1],), x.shape[0], dtype=torch.int64)
+                lengths = torch.full((x.shape[1],), x.shape[0], dtype=torch.int64, device="cpu")
                 if hx is not None and hx.dim() == 2:
                     hx = hx.unsqueeze(1)
             x = x.double().cpu()
             T, B, _ = x.shape
-            valid = (torch.arange(T).unsqueeze(1) < lengths.cpu().unsqueeze(0))  # [T, B]
+            valid = (torch.arange(T, device="cpu").unsqueeze(1) < lengths.cpu().unsqueeze(0))  # [T, B]
             for li in range(gru.num_layers):
                 outs = []
                 for d in range(D):
                     sfx = f"_l{li}" + ("_reverse" if d else "")
                     W = getattr(gru, "weight_ih" + sfx).detach().double().cpu()
                     R = getattr(gru, "weight_hh" + sfx).detach().double().cpu()
-                    b_ih = getattr(gru, "bias_ih" + sfx).detach().double().cpu() if gru.bias else torch.zeros(3 * H, dtype=torch.float64)
-                    b_hh = getattr(gru, "bias_hh" + sfx).detach().double().cpu() if gru.bias else torch.zeros(3 * H, dtype=torch.float64)
-                    h = hx[li * D + d].double().cpu() if hx is not None else torch.zeros(B, H, dtype=torch.float64)
-                    out = torch.zeros(T, B, H, dtype=torch.float64)
+                    b_ih = getattr(gru, "bias_ih" + sfx).detach().double().cpu() if gru.bias else torch.zeros(3 * H, dtype=torch.float64, device="cpu")
+                    b_hh = getattr(gru, "bias_hh" + sfx).detach().double().cpu() if gru.bias else torch.zeros(3 * H, dtype=torch.float64, device="cpu")
+                    h = hx[li * D + d].double().cpu() if hx is not None else torch.zeros(B, H, dtype=torch.float64, device="cpu")
+                    out = torch.zeros(T, B, H, dtype=torch.float64, device="cpu")
                     hs = []
                     gi_all = x @ W.t() + b_ih
                     for t in (range(T) if d == 0 else reversed(range(T))):

@@ -1,6 +1,7 @@
 """The weight-only mode (issue 33, seed 003): configs, packing, quantization, the golden forward
 against an independent float64 reference, every backend against the golden (tolerances stated
 in docs/weight_only.md), the Triton kernels in Triton's interpreter, files and hostile files."""
+import contextlib
 import importlib
 import json
 import os
@@ -490,3 +491,25 @@ def test_layers_cache_follows_the_buffers():
     a.l0_fwd_W_scale = a.l0_fwd_W_scale * 2  # assigned, not copied into
     assert a.layers()[0][0].W.scale is a.l0_fwd_W_scale
     assert not torch.equal(a(x)[0], b(x)[0]) and not torch.equal(a(x)[0], out_a)
+
+
+def test_no_tensor_on_the_default_device(tmp_path):
+    """Everything the mode makes names its device: with the default device set to meta, a tensor
+    made without device= would be a meta tensor and mixing it with the CPU tensors would raise."""
+    g = _float_gru(I=12, H=8)
+    x, h0 = torch.randn(4, 2, 12), torch.randn(4, 2, 8)
+    batches = [torch.randn(5, 3, 12) for _ in range(2)]
+    packed = pack_sequence([torch.randn(t, 12) for t in (3, 2)], enforce_sorted=False)
+    ref = {}
+    for meta in (False, True):
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            m = WeightOnlyGRU.from_float(g, "w4g32", batches)
+            assert m.l0_fwd_W_codes.device.type == "cpu"
+            m.save(tmp_path / f"{meta}.qgru")
+            m = WeightOnlyGRU.load(tmp_path / f"{meta}.qgru")
+            for b in ("golden", "dequant") + (("native",) if _native_ok() else ()):
+                m.backend = b
+                out = [m(x, h0)[0], m(packed)[0].data]
+                assert all(o.device.type == "cpu" for o in out)
+                ref.setdefault(b, out)
+                assert all(torch.equal(o, r) for o, r in zip(out, ref[b]))
