@@ -24,10 +24,9 @@ float32 product, exact in float64, so every consumer that dequantizes sees the s
 from __future__ import annotations
 
 import json
-import math
 import pickle
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -66,6 +65,8 @@ class WeightOnlyConfig:
     search: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.name, str) or len(self.name) > 200:
+            raise WeightOnlyError("weight-only config: name must be a string of at most 200 characters")
         if self.bits not in WO_BITS:
             raise WeightOnlyError(f"weight-only config {self.name!r}: bits must be one of {WO_BITS}, got {self.bits!r}")
         per = 32 // self.bits

@@ -23,7 +23,6 @@ where a GPU is present. Prints markdown tables (docs/weight_only.md holds a run'
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import platform
 import statistics

@@ -253,8 +253,9 @@ def test_dropin_surface(backend):
         assert out.shape == r_out.shape and h.shape == r_h.shape
         assert float((out - r_out).abs().max()) < 1e-5 and float((h - r_h).abs().max()) < 1e-5
     packed = pack_sequence([torch.randn(t, 12) for t in (3, 5, 1)], enforce_sorted=False)
-    out, h = m(packed, torch.randn(4, 3, 10).clamp(-1, 1) * 0)
-    r_out, r_h = ref(packed)
+    hp = torch.randn(4, 3, 10)  # in the sequences' original order, as nn.GRU takes it
+    out, h = m(packed, hp)
+    r_out, r_h = ref(packed, hp)
     assert torch.equal(out.batch_sizes, r_out.batch_sizes) and torch.equal(out.sorted_indices, r_out.sorted_indices)
     assert float((out.data - r_out.data).abs().max()) < 1e-5 and float((h - r_h).abs().max()) < 1e-5
     if backend != "golden":
@@ -432,6 +433,9 @@ def _with_meta(d, **kw):
     (lambda d: _with_meta(d, input_size=True), "input_size"),
     (lambda d: _with_meta(d, format="other"), "format"),
     (lambda d: _with_meta(d, config={"bits": 3}), "config"),
+    (lambda d: _with_meta(d, config={**json.loads(d["meta"])["config"], "group_size": True}), "group_size"),
+    (lambda d: _with_meta(d, config={**json.loads(d["meta"])["config"], "name": [1]}), "name"),
+    (lambda d: _with_meta(d, config={**json.loads(d["meta"])["config"], "bits": 8}), "expected"),
     (lambda d: _resealed({**d, "extra": torch.zeros(1, dtype=torch.int32)}), "unexpected"),
     (lambda d: _resealed({k: v for k, v in d.items() if k != "l0.fwd.R.zp"}), "missing"),
     (lambda d: _resealed({**d, "l0.fwd.W.scale": d["l0.fwd.W.scale"].double()}), "float64"),
