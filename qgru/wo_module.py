@@ -53,6 +53,10 @@ class WeightOnlyGRU(nn.Module):
         self.backend = backend
         self.dtype = self.config.torch_dtype
         self.last_path: Optional[str] = None
+        # CUDA only, opt-in: the Triton path replayed as a CUDA graph per input shape (qgru.wo_triton.
+        # GraphedForward; not yet run on a GPU). Dropped with the layers cache when buffers change.
+        self.cuda_graph = False
+        self._graphed = None
         D = 2 if bidirectional else 1
         H = hidden_size
         for li in range(num_layers):
@@ -94,10 +98,12 @@ class WeightOnlyGRU(nn.Module):
     def __setattr__(self, name, value):
         if name in self.__dict__.get("_buffers", ()) or name == "config":
             self.__dict__.pop("_layers_cache", None)
+            self.__dict__["_graphed"] = None
         super().__setattr__(name, value)
 
     def _load_from_state_dict(self, *args, **kwargs):
         self.__dict__.pop("_layers_cache", None)
+        self.__dict__["_graphed"] = None
         super()._load_from_state_dict(*args, **kwargs)
 
     def _make_layers(self) -> List[List[WOLayer]]:
@@ -138,6 +144,7 @@ class WeightOnlyGRU(nn.Module):
             self.dtype = probe.dtype
             self.config = dataclasses.replace(self.config, dtype=_dtype_name(probe.dtype))
         self.__dict__.pop("_layers_cache", None)
+        self.__dict__["_graphed"] = None
         return super()._apply(lambda t: fn(t).to(t.dtype), recurse)
 
     def weight_bytes(self) -> int:
@@ -258,7 +265,12 @@ class WeightOnlyGRU(nn.Module):
                 out, h_n = self._native_forward(xt, hx, lengths)
             else:
                 from . import wo_triton
-                out, h_n = wo_triton.gru_forward(self.layers(), xt, hx, self.dtype, lengths)
+                if self.cuda_graph:
+                    if self._graphed is None:
+                        self._graphed = wo_triton.GraphedForward()
+                    out, h_n = self._graphed(self.layers(), xt, hx, self.dtype, lengths)
+                else:
+                    out, h_n = wo_triton.gru_forward(self.layers(), xt, hx, self.dtype, lengths)
             out, h_n = out.to(out_dtype), h_n.to(out_dtype)
             if packed:
                 out = _repack(out, input)

@@ -222,3 +222,46 @@ def gru_forward(layers: Sequence[Sequence[WOLayer]], x: torch.Tensor, hx: Option
             h_n.append(h)
         inp = outs[0] if D == 1 else torch.cat(outs, -1)
     return inp, torch.stack(h_n)
+
+
+class GraphedForward:
+    """gru_forward replayed as a CUDA graph (the T step launches recorded once per input shape),
+    so that a long sequence costs the GPU's launch latency per step instead of Triton's host-side
+    launch time. Opt-in (WeightOnlyGRU.cuda_graph = True) and NOT yet run on a GPU (none where it
+    was written): inputs are copied into static buffers, the graph is replayed, the outputs are
+    cloned. One graph per (T, B, input dtype, has h0, has lengths); the weights are read from the
+    layers' buffers as they were at capture (replace the module's buffers -> call reset())."""
+
+    def __init__(self):
+        self._graphs = {}
+
+    def reset(self) -> None:
+        self._graphs.clear()
+
+    def __call__(self, layers, x: torch.Tensor, hx: Optional[torch.Tensor], dtype: torch.dtype,
+                 lengths: Optional[torch.Tensor] = None):
+        _need()
+        if not x.is_cuda:
+            raise WeightOnlyError("GraphedForward: CUDA tensors only")
+        key = (tuple(x.shape), x.dtype, hx is not None, lengths is not None, dtype)
+        entry = self._graphs.get(key)
+        if entry is None:
+            static = {"x": x.clone(), "hx": None if hx is None else hx.clone(),
+                      "len": None if lengths is None else lengths.to(device=x.device, dtype=torch.int32).clone()}
+            side = torch.cuda.Stream(device=x.device)
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side):  # compile the kernels and warm the allocator outside the capture
+                gru_forward(layers, static["x"], static["hx"], dtype, static["len"])
+            torch.cuda.current_stream(x.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = gru_forward(layers, static["x"], static["hx"], dtype, static["len"])
+            entry = self._graphs[key] = (graph, static, out)
+        graph, static, out = entry
+        static["x"].copy_(x)
+        if hx is not None:
+            static["hx"].copy_(hx)
+        if lengths is not None:
+            static["len"].copy_(lengths.to(device=x.device, dtype=torch.int32))
+        graph.replay()
+        return out[0].clone(), out[1].clone()

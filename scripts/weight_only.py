@@ -13,7 +13,8 @@ where a GPU is present. Prints markdown tables (docs/weight_only.md holds a run'
    B=64 T=100 (one call), float nn.GRU vs qgru w8a8 (the cpu backend) vs weight-only; the models
    take turns call by call and each reports its median (robust to a shared machine's drift).
 4. GPU speed (only with CUDA; skipped here otherwise): cuDNN fp16 nn.GRU vs the weight-only
-   w4g128 float16 module (Triton kernels), B=1 and B=64, T=1000 and T=1 calls, hidden 512 / 1024.
+   w4g128 float16 module (Triton kernels, launched per step and, cuda_graph=True, replayed as a
+   CUDA graph), B=1 and B=64, T=1000 and T=1 calls, hidden 512 / 1024.
 
     python scripts/weight_only.py                 # everything this machine can run
     python scripts/weight_only.py --quick         # fewer repeats, smaller synthetic data
@@ -192,27 +193,35 @@ def cpu_speed_rows(repeats, I=256, H=512, T=100, B=64):
 
 
 def gpu_speed_rows(repeats):
-    """cuDNN fp16 vs weight-only w4g128 float16 (Triton) on CUDA; [] without CUDA."""
+    """cuDNN fp16 vs weight-only w4g128 float16 (Triton, launched per step and replayed as a CUDA
+    graph) on CUDA; [] without CUDA. A path that fails reports its error in its row."""
     if not torch.cuda.is_available():
         return []
     from qgru import wo_triton
     if wo_triton.why_unavailable():
-        return [("(skipped)", wo_triton.why_unavailable(), "", "", "")]
+        return [("(skipped)", wo_triton.why_unavailable(), "", "", "", "", "")]
     rows = []
     sync = torch.cuda.synchronize
     for H in (512, 1024):
         torch.manual_seed(0)
-        g = nn.GRU(H, H).cuda().half().eval()
-        m = WeightOnlyGRU.from_float(g.float(), wo.WeightOnlyConfig.load("w4g128", weight_rounding="nearest")).half()
-        g = g.half()
+        g = nn.GRU(H, H).eval()
+        m = WeightOnlyGRU.from_float(g, wo.WeightOnlyConfig.load("w4g128", weight_rounding="nearest")).cuda().half()
+        g = g.cuda().half()
         for B in (1, 64):
             for T in (1000, 1):
                 x = torch.randn(T, B, H, device="cuda", dtype=torch.float16)
                 with torch.no_grad():
                     tc = _median_time(lambda: g(x), repeats, sync=sync)
-                    tw = _median_time(lambda: m(x), repeats, sync=sync)
-                rows.append((f"H={H} B={B} T={T}", f"{tc * 1e3:.3f}", f"{tw * 1e3:.3f}", f"{tc / tw:.2f}x",
-                             m.last_path))
+                    res = []
+                    for graph in (False, True):
+                        m.cuda_graph = graph
+                        try:
+                            tw = _median_time(lambda: m(x), repeats, sync=sync)
+                            err = float((m(x)[0].float() - g(x)[0].float()).abs().max())
+                            res.append((f"{tw * 1e3:.3f}", f"{tc / tw:.2f}x (max diff vs cuDNN {err:.1e})"))
+                        except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
+                            res.append(("error", f"{type(e).__name__}: {str(e)[:80]}"))
+                rows.append((f"H={H} B={B} T={T}", f"{tc * 1e3:.3f}", *res[0], *res[1], m.last_path))
     return rows
 
 
@@ -268,7 +277,8 @@ def speed(args, repeats):
     rows = gpu_speed_rows(repeats)
     if rows:
         print(f"\n## GPU speed, {torch.cuda.get_device_name()}: cuDNN fp16 vs weight-only w4g128 float16\n")
-        print(_table(["shape", "cuDNN fp16 ms", "w4g128 ms", "speed-up", "path"], rows))
+        print(_table(["shape", "cuDNN fp16 ms", "w4g128 ms", "vs cuDNN", "w4g128 graph ms", "vs cuDNN",
+                      "path"], rows))
     else:
         print("\n## GPU speed: skipped (no CUDA device here)")
 
