@@ -12,6 +12,8 @@ from tqdm.auto import tqdm
 from .config import QuantConfig
 from .module import QGRUDtypeError, QGRUInputError, QuantGRU
 from .observers import NonFiniteCalibrationError, NonFiniteWeightError
+from .weight_only import is_weight_only
+from .wo_module import quantize_model_weight_only
 
 
 def _quant_grus(model: nn.Module) -> List[QuantGRU]:
@@ -84,7 +86,13 @@ def quantize_model(model: nn.Module, batches: Iterable, config: Union[str, dict,
     in ``model`` that are converted already are kept as they are (and run integer-only while the
     others calibrate). A subclass of nn.GRU keeps its own forward and methods (see prepare_model);
     its forward must call ``super().forward(...)``, else this raises a TypeError naming the class.
+
+    A weight-only config (``"w4g128"``, ``"w8pc"``, ... or a qgru.WeightOnlyConfig; qgru/weight_only.py)
+    makes every nn.GRU a qgru.WeightOnlyGRU instead: packed weights, float activations; ``batches``
+    then feed only gptq rounding (docs/weight_only.md).
     """
+    if is_weight_only(config):
+        return quantize_model_weight_only(model, batches, config)
     qmodel = prepare_model(model, config)
     # QuantGRUs converted already (e.g. a quantized encoder) stay as they are and run integer-only
     # while the others calibrate: those see the inputs they will see after quantization

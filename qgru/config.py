@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 import math
 import json
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,8 @@ SCALE_MODES = ("pow2", "multiplier")
 OBSERVER_KINDS = ("mse", "percentile", "minmax", "ema", "ema_step")
 WEIGHT_ROUNDINGS = ("gptq", "nearest")
 BUILTIN_CONFIGS = ("w8a8", "w8a16", "w16a16")
+# the weight-only configs' names (qgru/weight_only.py: w4g128, w8pc, w4g128s ...), named in errors
+_WEIGHT_ONLY_NAME = re.compile(r"w(2|4|8)(g[0-9]+|pc)s?\Z")
 
 
 def _config_dir() -> Path:
@@ -145,7 +148,9 @@ class QuantConfig:
                 path = _config_dir() / f"{config}.toml"
             elif path.suffix != ".toml" or not path.is_file():
                 raise ValueError(f"unknown config {config!r}: use one of {', '.join(BUILTIN_CONFIGS)} "
-                                 "or the path of a .toml file")
+                                 "or the path of a .toml file" + (
+                                     " (weight-only configs such as w4g128 are qgru.WeightOnlyConfig: pass the "
+                                     "name to qgru.quantize_model)" if _WEIGHT_ONLY_NAME.match(str(config)) else ""))
             with open(path, "rb") as f:
                 base = tomllib.load(f)
             name = base.get("name", path.stem)
