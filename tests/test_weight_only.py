@@ -517,3 +517,35 @@ def test_no_tensor_on_the_default_device(tmp_path):
                 assert all(o.device.type == "cpu" for o in out)
                 ref.setdefault(b, out)
                 assert all(torch.equal(o, r) for o, r in zip(out, ref[b]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels compiled, on a GPU (skipped without CUDA; scripts/gpu_check.sh runs them)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_on_cuda_matches_golden(dtype):
+    """The compiled Triton GRU (dequant-GEMM for W.x, fused R.h + gate step) on a CUDA device,
+    bidirectional with lengths, per-step launches and the CUDA-graph replay, against the golden
+    forward on the CPU: the same bound as the interpreted check (1e-5 of the output's scale)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from qgru import wo_triton
+    if wo_triton.why_unavailable():
+        pytest.fail(f"torch sees a GPU but the Triton path is unavailable: {wo_triton.why_unavailable()}",
+                    pytrace=False)
+    m = WeightOnlyGRU.from_float(_float_gru(I=24, H=16, L=2, bidir=True),
+                                 wo.WeightOnlyConfig.load("w4g32", weight_rounding="nearest"))
+    gen = torch.Generator().manual_seed(9)
+    x, h0 = torch.randn(5, 3, 24, generator=gen).to(dtype), torch.randn(4, 3, 16, generator=gen).to(dtype)
+    lengths = torch.tensor([5, 1, 3])
+    gout, gh = wo.golden_forward(m.layers(), x.double(), h0.double(), lengths, dtype)
+    out, h = wo_triton.gru_forward(m.cuda().layers(), x.cuda(), h0.cuda(), dtype, lengths.cuda())
+    assert out.is_cuda and _err(out.cpu(), gout) < 1e-5 and _err(h.cpu(), gh) < 1e-5
+    m.to(dtype).backend = "triton"
+    for graph in (False, True):
+        m.cuda_graph = graph
+        with torch.no_grad():
+            o2, h2 = m(x.cuda(), h0.cuda())
+        want, want_h = wo.golden_forward(m.cpu().layers(), x.double(), h0.double(), None, dtype)
+        m.cuda()
+        assert _err(o2.float().cpu(), want) < 1e-5 and _err(h2.float().cpu(), want_h) < 1e-5, graph
