@@ -526,7 +526,10 @@ def test_no_tensor_on_the_default_device(tmp_path):
 def test_triton_on_cuda_matches_golden(dtype):
     """The compiled Triton GRU (dequant-GEMM for W.x, fused R.h + gate step) on a CUDA device,
     bidirectional with lengths, per-step launches and the CUDA-graph replay, against the golden
-    forward on the CPU: the same bound as the interpreted check (1e-5 of the output's scale)."""
+    forward on the CPU: the kernels' float32 results within 1e-5 of the output's scale (as the
+    interpreted check); the module's outputs, rounded to its dtype, within that dtype's bound.
+    Measured on an H200 (2026-11-27, triton 3.6.0): float32 passed; float16's kernel results
+    passed and its module outputs were 2.7e-4 off (float16 rounding; the bound was 1e-5 then)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from qgru import wo_triton
@@ -548,4 +551,6 @@ def test_triton_on_cuda_matches_golden(dtype):
             o2, h2 = m(x.cuda(), h0.cuda())
         want, want_h = wo.golden_forward(m.cpu().layers(), x.double(), h0.double(), None, dtype)
         m.cuda()
-        assert _err(o2.float().cpu(), want) < 1e-5 and _err(h2.float().cpu(), want_h) < 1e-5, graph
+        # the module returns its dtype: the golden's float64 rounded to it (docs/weight_only.md bounds)
+        tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+        assert _err(o2.float().cpu(), want) < tol and _err(h2.float().cpu(), want_h) < tol, graph
