@@ -30,7 +30,10 @@ def drift():
     torch.set_num_threads(1)
     torch.manual_seed(0)
     case = am.drift_case(torch.Generator().manual_seed(0))
-    yield am, case
+    q = qgru.quantize_model(case.model, case.calib, progress=False)
+    static = qgru.quantize_model(case.model, case.calib, progress=False,
+                                 config=qgru.QuantConfig.load("w8a8", overrides=STATIC_X8))
+    yield am, case, q, static
     torch.set_num_threads(before)
 
 
@@ -41,36 +44,30 @@ def _sqnr(case, model, ref) -> float:
 
 
 def test_the_stand_in_reaches_beyond_calibration(drift):
-    am, case = drift
+    am, case, _, _ = drift
     assert 1.5 <= am.drift_ratio(case) <= 3.0
 
 
 def test_default_w8a8_keeps_up_with_dynamic_quant_beyond_calibration(drift):
-    _, case = drift
+    _, case, q, static = drift
     with torch.no_grad():
         ref = torch.cat([case.model(x).reshape(-1) for x in case.test]).double()
-    q = qgru.quantize_model(case.model, case.calib, progress=False)
     got = _sqnr(case, q, ref)
     dq, why = dynamic_quant(case.model)
     if dq is not None:
         assert got >= _sqnr(case, dq, ref) - 1.0
     # torch's dynamic quant measured 36.8 dB here (torch 2.13), the 8-bit static x 20.8 dB
     assert got >= 35.0
-    static = qgru.quantize_model(case.model, case.calib, progress=False,
-                                 config=qgru.QuantConfig.load("w8a8", overrides=STATIC_X8))
     assert _sqnr(case, static, ref) < got - 10  # what the 8-bit x lost (the stand-in reproduces it)
 
 
 def test_compare_warns_when_the_inputs_clip(drift):
-    _, case = drift
-    static = qgru.quantize_model(case.model, case.calib, progress=False,
-                                 config=qgru.QuantConfig.load("w8a8", overrides=STATIC_X8))
+    _, case, q, static = drift
     with pytest.warns(qgru.CalibrationWarning, match=r"GRU 'rnn': [0-9.]+% of its input x \(fwd\) lies beyond "
                                                      r"its calibrated grid.*more than 0\.1%"):
         report = qgru.compare(case.model, static, case.test, verbose=False, progress=False)
     assert report.row("x", 0, "fwd")["saturation"] > 1e-3
     # the default's x grid holds them: no warning; nor on the calibration data itself
-    q = qgru.quantize_model(case.model, case.calib, progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", qgru.CalibrationWarning)
         qgru.compare(case.model, q, case.test, verbose=False, progress=False)
