@@ -9,9 +9,7 @@ Each tensor takes ``bits``, ``symmetric``, ``granularity`` (+ ``group_size`` for
 for calibrated activations, ``headroom``: the calibrated range is widened by that factor before
 the grid is chosen. Wide (16-bit) tensors have resolution to spare, and widening them keeps
 inference inputs beyond the calibration extremes from saturating; the shipped configs use
-headroom 1.5 on every 16-bit activation but w8a8's x (4: the layer input is the one activation
-that inference data can take beyond what calibration saw, issue 31) and none on 8-bit ones, where
-resolution matters more.
+headroom 1.5 on every 16-bit activation and none on 8-bit ones, where resolution matters more.
 
 Top-level ``weight_rounding`` ("gptq", the default, or "nearest") says how W and R are rounded
 onto their grids at convert() (qgru.convert.gptq_round; docs/spec.md section 8).

@@ -107,10 +107,7 @@ def test_compare_names_the_observer_that_clips_its_own_calibration_data():
     torch.manual_seed(0)
     model = Forecaster().eval()
     series = sine_series()
-    # x on an 8-bit grid over the observer's range (w8a8's x before issue 31): the default's 4x headroom
-    # would hold what ema's range leaves out
-    cfg = qgru.QuantConfig.load("w8a8", overrides={"observer": {"kind": "ema"},
-                                                   "tensors": {"x": {"bits": 8, "headroom": 1.0}}})
+    cfg = qgru.QuantConfig.load("w8a8", overrides={"observer": {"kind": "ema"}})
     q = qgru.quantize_model(OneStepRollout(model), [series], config=cfg, progress=False).model
     assert int(q.rnn._calib["l0.fwd.x.clipped"]) > 0.1 * int(q.rnn._calib["l0.fwd.x.count"])
     report = qgru.compare(model, q, [series], verbose=False, progress=False)

@@ -197,11 +197,6 @@ def _cfg(name: str, **overrides) -> str:
     return QuantConfig.load(name, overrides=overrides or None).to_json()
 
 
-# w8a8 with an 8-bit x (the default before issue 31, 2026-11-27; the shipped w8a8's x is 16-bit):
-# both GEMMs one int8 limb pair, the fused step
-X8 = {"x": {"bits": 8, "headroom": 1.0}}
-
-
 def _to(v, device):
     if v is None:
         return None
@@ -393,7 +388,7 @@ def test_integer_worst_case_accumulators(kind, cfg, mode, K, sign):
     operands and pow2 scales the kernels may use int32 accumulators (csrc AccRequant32, right
     shift R >= 1): an overflow there shows as a wrapped, opposite-end Wx."""
     config = QuantConfig.load(cfg, overrides={"scale_mode": mode, "tensors": {
-        "Wx": {"headroom": 1.0}, "Rh": {"headroom": 1.0}, **(X8 if cfg == "w8a8" else {})}})
+        "Wx": {"headroom": 1.0}, "Rh": {"headroom": 1.0}}})
     H = 2
     w_bits, x_bits, h_bits = config["W"].bits, config["x"].bits, config["h"].bits
     w = (2 ** (w_bits - 1) - 1) * 2.0 ** -(w_bits - 1)  # a full-scale weight on a pow2 grid
@@ -453,7 +448,7 @@ def test_int32_multiplier_cell_taken_and_exact(kind, k, j):
     accumulators' shifts across lsh = 0 (s = 33) and past the int32 bound; the gate grids from
     2^-16 to 2^6 times theirs (j), which moves the pre-activation rescales' left shifts up to
     where a 16-bit Wx no longer fits int32 after them."""
-    config = QuantConfig.load("w8a8", overrides={"scale_mode": "multiplier", "tensors": X8})
+    config = QuantConfig.load("w8a8", overrides={"scale_mode": "multiplier"})
     I, H = 40, 24
     one = lambda lo, hi: (torch.tensor(float(lo), dtype=torch.float64), torch.tensor(float(hi), dtype=torch.float64))
     per = lambda lo, hi: (torch.full((3 * H,), float(lo), dtype=torch.float64),
@@ -472,13 +467,13 @@ def test_int32_multiplier_cell_taken_and_exact(kind, k, j):
 @pytest.mark.parametrize("mode", ["multiplier", "pow2"])
 @pytest.mark.parametrize("h_range", [(-1, 1), (-0.3, 1.0), (-1.0, 0.1)])
 def test_state16_with_h_gemm_takes_the_int32_cell(kind, mode, h_range):
-    """w8a8 (16-bit state, 8-bit R.h operand h_gemm) with an 8-bit x keeps the fast CPU path: one limb
+    """The shipped w8a8 (16-bit state, 8-bit R.h operand h_gemm) keeps the fast CPU path: one limb
     pair per GEMM (the fused step) and the int32 cell, whose z * h now reaches 2^32
     (rescale_wide32) and which writes the next step's operand itself (gemm_operand32). Against
     golden, with a third of the states at either end of the 16-bit grid, h grids symmetric and
     lopsided (the operand's zero point far from the state's), H = 150 (a partial 128-channel
     block) and batches below and above a 16-row tile."""
-    config = QuantConfig.load("w8a8", overrides={"scale_mode": mode, "tensors": X8})
+    config = QuantConfig.load("w8a8", overrides={"scale_mode": mode})
     assert config["h"].bits == 16 and config["h_gemm"].bits == 8
     I, H = 37, 150
     one = lambda lo, hi: (torch.tensor(float(lo), dtype=torch.float64), torch.tensor(float(hi), dtype=torch.float64))
@@ -509,7 +504,7 @@ def test_one_row_calls_on_another_path(cpu_backend, name, mode, path, other):
     usable = {str(i["name"]) for i in native.cpu_paths() if i["usable"]}
     if not {path, other} <= usable:
         pytest.skip(f"needs a CPU that runs {path} and {other}")
-    p = _converted(_cfg(name, scale_mode=mode, **({"tensors": X8} if name == "w8a8" else {})), 37, 150)._qparams[0][0]
+    p = _converted(_cfg(name, scale_mode=mode), 37, 150)._qparams[0][0]
     layer = native.NativeLayer("cpu", p, torch.device("cpu"), isa=path)
     assert layer.one_row_gemm == other and native.one_row_path(p, path) == other
     for own in (other, "portable"):
@@ -540,7 +535,7 @@ def test_auto_avxvnni_runs_16_bit_layers_on_avx2(cpu_backend, monkeypatch):
     monkeypatch.delenv("QGRU_CPU_ISA", raising=False)
     dev = torch.device("cpu")
     p16 = _converted(_cfg("w8a16"), 23, 37)._qparams[0][0]
-    p8 = _converted(_cfg("w8a8", tensors=X8), 23, 37)._qparams[0][0]
+    p8 = _converted(_cfg("w8a8"), 23, 37)._qparams[0][0]
     assert native.layer_path(p16, "avxvnni", "auto") == "avx2" and native.layer_path(p8, "avxvnni", "auto") == "avxvnni"
     assert native.layer_path(p16, "avxvnni", "avxvnni") == "avxvnni" and native.layer_path(p16, "amx", "auto") == "amx"
     gen = torch.Generator().manual_seed(17)
@@ -581,7 +576,7 @@ def test_cpu_path_follows_isa_switch(cpu_backend, monkeypatch):
     assert [i["name"] for i in paths] == list(CPU_PATHS[::-1])
     usable = [i["name"] for i in paths if i["usable"]]
     assert "portable" in usable
-    p8 = _converted(_cfg("w8a8", tensors=X8), 5, 20)._qparams[0][0]
+    p8 = _converted(_cfg("w8a8"), 5, 20)._qparams[0][0]
     p16 = _converted(_cfg("w16a16"), 5, 20)._qparams[0][0]
     dev = torch.device("cpu")
     assert native.NativeLayer("cpu", p8, dev).gemm == usable[0] + "-fused"
@@ -664,7 +659,7 @@ def test_integer_bit_exact_across_thread_counts(cpu_backend, cfg, N):
     give golden's integers (a partitioning bug would show as a mismatch under one of them). w8a8
     with N >= 16 runs the fused step, whose threads wait for each other between steps: with more
     threads than cores they must still all make progress."""
-    config = QuantConfig.load(cfg, overrides={"scale_mode": "multiplier"} if cfg == "w8a16" else {"tensors": X8})
+    config = QuantConfig.load(cfg, overrides={"scale_mode": "multiplier"} if cfg == "w8a16" else None)
     p = _converted(config.to_json(), 23, 37)._qparams[0][0]
     before = torch.get_num_threads()
     try:
@@ -760,7 +755,7 @@ def _assert_golden(got, p: golden.LayerParams, qx, qh0, lengths, what: str = "")
 
 
 def _plain_layer(cfg: str, mode: str, I: int, H: int, seed: int, w_exp: int = -2) -> golden.LayerParams:
-    config = QuantConfig.load(cfg, overrides={"scale_mode": mode, **({"tensors": X8} if cfg == "w8a8" else {})})
+    config = QuantConfig.load(cfg, overrides={"scale_mode": mode})
     one = lambda lo, hi: (torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64))
     per = lambda lo, hi: (torch.full((3 * H,), lo, dtype=torch.float64), torch.full((3 * H,), hi, dtype=torch.float64))
     ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-4, 5), "Rh": per(-3, 2),
@@ -1854,11 +1849,10 @@ def test_stack_one_row_calls(cpu_backend, monkeypatch, cfg, layers):
         _forget_native(m)
         params = m._qparams_on["cpu"]
         path = native.resolve_cpu_isa(req)["name"]
-        x16 = m.qconfig["x"].bits > 8  # w8a16, and w8a8 since its x became 16-bit (issue 31)
-        if req == "auto" and path == "avxvnni" and x16 and "avx2" in usable:
+        if req == "auto" and path == "avxvnni" and cfg == "w8a16" and "avx2" in usable:
             path = "avx2"  # native.layer_path: the whole layer runs on avx2, nothing to hand over
-        expect = ("avx2" if x16 and path in ("amx", "avx512vnni", "avxvnni") and "avx2" in usable
-                  else "avx512vnni" if not x16 and path == "amx" and "avx512vnni" in usable else "")
+        expect = ("avx2" if cfg == "w8a16" and path in ("amx", "avx512vnni", "avxvnni") and "avx2" in usable
+                  else "avx512vnni" if cfg == "w8a8" and path == "amx" and "avx512vnni" in usable else "")
         monkeypatch.setenv("QGRU_CPU_ISA", req)
         _assert_same(_streaming_loop(m, xs, "cpu", other_shape=True), want)
         assert native.cpu_stack_plan(params, req) is not None
