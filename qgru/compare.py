@@ -101,7 +101,7 @@ from . import golden
 from .backends import BoundaryOps
 from .convert import recurrent_operand
 from .float_gru import float_direction
-from .module import QuantGRU
+from .module import CalibrationWarning, QuantGRU
 from .primitives import dequantize, qrange
 from .tables import output_grid
 
@@ -781,15 +781,15 @@ def compare(float_model: nn.Module, quant_model: nn.Module, batches: Iterable,
 def _warn_input_clipping(report: CompareReport) -> None:
     """A CalibrationWarning per GRU whose layer-0 input x saturated on more than X_CLIP_WARN of its
     elements in the compared batches: those inputs lie beyond the range calibration saw."""
-    from .module import CalibrationWarning
     for r in report.rows:
         if r["tensor"] != "x" or r["layer"] != 0 or not r["saturation"] or r["saturation"] <= X_CLIP_WARN:
             continue
         need = r.get("range_needed")
         widen = f" (they need a range {need:.2g}x as wide)" if need and need > 1 else ""
+        headroom = max(4.0, math.ceil(need * 11) / 10) if need and need > 1 else 4.0
         warnings.warn(f"compare(): GRU {_mod(r['module'])!r}: {100 * r['saturation']:.2f}% of its input x "
                       f"({r['direction']}) lies beyond its calibrated grid{widen}, more than "
                       f"{100 * X_CLIP_WARN:g}%: these batches reach beyond what calibration saw and those values "
                       f"saturate. Calibrate on data that spans the inputs the model will get, or widen x's "
-                      f"range: overrides={{'tensors': {{'x': {{'bits': 16, 'headroom': ...}}}}}} (README, "
+                      f"range: overrides={{'tensors': {{'x': {{'bits': 16, 'headroom': {headroom:g}}}}}}} (README, "
                       f"\"Inputs beyond the calibration range\")", CalibrationWarning, stacklevel=3)
