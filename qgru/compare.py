@@ -101,7 +101,7 @@ from . import golden
 from .backends import BoundaryOps
 from .convert import recurrent_operand
 from .float_gru import float_direction
-from .module import QuantGRU
+from .module import CalibrationWarning, QuantGRU
 from .primitives import dequantize, qrange
 from .tables import output_grid
 
@@ -112,6 +112,9 @@ GATE_OUTPUTS = ("r", "z", "g")
 ROW_ORDER = ("x", "W", "R", "Wx", "h_gemm", "Rh", "r_pre", "z_pre", "g_pre", "r", "z", "g", "h", "h_n")
 CONFIG_TENSORS = ("x", "h", "h_gemm", "W", "R", "Wx", "Rh", "r_pre", "z_pre", "g_pre", "r", "z", "g")
 SATURATION_THRESHOLD = 1e-3  # worst(): clipping above 0.1 % of the elements is the reason
+# compare() warns (CalibrationWarning) when more than this share of a GRU's input x (layer 0) lies
+# beyond its grid: the batches reach beyond what calibration saw (issue 31: drifting forecasts)
+X_CLIP_WARN = 1e-3
 MAX_HEADROOM_GUESS = 100.0  # worst() suggests a headroom only for a range this many times too small
 _BOUNDARY = BoundaryOps()  # golden quantize (rejects NaN)
 
@@ -769,6 +772,24 @@ def compare(float_model: nn.Module, quant_model: nn.Module, batches: Iterable,
     report = comparer.report(seen)
     if not any(r["tensor"] != "W" and r["tensor"] != "R" for r in report.rows):
         raise ValueError("compare(): no GRU of quant_model ran on these batches")
+    _warn_input_clipping(report)
     if verbose:
         print(report)
     return report
+
+
+def _warn_input_clipping(report: CompareReport) -> None:
+    """A CalibrationWarning per GRU whose layer-0 input x saturated on more than X_CLIP_WARN of its
+    elements in the compared batches: those inputs lie beyond the range calibration saw."""
+    for r in report.rows:
+        if r["tensor"] != "x" or r["layer"] != 0 or not r["saturation"] or r["saturation"] <= X_CLIP_WARN:
+            continue
+        need = r.get("range_needed")
+        widen = f" (they need a range {need:.2g}x as wide)" if need and need > 1 else ""
+        headroom = max(4.0, math.ceil(need * 11) / 10) if need and need > 1 else 4.0
+        warnings.warn(f"compare(): GRU {_mod(r['module'])!r}: {100 * r['saturation']:.2f}% of its input x "
+                      f"({r['direction']}) lies beyond its calibrated grid{widen}, more than "
+                      f"{100 * X_CLIP_WARN:g}%: these batches reach beyond what calibration saw and those values "
+                      f"saturate. Calibrate on data that spans the inputs the model will get, or widen x's "
+                      f"range: overrides={{'tensors': {{'x': {{'bits': 16, 'headroom': {headroom:g}}}}}}} (README, "
+                      f"\"Inputs beyond the calibration range\")", CalibrationWarning, stacklevel=3)

@@ -199,6 +199,21 @@ def load_params(path: Union[str, Path]) -> QuantParams:
         raise ParamsFileError(f"{path}: {e}") from None
 
 
+def read_archive_bytes(data: bytes, name: str) -> Any:
+    """The contents of a torch.save archive held in memory (a converted QuantGRU's state_dict entry,
+    see QuantGRU.get_extra_state), read as untrusted input the way load_params reads a file: the zip
+    records' CRCs verified, nothing but tensors and plain containers unpickled. Raises
+    ParamsFileError naming ``name``; the caller checks what it holds (QuantParams.from_dict)."""
+    import io
+    _check_archive(io.BytesIO(data), name)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever torch's reader trips over, the data is bad
+        raise ParamsFileError(f"{name}: not a readable qgru archive ({type(e).__name__}: {e})") from None
+
+
 def _check_archive(f, path: Path) -> None:
     """torch.save writes a zip archive; its reader does not check the records' CRC-32s, this does."""
     try:

@@ -11,6 +11,7 @@ Input and output stay float at the module boundary: the input and h0 are quantiz
 the outputs dequantized on exit; everything in between is integer (docs/spec.md).
 """
 
+import re
 import warnings
 from typing import Dict, List, Optional, Tuple, Union, overload
 
@@ -181,9 +182,22 @@ _EXTRA_STATE_VERSION = 1
 _QUANTIZED_CLASSES: Dict[type, type] = {}
 
 
+def _quantized_class_name(cls: type) -> str:
+    """``Quant<Name>`` for a GRU subclass ``Name``; a library's ``class GRU(nn.GRU)`` would make that
+    qgru's own ``QuantGRU``, so its top-level package goes in between, CamelCased:
+    ``pytorch_forecasting...GRU`` -> ``QuantPytorchForecastingGRU``."""
+    name = f"Quant{cls.__name__}"
+    if name != QuantGRU.__name__:
+        return name
+    package = str(getattr(cls, "__module__", "") or "").split(".")[0]
+    camel = "".join(w[:1].upper() + w[1:] for w in re.split(r"[^0-9A-Za-z]+", package) if w) or "Subclass"
+    return f"Quant{camel}{cls.__name__}"
+
+
 def quantized_class(cls: type) -> type:
     """The QuantGRU class for a GRU class: QuantGRU for nn.GRU; for a subclass ``C`` of nn.GRU, a
-    class ``QuantC(C, QuantGRU)`` (made once per class): C's forward and methods come first, and
+    class ``QuantC(C, QuantGRU)`` (made once per class; for a subclass itself named ``GRU``, the
+    name holds its package too, see _quantized_class_name): C's forward and methods come first, and
     its ``super().forward(...)`` reaches QuantGRU's forward, which runs nn.GRU's in float mode and
     the integer GRU once converted."""
     if not (isinstance(cls, type) and issubclass(cls, nn.GRU)):
@@ -194,12 +208,29 @@ def quantized_class(cls: type) -> type:
         return cls
     if cls not in _QUANTIZED_CLASSES:
         import types
-        name = f"Quant{cls.__name__}"
+        name = _quantized_class_name(cls)
         q = types.new_class(name, (cls, QuantGRU), {}, lambda ns: ns.update(
             {"__module__": __name__, "__qualname__": name, "_qgru_float_class": cls,
              "__doc__": f"{cls.__module__}.{cls.__qualname__}, quantized by qgru (see qgru.QuantGRU)"}))
         _QUANTIZED_CLASSES[cls] = q
     return _QUANTIZED_CLASSES[cls]
+
+
+_CALIB_KEY = re.compile(r"l(0|[1-9][0-9]{0,8})\.(fwd|rev)\.[A-Za-z_]+\.[a-z_0-9]+\Z")
+
+
+def _checked_calibration(calib, who: str) -> Dict[str, torch.Tensor]:
+    """A loaded calibration record (what _calibration_record wrote), checked: names of its form,
+    each value a real tensor of at most one dimension (qgru.compare reads them)."""
+    from .export import ParamsFileError
+    if not isinstance(calib, dict):
+        raise ParamsFileError(f"{who}: the saved calibration record is a {type(calib).__name__}, not a dict")
+    for k, v in calib.items():
+        if not isinstance(k, str) or not _CALIB_KEY.match(k):
+            raise ParamsFileError(f"{who}: the saved calibration record has an entry named {k!r}")
+        if not isinstance(v, torch.Tensor) or v.dim() > 1 or v.is_complex() or v.dtype == torch.bool:
+            raise ParamsFileError(f"{who}: the saved calibration record's {k} is not a real scalar or 1-D tensor")
+    return dict(calib)
 
 
 def _new_quantized_instance(float_cls: type):
@@ -212,7 +243,7 @@ class QuantGRU(nn.GRU):
     """torch.nn.GRU's signature, parameters and state_dict, plus ``config`` (see qgru.QuantConfig)."""
 
     __jit_unused_properties__ = [*getattr(nn.GRU, "__jit_unused_properties__", []), "is_converted", "num_directions",
-                                 "is_qat"]
+                                 "is_qat", "__jit_ignored_attributes__"]
     _qat = None  # (class default: instances pickled before QAT existed have no such attribute)
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
@@ -292,22 +323,34 @@ class QuantGRU(nn.GRU):
         return g
 
     # ---- state_dict: a converted module's integer parameters are its extra state ----------------
-    def get_extra_state(self) -> Dict[str, object]:
+    def get_extra_state(self) -> torch.Tensor:
         """A converted module's integer parameters (QuantParams.to_dict(): tensors, ints and a JSON
-        string, loadable with torch.load(weights_only=True)) and its calibration record. The
-        state_dict entry is ``<prefix>_extra_state``; a float (unconverted) QuantGRU has none, so its
-        state_dict is exactly nn.GRU's."""
+        string) and its calibration record, as one uint8 tensor: the bytes of their torch.save
+        archive, so that the state_dict holds tensors only (safetensors, and libraries that save
+        through it, refuse anything else). set_extra_state reads it back as untrusted input. The
+        state_dict entry is ``<prefix>_extra_state``; a float (unconverted) QuantGRU has none, so
+        its state_dict is exactly nn.GRU's."""
         if not self.is_converted:
-            return {}
-        return {"format": "qgru.QuantGRU", "version": _EXTRA_STATE_VERSION,
-                "params": self.export().to_dict(), "calibration": dict(self._calib)}
+            return torch.empty(0, dtype=torch.uint8)  # (dropped by _save_to_state_dict)
+        import io
+        # the same parameters give the same bytes (a loaded module saves what it loaded): entries in
+        # sorted order, each tensor its own compact copy (a view would save its whole storage)
+        own = lambda d: {k: (d[k].detach().cpu().clone() if isinstance(d[k], torch.Tensor) else d[k])
+                         for k in sorted(d)}
+        buf = io.BytesIO()
+        torch.save({"format": "qgru.QuantGRU", "version": _EXTRA_STATE_VERSION,
+                    "params": own(self.export().to_dict()), "calibration": own(self._calib)}, buf)
+        return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
     def set_extra_state(self, state) -> None:
         """Load integer parameters saved by get_extra_state: the module becomes converted, with the
         saved config. It must have been built with the same input_size, hidden_size, num_layers,
         bias, batch_first and bidirectional as the module that was saved."""
         from .export import QuantParams
-        if isinstance(state, dict) and not state:  # what get_extra_state gives for a float QuantGRU
+        if isinstance(state, torch.Tensor):  # get_extra_state's form: untrusted bytes
+            state = self._extra_state_from_tensor(state)
+        # else a dict: the form qgru saved before (a state_dict saved with torch.save), still loaded
+        if isinstance(state, dict) and not state:  # what a float QuantGRU had before
             if self.is_converted:
                 raise RuntimeError(f"{type(self).__name__} is converted, but the state it is given is a float "
                                    "QuantGRU's (no integer parameters)")
@@ -339,11 +382,23 @@ class QuantGRU(nn.GRU):
                                f"with other arguments: {diff}; build this one with the same arguments")
         self.qconfig = QuantConfig.load(params.meta["config"])
         self._set_params([list(row) for row in params.layers])
-        self._calib = {k: v.detach().clone() for k, v in calib.items()}
+        self._calib = {k: v.detach().clone() for k, v in _checked_calibration(calib, type(self).__name__).items()}
         self._observers = None
         self._moments = {}
         self._calibrating = False
         self._qat = None
+
+    def _extra_state_from_tensor(self, t: torch.Tensor) -> Dict[str, object]:
+        """The dict held by get_extra_state's uint8 tensor, read as untrusted input (the CRCs,
+        torch.load(weights_only=True); set_extra_state checks the parameters with
+        QuantParams.from_dict)."""
+        from .export import ParamsFileError, read_archive_bytes
+        name = f"{type(self).__name__}: '_extra_state'"
+        if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() == 0:
+            raise ParamsFileError(f"{name} must be a non-empty 1-D uint8 tensor (the bytes get_extra_state "
+                                  f"writes), got {t.dtype} of shape {tuple(t.shape)}; was this state_dict saved "
+                                  "from a converted qgru.QuantGRU?")
+        return read_archive_bytes(t.detach().cpu().contiguous().numpy().tobytes(), name)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -882,6 +937,16 @@ class QuantGRU(nn.GRU):
         return _integer_forward(self._params_on(x.device), x, hx, lengths)
 
     # ---- TorchScript --------------------------------------------------------------------------
+    @property
+    def __jit_ignored_attributes__(self) -> List[str]:
+        # TorchScript reads this (and nothing else does) for every module it compiles, submodules
+        # included. torch.jit.trace of a model with a @torch.jit.export method (torchaudio's
+        # WaveRNN) scripts the model and its submodules without __prepare_scriptable__ and would
+        # fail on nn.GRU's overloads ("Couldn't find method: 'forward__0'"): the message is ours.
+        if self._integer or self._calibrating:
+            raise RuntimeError(_NO_TORCHSCRIPT.format(what="torch.jit.trace"))
+        return []
+
     def __prepare_scriptable__(self):
         # torch.jit.script calls this on every module it scripts: a float QuantGRU scripts as the
         # nn.GRU it is (forward's TorchScript branch); the integer GRU runs qgru's own kernels

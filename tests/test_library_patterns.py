@@ -517,6 +517,92 @@ def test_quantized_gru_subclass_state_dict_round_trips():
         assert all(torch.equal(a, b) for a, b in zip(q(x, lengths), fresh(x, lengths)))
 
 
+
+def test_quantized_state_dict_holds_tensors_only():
+    # issue 31: safetensors (and libraries saving through it) refused the dict '_extra_state'
+    torch.manual_seed(6)
+    q = qgru.quantize_model(Seq2Seq().eval(), _s2s_batches(), progress=False)
+    sd = q.state_dict()
+    assert all(isinstance(v, torch.Tensor) for v in sd.values()), {k: type(v) for k, v in sd.items()}
+    assert sd["encoder._extra_state"].dtype == torch.uint8 and sd["encoder._extra_state"].dim() == 1
+
+
+@pytest.mark.parametrize("config", ["w8a8", "w8a16"])
+def test_quantized_state_dict_round_trips_through_safetensors(tmp_path, config):
+    st = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(6)
+    model = Seq2Seq().eval()
+    q = qgru.quantize_model(model, _s2s_batches(), config=config, progress=False)
+    path = tmp_path / "model.safetensors"
+    st.save_file(q.state_dict(), str(path))
+    fresh = qgru.prepare_model(Seq2Seq())
+    fresh.load_state_dict(st.load_file(str(path)))
+    assert fresh.encoder.is_converted and fresh.decoder.qconfig.to_dict() == q.decoder.qconfig.to_dict()
+    _assert_same_state(fresh.state_dict(), q.state_dict())
+    for x, lengths in _s2s_batches(2, seed=1):
+        with torch.no_grad():
+            assert _same(q(x, lengths), fresh(x, lengths))
+    report = qgru.compare(model, fresh, _s2s_batches(1, seed=2), verbose=False, progress=False)
+    assert report.row("x", module="encoder")["calib_clip"] is not None  # the calibration record came too
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "encoder\._extra_state", '
+                                           r'"decoder\._extra_state"'):
+        Seq2Seq().load_state_dict(st.load_file(str(path)))  # a float model refuses it
+
+
+def test_quantized_state_dict_bytes_are_checked_and_the_dict_form_still_loads():
+    from qgru.export import ParamsFileError
+    torch.manual_seed(8)
+    q = qgru.quantize_model(nn.GRU(3, 6, num_layers=2), [torch.randn(5, 2, 3)], progress=False)
+    sd = q.state_dict()
+    blob = sd["_extra_state"]
+
+    def load(extra):
+        m = qgru.QuantGRU(3, 6, num_layers=2)
+        m.load_state_dict({**sd, "_extra_state": extra})
+        return m
+
+    x = torch.randn(4, 2, 3)
+    assert torch.equal(load(blob.clone())(x)[0], q(x)[0])
+    with pytest.raises(ParamsFileError, match="uint8"):
+        load(blob.to(torch.int16))
+    with pytest.raises(ParamsFileError, match="uint8"):
+        load(torch.empty(0, dtype=torch.uint8))
+    with pytest.raises(ParamsFileError, match="zip archive"):
+        load(blob[: blob.numel() // 2].clone())  # truncated
+    bad = blob.clone()
+    bad[blob.numpy().tobytes().index(b"l0.fwd.rescale")] ^= 0x10  # one flipped bit inside a record
+    with pytest.raises(ParamsFileError):
+        load(bad)
+    # the parameters inside are checked as a .qgru file's are (checksum, every field)
+    import io
+    d = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+    d["params"]["l0.fwd.W"] = d["params"]["l0.fwd.W"].clone()
+    d["params"]["l0.fwd.W"][0, 0] += 1
+    buf = io.BytesIO()
+    torch.save(d, buf)
+    with pytest.raises(ParamsFileError, match="checksum"):
+        load(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+    d = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+    d["calibration"] = {"no such entry": torch.zeros(1)}
+    buf = io.BytesIO()
+    torch.save(d, buf)
+    with pytest.raises(ParamsFileError, match="calibration record"):
+        load(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+    # a state_dict saved by qgru before (the dict itself as '_extra_state', torch.save) still loads
+    old = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+    m = load(old)
+    assert m.is_converted and torch.equal(m(x)[0], q(x)[0]) and m._calib.keys() == q._calib.keys()
+
+
+def test_a_gru_subclass_named_gru_is_not_named_quantgru():
+    # issue 31: a library's ``class GRU(nn.GRU)`` became a class named QuantGRU, as qgru's own
+    GRU = type("GRU", (nn.GRU,), {"__module__": "some_lib.nn.rnn"})
+    q = qgru.quantize_model(nn.Sequential(GRU(2, 3)), [torch.randn(4, 1, 2)], progress=False)
+    name = type(q[0]).__name__
+    assert isinstance(q[0], GRU) and isinstance(q[0], qgru.QuantGRU) and q[0].is_converted
+    assert name != "QuantGRU" and name == "QuantSomeLibGRU"
+    assert repr(q).count("QuantSomeLibGRU(2, 3") == 1
+
 # =============================================================================================
 # 5. TorchScript, torch.compile, torch.export
 # =============================================================================================
@@ -633,6 +719,22 @@ def test_converted_quantgru_refuses_tracing_naming_compile_and_export():
         torch.jit.trace(ScriptedWrapper(qc.rnn), (x,))
     with pytest.raises(RuntimeError, match=r"torch\.jit\.script.*torch\.compile.*torch\.export"):
         torch.jit.script(qc)
+
+
+def test_tracing_a_model_with_an_exported_method_names_compile_and_export():
+    # issue 31: torch.jit.trace of WaveRNN's pattern (an @torch.jit.export method) scripts the model
+    # without __prepare_scriptable__; it failed with "Couldn't find method: 'forward__0'"
+    torch.manual_seed(11)
+    model = WaveRNNLike(nn.GRU(2, 6, batch_first=True)).eval()
+    x = torch.randn(2, 5, 2)
+    qc = qgru.quantize_model(model, [x], progress=False)
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.trace: a converted .*QuantGRU cannot be TorchScript.*"
+                                           r"torch\.compile\(model\) or torch\.export\.export"):
+        torch.jit.trace(qc, (x,))
+    # a library's GRU subclass, quantized, too
+    sub = qgru.quantize_model(WaveRNNLike(LibGRU(2, 6, batch_first=True)).eval(), [x], progress=False)
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.trace: .*torch\.compile"):
+        torch.jit.trace(sub, (x,))
 
 
 def test_converted_quantgru_refuses_torchscript_naming_compile_and_export():
