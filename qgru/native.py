@@ -27,7 +27,7 @@ import sysconfig
 import threading
 import weakref
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -906,16 +906,23 @@ def cpu_stack_plan(params: List[List[LayerParams]], req: str):
     stack on CPU path request ``req``, made once and cached beside the first layer's Layers; None
     where the one-call form does not apply (a bidirectional stack, or a per-channel requantization
     between layers). Made outside inference mode (the Layers keep tensors)."""
+    return _stack_plan(params, ("cpu-stack", req, len(params)),
+                       lambda rows: load("cpu").Stack([_cpu_layer(p, req).layer for (p,) in params], rows))
+
+
+def _stack_plan(params: List[List[LayerParams]], key: Tuple, make: Callable[[List[List[float]]], object]):
+    """cpu_stack_plan's and cuda_stack_plan's cache: ``make(rows)`` builds the backend's Stack from
+    stack_values' rows.
+
+    One plan per key (path request or device, and depth: one LayerParams may head stacks of other
+    depths, as qgru.compare runs a model's first layers alone), kept beside the first layer's
+    Layers with the LayerParams of the layers below it, and used only while the stack holds those
+    same objects: LayerParams are shared between models (QuantParams.to_module), and a key of their
+    ids could match a later object at a freed one's address. A stack that heads with the same first
+    layer but differs below it makes its own plan and replaces the kept one."""
     if len(params[0]) != 1:
         return None
-    cache = _native_cache(params[0][0])  # beside the first layer's Layers
-    # One plan per path request and depth (one LayerParams may head stacks of other depths: qgru.compare
-    # runs a model's first layers alone), kept with the LayerParams of the layers below the first
-    # and used only while the stack holds those same objects: LayerParams are shared between
-    # models (QuantParams.to_module), and a key of their ids could match a later object at a freed
-    # one's address. A stack that heads with the same first layer but differs below it makes its
-    # own plan and replaces the kept one.
-    key = ("cpu-stack", req, len(params))
+    cache = _native_cache(params[0][0])
     entry = cache.get(key)
     if entry is not None and (len(params) == 1 or all(a is row[0] for a, row in zip(entry[0], params[1:]))):
         return entry[1]
@@ -923,11 +930,10 @@ def cpu_stack_plan(params: List[List[LayerParams]], req: str):
         return None
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False), torch.no_grad():
-            return cpu_stack_plan(params, req)
-    below = tuple(row[0] for row in params[1:])
+            return _stack_plan(params, key, make)
     rows = stack_values(params)
-    plan = None if rows is None else load("cpu").Stack([_cpu_layer(p, req).layer for (p,) in params], rows)
-    cache[key] = (below, plan)  # None: a per-channel requantization between layers
+    plan = None if rows is None else make(rows)
+    cache[key] = (tuple(row[0] for row in params[1:]), plan)  # None: a per-channel requantization between layers
     return plan
 
 
@@ -965,7 +971,7 @@ def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torc
 
 def _cuda_layer(p: LayerParams, device: torch.device) -> "NativeLayer":
     """The CUDA NativeLayer of p on ``device`` (the one gru_direction makes and caches)."""
-    cache = p.__dict__.setdefault("_native", {})
+    cache = _native_cache(p)
     key = ("cuda", str(device), "")
     if key not in cache:
         cache[key] = NativeLayer("cuda", p, device)
@@ -980,23 +986,8 @@ def cuda_stack_plan(params: List[List[LayerParams]], device: torch.device):
     a per-channel requantization between layers). Making it reads the parameters' values on the
     host (a device-to-host copy when they are on the GPU): the first call of a model on a device
     must therefore run outside a CUDA graph capture, as torch.cuda.graph's warm-up asks anyway."""
-    if len(params[0]) != 1:
-        return None
-    cache = params[0][0].__dict__.setdefault("_native", {})
-    key = ("cuda-stack", str(device), len(params))
-    entry = cache.get(key)
-    if entry is not None and (len(params) == 1 or all(a is row[0] for a, row in zip(entry[0], params[1:]))):
-        return entry[1]
-    if any(len(row) != 1 for row in params):
-        return None
-    if torch.is_inference_mode_enabled():
-        with torch.inference_mode(False), torch.no_grad():
-            return cuda_stack_plan(params, device)
-    below = tuple(row[0] for row in params[1:])
-    rows = stack_values(params)
-    plan = None if rows is None else load("cuda").Stack([_cuda_layer(p, device).layer for (p,) in params], rows)
-    cache[key] = (below, plan)
-    return plan
+    return _stack_plan(params, ("cuda-stack", str(device), len(params)),
+                       lambda rows: load("cuda").Stack([_cuda_layer(p, device).layer for (p,) in params], rows))
 
 
 def cuda_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor, resolve: bool = True):
