@@ -109,8 +109,11 @@ def _compiled_integer_gru(x, hx, lengths, params: List[torch.Tensor], spec: str)
     runs them as Python, but it does compile the frames they call, like this one."""
     if not torch.compiler.is_compiling():
         return None
-    with torch.no_grad():
-        return torch.ops.qgru.integer_gru(x, hx, lengths, params, spec)
+    # outputs detached (a converted model gives no gradients), not the call under torch.no_grad():
+    # torch.export records no_grad as a wrap_with_set_grad_enabled region, which leaves grad mode
+    # off for the caller when the operator raises inside it (torch 2.13: no finally)
+    out, h_n = torch.ops.qgru.integer_gru(x.detach(), hx.detach(), lengths, params, spec)
+    return out.detach(), h_n.detach()
 
 
 def _integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor,
