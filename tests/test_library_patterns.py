@@ -834,7 +834,7 @@ def test_torch_export_is_bit_identical_to_eager(converted_net):
     x = torch.randn(5, 7, 3)
     ep = torch.export.export(q, (x,))
     ops = {n.target for gm in ep.graph_module.modules() if isinstance(gm, torch.fx.GraphModule)
-           for n in gm.graph.nodes if n.op == "call_function"}  # (under no_grad: in a wrapped subgraph)
+           for n in gm.graph.nodes if n.op == "call_function"}  # (any submodule: torch may wrap a region in a subgraph)
     assert torch.ops.qgru.integer_gru.default in ops
     with torch.no_grad():
         assert _same(ep.module()(x), q(x))
