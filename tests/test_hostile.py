@@ -1004,8 +1004,13 @@ class TestClaimedCounts:
         import tracemalloc
         m = _model()
         sd = m.state_dict()
-        _meta(num_layers=3 * 10 ** 6)(sd["_extra_state"]["params"])
-        sd["_extra_state"]["params"]["checksum"] = export.checksum(sd["_extra_state"]["params"])
+        # _extra_state is the bytes of a torch.save archive (issue 31: state_dicts through safetensors)
+        state = _extra_state_dict(sd)
+        _meta(num_layers=3 * 10 ** 6)(state["params"])
+        state["params"]["checksum"] = export.checksum(state["params"])
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        sd["_extra_state"] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
         target = qgru.QuantGRU(I, H, num_layers=2, bidirectional=True)
         tracemalloc.start()
         try:
@@ -1015,6 +1020,11 @@ class TestClaimedCounts:
         finally:
             tracemalloc.stop()
         assert peak < 8 << 20, f"{peak / 2 ** 20:.1f} MiB traced while refusing the state"
+
+
+def _extra_state_dict(sd) -> dict:
+    """A converted QuantGRU's _extra_state read back: the bytes of a torch.save archive (issue 31)."""
+    return torch.load(io.BytesIO(sd["_extra_state"].numpy().tobytes()), weights_only=True)
 
 
 class TestRoundTwoFiles:
@@ -1063,7 +1073,7 @@ class TestRoundTwoFiles:
         """Issue 30 item 7: a bare KeyError: 'params', and "dictionary update sequence element #0"
         for calibration='abc', before."""
         sd = _model().state_dict()
-        state = dict(sd["_extra_state"])
+        state = _extra_state_dict(sd)  # set back as a dict: the form qgru saved before, still loaded
         if case == "no_params":
             del state["params"]
             message = r"'_extra_state': missing its 'params' entry"
