@@ -4,7 +4,7 @@ on the demo (Japanese Vowels, 2-layer bidirectional GRU, H=32) and on scripts/ac
 synthetic GRU (T=100 N=64 I=256 H=512), next to torch's dynamic-quant GRU; plus the demo's
 calibration time (calibrate + convert) per observer. One run, one table (README "Configs").
 
-    python scripts/accuracy_grids.py                 # the README table (~2 min on 2 cores)
+    python scripts/accuracy_grids.py                 # docs/accuracy.md's table (~2 min on 2 cores)
     python scripts/accuracy_grids.py --T 20 --N 8    # quicker synthetic case
 """
 from __future__ import annotations

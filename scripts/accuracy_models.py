@@ -12,7 +12,7 @@ Two more rows: the drift stand-in of issue 31 (drift_case: a forecaster calibrat
 of series whose amplitude grows, evaluated on the late part, test inputs 1.75x and 2.1x the
 calibration range here). docs/accuracy.md holds the table.
 
-    python scripts/accuracy_models.py                  # the README table (~3 min on 2 cores)
+    python scripts/accuracy_models.py                  # docs/accuracy.md's table (~3 min on 2 cores)
     python scripts/accuracy_models.py --only darts     # models whose name contains "darts"
     python scripts/accuracy_models.py --seed 1         # every model trained from another seed
     python scripts/accuracy_models.py --compare NAME   # + qgru.compare of the default w8a8 on model NAME
@@ -514,7 +514,7 @@ def main(argv=None) -> None:
     ap.add_argument("--compare", default="", help="print qgru.compare of the default w8a8 for the models "
                                                   "whose name contains this")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0, help="offset of every model's seed (0: the README table)")
+    ap.add_argument("--seed", type=int, default=0, help="offset of every model's seed (0: docs/accuracy.md's table)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
