@@ -11,6 +11,7 @@ Input and output stay float at the module boundary: the input and h0 are quantiz
 the outputs dequantized on exit; everything in between is integer (docs/spec.md).
 """
 
+import copy
 import re
 import warnings
 from typing import Dict, List, Optional, Tuple, Union, overload
@@ -22,7 +23,8 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from . import native
 from .backends import forced_backend_name
 from .config import QuantConfig
-from .convert import RescaleError, activation_qparams, calibrated_range, derive_layer_params, grid_error
+from .convert import (RescaleError, activation_qparams, calibrated_range, derive_layer_params, grid_error,
+                      recurrent_operand)
 from .errors import CalibrationWarning, QGRUDtypeError, QGRUInputError, empty_sequence_error  # noqa: F401
 from .export import ParamsFileError, QuantParams, read_archive_bytes
 from .float_gru import float_direction
@@ -158,6 +160,34 @@ class QuantGRU(nn.GRU):
         self._qat: Optional[Dict[Tuple[int, int], Dict[str, Tuple[torch.Tensor, torch.Tensor]]]] = None
 
     # ---- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_params(cls, qp: QuantParams) -> "QuantGRU":
+        """A converted QuantGRU that runs the integer parameters ``qp`` (a QuantParams, e.g. from
+        qgru.load_params); its float weights are the dequantized ones. ``qp`` is validated first
+        (QuantParams.validate()) and copied: later edits of ``qp`` do not reach the module.
+        QuantParams.to_module() is the same call."""
+        # the module's own copies, validated: later edits of these parameters do not reach it
+        params = QuantParams(meta=copy.deepcopy(qp.meta) if isinstance(qp.meta, dict) else qp.meta,
+                             layers=[[p.clone() if isinstance(p, LayerParams) else p for p in row]
+                                     if isinstance(row, (list, tuple)) else row for row in qp.layers]
+                             if isinstance(qp.layers, (list, tuple)) else qp.layers)
+        params.validate()
+        m = params.meta
+        q = cls(m["input_size"], m["hidden_size"], m["num_layers"], m["bias"], m["batch_first"],
+                0.0, m["bidirectional"], device=qp.layers[0][0].W.device, config=m["config"])
+        with torch.no_grad():
+            for li, row in enumerate(params.layers):
+                for d, p in enumerate(row):
+                    w_ih, w_hh, b_ih, b_hh = q._weights(li, d)
+                    w_ih.copy_(p.W.double() * p.scale["W"].unsqueeze(1))
+                    w_hh.copy_(p.R.double() * p.scale["R"].unsqueeze(1))
+                    if b_ih is not None:
+                        b_ih.copy_(p.b_x.double() * p.scale["W"] * p.scale["x"])
+                        # b_h is at the R.h operand's scale (S_h_gemm when there is one)
+                        b_hh.copy_(p.b_h.double() * p.scale["R"] * p.scale[recurrent_operand(p.bits)])
+        q._set_params([list(row) for row in params.layers])
+        return q
+
     @classmethod
     def from_float(cls, gru: nn.GRU, config: Union[str, dict, QuantConfig] = "w8a8") -> "QuantGRU":
         """A QuantGRU with a copy of ``gru``'s parameters (``gru`` itself is not modified)."""
