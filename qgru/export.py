@@ -27,7 +27,6 @@ on its grid. Files of configs without it are the same as before it existed.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import pickle
@@ -140,34 +139,18 @@ class QuantParams:
     def to_c(self, path: Union[str, Path], **kw):
         """Write one layer and direction as C99 (``path``.h and ``path``.c): see qgru.export_c.write_c
         (keywords: layer, direction, golden_steps, seed, prefix). Returns (header path, source path)."""
-        from .export_c import write_c  # export_c imports this module
+        # imported here: qgru.export_c imports this module at its top (QuantParams, load_params);
+        # this is write_c's convenience forwarder (tests/test_layers.py ALLOWED_LAZY)
+        from .export_c import write_c
         return write_c(self, path, **kw)
 
     def to_module(self):
         """A converted QuantGRU that runs these parameters (float weights are the dequantized ones).
-        The parameters are validated first (validate())."""
+        The parameters are validated first (validate()). Same as QuantGRU.from_params(self)."""
+        # imported here: qgru.module (layer 4) imports this module (layer 2) at its top; the code is
+        # QuantGRU.from_params, this is its convenience forwarder (tests/test_layers.py ALLOWED_LAZY)
         from .module import QuantGRU
-        # the module's own copies, validated: later edits of these parameters do not reach it
-        params = QuantParams(meta=copy.deepcopy(self.meta) if isinstance(self.meta, dict) else self.meta,
-                             layers=[[p.clone() if isinstance(p, LayerParams) else p for p in row]
-                                     if isinstance(row, (list, tuple)) else row for row in self.layers]
-                             if isinstance(self.layers, (list, tuple)) else self.layers)
-        params.validate()
-        m = params.meta
-        q = QuantGRU(m["input_size"], m["hidden_size"], m["num_layers"], m["bias"], m["batch_first"],
-                     0.0, m["bidirectional"], device=self.layers[0][0].W.device, config=m["config"])
-        with torch.no_grad():
-            for li, row in enumerate(params.layers):
-                for d, p in enumerate(row):
-                    w_ih, w_hh, b_ih, b_hh = q._weights(li, d)
-                    w_ih.copy_(p.W.double() * p.scale["W"].unsqueeze(1))
-                    w_hh.copy_(p.R.double() * p.scale["R"].unsqueeze(1))
-                    if b_ih is not None:
-                        b_ih.copy_(p.b_x.double() * p.scale["W"] * p.scale["x"])
-                        # b_h is at the R.h operand's scale (S_h_gemm when there is one)
-                        b_hh.copy_(p.b_h.double() * p.scale["R"] * p.scale[recurrent_operand(p.bits)])
-        q._set_params([list(row) for row in params.layers])
-        return q
+        return QuantGRU.from_params(self)
 
 
 def _narrow(v):

@@ -4,13 +4,14 @@ Four modes, one module:
   float       (default)  forward is torch.nn.GRU's own (same parameters, same kernels, autograd)
   calibrating (inside qgru.calibrate) the step-by-step float reference runs with observers on
   qat         (start_qat, qgru.prepare_qat; after calibration) forward is the integer GRU's values
-              with straight-through gradients to the float weights (qgru/qat.py)
+              with straight-through gradients to the float weights (qgru/qat_step.py, qgru/qat.py)
   converted   (after convert()) forward runs the integer GRU on the selected backend
 
 Input and output stay float at the module boundary: the input and h0 are quantized on entry and
 the outputs dequantized on exit; everything in between is integer (docs/spec.md).
 """
 
+import copy
 import re
 import warnings
 from typing import Dict, List, Optional, Tuple, Union, overload
@@ -20,37 +21,22 @@ from torch import _VF, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from . import native
-from .backends import current_backend, forced_backend_name
+from .backends import forced_backend_name
 from .config import QuantConfig
-from .convert import RescaleError, activation_qparams, calibrated_range, derive_layer_params, grid_error
+from .convert import (RescaleError, activation_qparams, calibrated_range, derive_layer_params, grid_error,
+                      recurrent_operand)
+from .errors import CalibrationWarning, QGRUDtypeError, QGRUInputError, empty_sequence_error  # noqa: F401
+from .export import ParamsFileError, QuantParams, read_archive_bytes
 from .float_gru import float_direction
 from .golden import LayerParams
 from .observers import NonFiniteWeightError, Observer, SecondMoment
-from .primitives import qrange
+from .ops import flatten_params
+from .primitives import MIN_RANGE, qrange
+from .qat_step import qat_forward
+from .runtime import (_compiled_integer_gru, _integer_forward, integer_forward, integer_inputs,  # noqa: F401
+                      reverse_within_lengths, run_stack)
 
 _ACT_OBSERVED = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre")
-
-
-class QGRUInputError(RuntimeError, ValueError):
-    """An input or h0 that torch.nn.GRU refuses too (shape, sequence length, device): a
-    RuntimeError, as nn.GRU raises for these, so that code catching nn.GRU's errors still works
-    (and a ValueError, as qgru raised before)."""
-
-
-class QGRUDtypeError(TypeError, ValueError, RuntimeError):
-    """An input or h0 of the wrong dtype: torch.nn.GRU raises ValueError for the input's dtype and
-    RuntimeError for h0's; qgru raised TypeError before. This is all three."""
-
-
-def empty_sequence_error(shape) -> QGRUInputError:
-    """What a QuantGRU raises for an input of sequence length 0 (eagerly, and in the custom operator
-    that torch.export'ed programs run, qgru/ops.py)."""
-    return QGRUInputError(f"QuantGRU expects a sequence of at least one step, got an input of shape {tuple(shape)} "
-                          "(sequence length 0; torch.nn.GRU refuses it too)")
-
-
-class CalibrationWarning(UserWarning):
-    """convert() found a calibrated range that cannot be right (e.g. every value was 0)."""
 
 
 def _autocast_enabled() -> bool:
@@ -58,102 +44,11 @@ def _autocast_enabled() -> bool:
     return bool(check()) if check is not None else torch.is_autocast_enabled()
 
 
-def reverse_within_lengths(x: torch.Tensor, lengths: Optional[torch.Tensor]) -> torch.Tensor:
-    """Reverse each sequence of a time-major [T, N, ...] tensor within its own length.
-
-    Padding positions (t >= length) stay where they are. Applying it twice is the identity.
-    """
-    if lengths is None:
-        return x.flip(0)
-    T = x.shape[0]
-    t = torch.arange(T, device=x.device).unsqueeze(1)
-    L = lengths.to(x.device).unsqueeze(0)
-    idx = torch.where(t < L, L - 1 - t, t)  # [T, N]
-    idx = idx.reshape(T, -1, *([1] * (x.dim() - 2))).expand_as(x)
-    return x.gather(0, idx)
-
-
 _NO_TORCHSCRIPT = ("{what}: a converted (or calibrating) qgru.QuantGRU cannot be TorchScript: its integer GRU runs "
                    "qgru's own kernels (C++/CUDA and Python), which TorchScript can neither compile nor record. "
                    "Use torch.compile(model) or torch.export.export(model, args): qgru registers the integer "
                    "forward as a torch.library custom operator (qgru::integer_gru) for both. A float "
                    "(unconverted) QuantGRU scripts as nn.GRU does.")
-
-
-def run_stack(num_layers: int, num_directions: int, x, hx, lengths, direction_fn):
-    """Layers and directions; direction_fn(layer, d, layer_inputs, h0) -> (out [T,N,H], h_n)."""
-    h_n = []
-    layer_out = None
-    for layer in range(num_layers):
-        outs = []
-        for d in range(num_directions):
-            h0 = hx[layer * num_directions + d]
-            inp = x if layer == 0 else layer_out
-            if d == 1:
-                inp = [reverse_within_lengths(v, lengths) for v in inp] if isinstance(inp, list) \
-                    else reverse_within_lengths(inp, lengths)
-            o, h = direction_fn(layer, d, inp, h0)
-            if d == 1:
-                o = reverse_within_lengths(o, lengths)
-            outs.append(o)
-            h_n.append(h)
-        layer_out = outs
-    return layer_out, h_n
-
-
-def _compiled_integer_gru(x, hx, lengths, params: List[torch.Tensor], spec: str):
-    """Inside torch.compile / torch.export: the integer GRU as one custom operator (qgru/ops.py, with
-    a fake kernel for shapes), whose arguments are plain tensors and a string. None otherwise (the
-    caller runs integer_forward itself). A function of its own, without the module: torch.compile
-    does not trace into GRU modules (nn.RNNBase) unless torch._dynamo.config.allow_rnn is set, and
-    runs them as Python, but it does compile the frames they call, like this one."""
-    if not torch.compiler.is_compiling():
-        return None
-    # outputs detached (a converted model gives no gradients), not the call under torch.no_grad():
-    # torch.export records no_grad as a wrap_with_set_grad_enabled region, which leaves grad mode
-    # off for the caller when the operator raises inside it (torch 2.13: no finally)
-    out, h_n = torch.ops.qgru.integer_gru(x.detach(), hx.detach(), lengths, params, spec)
-    return out.detach(), h_n.detach()
-
-
-def _integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor,
-                     lengths: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """integer_forward without torch.compiler.disable's wrapper, whose frame hooks cost a streaming
-    call (one step, batch of one) more than a tenth of its time: QuantGRU's eager forward calls
-    this, having checked that no compiler is tracing."""
-    backend = current_backend(x.device.type)
-    if backend.name == "cpu" and lengths is None and len(params[0]) == 1:
-        # the whole stack in one native call: the same integers, without a Python round trip
-        # per quantize, layer and dequantize (they cost more than a streaming step's layer)
-        fast = native.cpu_stack_forward(params, x, hx)
-        if fast is not None:
-            out, h_n = fast  # float32
-            return (out, h_n) if x.dtype == torch.float32 else (out.to(x.dtype), h_n.to(x.dtype))
-    if backend.name == "cuda" and lengths is None and len(params[0]) == 1:
-        # the same on the GPU: one native call, nothing in it waiting for the GPU on the host
-        fast = native.cuda_stack_forward(params, x, hx)
-        if fast is not None:
-            out, h_n = fast  # float32
-            return (out, h_n) if x.dtype == torch.float32 else (out.to(x.dtype), h_n.to(x.dtype))
-    ops = backend.boundary  # quantize / dequantize / requantize, golden semantics
-    if lengths is not None:
-        lengths = lengths.to(x.device)
-
-    def run(layer, d, inp, h0):
-        qx, qh0 = QuantGRU._integer_inputs(ops, params, layer, d, inp, h0)
-        return backend.gru_direction(params[layer][d], qx, qh0, lengths)
-
-    with torch.no_grad():
-        q_outs, q_hn = run_stack(len(params), len(params[0]), x, hx, lengths, run)
-
-    def to_float(q, p):
-        return ops.dequantize(q, p.scale["h"], p.zp["h"]).to(x.dtype)
-
-    flat = [p for row in params for p in row]  # h_n order: layer-major, then direction
-    outs = [to_float(q, p) for q, p in zip(q_outs, params[-1])]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-    h_n = torch.stack([to_float(q, p) for q, p in zip(q_hn, flat)])
-    return out, h_n
 
 
 # Dynamo's frame hook, or None: not None while a torch.compile'd caller runs this module as Python.
@@ -169,15 +64,6 @@ _eval_frame_callback = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval
 @torch.compiler.disable  # the module's forward as eager code, with no frame of it handed to Dynamo
 def _forward_eager(module, input, hx):
     return module._forward(input, hx)
-
-
-@torch.compiler.disable  # eager code (also when a torch.compile'd model calls it): nothing to trace
-def integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor,
-                    lengths: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The integer GRU of a converted QuantGRU between its float boundaries, on the current backend:
-    time-major float x [T, N, I], h0 [L*D, N, H], lengths or None -> (out [T, N, D*H], h_n) in
-    x's dtype. ``params``: its LayerParams on x's device, [layer][direction]."""
-    return _integer_forward(params, x, hx, lengths)
 
 
 _EXTRA_STATE = "_extra_state"  # torch.nn.Module's key for get_extra_state()
@@ -225,7 +111,6 @@ _CALIB_KEY = re.compile(r"l(0|[1-9][0-9]{0,8})\.(fwd|rev)\.[A-Za-z_]+\.[a-z_0-9]
 def _checked_calibration(calib, who: str) -> Dict[str, torch.Tensor]:
     """A loaded calibration record (what _calibration_record wrote), checked: names of its form,
     each value a real tensor of at most one dimension (qgru.compare reads them)."""
-    from .export import ParamsFileError
     if not isinstance(calib, dict):
         raise ParamsFileError(f"{who}: the saved calibration record is a {type(calib).__name__}, not a dict")
     for k, v in calib.items():
@@ -275,6 +160,34 @@ class QuantGRU(nn.GRU):
         self._qat: Optional[Dict[Tuple[int, int], Dict[str, Tuple[torch.Tensor, torch.Tensor]]]] = None
 
     # ---- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_params(cls, qp: QuantParams) -> "QuantGRU":
+        """A converted QuantGRU that runs the integer parameters ``qp`` (a QuantParams, e.g. from
+        qgru.load_params); its float weights are the dequantized ones. ``qp`` is validated first
+        (QuantParams.validate()) and copied: later edits of ``qp`` do not reach the module.
+        QuantParams.to_module() is the same call."""
+        # the module's own copies, validated: later edits of these parameters do not reach it
+        params = QuantParams(meta=copy.deepcopy(qp.meta) if isinstance(qp.meta, dict) else qp.meta,
+                             layers=[[p.clone() if isinstance(p, LayerParams) else p for p in row]
+                                     if isinstance(row, (list, tuple)) else row for row in qp.layers]
+                             if isinstance(qp.layers, (list, tuple)) else qp.layers)
+        params.validate()
+        m = params.meta
+        q = cls(m["input_size"], m["hidden_size"], m["num_layers"], m["bias"], m["batch_first"],
+                0.0, m["bidirectional"], device=qp.layers[0][0].W.device, config=m["config"])
+        with torch.no_grad():
+            for li, row in enumerate(params.layers):
+                for d, p in enumerate(row):
+                    w_ih, w_hh, b_ih, b_hh = q._weights(li, d)
+                    w_ih.copy_(p.W.double() * p.scale["W"].unsqueeze(1))
+                    w_hh.copy_(p.R.double() * p.scale["R"].unsqueeze(1))
+                    if b_ih is not None:
+                        b_ih.copy_(p.b_x.double() * p.scale["W"] * p.scale["x"])
+                        # b_h is at the R.h operand's scale (S_h_gemm when there is one)
+                        b_hh.copy_(p.b_h.double() * p.scale["R"] * p.scale[recurrent_operand(p.bits)])
+        q._set_params([list(row) for row in params.layers])
+        return q
+
     @classmethod
     def from_float(cls, gru: nn.GRU, config: Union[str, dict, QuantConfig] = "w8a8") -> "QuantGRU":
         """A QuantGRU with a copy of ``gru``'s parameters (``gru`` itself is not modified)."""
@@ -349,7 +262,6 @@ class QuantGRU(nn.GRU):
         """Load integer parameters saved by get_extra_state: the module becomes converted, with the
         saved config. It must have been built with the same input_size, hidden_size, num_layers,
         bias, batch_first and bidirectional as the module that was saved."""
-        from .export import QuantParams
         if isinstance(state, torch.Tensor):  # get_extra_state's form: untrusted bytes
             state = self._extra_state_from_tensor(state)
         # else a dict: the form qgru saved before (a state_dict saved with torch.save), still loaded
@@ -363,7 +275,6 @@ class QuantGRU(nn.GRU):
                                f"(got {type(state).__name__}); was this state_dict saved from a QuantGRU?")
         if state.get("version") != _EXTRA_STATE_VERSION:
             raise RuntimeError(f"{type(self).__name__}: unsupported qgru state version {state.get('version')!r}")
-        from .export import ParamsFileError
         if "params" not in state:
             raise ParamsFileError(f"{type(self).__name__} state_dict '_extra_state': missing its 'params' entry "
                                   "(the integer parameters a converted QuantGRU saves)")
@@ -395,7 +306,6 @@ class QuantGRU(nn.GRU):
         """The dict held by get_extra_state's uint8 tensor, read as untrusted input (the CRCs,
         torch.load(weights_only=True); set_extra_state checks the parameters with
         QuantParams.from_dict)."""
-        from .export import ParamsFileError, read_archive_bytes
         name = f"{type(self).__name__}: '_extra_state'"
         if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() == 0:
             raise ParamsFileError(f"{name} must be a non-empty 1-D uint8 tensor (the bytes get_extra_state "
@@ -592,7 +502,6 @@ class QuantGRU(nn.GRU):
         """Warn (CalibrationWarning) about a calibrated range narrower than primitives.MIN_RANGE, 0
         included (every value 0, e.g. an all-zero calibration batch): choose_qparams then makes up a
         tiny grid around 0 and at inference every other value saturates at its ends, silently."""
-        from .primitives import MIN_RANGE
         for n, (lo, hi) in ranges.items():
             width = torch.clamp(hi, min=0) - torch.clamp(lo, max=0)
             if bool((width >= MIN_RANGE).any()):  # per channel: one live channel is enough
@@ -634,8 +543,6 @@ class QuantGRU(nn.GRU):
         return out
 
     def _set_params(self, params: List[List[LayerParams]]) -> None:
-        from .export import QuantParams
-        from .ops import flatten_params
         self._qparams = params
         self._qparams_on = {"cpu": params}
         self._integer = True  # a bool TorchScript can read (forward's TorchScript branch)
@@ -650,7 +557,6 @@ class QuantGRU(nn.GRU):
 
     def export(self):
         """The integer parameters as a qgru.QuantParams (plain tensors and ints)."""
-        from .export import QuantParams
         if not self.is_converted:
             raise RuntimeError("export() needs a converted model: calibrate, then convert()")
         return QuantParams.from_module(self)
@@ -743,7 +649,6 @@ class QuantGRU(nn.GRU):
             return super().forward(input, hx)
         x, lengths, hx, unbatched, packed = self._prepare(input, hx)
         if self._qat is not None and not self.is_converted:
-            from .qat import qat_forward  # qat imports this module
             out, h_n = qat_forward(self, x, hx, lengths)
         elif self.is_converted:
             out, h_n = self._forward_integer(x, hx, lengths)
@@ -919,18 +824,7 @@ class QuantGRU(nn.GRU):
                 o.end_call()
         return torch.cat(outs, dim=-1), torch.stack(h_n)
 
-    @staticmethod
-    def _integer_inputs(ops, params, layer: int, d: int, inp, h0):
-        """(q_x, q_h0) of one layer and direction: the float input quantized (layer 0) or the previous
-        layer's integer outputs (one tensor per direction) moved onto this direction's x grid."""
-        p = params[layer][d]
-        if layer == 0:
-            qx = ops.quantize(inp, p.scale["x"], p.zp["x"], p.bits["x"], "input")
-        else:
-            prev = params[layer - 1]
-            qx = torch.cat([ops.requantize(q, prev[e].zp["h"], p.rescale[f"in_{e}"], p.zp["x"], p.bits["x"])
-                            for e, q in enumerate(inp)], dim=-1)
-        return qx, ops.quantize(h0, p.scale["h"], p.zp["h"], p.bits["h"], "h0")
+    _integer_inputs = staticmethod(integer_inputs)  # (qgru/runtime.py; compare.py calls it here)
 
     def _forward_integer(self, x, hx, lengths):
         if torch.jit.is_tracing():

@@ -1,7 +1,7 @@
 """The integer forward of a converted QuantGRU as a torch.library custom operator.
 
 ``torch.ops.qgru.integer_gru(x, h0, lengths, params, spec) -> (out, h_n)`` runs what
-``QuantGRU._forward_integer`` runs eagerly (module.integer_forward: quantize, every layer and
+``QuantGRU._forward_integer`` runs eagerly (runtime.integer_forward: quantize, every layer and
 direction on the current backend, dequantize), with a fake kernel that gives the output shapes.
 torch.compile and torch.export see one opaque operator instead of qgru's Python and native kernels,
 which they could not trace; the results are the eager ones, bit for bit (the same function runs).
@@ -24,6 +24,10 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+
+from .errors import empty_sequence_error
+from .export import QuantParams
+from .runtime import integer_forward
 
 _CACHE_SIZE = 8
 _cache: "OrderedDict[Tuple, Dict[str, Any]]" = OrderedDict()
@@ -48,7 +52,6 @@ def _spec(spec: str) -> Dict[str, Any]:
 
 def _layers(params: List[torch.Tensor], spec: str, device: torch.device):
     """LayerParams [layer][direction] on ``device``, rebuilt once per set of parameter tensors."""
-    from .export import QuantParams
     key = (spec, tuple(id(t) for t in params))
     versions = tuple(t._version for t in params)
     with _lock:
@@ -76,8 +79,7 @@ def _layers(params: List[torch.Tensor], spec: str, device: torch.device):
 @torch.library.custom_op("qgru::integer_gru", mutates_args=())
 def integer_gru(x: torch.Tensor, hx: torch.Tensor, lengths: Optional[torch.Tensor], params: List[torch.Tensor],
                 spec: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A converted QuantGRU's integer forward (module.integer_forward), as one operator."""
-    from .module import empty_sequence_error, integer_forward
+    """A converted QuantGRU's integer forward (runtime.integer_forward), as one operator."""
     if x.shape[0] == 0:
         # eager mode refuses it in the module (_check_input); an exported program whose sequence
         # length is dynamic traced that check for lengths >= 2 (torch's size rule) and runs only

@@ -1,0 +1,127 @@
+"""The integer forward of a converted QuantGRU, without the module (layer 3: runtime).
+
+``integer_forward(params, x, hx, lengths)`` runs the integer GRU between its float boundaries on the
+current backend: quantize, every layer and direction, dequantize. QuantGRU's eager forward calls it
+(qgru/module.py), and so does the custom operator that torch.compile / torch.export see
+(qgru/ops.py); both reach it without importing each other. qgru.module re-exports these names.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import native
+from .backends import current_backend
+from .golden import LayerParams
+
+
+def reverse_within_lengths(x: torch.Tensor, lengths: Optional[torch.Tensor]) -> torch.Tensor:
+    """Reverse each sequence of a time-major [T, N, ...] tensor within its own length.
+
+    Padding positions (t >= length) stay where they are. Applying it twice is the identity.
+    """
+    if lengths is None:
+        return x.flip(0)
+    T = x.shape[0]
+    t = torch.arange(T, device=x.device).unsqueeze(1)
+    L = lengths.to(x.device).unsqueeze(0)
+    idx = torch.where(t < L, L - 1 - t, t)  # [T, N]
+    idx = idx.reshape(T, -1, *([1] * (x.dim() - 2))).expand_as(x)
+    return x.gather(0, idx)
+
+
+def run_stack(num_layers: int, num_directions: int, x, hx, lengths, direction_fn):
+    """Layers and directions; direction_fn(layer, d, layer_inputs, h0) -> (out [T,N,H], h_n)."""
+    h_n = []
+    layer_out = None
+    for layer in range(num_layers):
+        outs = []
+        for d in range(num_directions):
+            h0 = hx[layer * num_directions + d]
+            inp = x if layer == 0 else layer_out
+            if d == 1:
+                inp = [reverse_within_lengths(v, lengths) for v in inp] if isinstance(inp, list) \
+                    else reverse_within_lengths(inp, lengths)
+            o, h = direction_fn(layer, d, inp, h0)
+            if d == 1:
+                o = reverse_within_lengths(o, lengths)
+            outs.append(o)
+            h_n.append(h)
+        layer_out = outs
+    return layer_out, h_n
+
+
+def _compiled_integer_gru(x, hx, lengths, params: List[torch.Tensor], spec: str):
+    """Inside torch.compile / torch.export: the integer GRU as one custom operator (qgru/ops.py, with
+    a fake kernel for shapes), whose arguments are plain tensors and a string. None otherwise (the
+    caller runs integer_forward itself). A function of its own, without the module: torch.compile
+    does not trace into GRU modules (nn.RNNBase) unless torch._dynamo.config.allow_rnn is set, and
+    runs them as Python, but it does compile the frames they call, like this one."""
+    if not torch.compiler.is_compiling():
+        return None
+    # outputs detached (a converted model gives no gradients), not the call under torch.no_grad():
+    # torch.export records no_grad as a wrap_with_set_grad_enabled region, which leaves grad mode
+    # off for the caller when the operator raises inside it (torch 2.13: no finally)
+    out, h_n = torch.ops.qgru.integer_gru(x.detach(), hx.detach(), lengths, params, spec)
+    return out.detach(), h_n.detach()
+
+
+def _integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor,
+                     lengths: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """integer_forward without torch.compiler.disable's wrapper, whose frame hooks cost a streaming
+    call (one step, batch of one) more than a tenth of its time: QuantGRU's eager forward calls
+    this, having checked that no compiler is tracing."""
+    backend = current_backend(x.device.type)
+    if backend.name == "cpu" and lengths is None and len(params[0]) == 1:
+        # the whole stack in one native call: the same integers, without a Python round trip
+        # per quantize, layer and dequantize (they cost more than a streaming step's layer)
+        fast = native.cpu_stack_forward(params, x, hx)
+        if fast is not None:
+            out, h_n = fast  # float32
+            return (out, h_n) if x.dtype == torch.float32 else (out.to(x.dtype), h_n.to(x.dtype))
+    if backend.name == "cuda" and lengths is None and len(params[0]) == 1:
+        # the same on the GPU: one native call, nothing in it waiting for the GPU on the host
+        fast = native.cuda_stack_forward(params, x, hx)
+        if fast is not None:
+            out, h_n = fast  # float32
+            return (out, h_n) if x.dtype == torch.float32 else (out.to(x.dtype), h_n.to(x.dtype))
+    ops = backend.boundary  # quantize / dequantize / requantize, golden semantics
+    if lengths is not None:
+        lengths = lengths.to(x.device)
+
+    def run(layer, d, inp, h0):
+        qx, qh0 = integer_inputs(ops, params, layer, d, inp, h0)
+        return backend.gru_direction(params[layer][d], qx, qh0, lengths)
+
+    with torch.no_grad():
+        q_outs, q_hn = run_stack(len(params), len(params[0]), x, hx, lengths, run)
+
+    def to_float(q, p):
+        return ops.dequantize(q, p.scale["h"], p.zp["h"]).to(x.dtype)
+
+    flat = [p for row in params for p in row]  # h_n order: layer-major, then direction
+    outs = [to_float(q, p) for q, p in zip(q_outs, params[-1])]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    h_n = torch.stack([to_float(q, p) for q, p in zip(q_hn, flat)])
+    return out, h_n
+
+
+def integer_inputs(ops, params, layer: int, d: int, inp, h0):
+    """(q_x, q_h0) of one layer and direction: the float input quantized (layer 0) or the previous
+    layer's integer outputs (one tensor per direction) moved onto this direction's x grid."""
+    p = params[layer][d]
+    if layer == 0:
+        qx = ops.quantize(inp, p.scale["x"], p.zp["x"], p.bits["x"], "input")
+    else:
+        prev = params[layer - 1]
+        qx = torch.cat([ops.requantize(q, prev[e].zp["h"], p.rescale[f"in_{e}"], p.zp["x"], p.bits["x"])
+                        for e, q in enumerate(inp)], dim=-1)
+    return qx, ops.quantize(h0, p.scale["h"], p.zp["h"], p.bits["h"], "h0")
+
+
+@torch.compiler.disable  # eager code (also when a torch.compile'd model calls it): nothing to trace
+def integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor,
+                    lengths: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The integer GRU of a converted QuantGRU between its float boundaries, on the current backend:
+    time-major float x [T, N, I], h0 [L*D, N, H], lengths or None -> (out [T, N, D*H], h_n) in
+    x's dtype. ``params``: its LayerParams on x's device, [layer][direction]."""
+    return _integer_forward(params, x, hx, lengths)
