@@ -334,7 +334,8 @@ def test_cli_writes_the_same_files(tmp_path, capsys):
 def test_readme_export_section_runs_as_written(tmp_path, monkeypatch):
     """README's "Export to C": its Python line on a small model, then its compile-and-run line."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("## Export to C", 1)[1].split("\n## ", 1)[0]
+    section = readme.split("**Export to C.**", 1)[1]
+    section = re.split(r"\n(?:## |\*\*)", section, maxsplit=1)[0]
     python = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
     shell = re.search(r"```bash\n(cc .*?)\n```", section, flags=re.S).group(1)
     monkeypatch.chdir(tmp_path)
