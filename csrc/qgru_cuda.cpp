@@ -14,6 +14,8 @@
 // workspace the plan owns, so nothing PyTorch frees can be baked into the graph. Inside a capture
 // of the caller's (torch.cuda.graph) a call runs eagerly on the capturing stream with buffers of
 // its own and touches no plan.
+//
+// Its Python binding is bind_cuda.cpp, which sees this file through qgru_cuda_backend.h only.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -32,6 +34,7 @@
 #include <vector>
 
 #include "qgru_cuda.h"
+#include "qgru_cuda_backend.h"
 #include "qgru_cuda_launch.h"
 #include "qgru_layer.h"
 
@@ -46,7 +49,7 @@ void check_cublas(cublasStatus_t s, const char* what) {
   TORCH_CHECK(s == CUBLAS_STATUS_SUCCESS, "qgru cuda: ", what, " failed with cuBLAS status ", (int)s);
 }
 
-// The cuBLAS loaded at run time (qgru/native.py links the one torch runs) must have the major
+// The cuBLAS loaded at run time (qgru/native/build.py links the one torch runs) must have the major
 // version of the headers this file was compiled with: its API and ABI are those of a major version.
 void check_cublas_version() {
   int major = -1, minor = -1, patch = -1;
@@ -650,7 +653,7 @@ at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
 // the separate calls (quantize, the Layer, requantize, dequantize), without their Python round
 // trips and copies: a streaming call (one step carrying h) is a few kernels, the layers' graphs
 // and no host work that waits for the GPU. q[l] = (S_x, Z_x, bits_x, S_h, Z_h, bits_h, multiplier
-// and shift of S_h,l-1 / S_x,l), as for the CPU Stack (qgru/native.py stack_values); checked
+// and shift of S_h,l-1 / S_x,l), as for the CPU Stack (qgru/native/stacks.py stack_values); checked
 // against the Layers once, when the Stack is made.
 class CudaStack {
  public:
@@ -745,36 +748,49 @@ class CudaStack {
 };
 
 }  // namespace
-}  // namespace qgru
 
-#ifndef QGRU_TORCH_VERSION
-#error "QGRU_TORCH_VERSION must be defined by the build (qgru/native.py)"
-#endif
+// ---------------------------------------------------------------------------------------------
+// The interface the binding (bind_cuda.cpp) uses: qgru_cuda_backend.h
+// ---------------------------------------------------------------------------------------------
+namespace cuda_api {
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "qgru CUDA backend (bit-exact with qgru/golden.py)";
-  m.attr("built_for_torch") = QGRU_TORCH_VERSION;
-  m.attr("max_window_rows") = qgru::cuda::kMaxWindowRows;  // input rows of one W.x window, at most
-  m.def("quantize", &qgru::quantize, "float CUDA tensor -> int32 on (scale, zp, bits); NaN: see nan_flags",
-        pybind11::arg("x"), pybind11::arg("scale"), pybind11::arg("zp"), pybind11::arg("bits"), pybind11::arg("what"));
-  m.def("dequantize", &qgru::dequantize, "integer CUDA tensor -> float32 (q - zp) * scale", pybind11::arg("q"),
-        pybind11::arg("scale"), pybind11::arg("zp"));
-  m.def("nan_flags", &qgru::nan_flags, pybind11::arg("device"), pybind11::arg("clear"),
-        "the device's NaN flag (1: an input, 2: an h0 held NaN) after the current stream's work; waits for it");
-  m.def("check_cublas", &qgru::check_cublas_version,
-        "raise unless the loaded cuBLAS has the major version of the headers the extension was built with");
-  pybind11::class_<qgru::CudaStack>(m, "Stack")
-      .def(pybind11::init<std::vector<std::shared_ptr<qgru::CudaLayer>>, std::vector<std::vector<double>>>(),
-           pybind11::arg("layers"), pybind11::arg("values"))
-      .def("forward", &qgru::CudaStack::forward, pybind11::arg("x"), pybind11::arg("h0"),
-           pybind11::call_guard<pybind11::gil_scoped_release>());
-  pybind11::class_<qgru::CudaLayer, std::shared_ptr<qgru::CudaLayer>>(m, "Layer")
-      .def(pybind11::init<qgru::TensorMap, qgru::IntMap>())
-      .def("forward", &qgru::CudaLayer::forward, pybind11::arg("qx"), pybind11::arg("qh0"),
-           pybind11::arg("lengths") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>())
-      // the GEMM path, as the CPU Layer reports its own (NativeLayer.gemm; the tests check it)
-      .def_property_readonly("gemm", [](const qgru::CudaLayer&) { return std::string("cublas"); })
-      .def_property_readonly("counters", &qgru::CudaLayer::counters)
-      .def("window_steps", &qgru::CudaLayer::window_steps, pybind11::arg("T"), pybind11::arg("N"),
-           "steps per W.x window of a call of this shape (the tests span two windows)");
+at::Tensor quantize(const at::Tensor& x, double scale, int64_t zp, int64_t bits, const std::string& what) {
+  return qgru::quantize(x, scale, zp, bits, what);
 }
+at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp) { return qgru::dequantize(q, scale, zp); }
+int64_t nan_flags(int64_t device, bool clear) { return qgru::nan_flags(device, clear); }
+void check_cublas_version() { qgru::check_cublas_version(); }
+
+struct Layer::Impl {
+  std::shared_ptr<CudaLayer> layer;
+};
+
+Layer::Layer(TensorMap tensors, IntMap values)
+    : impl(std::make_shared<Impl>(Impl{std::make_shared<CudaLayer>(std::move(tensors), std::move(values))})) {}
+std::tuple<at::Tensor, at::Tensor> Layer::forward(const at::Tensor& qx, const at::Tensor& qh0,
+                                                  const c10::optional<at::Tensor>& lengths) {
+  return impl->layer->forward(qx, qh0, lengths);
+}
+std::map<std::string, int64_t> Layer::counters() const { return impl->layer->counters(); }
+int64_t Layer::window_steps(int64_t T, int64_t N) const { return impl->layer->window_steps(T, N); }
+
+struct Stack::Impl {
+  CudaStack stack;
+};
+
+namespace {
+std::vector<std::shared_ptr<CudaLayer>> cuda_layers(const std::vector<std::shared_ptr<Layer>>& layers) {
+  std::vector<std::shared_ptr<CudaLayer>> out;
+  for (const auto& l : layers) out.push_back(l ? l->impl->layer : nullptr);  // None: CudaStack refuses it
+  return out;
+}
+}  // namespace
+
+Stack::Stack(const std::vector<std::shared_ptr<Layer>>& layers, std::vector<std::vector<double>> values)
+    : impl(std::make_shared<Impl>(Impl{CudaStack(cuda_layers(layers), std::move(values))})) {}
+std::tuple<at::Tensor, at::Tensor> Stack::forward(const at::Tensor& x, const at::Tensor& h0) const {
+  return impl->stack.forward(x, h0);
+}
+
+}  // namespace cuda_api
+}  // namespace qgru

@@ -1,5 +1,5 @@
 // qgru CUDA backend, torch-free: int8 limb GEMMs on cuBLAS, the shared cell (qgru_cell.h) as
-// kernels, and the forward driver. Built by qgru/native.py with torch.utils.cpp_extension; CI
+// kernels, and the forward driver. Built by qgru/native/build.py with torch.utils.cpp_extension; CI
 // compiles this file with nvcc on machines without a GPU (tests/test_cuda_compile.py).
 #include <stdexcept>
 #include <string>

@@ -3,7 +3,7 @@
 * ``python -m qgru demo [--out DIR] [--configs ...]``: quantize a GRU trained on a real data set
   (shipped with qgru) with every config and print the accuracy/SQNR table (qgru/demo.py).
 * ``python -m qgru build [--kind cpu|cuda|all]`` compiles the native backends ahead of time (into
-  the cache folder qgru/native.py describes) and prints what ``qgru.backends()`` says."""
+  the cache folder qgru/native/build.py describes) and prints what ``qgru.backends()`` says."""
 from __future__ import annotations
 
 import argparse

@@ -293,9 +293,9 @@ def _native_ready(kind: str) -> bool:
     """Whether a native backend is usable *without compiling it now* (a build takes a minute)."""
     from . import native
     try:
-        if kind in native._state.modules:
+        if kind in native.build._state.modules:
             return True
-        if native._find_binary(kind) is None:
+        if native.build._find_binary(kind) is None:
             return False
         return native.why_unavailable(kind) == ""
     except Exception:  # noqa: BLE001 - anything unexpected: use the reference backend

@@ -55,7 +55,7 @@ class LayerParams:
                                     # boundary and to read the parameters back as floats
 
     # A native backend caches the layer it prepared from these parameters in __dict__["_native"]
-    # (qgru/native.py, gru_direction). That cache is not part of the parameters: copies and
+    # (qgru/native/layer.py, gru_direction). That cache is not part of the parameters: copies and
     # pickles leave it out (a native Layer cannot be pickled), and the copy rebuilds its own.
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "_native"}

@@ -78,7 +78,8 @@ _SOLVER_STUBS = {
 
 
 def test_cuda_binding_type_checks_against_torch(tmp_path):
-    """The torch binding (qgru_cuda.cpp) against torch's CUDA headers, syntax and types only.
+    """The torch binding (bind_cuda.cpp, and qgru_cuda.cpp behind it) against torch's CUDA headers,
+    syntax and types only.
 
     Runs where the CUDA runtime's and cuBLAS's headers are found (the toolkit beside nvcc, or the
     nvidia-cublas wheel's, which test_cuda_kernels_compile_with_nvcc fetches). A CPU-only torch
@@ -104,9 +105,9 @@ def test_cuda_binding_type_checks_against_torch(tmp_path):
            "-I", str(csrc_dir()), "-I", sysconfig.get_paths()["include"]]
     for d in include_paths() + [str(i) for i in incs] + [str(tmp_path / "stub")]:
         cmd += ["-isystem", d]
-    cmd.append(str(csrc_dir() / "qgru_cuda.cpp"))
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-4000:]}"
+    for src in ("qgru_cuda.cpp", "bind_cuda.cpp"):
+        r = subprocess.run(cmd + [str(csrc_dir() / src)], capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, f"{' '.join(cmd)} {src}\n{r.stderr[-4000:]}"
 
 
 _LAUNCH_CHECK = r"""

@@ -1,8 +1,10 @@
 """qgru's modules form layers that a reader can follow upward, with no import circle (issue 32).
 
-The test reads every qgru/*.py with ast (nothing is imported or run), collects every import of a
+The test reads every qgru/*.py and qgru/<subpackage>/*.py (a subpackage's module "native.build",
+its __init__.py the module "native") with ast (nothing is imported or run), collects every import of a
 qgru module, at the top of the file and inside functions (``from .x import``, ``from . import x``,
-``from qgru.x import``, ``import qgru.x``, ``from qgru import name``), and fails on:
+``from qgru.x import``, ``import qgru.x``, ``from qgru import name``, and within a subpackage
+``from .y import`` / ``from ..x import``), and fails on:
 
 * a module missing from LAYERS (a new file must be placed in a layer), or a LAYERS entry with no file;
 * a circle among the top-level imports;
@@ -31,6 +33,9 @@ LAYERS = {
     "export": 2, "export_c": 2, "weight_only": 2,
     # L3 runtime: backends and native kernels, the integer forward, the custom op, QAT's forward step
     "backends": 3, "native": 3, "runtime": 3, "ops": 3, "qat_step": 3, "wo_cpu": 3, "wo_triton": 3,
+    # the native package (qgru/native/): build -> prepare -> cpu, cuda -> layer -> stacks, all runtime
+    "native.build": 3, "native.prepare": 3, "native.cpu": 3, "native.cuda": 3, "native.layer": 3,
+    "native.stacks": 3,
     # L4 the modules: QuantGRU, WeightOnlyGRU
     "module": 4, "wo_module": 4,
     # L5 workflows: calibrate / quantize_model, QAT, compare
@@ -50,36 +55,64 @@ ALLOWED_LAZY = {
 
 
 def _modules():
-    return {p.stem: p for p in sorted(PKG.glob("*.py"))}
+    """{module: path}: "x" for qgru/x.py; "sub" for qgru/sub/__init__.py and "sub.y" for qgru/sub/y.py."""
+    mods = {p.stem: p for p in sorted(PKG.glob("*.py"))}
+    for init in sorted(PKG.glob("*/__init__.py")):
+        sub = init.parent.name
+        mods[sub] = init
+        mods.update({f"{sub}.{p.stem}": p for p in sorted(init.parent.glob("*.py")) if p.stem != "__init__"})
+    return mods
 
 
-def _targets(node, mods):
-    """The qgru modules an Import / ImportFrom node names."""
+_SUBPACKAGES = {p.parent.name for p in PKG.glob("*/__init__.py")}
+
+
+def _package(mod):
+    """The package (a list of names below qgru) that relative imports in ``mod`` start from."""
+    return mod.split(".") if mod in _SUBPACKAGES else mod.split(".")[:-1]
+
+
+def _resolve(parts, mods, base_len):
+    """The module that an import of qgru.<parts> loads: the longest prefix of ``parts`` (longer than
+    the importer's package, ``base_len`` names) that is a module; else the name it asks for."""
+    for n in range(len(parts), base_len, -1):
+        if ".".join(parts[:n]) in mods:
+            return ".".join(parts[:n])
+    return ".".join(parts[:base_len + 1])
+
+
+def _targets(node, mods, pkg=()):
+    """The qgru modules an Import / ImportFrom node names; ``pkg``: the importer's package below qgru
+    (() for qgru/x.py, ("native",) for qgru/native/*.py)."""
     out = []
     if isinstance(node, ast.ImportFrom):
-        if node.level > 1:
+        if node.level > len(pkg) + 1:
             raise AssertionError(f"line {node.lineno}: relative import beyond the package")
-        if node.level == 1:
-            sub = node.module
+        if node.level:
+            base = list(pkg[:len(pkg) + 1 - node.level])
+            parts = base + (node.module.split(".") if node.module else [])
         elif node.module == "qgru" or (node.module or "").startswith("qgru."):
-            sub = node.module[len("qgru."):] if node.module != "qgru" else None
+            base = []
+            parts = node.module.split(".")[1:]
         else:
             return out
-        if sub:
-            out.append(sub.split(".")[0])
+        if len(parts) > len(base):
+            out.append(_resolve(parts, mods, len(base)))
         else:  # from . import x / from qgru import x: a submodule, or a name of the package (__init__)
-            out.extend(a.name if a.name in mods else "__init__" for a in node.names)
+            pkg_mod = ".".join(base) or "__init__"
+            out.extend(".".join(base + [a.name]) if ".".join(base + [a.name]) in mods else pkg_mod
+                       for a in node.names)
     else:
         for a in node.names:
             if a.name == "qgru":
                 out.append("__init__")
             elif a.name.startswith("qgru."):
-                out.append(a.name.split(".")[1])
+                out.append(_resolve(a.name.split(".")[1:], mods, 0))
     return out
 
 
-def _imports(path, mods):
-    """[(imported module, top-level?, line)] of one file."""
+def _imports(path, mods, pkg=()):
+    """[(imported module, top-level?, line)] of one file (``pkg``: its package, as _targets')."""
     found = []
 
     def rec(node, top):
@@ -87,7 +120,7 @@ def _imports(path, mods):
             if isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 rec(ch, False)
             elif isinstance(ch, (ast.Import, ast.ImportFrom)):
-                found.extend((t, top, ch.lineno) for t in _targets(ch, mods))
+                found.extend((t, top, ch.lineno) for t in _targets(ch, mods, pkg))
             else:
                 rec(ch, top)
 
@@ -97,7 +130,7 @@ def _imports(path, mods):
 
 def _graph():
     mods = _modules()
-    return mods, {m: _imports(p, mods) for m, p in mods.items()}
+    return mods, {m: _imports(p, mods, tuple(_package(m))) for m, p in mods.items()}
 
 
 def _cycle(edges):
@@ -141,12 +174,12 @@ def test_imports_point_down():
     for m, imps in graph.items():
         for t, top, line in imps:
             if t not in mods:
-                bad.append(f"qgru/{m}.py:{line} imports qgru.{t}, which does not exist")
+                bad.append(f"{mods[m].relative_to(PKG.parent)}:{line} imports qgru.{t}, which does not exist")
                 continue
             if t == m or m not in LAYERS or t not in LAYERS:
                 continue
             if LAYERS[t] > LAYERS[m] and (top or (m, t) not in ALLOWED_LAZY):
-                bad.append(f"qgru/{m}.py:{line} ({'top-level' if top else 'lazy'}) imports {t} "
+                bad.append(f"{mods[m].relative_to(PKG.parent)}:{line} ({'top-level' if top else 'lazy'}) imports {t} "
                            f"(L{LAYERS[t]}) from L{LAYERS[m]}")
     assert not bad, "imports pointing up the layer order:\n" + "\n".join(bad)
 
@@ -188,3 +221,28 @@ def test_the_parser_sees_every_import_form(tmp_path, src, expect):
     p.write_text(src)
     mods = {"module", "native", "golden", "export", "ops", "qat"}
     assert [(t, top) for t, top, _ in _imports(p, mods)] == expect
+
+
+@pytest.mark.parametrize("src,expect", [
+    ("from .build import load", ["native.build"]),
+    ("from . import build, cpu", ["native.build", "native"]),  # cpu: not a module here, a name of native
+    ("from ..golden import LayerParams", ["golden"]),
+    ("from .. import golden", ["golden"]),
+    ("from qgru.native.build import load", ["native.build"]),
+    ("from qgru.native import load", ["native"]),
+    ("import qgru.native.build", ["native.build"]),
+    ("from .missing import x", ["native.missing"]),
+])
+def test_the_parser_resolves_subpackage_imports(tmp_path, src, expect):
+    """Inside qgru/native/ (package ("native",)): relative imports of its modules and of qgru's."""
+    p = tmp_path / "x.py"
+    p.write_text(src)
+    mods = {"native", "native.build", "golden"}
+    assert [t for t, _, _ in _imports(p, mods, ("native",))] == expect
+
+
+def test_a_relative_import_beyond_qgru_is_refused(tmp_path):
+    p = tmp_path / "x.py"
+    p.write_text("from ...x import y")
+    with pytest.raises(AssertionError, match="beyond the package"):
+        _imports(p, {"native"}, ("native",))

@@ -1,4 +1,4 @@
-"""The native backends (csrc/, qgru/native.py, qgru/backends.py) against the reference backend.
+"""The native backends (csrc/, qgru/native/, qgru/backends.py) against the reference backend.
 
 The golden model (qgru/golden.py) is the specification: every native backend must reproduce it
 bit for bit, for every config the config loader accepts, every shape nn.GRU accepts and any
@@ -47,6 +47,10 @@ from qgru.primitives import qrange, quantize_multipliers, split_int8_limbs
 
 # `qgru.backends` is the function (re-exported by qgru/__init__), which hides the submodule
 backends_mod = importlib.import_module("qgru.backends")
+# the submodules of qgru.native that own the names the tests replace (monkeypatch): the package
+# re-exports them, but the code that reads them reads its own module's global
+native_build = importlib.import_module("qgru.native.build")
+native_cpu = importlib.import_module("qgru.native.cpu")
 
 NATIVE_KINDS = ("cpu", "cuda")
 _EXAMPLES = int(os.environ.get("QGRU_NATIVE_EXAMPLES", "0")) or None
@@ -449,7 +453,7 @@ def test_integer_worst_case_accumulators(kind, cfg, mode, K, sign):
 @settings(max_examples=_examples(2000), **_SETTINGS)
 @given(v=st.integers(-(2 ** 31), 2 ** 31 - 1), m=st.integers(0, 2 ** 31 - 1), s=st.integers(1, 62))
 def test_int32_multiplier_rescale_identity(v, m, s):
-    """The int32 cell's multiplier form (csrc rescale32 / requant32, qgru/native.py _acc32_mult):
+    """The int32 cell's multiplier form (csrc rescale32 / requant32, qgru/native/prepare.py _acc32_mult):
     floor(v m / 2^(s-1)) = floor(floor(v 2^lsh m / 2^32) / 2^rsh) with lsh = max(0, 33 - s),
     rsh = max(0, s - 33), wherever v 2^lsh fits int32; and the r * Rh_g form
     floor(floor(y m / 2^16) / 2^(s-17)) with floor(y m / 2^16) = (y >> 16) m + ((y & 0xFFFF) m >> 16).
@@ -553,7 +557,7 @@ def test_auto_avxvnni_runs_16_bit_layers_on_avx2(cpu_backend, monkeypatch):
     real = native.cpu_paths()
     if not {"avxvnni", "avx2"} <= {str(i["name"]) for i in real if i["usable"]}:
         pytest.skip("needs a CPU that runs avxvnni and avx2")
-    monkeypatch.setattr(native, "cpu_paths", lambda: [
+    monkeypatch.setattr(native_cpu, "cpu_paths", lambda: [
         dict(i, usable=False, why="marked unusable (test)") if i["name"] in ("amx", "avx512vnni") else i for i in real])
     monkeypatch.delenv("QGRU_CPU_ISA", raising=False)
     dev = torch.device("cpu")
@@ -629,7 +633,7 @@ def test_backends_report_cpu_unavailable_for_a_bad_isa_request(cpu_backend, monk
         real = native.cpu_paths()
         path = next(i["name"] for i in real if i["usable"] and i["name"] != "portable") \
             if any(i["usable"] and i["name"] != "portable" for i in real) else "portable"
-        monkeypatch.setattr(native, "cpu_paths", lambda: [
+        monkeypatch.setattr(native_cpu, "cpu_paths", lambda: [
             dict(i, usable=False, why="the CPU lacks it (test)") if i["name"] == path else i for i in real])
         request_ = path
     monkeypatch.setenv("QGRU_CPU_ISA", request_)
@@ -668,7 +672,7 @@ def test_cpu_paths_match_the_cpu_flags(cpu_backend):
 
 
 def test_avxvnni_toolchain_probe_agrees_with_the_build(cpu_backend, tmp_path):
-    """The build compiles the avxvnni path exactly when its probe (qgru/native.py,
+    """The build compiles the avxvnni path exactly when its probe (qgru/native/build.py,
     _toolchain_has_avxvnni: kernel_avxvnni.cpp compiled alone) succeeds with this toolchain."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the avxvnni path is x86-64's")
@@ -1494,7 +1498,7 @@ def test_load_skips_stale_binary_in_build_dir(cpu_backend, monkeypatch, tmp_path
     d = native.build_dir("cpu")
     d.mkdir(parents=True)
     (d / real.name).write_bytes(real.read_bytes())
-    monkeypatch.setattr(native, "_state", native._State())  # forget the loaded module
+    monkeypatch.setattr(native_build, "_state", native_build._State())  # forget the loaded module
     with pytest.raises(RuntimeError, match="python -m qgru build"):
         native.load("cpu", build=False)
     assert "stale" in capsys.readouterr().err

@@ -3,7 +3,8 @@
 // This file is the driver, compiled for the build's baseline target: it splits a layer call into
 // chunks of steps and parallel tasks, owns the buffers, and calls one instruction-set path's
 // kernels (kernels.h: the packed int8 GEMMs and the cell loops; isa.cpp picks the path at run
-// time from what the CPU and OS offer, or QGRU_CPU_ISA through qgru/native.py).
+// time from what the CPU and OS offer, or QGRU_CPU_ISA through qgru/native/cpu.py). Its Python
+// binding is bind_cpu.cpp, which sees this file through cpu_backend.h only.
 //
 // GEMMs: int8 (or int16) x int8 -> int32, one per limb pair (qgru_cell.h), weights packed once
 // per layer in the layout the path's kernel reads. With one limb pair on both GEMMs (x, h, W and
@@ -28,10 +29,7 @@
 #include <type_traits>
 #include <vector>
 
-#if !defined(_WIN32)
-#include <pthread.h>
-#endif
-
+#include "cpu_backend.h"
 #include "isa.h"
 #include "qgru_layer.h"
 
@@ -73,9 +71,9 @@ struct TaskSlot {
 // by that thread has none of them, and its next parallel region waits for them forever (torch's
 // own operators too: `a * 3` on 4M elements hangs such a child, as torch documents). In a
 // child of fork this backend's loops therefore run on the calling thread (the same integers: no
-// result depends on the thread count); qgru/native.py says so with a warning where torch would
+// result depends on the thread count); qgru/native/cpu.py says so with a warning where torch would
 // run more than one thread. Set by a pthread_atfork child handler (registered at module import),
-// or by qgru/native.py (set_forked_child) when the module is first loaded in a child of a fork.
+// or by qgru/native/build.py (set_forked_child) when the module is first loaded in a child of a fork.
 std::atomic<bool> g_forked{false};
 
 void mark_forked_child() { g_forked.store(true, std::memory_order_relaxed); }
@@ -296,7 +294,7 @@ class CpuLayer {
 
   // One-step calls of a batch of one (streaming) run on `isa`'s Layer of the same layer, made
   // from `tensors` / `values` (prepared for that path) on the first such call and kept. Which path
-  // and when is qgru/native.py's one_row_path, the one place that decides it. The maps are
+  // and when is qgru/native/cpu.py's one_row_path, the one place that decides it. The maps are
   // validated now (LayerTensors, the CPU device; they must describe this layer: its sizes and bit
   // widths); what the path itself requires (Gemm::init) is checked when the Layer is made.
   void set_one_row(TensorMap tensors, IntMap values, const std::string& isa) {
@@ -690,7 +688,7 @@ at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int
 // last layer's output and every h_n. The same functions as the separate calls (quantize, the
 // Layer, requantize, dequantize), minus their Python round trips: for one step of a batch of one
 // (streaming) those cost more than the layer. q[l] = (S_x, Z_x, bits_x, S_h, Z_h, bits_h,
-// multiplier and shift of S_h,l-1 / S_x,l), the per-tensor values qgru/native.py reads from the
+// multiplier and shift of S_h,l-1 / S_x,l), the per-tensor values qgru/native/stacks.py reads from the
 // layer's parameters. The Stack checked the layers and the values against each other; x and h0
 // are checked here, per call.
 std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<std::shared_ptr<CpuLayer>>& layers,
@@ -818,54 +816,62 @@ at::Tensor kernel_gemm(const std::string& isa, const at::Tensor& a_in, const at:
 }
 
 }  // namespace
-}  // namespace qgru
 
-#ifndef QGRU_TORCH_VERSION
-#error "QGRU_TORCH_VERSION must be defined by the build (qgru/native.py)"
-#endif
+// ---------------------------------------------------------------------------------------------
+// The interface the binding (bind_cpu.cpp) uses: cpu_backend.h
+// ---------------------------------------------------------------------------------------------
+namespace cpu_api {
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "qgru C++ CPU backend (bit-exact with qgru/golden.py)";
-  // The torch version this binary was compiled against: qgru refuses to load a stale binary.
-  m.attr("built_for_torch") = QGRU_TORCH_VERSION;
-#if !defined(_WIN32)
-  pthread_atfork(nullptr, nullptr, qgru::mark_forked_child);
-#endif
-  // Whether this process is a child of fork() made after this module was imported: the loops
-  // then run on the calling thread (g_forked).
-  m.def("forked_child", []() { return qgru::g_forked.load(std::memory_order_relaxed); });
-  m.def("set_forked_child", &qgru::mark_forked_child,
-        "Run on the calling thread from now on (this process is a child of fork; qgru/native.py calls it)");
-  m.def("isa_table", []() {
-    std::vector<std::tuple<std::string, bool, std::string, int, std::vector<std::string>>> rows;
-    for (const auto& i : qgru::cpu::isa_table())
-      rows.emplace_back(i.name, i.supported, i.why, i.kernels ? i.kernels->act_bytes : 0, i.needs);
-    return rows;
-  }, "(path, usable here, why not, activation bytes (0: not compiled), CPU features it requires) for "
-     "every CPU path, fastest first");
-  m.def("cpu_model", &qgru::cpu::cpu_model, "the CPU's model name (CPUID)");
-  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("quantize", [](const at::Tensor& x, double scale, int64_t zp, int64_t bits, const std::string& what,
-                       const std::string& isa) { return qgru::quantize(x, scale, zp, bits, what.c_str(), qgru::kernels_for(isa)); },
-        "float -> int32 (primitives.quantize) on a CPU path", pybind11::arg("x"), pybind11::arg("scale"),
-        pybind11::arg("zp"), pybind11::arg("bits"), pybind11::arg("what"), pybind11::arg("isa") = "auto", release_gil());
-  m.def("dequantize", &qgru::dequantize, "int -> float (primitives.dequantize)", release_gil());
-  m.def("requantize", &qgru::requantize, "golden.requantize_input, per-tensor factor", release_gil());
-  m.def("kernel_gemm", &qgru::kernel_gemm, "one CPU path's GEMM alone (tests)", pybind11::arg("isa"),
-        pybind11::arg("a"), pybind11::arg("w"), pybind11::arg("gates") = false);
-  pybind11::class_<qgru::Stack>(m, "Stack")
-      .def(pybind11::init<std::vector<std::shared_ptr<qgru::CpuLayer>>, std::vector<std::vector<double>>>(),
-           pybind11::arg("layers"), pybind11::arg("values"))
-      .def("forward", &qgru::Stack::forward, pybind11::arg("x"), pybind11::arg("h0"), release_gil());
-  pybind11::class_<qgru::CpuLayer, std::shared_ptr<qgru::CpuLayer>>(m, "Layer")
-      .def(pybind11::init<qgru::TensorMap, qgru::IntMap, std::string>(), pybind11::arg("tensors"),
-           pybind11::arg("values"), pybind11::arg("isa") = "auto")
-      .def_property_readonly("gemm", &qgru::CpuLayer::gemm_path)
-      .def_property_readonly("one_row_gemm", &qgru::CpuLayer::one_row_path)
-      .def_property_readonly("one_row_made", &qgru::CpuLayer::one_row_made)
-      .def("set_one_row", &qgru::CpuLayer::set_one_row, pybind11::arg("tensors"), pybind11::arg("values"),
-           pybind11::arg("isa"))
-      .def("forward", &qgru::CpuLayer::forward, pybind11::arg("qx"), pybind11::arg("qh0"),
-           pybind11::arg("lengths") = pybind11::none(),
-           pybind11::call_guard<pybind11::gil_scoped_release>());
+void mark_forked_child() { qgru::mark_forked_child(); }
+bool forked_child() { return g_forked.load(std::memory_order_relaxed); }
+
+at::Tensor quantize(const at::Tensor& x, double scale, int64_t zp, int64_t bits, const std::string& what,
+                    const std::string& isa) {
+  return qgru::quantize(x, scale, zp, bits, what.c_str(), qgru::kernels_for(isa));
 }
+at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp) { return qgru::dequantize(q, scale, zp); }
+at::Tensor requantize(const at::Tensor& q, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
+                      int64_t to_bits) {
+  return qgru::requantize(q, from_zp, mult, shift, to_zp, to_bits);
+}
+at::Tensor kernel_gemm(const std::string& isa, const at::Tensor& a, const at::Tensor& w, bool gates) {
+  return qgru::kernel_gemm(isa, a, w, gates);
+}
+
+struct Layer::Impl {
+  std::shared_ptr<CpuLayer> layer;
+};
+
+Layer::Layer(TensorMap tensors, IntMap values, const std::string& isa)
+    : impl(std::make_shared<Impl>(Impl{std::make_shared<CpuLayer>(std::move(tensors), std::move(values), isa)})) {}
+std::string Layer::gemm_path() const { return impl->layer->gemm_path(); }
+std::string Layer::one_row_path() { return impl->layer->one_row_path(); }
+bool Layer::one_row_made() { return impl->layer->one_row_made(); }
+void Layer::set_one_row(TensorMap tensors, IntMap values, const std::string& isa) {
+  impl->layer->set_one_row(std::move(tensors), std::move(values), isa);
+}
+std::tuple<at::Tensor, at::Tensor> Layer::forward(const at::Tensor& qx, const at::Tensor& qh0,
+                                                  const c10::optional<at::Tensor>& lengths) {
+  return impl->layer->forward(qx, qh0, lengths);
+}
+
+struct Stack::Impl {
+  qgru::Stack stack;
+};
+
+namespace {
+std::vector<std::shared_ptr<CpuLayer>> cpu_layers(const std::vector<std::shared_ptr<Layer>>& layers) {
+  std::vector<std::shared_ptr<CpuLayer>> out;
+  for (const auto& l : layers) out.push_back(l ? l->impl->layer : nullptr);  // None: Stack refuses it
+  return out;
+}
+}  // namespace
+
+Stack::Stack(const std::vector<std::shared_ptr<Layer>>& layers, std::vector<std::vector<double>> values)
+    : impl(std::make_shared<Impl>(Impl{qgru::Stack(cpu_layers(layers), std::move(values))})) {}
+std::tuple<at::Tensor, at::Tensor> Stack::forward(const at::Tensor& x, const at::Tensor& h0) const {
+  return impl->stack.forward(x, h0);
+}
+
+}  // namespace cpu_api
+}  // namespace qgru

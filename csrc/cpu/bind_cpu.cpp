@@ -1,0 +1,64 @@
+// qgru C++ CPU backend: the Python binding (pybind11) of the layer and plan code in qgru_cpu.cpp,
+// through its interface cpu_backend.h; isa.h for the path table and the CPU's name.
+#include <torch/extension.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#if !defined(_WIN32)
+#include <pthread.h>
+#endif
+
+#include "cpu_backend.h"
+#include "isa.h"
+#include "kernels.h"
+
+#ifndef QGRU_TORCH_VERSION
+#error "QGRU_TORCH_VERSION must be defined by the build (qgru/native/build.py)"
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "qgru C++ CPU backend (bit-exact with qgru/golden.py)";
+  // The torch version this binary was compiled against: qgru refuses to load a stale binary.
+  m.attr("built_for_torch") = QGRU_TORCH_VERSION;
+#if !defined(_WIN32)
+  pthread_atfork(nullptr, nullptr, qgru::cpu_api::mark_forked_child);
+#endif
+  // Whether this process is a child of fork() made after this module was imported: the loops
+  // then run on the calling thread (g_forked).
+  m.def("forked_child", &qgru::cpu_api::forked_child);
+  m.def("set_forked_child", &qgru::cpu_api::mark_forked_child,
+        "Run on the calling thread from now on (this process is a child of fork; qgru/native/build.py calls it)");
+  m.def("isa_table", []() {
+    std::vector<std::tuple<std::string, bool, std::string, int, std::vector<std::string>>> rows;
+    for (const auto& i : qgru::cpu::isa_table())
+      rows.emplace_back(i.name, i.supported, i.why, i.kernels ? i.kernels->act_bytes : 0, i.needs);
+    return rows;
+  }, "(path, usable here, why not, activation bytes (0: not compiled), CPU features it requires) for "
+     "every CPU path, fastest first");
+  m.def("cpu_model", &qgru::cpu::cpu_model, "the CPU's model name (CPUID)");
+  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("quantize", &qgru::cpu_api::quantize,
+        "float -> int32 (primitives.quantize) on a CPU path", pybind11::arg("x"), pybind11::arg("scale"),
+        pybind11::arg("zp"), pybind11::arg("bits"), pybind11::arg("what"), pybind11::arg("isa") = "auto", release_gil());
+  m.def("dequantize", &qgru::cpu_api::dequantize, "int -> float (primitives.dequantize)", release_gil());
+  m.def("requantize", &qgru::cpu_api::requantize, "golden.requantize_input, per-tensor factor", release_gil());
+  m.def("kernel_gemm", &qgru::cpu_api::kernel_gemm, "one CPU path's GEMM alone (tests)", pybind11::arg("isa"),
+        pybind11::arg("a"), pybind11::arg("w"), pybind11::arg("gates") = false);
+  pybind11::class_<qgru::cpu_api::Stack>(m, "Stack")
+      .def(pybind11::init<const std::vector<std::shared_ptr<qgru::cpu_api::Layer>>&, std::vector<std::vector<double>>>(),
+           pybind11::arg("layers"), pybind11::arg("values"))
+      .def("forward", &qgru::cpu_api::Stack::forward, pybind11::arg("x"), pybind11::arg("h0"), release_gil());
+  pybind11::class_<qgru::cpu_api::Layer, std::shared_ptr<qgru::cpu_api::Layer>>(m, "Layer")
+      .def(pybind11::init<qgru::TensorMap, qgru::IntMap, const std::string&>(), pybind11::arg("tensors"),
+           pybind11::arg("values"), pybind11::arg("isa") = "auto")
+      .def_property_readonly("gemm", &qgru::cpu_api::Layer::gemm_path)
+      .def_property_readonly("one_row_gemm", &qgru::cpu_api::Layer::one_row_path)
+      .def_property_readonly("one_row_made", &qgru::cpu_api::Layer::one_row_made)
+      .def("set_one_row", &qgru::cpu_api::Layer::set_one_row, pybind11::arg("tensors"), pybind11::arg("values"),
+           pybind11::arg("isa"))
+      .def("forward", &qgru::cpu_api::Layer::forward, pybind11::arg("qx"), pybind11::arg("qh0"),
+           pybind11::arg("lengths") = pybind11::none(),
+           pybind11::call_guard<pybind11::gil_scoped_release>());
+}

@@ -1,0 +1,53 @@
+// The CPU backend's interface to its Python binding (bind_cpu.cpp): the Layer and the Stack as
+// handles to their implementation in qgru_cpu.cpp (the layer and plan code, whose classes stay
+// private to that file), and the free functions the binding exposes.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "qgru_layer.h"
+
+namespace qgru {
+namespace cpu_api {
+
+// This process is a child of fork(): the loops run on the calling thread from now on (qgru_cpu.cpp).
+void mark_forked_child();
+bool forked_child();
+
+at::Tensor quantize(const at::Tensor& x, double scale, int64_t zp, int64_t bits, const std::string& what,
+                    const std::string& isa);
+at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp);
+at::Tensor requantize(const at::Tensor& q, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
+                      int64_t to_bits);
+at::Tensor kernel_gemm(const std::string& isa, const at::Tensor& a, const at::Tensor& w, bool gates);
+
+// One layer and direction (qgru_cpu.cpp CpuLayer).
+class Layer {
+ public:
+  Layer(TensorMap tensors, IntMap values, const std::string& isa);
+  std::string gemm_path() const;
+  std::string one_row_path();
+  bool one_row_made();
+  void set_one_row(TensorMap tensors, IntMap values, const std::string& isa);
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx, const at::Tensor& qh0,
+                                             const c10::optional<at::Tensor>& lengths);
+  struct Impl;
+  std::shared_ptr<Impl> impl;
+};
+
+// A unidirectional stack in one call (qgru_cpu.cpp Stack).
+class Stack {
+ public:
+  Stack(const std::vector<std::shared_ptr<Layer>>& layers, std::vector<std::vector<double>> values);
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& h0) const;
+  struct Impl;
+  std::shared_ptr<Impl> impl;
+};
+
+}  // namespace cpu_api
+}  // namespace qgru

@@ -1,0 +1,46 @@
+// The CUDA backend's interface to its Python binding (bind_cuda.cpp): the Layer and the Stack as
+// handles to their implementation in qgru_cuda.cpp (the layer and plan code, whose classes stay
+// private to that file), and the free functions the binding exposes.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "qgru_layer.h"
+
+namespace qgru {
+namespace cuda_api {
+
+at::Tensor quantize(const at::Tensor& x, double scale, int64_t zp, int64_t bits, const std::string& what);
+at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp);
+int64_t nan_flags(int64_t device, bool clear);
+void check_cublas_version();
+
+// One layer and direction (qgru_cuda.cpp CudaLayer).
+class Layer {
+ public:
+  Layer(TensorMap tensors, IntMap values);
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx, const at::Tensor& qh0,
+                                             const c10::optional<at::Tensor>& lengths);
+  std::map<std::string, int64_t> counters() const;
+  int64_t window_steps(int64_t T, int64_t N) const;
+  struct Impl;
+  std::shared_ptr<Impl> impl;
+};
+
+// A unidirectional stack in one call (qgru_cuda.cpp CudaStack).
+class Stack {
+ public:
+  Stack(const std::vector<std::shared_ptr<Layer>>& layers, std::vector<std::vector<double>> values);
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& h0) const;
+  struct Impl;
+  std::shared_ptr<Impl> impl;
+};
+
+}  // namespace cuda_api
+}  // namespace qgru

@@ -1,0 +1,156 @@
+"""The CPU backend's instruction-set paths: which path a layer runs on (QGRU_CPU_ISA, the paths
+the built extension and this CPU offer, per-layer and one-row choices), what qgru.backends()
+says about them, and the CPU part of making a native Layer (cpu_layer).
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+from ..convert import recurrent_operand
+from ..golden import LayerParams
+from . import build
+from .build import load
+from .prepare import one_limb_pair, prepare_layer
+
+def _act_bytes(paths: List[Dict[str, object]], name: str) -> int:
+    """A path's activation bytes from cpu_paths(): 1 on the int8 paths (amx, avx512vnni, avxvnni)."""
+    return next((int(i["act_bytes"]) for i in paths if i["name"] == name), 0)
+
+
+def _avx2_takes_whole(p: LayerParams) -> bool:
+    """Whether p has a 16-bit x or R.h operand that avx2 takes whole as int16, so that its step is
+    one fused pass there against two limb pairs per GEMM on the int8 paths."""
+    b = p.bits
+    return max(b["x"], b[recurrent_operand(b)]) > 8 and one_limb_pair(p, act16=True)
+
+
+def layer_path(p: LayerParams, path: str, request: str) -> str:
+    """The CPU path a layer runs on when the request ``request`` resolved to ``path``: ``path``, but
+    for an auto request on avxvnni a layer that avx2 takes whole (_avx2_takes_whole) runs on avx2,
+    whose int16 operands beat avxvnni's two limbs there (w8a16, T=100 N=64 I=256 H=512: 94 against
+    113 ms, bench.py on lscpu "Intel(R) Xeon(R) Processor", 2026-11-25). amx and avx512vnni stay
+    ahead of avx2 there (31 and 59 ms). A forced path (QGRU_CPU_ISA) is taken as asked."""
+    if request == "auto" and path == "avxvnni" and _avx2_takes_whole(p) and \
+            any(i["name"] == "avx2" and i["usable"] for i in cpu_paths()):
+        return "avx2"
+    return path
+
+
+def one_row_path(p: LayerParams, path: str) -> Optional[str]:
+    """The CPU path on which a layer of path ``path`` runs its one-step calls of a batch of one
+    (streaming), or None for ``path`` itself: the one place that decides it (the C++ Layer runs
+    them on a Layer of that path, made on the first such call: CpuLayer::set_one_row). Measured on
+    lscpu "Intel(R) Xeon(R) Processor" (a 2-core Sapphire Rapids VM), H = 512, 2 threads:
+    * amx, a fused layer (one limb pair each, gemm "amx-fused"): a 16-row AMX tile holds one real
+      row; one step took 18.4 us against 14.1 us with avx512vnni's GEMMs (from two rows AMX is
+      faster: N = 2, 18.6 against 20.0 us), 2026-11-25;
+    * amx, avx512vnni or avxvnni, a layer with a 16-bit x or R.h operand that avx2 takes whole as
+      int16 (one fused pass there, against two limb pairs per GEMM and a pass per GEMM on the int8
+      paths): w8a16 57 us (amx) and 44 us (avx512vnni) against 37 us per step (bench.py, 2026-11-25)."""
+    paths = cpu_paths()
+    usable = {str(i["name"]) for i in paths if i["usable"]}
+    if path == "amx" and "avx512vnni" in usable and one_limb_pair(p, act16=False):
+        return "avx512vnni"
+    if _act_bytes(paths, path) == 1 and "avx2" in usable and _avx2_takes_whole(p):
+        return "avx2"
+    return None
+
+
+def cpu_isa_request() -> str:
+    """The CPU path new CPU layers ask for: QGRU_CPU_ISA (auto, portable, avx2, avxvnni, avx512vnni,
+    amx)."""
+    return os.environ.get("QGRU_CPU_ISA", "auto").strip().lower() or "auto"
+
+
+def cpu_paths() -> List[Dict[str, object]]:
+    """Every CPU path of the built backend, fastest first: name, usable here, why not, act_bytes
+    (0: not compiled in), needs (the CPU features it requires, by gcc target-attribute name)."""
+    return [dict(name=n, usable=ok, why=why, act_bytes=ab, needs=list(needs))
+            for n, ok, why, ab, needs in load("cpu").isa_table()]
+
+
+def resolve_cpu_isa(request: Optional[str] = None) -> Dict[str, object]:
+    """The path that a CPU layer asked for ``request`` (None: QGRU_CPU_ISA) runs; a path this CPU
+    cannot run, or an unknown name, is a ValueError with the reason."""
+    req = cpu_isa_request() if request is None else request.strip().lower()
+    paths = cpu_paths()
+    for info in paths:
+        if req == "auto" and info["usable"]:
+            return info
+        if info["name"] == req:
+            if not info["usable"]:
+                raise ValueError(f"qgru cpu: the {req!r} path (QGRU_CPU_ISA) cannot run here: {info['why']}")
+            return info
+    raise ValueError(f"qgru cpu: unknown path {req!r} (QGRU_CPU_ISA); known: auto, "
+                     + ", ".join(str(i["name"]) for i in paths))
+
+
+_PATH_TEXT = {
+    "amx": "AMX int8 tiles",
+    "avx512vnni": "AVX-512 VNNI int8 dot products",
+    "avxvnni": "AVX-VNNI int8 dot products (256-bit)",
+    "avx2": "AVX2 int16 multiply-adds (vpmaddwd; 16-bit activations whole where exact)",
+    "portable": "portable C++ loops (compiler-vectorised)",
+}
+
+
+def cpu_gemm_detail() -> str:
+    """Which path new CPU layers run, on which CPU, and why (the cpu entry of qgru.backends())."""
+    mod = load("cpu")
+    try:
+        info = resolve_cpu_isa()
+    except ValueError as e:
+        return f"{e} (CPU: {mod.cpu_model()})"
+    why = ("forced by QGRU_CPU_ISA" if cpu_isa_request() != "auto"
+           else "the fastest path this CPU and OS offer")
+    skipped = [f"{i['name']}: {i['why']}" for i in cpu_paths() if not i["usable"]]
+    usable = {str(i["name"]) for i in cpu_paths() if i["usable"]}
+    one_row = ("; a streaming step (one step of a batch of one) runs on avx512vnni where the layer is one fused "
+               "pass (a 16-row AMX tile would hold one real row)" if info["name"] == "amx" and "avx512vnni" in usable
+               else "")
+    if info["name"] == "avxvnni" and "avx2" in usable and cpu_isa_request() == "auto":
+        one_row += "; a layer with 16-bit x or h that avx2 takes whole as int16 runs on avx2 (one fused pass)"
+    elif info["act_bytes"] == 1 and "avx2" in usable:
+        one_row += ("; a streaming step of a layer with 16-bit x or h that avx2 takes whole as int16 runs on avx2 "
+                    "(one fused pass instead of two limb pairs per GEMM)")
+    return (f"path {info['name']}: {_PATH_TEXT.get(str(info['name']), info['name'])}, {why}; one fused pass per "
+            f"step where x, the R.h operand (h or h_gemm), W and R take one limb each{one_row}; CPU: {mod.cpu_model()}"
+            + (f"; not usable here: {'; '.join(skipped)}" if skipped else ""))
+
+
+def _warn_forked_child(mod) -> None:
+    """Once per process: a child of fork runs the cpu backend on one thread (_after_fork_in_child),
+    which is slower where torch would use more (a DataLoader worker sets one thread itself)."""
+    if build._state.warned_fork or not mod.forked_child() or torch.get_num_threads() <= 1:
+        return
+    build._state.warned_fork = True
+    import warnings
+    warnings.warn("qgru cpu backend: this process is a child of fork(), where OpenMP's thread pool does not "
+                  "work (a parallel region can wait forever for threads of the parent): qgru's CPU kernels run "
+                  f"on the calling thread here, not on torch's {torch.get_num_threads()} threads. Start worker "
+                  "processes with the 'spawn' or 'forkserver' method for multi-threaded inference in them, or "
+                  "call torch.set_num_threads(1) in the child to silence this.", RuntimeWarning, stacklevel=4)
+
+
+def cpu_layer(mod, p: LayerParams, isa: Optional[str]):
+    """The C++ Layer of p on the cpu extension ``mod`` for the path request ``isa`` (None:
+    QGRU_CPU_ISA; see NativeLayer), with its one-row Layer's path set where one_row_path says."""
+    _warn_forked_child(mod)
+    info = resolve_cpu_isa(isa)
+    request = cpu_isa_request() if isa is None else isa.strip().lower()
+    name = layer_path(p, str(info["name"]), request)
+    if name != info["name"]:
+        info = resolve_cpu_isa(name)
+    # prepared on the host, then moved once
+    tensors, values = prepare_layer(p.to("cpu"), act16=info["act_bytes"] == 2)
+    layer = mod.Layer(tensors, values, str(info["name"]))
+    other = one_row_path(p, str(info["name"]))
+    if other is not None:
+        act16 = resolve_cpu_isa(other)["act_bytes"] == 2
+        if act16 != (info["act_bytes"] == 2):
+            tensors, values = prepare_layer(p.to("cpu"), act16=act16)
+        layer.set_one_row(tensors, values, other)
+    return layer
