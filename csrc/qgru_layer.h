@@ -13,9 +13,12 @@
 
 #include <torch/extension.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "qgru_cell.h"
 
@@ -42,6 +45,42 @@ inline void check_requantize_args(const char* who, int64_t from_zp, int64_t mult
                   shift <= 62,
               who, ": to_bits ", to_bits, ", zero points ", from_zp, " and ", to_zp, ", multiplier ", mult, ", shift ",
               shift, " out of range");
+}
+
+// A Stack's per-layer values (q[l] = S_x, Z_x, bits_x, S_h, Z_h, bits_h, multiplier and shift of
+// S_h,l-1 / S_x,l; qgru/native stack_values), checked against its Layers once, when a Stack is made
+// (the CPU's and the CUDA's: Layer has hidden_size, input_size, x_bits, state_range and state_zp).
+// same_place(a, b): whether Layer b can read Layer a's output where it is (the CUDA Stack: one
+// device). The calls the Stack makes with the values are checked here too (quantize_into and
+// requantize check them again, as every entry point does).
+template <class Layer, class SamePlace>
+void check_stack_values(const char* who, const std::vector<std::shared_ptr<Layer>>& layers,
+                        const std::vector<std::vector<double>>& q, SamePlace same_place) {
+  TORCH_CHECK(!layers.empty() && layers.size() == q.size(), who, ": one parameter row per Layer");
+  const std::string name(who);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const Layer* layer = layers[l].get();
+    TORCH_CHECK(layer != nullptr, who, ": a Layer is None");
+    const int64_t H = layers[0]->hidden_size();
+    TORCH_CHECK(l == 0 || (layer->hidden_size() == H && layer->input_size() == H && same_place(*layers[0], *layer)),
+                who, ": layer ", l, " does not take layer ", l - 1, "'s output");
+    const std::vector<double>& v = q[l];
+    TORCH_CHECK(v.size() == 8, who, ": 8 values per layer");
+    // integer values must be integers (they are passed as doubles) before any cast
+    for (int i : {1, 2, 4, 5, 6, 7})
+      TORCH_CHECK(std::abs(v[i]) < 9.0e15 && v[i] == std::floor(v[i]), who, ": layer ", l, " value ", i, " (", v[i],
+                  ") is not an integer");
+    check_quantize_args((name + " (x)").c_str(), v[0], (int64_t)v[1], (int64_t)v[2]);
+    check_quantize_args((name + " (h)").c_str(), v[3], (int64_t)v[4], (int64_t)v[5]);
+    if (l > 0)  // layer l - 1's output onto layer l's x grid
+      check_requantize_args(who, (int64_t)q[l - 1][4], (int64_t)v[6], (int64_t)v[7], (int64_t)v[1], (int64_t)v[2]);
+    const Range h = signed_range((int32_t)v[5]), state = layer->state_range();
+    TORCH_CHECK((int64_t)v[2] == layer->x_bits() && h.lo == state.lo && h.hi == state.hi &&
+                    (int64_t)v[4] == layer->state_zp(),
+                who, ": layer ", l, " values name ", (int64_t)v[2], "-bit x and ", (int64_t)v[5], "-bit h with zero point ",
+                (int64_t)v[4], "; its Layer takes ", layer->x_bits(), "-bit x and h in [", state.lo, ", ", state.hi,
+                "] with zero point ", layer->state_zp());
+  }
 }
 
 struct LayerTensors {

@@ -733,33 +733,7 @@ class Stack {
  public:
   Stack(std::vector<std::shared_ptr<CpuLayer>> layers, std::vector<std::vector<double>> q)
       : layers_(std::move(layers)), q_(std::move(q)) {
-    TORCH_CHECK(!layers_.empty() && layers_.size() == q_.size(), "qgru cpu Stack: one parameter row per Layer");
-    for (size_t l = 0; l < layers_.size(); ++l) {
-      const CpuLayer* layer = layers_[l].get();
-      TORCH_CHECK(layer != nullptr, "qgru cpu Stack: a Layer is None");
-      const int64_t H = layers_[0]->hidden_size();
-      TORCH_CHECK(l == 0 || (layer->hidden_size() == H && layer->input_size() == H), "qgru cpu Stack: layer ", l,
-                  " does not take layer ", l - 1, "'s output");
-      const std::vector<double>& v = q_[l];
-      TORCH_CHECK(v.size() == 8, "qgru cpu Stack: 8 values per layer");
-      // integer values must be integers (they are passed as doubles) before any cast
-      for (int i : {1, 2, 4, 5, 6, 7})
-        TORCH_CHECK(std::abs(v[i]) < 9.0e15 && v[i] == std::floor(v[i]), "qgru cpu Stack: layer ", l, " value ", i,
-                    " (", v[i], ") is not an integer");
-      // the calls stack_forward makes with them, checked once here (quantize_into and requantize
-      // check them again, as every entry point does)
-      check_quantize_args("qgru cpu Stack (x)", v[0], (int64_t)v[1], (int64_t)v[2]);  // qgru_layer.h
-      check_quantize_args("qgru cpu Stack (h)", v[3], (int64_t)v[4], (int64_t)v[5]);
-      if (l > 0)  // layer l - 1's output onto layer l's x grid
-        check_requantize_args("qgru cpu Stack", (int64_t)q_[l - 1][4], (int64_t)v[6], (int64_t)v[7], (int64_t)v[1],
-                              (int64_t)v[2]);
-      const Range h = signed_range((int32_t)v[5]), state = layer->state_range();
-      TORCH_CHECK((int64_t)v[2] == layer->x_bits() && h.lo == state.lo && h.hi == state.hi &&
-                      (int64_t)v[4] == layer->state_zp(),
-                  "qgru cpu Stack: layer ", l, " values name ", (int64_t)v[2], "-bit x and ", (int64_t)v[5],
-                  "-bit h with zero point ", (int64_t)v[4], "; its Layer takes ", layer->x_bits(), "-bit x and h in [",
-                  state.lo, ", ", state.hi, "] with zero point ", layer->state_zp());
-    }
+    check_stack_values("qgru cpu Stack", layers_, q_, [](const CpuLayer&, const CpuLayer&) { return true; });
   }
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& h0) const {
     return stack_forward(layers_, x, h0, q_);
