@@ -812,7 +812,6 @@ class QuantGRU(nn.GRU):
         return run_stack(self.num_layers, self.num_directions, x, hx, lengths, direction_fn)
 
     def _forward_float_reference(self, x, hx, lengths):
-        lengths = None if lengths is None else lengths.to(x.device)  # a PackedSequence's are on the CPU
         def run(layer, d, inp, h0):
             inp = inp if layer == 0 else torch.cat(inp, dim=-1)
             return float_direction(*self._weights(layer, d), inp, h0, lengths, self._observers[(layer, d)],
