@@ -37,6 +37,13 @@ class BoundaryOps:
                              "(out-of-range and infinite values saturate)")
         return primitives.quantize(x, scale, zp, bits)
 
+    def quantize_levels(self, x: torch.Tensor, levels: "golden.XLevels", zp, bits: int, what: str):
+        """(q, level): each token of x on its own x level (golden.quantize_levels)."""
+        if torch.isnan(x).any():
+            raise ValueError(f"QuantGRU {what} contains NaN, which has no quantized value "
+                             "(out-of-range and infinite values saturate)")
+        return golden.quantize_levels(levels, x, zp, bits)
+
     def dequantize(self, q: torch.Tensor, scale, zp) -> torch.Tensor:
         return primitives.dequantize(q, scale, zp)
 
@@ -101,7 +108,8 @@ class Backend:
 
     @property
     def gru_direction(self) -> Callable:
-        """(LayerParams, qx, qh0, lengths) -> (q outputs, q h_n); raises if unavailable."""
+        """(LayerParams, qx, qh0, lengths, level=None) -> (q outputs, q h_n); raises if unavailable.
+        ``level``: each token's x level, for a layer with x levels (golden.gru_direction)."""
         if self.name == "reference":
             return golden.gru_direction
         why = native.why_unavailable(self.name)

@@ -574,7 +574,7 @@ class _Comparer:
 
         def run_int(layer, d, inp_, h0_):
             p = params[layer][d]
-            qx, qh0 = q._integer_inputs(_BOUNDARY, params, layer, d, inp_, h0_)
+            qx, qh0, level = q._integer_inputs(_BOUNDARY, params, layer, d, inp_, h0_)
             if layer == 0:
                 x_own = inp_.double()
             else:
@@ -582,7 +582,7 @@ class _Comparer:
                 x_own = torch.cat([(v - prev[e].zp["h"]).double() * prev[e].scale["h"]
                                    for e, v in enumerate(inp_)], dim=-1)
             tr: Dict[str, Any] = {}
-            out, hn = golden.gru_direction(p, qx, qh0, lengths, trace=tr)
+            out, hn = golden.gru_direction(p, qx, qh0, lengths, trace=tr, level=level)
             tr.update(qx=qx, x_own=x_own, qh0=qh0, out=out, hn=hn)
             itr[(layer, d)] = tr
             return out, hn

@@ -89,6 +89,10 @@ class TensorSpec:
     granularity: str = "per_tensor"
     group_size: int = 0  # channels per group, only for granularity "per_group"
     headroom: float = 1.0  # calibrated range is widened by this factor (activations only)
+    # x only: the first layer quantizes each token (time step, batch row) on the first of a few
+    # wider grids that holds it (x levels: qgru.golden.XLevels), so inputs beyond calibration
+    # do not clip; False: one static grid (the C export's integer-only boundary takes either)
+    dynamic: bool = False
 
     def to_dict(self) -> Dict[str, Any]:
         d = {"bits": self.bits, "symmetric": self.symmetric, "granularity": self.granularity}
@@ -96,6 +100,8 @@ class TensorSpec:
             d["group_size"] = self.group_size
         if self.headroom != 1.0:
             d["headroom"] = self.headroom
+        if self.dynamic:
+            d["dynamic"] = True
         return d
 
 
@@ -228,7 +234,7 @@ def _merge(base: Mapping, over: Mapping, where: str) -> Dict:
 
 def _tensor_spec(name: str, d: Mapping) -> TensorSpec:
     where = f"config.tensors.{name}"
-    _check_keys(d, {"bits", "symmetric", "granularity", "group_size", "headroom"}, where)
+    _check_keys(d, {"bits", "symmetric", "granularity", "group_size", "headroom", "dynamic"}, where)
     bits = d.get("bits")
     max_bits = 16
     if not isinstance(bits, int) or not 2 <= bits <= max_bits:
@@ -264,5 +270,10 @@ def _tensor_spec(name: str, d: Mapping) -> TensorSpec:
         raise ValueError(f"{where}: headroom applies to calibrated activations only, not to {name}")
     if not isinstance(headroom, (int, float)) or isinstance(headroom, bool) or not 1.0 <= headroom < math.inf:
         raise ValueError(f"{where}: headroom must be a number >= 1, got {headroom!r}")
+    dynamic = d.get("dynamic", False)
+    if "dynamic" in d and name not in ("x", "h_gemm"):
+        raise ValueError(f"{where}: dynamic applies to the GEMM operands x and h_gemm only")
+    if not isinstance(dynamic, bool):
+        raise ValueError(f"{where}: dynamic must be true or false, got {dynamic!r}")
     return TensorSpec(bits=bits, symmetric=symmetric, granularity=granularity, group_size=group_size,
-                      headroom=float(headroom))
+                      headroom=float(headroom), dynamic=dynamic)

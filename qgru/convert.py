@@ -6,12 +6,13 @@ operand can take (docs/spec.md, "Accumulators and bounds"); it sets how many mul
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
 from .config import QuantConfig, TensorSpec
-from .golden import LayerParams, Rescale
+from .golden import LayerParams, Rescale, XLevels
 from .observers import Histogram, Observer, WeightObserver
 from .primitives import (choose_qparams, qrange, quantize, quantize_multipliers, round_half_up,
                          saturate)
@@ -359,6 +360,14 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
     calibrated = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre") + operand
     for n in calibrated:
         r = ranges["h"] if n == "h_gemm" and n not in ranges else ranges[n]
+        if config[n].dynamic and (n == "h_gemm" or (n == "x" and prev_h)):
+            # a GEMM operand made from a state: its grid covers what that state's grid can hold,
+            # within the tanh bound [-1, 1], instead of the values calibration saw (x.dynamic,
+            # h_gemm.dynamic; docs/spec.md section 4b)
+            src = [(S["h"], Z["h"])] if n == "h_gemm" else prev_h
+            r = state_span(src, bits["h"], src[0][0].device)
+            S[n], Z[n] = activation_qparams(*r, replace(config[n], headroom=1.0), H, pow2)
+            continue
         S[n], Z[n] = activation_qparams(*r, config[n], H, pow2)
     mom = second_moments or {}
     S["W"], W = weight_qparams(w_ih, config["W"], pow2, mom.get("x"))
@@ -401,6 +410,10 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
     for d, (s_prev, _) in enumerate(prev_h):
         rescale[f"in_{d}"] = _rescale(f"in_{d}", s_prev / S["x"], bound["in"], pow2)
 
+    x_levels = None
+    if not prev_h and config["x"].dynamic:  # the first layer: x comes from float
+        x_levels = derive_x_levels(S, Z, bits, b_ih, rescale["Wx"], bound["Wx"], pow2, bias)
+
     tables = {n: build_table("sigmoid" if n != "g" else "tanh", bits[f"{n}_pre"], float(S[f"{n}_pre"]),
                              int(Z[f"{n}_pre"]), float(S[n])) for n in ("r", "z", "g")}
     if scales_out is not None:
@@ -410,4 +423,50 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
         input_size=I, hidden_size=H, bits=bits, W=W, R=R, b_x=b_x, b_h=b_h,
         W_zp_comp=Z["x"] * W.sum(1), R_zp_comp=Z[op] * R.sum(1), zp=zp, rescale=rescale,
         tables=tables, one_z=one_z,
-        scale={n: S[n] for n in ("x", "h", "W", "R") + operand})
+        scale={n: S[n] for n in ("x", "h", "W", "R") + operand}, x_levels=x_levels)
+
+
+def state_span(grids, h_bits: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi): the values the states on ``grids`` ((scale, zero point) per direction, h_bits
+    bits) can hold, within [-1, 1] (a GRU's state is a convex mix of tanh outputs and h0)."""
+    lo_q, hi_q = qrange(h_bits)
+    lo = min(max((lo_q - int(z)) * float(s), -1.0) for s, z in grids)
+    hi = max(min((hi_q - int(z)) * float(s), 1.0) for s, z in grids)
+    return (torch.tensor(lo, dtype=torch.float64, device=device), torch.tensor(hi, dtype=torch.float64, device=device))
+
+
+# x levels (qgru.golden.XLevels): x's grid widened by 2^(e/4), e = 0 .. 12 (up to 8x the calibrated
+# range, in quarter octaves); pow2 scale mode keeps whole octaves (every scale a power of two)
+X_LEVEL_EXPONENTS = tuple(range(0, 13))
+X_LEVEL_EXPONENTS_POW2 = (0, 4, 8, 12)
+
+
+def derive_x_levels(S, Z, bits, b_ih, static_rescale: Rescale, wx_bound: int, pow2: bool, bias) -> XLevels:
+    """The first layer's x levels: per level its scale, its range, b_ih at its accumulator scale and
+    the W.x rescale onto the (static) Wx grid. Level 0 reproduces b_x and rescale["Wx"] exactly. A
+    level whose rescale cannot be represented ends the list (the levels below it still apply)."""
+    lo_q, hi_q = qrange(bits["x"])
+    zx = int(Z["x"])
+    exps, scales, b_xs, mults, shifts = [], [], [], [], []
+    for e in (X_LEVEL_EXPONENTS_POW2 if pow2 else X_LEVEL_EXPONENTS):
+        s = S["x"] * (2.0 ** (e / 4))
+        try:
+            r = _rescale("Wx", S["W"] * s / S["Wx"], wx_bound, pow2)
+        except RescaleError:
+            if e == 0:
+                raise
+            break
+        b = bias(b_ih, S["W"], s)
+        n = b.numel()
+        exps.append(e)
+        scales.append(s)
+        b_xs.append(b)
+        mults.append(r.multiplier.expand(n) if r.multiplier.dim() == 0 else r.multiplier)
+        shifts.append(r.shift.expand(n) if r.shift.dim() == 0 else r.shift)
+    dev = S["x"].device
+    scale = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=dev) for v in scales])
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
+    lo = -inf.expand_as(scale).clone() if zx == lo_q else (lo_q - zx) * scale
+    hi = inf.expand_as(scale).clone() if zx == hi_q else (hi_q - zx) * scale
+    return XLevels(exponent=torch.tensor(exps, dtype=torch.int64, device=dev), scale=scale, lo=lo, hi=hi,
+                   b_x=torch.stack(b_xs), rescale=Rescale(torch.stack(mults), torch.stack(shifts)))

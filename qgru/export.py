@@ -40,7 +40,7 @@ import torch
 
 from .config import GATE_OUTPUTS, OPTIONAL_TENSORS, TENSOR_NAMES, QuantConfig
 from .convert import _bits_of, operand_bounds, recurrent_operand
-from .golden import LayerParams, Rescale
+from .golden import LayerParams, Rescale, XLevels
 from .primitives import INT8_GEMM_K_MAX, MAX_SHIFT, multiplier_bits, pack_int32, qrange, unpack_int32
 from .tables import output_grid, table_geometry
 
@@ -91,6 +91,13 @@ class QuantParams:
                             out[f"{pre}{f.name}.packed"] = pack_int32(v, bits)
                         else:
                             out[pre + f.name] = v.to(torch.int8 if bits <= 8 else torch.int16)
+                    elif f.name == "x_levels":
+                        if v is not None:  # x levels (first layer, config x.dynamic)
+                            for k in ("exponent", "scale", "lo", "hi", "b_x"):
+                                out[f"{pre}x_levels.{k}"] = _narrow(getattr(v, k)) if k in ("exponent", "b_x") \
+                                    else getattr(v, k)
+                            out[f"{pre}x_levels.multiplier"] = v.rescale.multiplier.to(torch.int32)
+                            out[f"{pre}x_levels.shift"] = v.rescale.shift.to(torch.int32)
                     elif isinstance(v, dict):
                         for k, x in v.items():
                             if isinstance(x, Rescale):
@@ -419,6 +426,12 @@ def _read_layer(d: Dict[str, Any], pre: str, cfg: QuantConfig) -> LayerParams:
     kw["tables"] = {g: tensor(f"tables.{g}", torch.int32) for g in _GATES}
     kw["one_z"] = integer("one_z")
     kw["scale"] = {n: tensor(f"scale.{n}", torch.float64) for n in names["scale"]}
+    if pre + "x_levels.exponent" in d:  # TODO issue 31: validation of x levels (_check_entries, _check_layer)
+        kw["x_levels"] = XLevels(
+            exponent=tensor("x_levels.exponent", torch.int32), scale=tensor("x_levels.scale", torch.float64),
+            lo=tensor("x_levels.lo", torch.float64), hi=tensor("x_levels.hi", torch.float64),
+            b_x=tensor("x_levels.b_x", torch.int32),
+            rescale=Rescale(tensor("x_levels.multiplier", torch.int32), tensor("x_levels.shift", torch.int32)))
     return LayerParams(**kw)
 
 

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .primitives import int_matmul, rounding_mul_shift, saturate
+from .primitives import int_matmul, quantize, rounding_mul_shift, saturate
 from .tables import lookup
 
 
@@ -31,6 +31,39 @@ class Rescale:
 
     def __call__(self, v: torch.Tensor) -> torch.Tensor:
         return rounding_mul_shift(v, self.multiplier, self.shift)
+
+
+@dataclass
+class XLevels:
+    """Per-token grids of a layer's float input x ("x levels", docs/spec.md section 4b).
+
+    Level j is x's calibrated grid widened by 2**(exponent[j] / 4): scale S_x * 2**(exponent[j]/4),
+    the same zero point (so W_zp_comp is unchanged). Each token (the I values of x at one time
+    step and batch row) is quantized on the first level that holds all its values (x/select_levels),
+    and W.x is then requantized with that level's bias and rescale. Level ``exponent == 0`` is the
+    static grid: its bias and rescale are the layer's b_x and rescale["Wx"], so tokens that fit the
+    calibrated range give exactly the integers of a layer without levels. Only the first layer has
+    levels (its x comes from float; later layers' x is the previous layer's tanh-bounded state).
+    """
+    exponent: torch.Tensor  # int64 [J], ascending, holds 0
+    scale: torch.Tensor     # float64 [J]: S_x * 2**(exponent / 4)
+    lo: torch.Tensor        # float64 [J]: the level's lowest value (q_min - Z_x) * scale; -inf when Z_x = q_min
+    hi: torch.Tensor        # float64 [J]: (q_max - Z_x) * scale; +inf when Z_x = q_max
+    b_x: torch.Tensor       # int64 [J, 3H]: b_ih at scale S_W[c] * scale[j]
+    rescale: Rescale        # multiplier, shift int64 [J, 3H]: S_W[c] * scale[j] / S_Wx[c]
+
+
+def _map_tensors(v, fn):
+    """v with fn applied to every tensor inside it (tensors, Rescale, XLevels, dicts; others as they are)."""
+    if isinstance(v, torch.Tensor):
+        return fn(v)
+    if isinstance(v, Rescale):
+        return Rescale(fn(v.multiplier), fn(v.shift))
+    if isinstance(v, XLevels):
+        return XLevels(**{f.name: _map_tensors(getattr(v, f.name), fn) for f in fields(v)})
+    if isinstance(v, dict):
+        return {k: _map_tensors(x, fn) for k, x in v.items()}
+    return v
 
 
 @dataclass
@@ -53,6 +86,7 @@ class LayerParams:
     one_z: int                      # 1.0 on z's grid, relative to its zero point
     scale: Dict[str, torch.Tensor]  # float64 scales of x, h, W, R (and h_gemm): used only at the float
                                     # boundary and to read the parameters back as floats
+    x_levels: Optional[XLevels] = None  # per-token grids of x (first layer, config x.dynamic), else None
 
     # A native backend caches the layer it prepared from these parameters in __dict__["_native"]
     # (qgru/native/layer.py, gru_direction). That cache is not part of the parameters: copies and
@@ -61,28 +95,14 @@ class LayerParams:
         return {k: v for k, v in self.__dict__.items() if k != "_native"}
 
     def to(self, device) -> "LayerParams":
-        def mv(v):
-            if isinstance(v, torch.Tensor):
-                return v.to(device)
-            if isinstance(v, Rescale):
-                return Rescale(v.multiplier.to(device), v.shift.to(device))
-            if isinstance(v, dict):
-                return {k: mv(x) for k, x in v.items()}
-            return v
-        return LayerParams(**{f.name: mv(getattr(self, f.name)) for f in fields(self)})
+        return LayerParams(**{f.name: _map_tensors(getattr(self, f.name), lambda t: t.to(device))
+                              for f in fields(self)})
 
     def clone(self) -> "LayerParams":
         """A copy that shares no tensor (nor dict) with this one, and no native cache: what a module
         runs must not change when a caller edits, in place, what it was handed (export())."""
-        def cp(v):
-            if isinstance(v, torch.Tensor):
-                return v.detach().clone()
-            if isinstance(v, Rescale):
-                return Rescale(cp(v.multiplier), cp(v.shift))
-            if isinstance(v, dict):
-                return {k: cp(x) for k, x in v.items()}
-            return v
-        return LayerParams(**{f.name: cp(getattr(self, f.name)) for f in fields(self)})
+        return LayerParams(**{f.name: _map_tensors(getattr(self, f.name), lambda t: t.detach().clone())
+                              for f in fields(self)})
 
 
 def _gate(v: torch.Tensor, gate: int, hidden: int) -> torch.Tensor:
@@ -90,12 +110,41 @@ def _gate(v: torch.Tensor, gate: int, hidden: int) -> torch.Tensor:
     return v[..., gate * hidden:(gate + 1) * hidden]
 
 
-def input_gemm(p: LayerParams, qx: torch.Tensor) -> torch.Tensor:
-    """Wx for all time steps at once: qx [..., I] -> q_Wx - Z_Wx [..., 3H] (seed 001, step 1-2)."""
+def select_levels(lv: XLevels, x: torch.Tensor) -> torch.Tensor:
+    """The level index (int64 [...]) of every token of float x [..., I]: the first level j with
+    lo[j] <= min(token) and max(token) <= hi[j], else the last level (whose grid then clips, as a
+    static grid does). Compared in float64, where every float32/16 value is exact. A token holding
+    a NaN fits no level (the last; the quantizer then rejects or flags the NaN as without levels)."""
+    xd = x.double()
+    mn, mx = xd.amin(-1, keepdim=True), xd.amax(-1, keepdim=True)  # [..., 1]; NaN propagates
+    fits = (mn >= lv.lo) & (mx <= lv.hi)  # [..., J]
+    last = lv.exponent.numel() - 1
+    idx = torch.arange(last + 1, device=x.device)
+    return torch.where(fits, idx, last).amin(-1)
+
+
+def quantize_levels(lv: XLevels, x: torch.Tensor, zero_point: torch.Tensor, bits: int
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q_x [..., I], level [...]): each token of float x on its own level's grid (same zero point)."""
+    level = select_levels(lv, x)
+    return quantize(x, lv.scale[level].unsqueeze(-1), zero_point, bits), level
+
+
+def input_gemm(p: LayerParams, qx: torch.Tensor, level: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Wx for all time steps at once: qx [..., I] -> q_Wx - Z_Wx [..., 3H] (seed 001, step 1-2).
+
+    ``level`` [...] (layers with x levels, from quantize_levels): each token's W.x takes its
+    level's bias and rescale instead of b_x and rescale["Wx"]."""
     lead = qx.shape[:-1]
     acc = int_matmul(qx.reshape(-1, p.input_size), p.bits["x"], p.W.t(), p.bits["W"])
-    acc = acc - p.W_zp_comp + p.b_x
-    q = saturate(p.rescale["Wx"](acc) + p.zp["Wx"], p.bits["Wx"])
+    acc = acc - p.W_zp_comp
+    if level is None:
+        q = p.rescale["Wx"](acc + p.b_x)
+    else:
+        j = level.reshape(-1)
+        lv = p.x_levels
+        q = rounding_mul_shift(acc + lv.b_x[j], lv.rescale.multiplier[j], lv.rescale.shift[j])
+    q = saturate(q + p.zp["Wx"], p.bits["Wx"])
     return (q - p.zp["Wx"]).reshape(*lead, 3 * p.hidden_size)
 
 
@@ -162,16 +211,21 @@ def gru_step(p: LayerParams, dWx: torch.Tensor, qh: torch.Tensor,
 
 def gru_direction(p: LayerParams, qx: torch.Tensor, qh0: torch.Tensor,
                   lengths: Optional[torch.Tensor] = None,
-                  trace: Optional[Trace] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                  trace: Optional[Trace] = None,
+                  level: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Run one direction over time: qx [T, N, I], qh0 [N, H] -> (q outputs [T, N, H], q h_n [N, H]).
 
     ``lengths`` [N] (for packed input): steps t >= lengths[n] leave row n's state unchanged.
     A reverse direction is run by the caller on sequences reversed within their lengths.
     ``trace`` (optional, for qgru.compare): a dict that receives, per step, q_Wx and everything
     gru_step records. Tracing changes no result.
+    ``level`` [T, N] (a layer with x levels): each token's level, from quantize_levels.
     """
     T = qx.shape[0]
-    dWx = input_gemm(p, qx)
+    if (level is None) != (p.x_levels is None) and T > 0:
+        raise ValueError("gru_direction: a layer with x levels needs each token's level, and only such a layer "
+                         "takes one")
+    dWx = input_gemm(p, qx, level)
     h = qh0
     outs = []
     for t in range(T):

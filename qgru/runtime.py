@@ -89,8 +89,10 @@ def _integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch
         lengths = lengths.to(x.device)
 
     def run(layer, d, inp, h0):
-        qx, qh0 = integer_inputs(ops, params, layer, d, inp, h0)
-        return backend.gru_direction(params[layer][d], qx, qh0, lengths)
+        qx, qh0, level = integer_inputs(ops, params, layer, d, inp, h0)
+        if level is None:
+            return backend.gru_direction(params[layer][d], qx, qh0, lengths)
+        return backend.gru_direction(params[layer][d], qx, qh0, lengths, level=level)
 
     with torch.no_grad():
         q_outs, q_hn = run_stack(len(params), len(params[0]), x, hx, lengths, run)
@@ -106,16 +108,20 @@ def _integer_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch
 
 
 def integer_inputs(ops, params, layer: int, d: int, inp, h0):
-    """(q_x, q_h0) of one layer and direction: the float input quantized (layer 0) or the previous
-    layer's integer outputs (one tensor per direction) moved onto this direction's x grid."""
+    """(q_x, q_h0, level) of one layer and direction: the float input quantized (layer 0; on each
+    token's x level when the layer has levels, else level is None) or the previous layer's integer
+    outputs (one tensor per direction) moved onto this direction's x grid."""
     p = params[layer][d]
-    if layer == 0:
+    level = None
+    if layer == 0 and p.x_levels is not None:
+        qx, level = ops.quantize_levels(inp, p.x_levels, p.zp["x"], p.bits["x"], "input")
+    elif layer == 0:
         qx = ops.quantize(inp, p.scale["x"], p.zp["x"], p.bits["x"], "input")
     else:
         prev = params[layer - 1]
         qx = torch.cat([ops.requantize(q, prev[e].zp["h"], p.rescale[f"in_{e}"], p.zp["x"], p.bits["x"])
                         for e, q in enumerate(inp)], dim=-1)
-    return qx, ops.quantize(h0, p.scale["h"], p.zp["h"], p.bits["h"], "h0")
+    return qx, ops.quantize(h0, p.scale["h"], p.zp["h"], p.bits["h"], "h0"), level
 
 
 @torch.compiler.disable  # eager code (also when a torch.compile'd model calls it): nothing to trace

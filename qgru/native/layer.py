@@ -51,7 +51,10 @@ def gru_direction(kind: str, isa: Optional[str] = None):
     workspaces (and the CUDA backend its buffers) from call to call, and a workspace made as an
     inference tensor could not be written by a later call outside inference mode (a Lightning
     predict, which runs under inference_mode, followed by any other call)."""
-    def run(p: LayerParams, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor] = None):
+    def run(p: LayerParams, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor] = None,
+            level: Optional[torch.Tensor] = None):
+        if level is not None or p.x_levels is not None:
+            raise NotImplementedError("native backends do not run x levels yet (TODO issue 31)")
         if torch.is_inference_mode_enabled():
             with torch.inference_mode(False), torch.no_grad():
                 return run(p, qx, qh0, lengths)

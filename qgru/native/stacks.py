@@ -83,6 +83,8 @@ def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torc
     reused buffers) outside inference mode itself (leaving inference mode here for every call cost
     a streaming call ~5 us of its ~40). ``resolve=False``: the caller has checked that neither x
     nor hx is a negative view (float tensors are never conjugate views)."""
+    if params[0][0].x_levels is not None:  # TODO issue 31: native x levels
+        return None
     plan = cpu_stack_plan(params, cpu_isa_request())
     if plan is None:
         return None
@@ -116,6 +118,8 @@ def cuda_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: tor
     apply (cuda_stack_plan). The same integers as the layer-by-layer path; no host work in it waits
     for the GPU (docs/spec.md section 11), so a caller's torch.cuda.graph can capture it.
     ``resolve=False``: the caller has checked that neither x nor hx is a negative view."""
+    if params[0][0].x_levels is not None:  # TODO issue 31: native x levels
+        return None
     plan = cuda_stack_plan(params, x.device)
     if plan is None:
         return None
