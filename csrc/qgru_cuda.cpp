@@ -477,6 +477,11 @@ class CudaLayer {
     cuda::PkPlan p{};
     if (persistent_) {
       c10::cuda::CUDAGuard guard(device_);
+      // decided outside a capture only (it sets a kernel attribute and asks the occupancy API):
+      // a batch size first seen inside a caller's capture runs the per-step path there
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      check_cuda(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream().stream(), &capture), "cudaStreamIsCapturing");
+      if (capture != cudaStreamCaptureStatusNone) return p;
       if (cuda::persistent_plan(d_, N, device_.index(), &p) != cuda::kPkFits) p = cuda::PkPlan{};
     }
     pk_plans_[N] = p;

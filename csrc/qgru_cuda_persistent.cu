@@ -27,7 +27,11 @@ __device__ __forceinline__ void grid_barrier(uint32_t* counter, uint32_t target)
   if (threadIdx.x == 0) {
     __threadfence();
     atomicAdd(counter, 1u);
-    while (*(volatile uint32_t*)counter < target) __nanosleep(20);
+    while (*(volatile uint32_t*)counter < target) {
+#if __CUDA_ARCH__ >= 700
+      __nanosleep(20);
+#endif
+    }
     __threadfence();
   }
   __syncthreads();
@@ -86,6 +90,9 @@ int persistent_plan(const LayerDesc& d, int64_t N, int device, PkPlan* out) {
         "cudaDeviceGetAttribute (shared memory)");
   int coop = 0;
   check(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device), "cudaDeviceGetAttribute (cooperative)");
+#if CUDART_VERSION < 12000
+  coop = 0;  // the launch below needs CUDA 12's cudaLaunchKernelEx and its cooperative attribute
+#endif
   if (!coop) return kPkNoDevice;
   PkPlan p{};
   const int rc = pk_plan(persistent_shape(d, N), PkDevice{sm, smem}, &p);
@@ -110,6 +117,7 @@ void persistent_steps(const LayerDesc& d, const PkPlan& p, const PkArgs& args, i
   for (int64_t s0 = t_begin; s0 < t_end; s0 += pk_launch_steps(p.blocks)) {
     const int64_t s1 = t_end - s0 < pk_launch_steps(p.blocks) ? t_end : s0 + pk_launch_steps(p.blocks);
     check(cudaMemsetAsync(args.counter, 0, sizeof(uint32_t), stream), "cudaMemsetAsync (barrier counter)");
+#if CUDART_VERSION >= 12000
     dispatch(d, [&](auto kernel) {
       cudaLaunchConfig_t cfg{};
       cfg.gridDim = dim3((unsigned)p.blocks);
@@ -123,6 +131,9 @@ void persistent_steps(const LayerDesc& d, const PkPlan& p, const PkArgs& args, i
       cfg.numAttrs = 1;
       check(cudaLaunchKernelEx(&cfg, kernel, d.cell, p, args, s0, s1), "persistent_kernel launch");
     });
+#else
+    throw std::runtime_error("qgru cuda: the persistent recurrence needs CUDA 12 (persistent_plan never plans it)");
+#endif
   }
 }
 

@@ -177,7 +177,7 @@ QGRU_HD int64_t pk_h_words(const PkPlan& p) { return p.n_act * p.rows_tile * (p.
 // a . w over K_pad int8 (K_pad a multiple of 16, both 4-byte aligned): exact in int32 (K < 2^17).
 QGRU_HD int32_t pk_dot(const int8_t* x, const int8_t* w, int64_t K_pad) {
   int32_t acc = 0;
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 610
   const int* x4 = (const int*)x;
   const int* w4 = (const int*)w;
   for (int64_t k = 0; k < K_pad / 4; ++k) acc = __dp4a(x4[k], w4[k], acc);

@@ -29,7 +29,7 @@ from qgru.config import QuantConfig
 from qgru.native import csrc_dir
 from qgru.native.prepare import CUDA_GEMM_MIN, prepare_layer
 
-from test_native import _random_inputs, _random_layer
+from test_native import _random_inputs, _random_layer, cuda_backend  # noqa: F401 (a fixture)
 
 CXX = os.environ.get("CXX", "c++")
 
@@ -296,3 +296,40 @@ def test_persistent_schedule_is_the_golden_model(host_ext, cfg, mode, I, H, T, N
             bad = (out.long() != want_out).nonzero()
             assert torch.equal(out.long(), want_out), f"out differs at {bad[:5].tolist()} ({len(bad)}), {info}"
             assert torch.equal(h.long(), want_h), f"h_n differs, {info}"
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU (skipped without one): the kernel itself, against the golden model and the per-step path
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg", ["w8a8", "w8a16", "w16a16"])
+@pytest.mark.parametrize("I,H,T,N", [(5, 12, 9, 5), (16, 300, 40, 3), (8, 64, 20, 70)])
+def test_cuda_persistent_kernel_is_the_golden_model(cuda_backend, monkeypatch, cfg, I, H, T, N):  # noqa: F811
+    """The persistent recurrence on the GPU (QGRU_CUDA_PERSISTENT unset: on where it fits) gives
+    golden.gru_direction's integers with and without lengths and took the persistent path
+    (Layer.persistent_calls); with QGRU_CUDA_PERSISTENT=0 the per-step path gives the same and
+    does not take it. Two calls each: the eager run and the captured graph's replay."""
+    from qgru import native
+    config = QuantConfig.load(cfg)
+    one = lambda lo, hi: (torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64))
+    per = lambda lo, hi: (torch.full((3 * H,), lo, dtype=torch.float64), torch.full((3 * H,), hi, dtype=torch.float64))
+    ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-4, 5), "Rh": per(-3, 2),
+              "r_pre": one(-6, 6), "z_pre": one(-6, 6), "g_pre": one(-5, 7)}
+    p = _random_layer(config, I, H, ranges, w_exp=-2, b_exp=-2, zero_row=False, seed=H)
+    dev = torch.device("cuda:0")
+    for env in ("1", "0"):
+        monkeypatch.setenv("QGRU_CUDA_PERSISTENT", env)
+        pd = p.to(dev)  # a fresh copy: its native Layer reads the variable when it is made
+        for with_lengths in (True, False):
+            gen = torch.Generator().manual_seed(T + N)
+            qx, qh0, lengths = _random_inputs(p, T, N, with_lengths, gen)
+            want_out, want_h = golden.gru_direction(p, qx, qh0, lengths)
+            for _ in range(2):
+                out, h = native.gru_direction("cuda")(pd, qx.to(dev), qh0.to(dev),
+                                                      None if lengths is None else lengths.to(dev))
+                assert torch.equal(out.cpu().long(), want_out) and torch.equal(h.cpu().long(), want_h), env
+        layer = pd.__dict__["_native"][("cuda", str(dev), "")].layer
+        if env == "1":
+            assert layer.persistent_plan(N), "the shape should fit on chip"
+            assert layer.counters["persistent_calls"] == 4
+        else:
+            assert layer.persistent_plan(N) == {} and layer.counters["persistent_calls"] == 0
