@@ -26,8 +26,8 @@ namespace cuda {
 
 constexpr int kPkThreads = 256;          // threads per block
 constexpr int64_t kPkMaxRowsTile = 256;  // batch rows staged at once (fewer where shared memory is short)
-constexpr int64_t kPkRowPad = 4;         // bytes past K_pad per staged row (4-byte reads of consecutive
-                                         // rows then fall in different banks)
+constexpr int64_t kPkRowBlock = 2;       // rows and channels of one thread's products (pk_product)
+constexpr int64_t kPkChanBlock = 4;
 
 // What a plan depends on: the layer's R.h GEMM and the batch.
 struct PkShape {
@@ -47,9 +47,11 @@ struct PkPlan {
   int n_act, n_w, P;
   int64_t blocks, units;      // grid and units per block (the last block may own fewer)
   int64_t channels;           // local channels: 3 units (+ 1: the ones row)
+  int64_t ch_ld;              // channels rounded up to kPkChanBlock (staged R rows, product columns)
   int64_t ones_col, ones_local;  // the ones row's global and local channel (0, 0: none; any valid column)
-  int64_t row_ld;             // bytes per staged row of R or h: K_pad + kPkRowPad
+  int64_t row_ld;             // bytes per staged row of R or h (pk_row_ld)
   int64_t rows_tile, tiles;   // batch rows per tile, tiles per step
+  int64_t rows_ld;            // rows_tile rounded up to kPkRowBlock (staged operand rows, product rows)
   int64_t r_offset, h_offset, acc_offset, smem_bytes;  // shared memory layout in bytes
   int64_t h_buffer;           // int8 elements of the global operand double buffer [2][n_act][N][K_pad]
 };
@@ -58,19 +60,28 @@ enum PkFit : int {
   kPkFits = 0,
   kPkBadShape = 1,   // a shape the plan does not describe (sizes, limb counts)
   kPkNoRoom = 2,     // the block's R rows and one row of h and products exceed its shared memory
-  kPkNoDevice = 3,   // no SM count
+  kPkNoDevice = 3,   // no SM count, or no cooperative launch (device, or a CUDA before 12)
 };
 
 QGRU_HD int64_t pk_align(int64_t v) { return (v + 15) / 16 * 16; }
 
-// Shared memory of a plan with `rows` rows per tile: R [n_w][channels][row_ld] int8,
-// h [n_act][rows][row_ld] int8, products [P][rows][channels] int32, each 16-byte aligned.
+QGRU_HD int64_t pk_round(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// Bytes from one staged row to the next: K_pad rounded up to 128, plus 16. Rows stay 16-byte
+// aligned (the kernel reads them 16 bytes at a time), and 8 consecutive rows start 4 banks apart,
+// so 8 threads reading 16 bytes of 8 consecutive rows at one k touch all 32 banks once.
+QGRU_HD int64_t pk_row_ld(int64_t K_pad) { return pk_round(K_pad, 128) + 16; }
+
+// Shared memory of a plan with `rows` rows per tile: R [n_w][ch_ld][row_ld] int8,
+// h [n_act][rows_ld][row_ld] int8, products [P][rows_ld][ch_ld] int32 (rows_ld = rows rounded up
+// to kPkRowBlock), each 16-byte aligned.
 QGRU_HD int64_t pk_smem_bytes(const PkPlan& p, int64_t rows, int64_t* h_offset, int64_t* acc_offset) {
-  const int64_t r = pk_align(p.n_w * p.channels * p.row_ld);
-  const int64_t h = pk_align(p.n_act * rows * p.row_ld);
+  const int64_t rows_ld = pk_round(rows, kPkRowBlock);
+  const int64_t r = pk_align(p.n_w * p.ch_ld * p.row_ld);
+  const int64_t h = pk_align(p.n_act * rows_ld * p.row_ld);
   *h_offset = r;
   *acc_offset = r + h;
-  return r + h + pk_align(4 * p.P * rows * p.channels);
+  return r + h + pk_align(4 * p.P * rows_ld * p.ch_ld);
 }
 
 // The plan of a shape on a device, or why there is none. One block per SM (fewer where H is
@@ -90,14 +101,16 @@ inline int pk_plan(const PkShape& s, const PkDevice& dev, PkPlan* out) {
   p.units = (s.H + dev.sm_count - 1) / dev.sm_count;
   p.blocks = (s.H + p.units - 1) / p.units;
   p.channels = 3 * p.units + (s.ones ? 1 : 0);
+  p.ch_ld = pk_round(p.channels, kPkChanBlock);
   p.ones_col = s.ones ? s.ones_col : 0;
   p.ones_local = s.ones ? 3 * p.units : 0;
-  p.row_ld = s.K_pad + kPkRowPad;
+  p.row_ld = pk_row_ld(s.K_pad);
   int64_t rows = s.N < kPkMaxRowsTile ? s.N : kPkMaxRowsTile;
   int64_t ho = 0, ao = 0;
   while (rows > 0 && pk_smem_bytes(p, rows, &ho, &ao) > dev.smem_per_block) --rows;
   if (rows < 1) return kPkNoRoom;
   p.rows_tile = rows;
+  p.rows_ld = pk_round(rows, kPkRowBlock);
   p.tiles = (s.N + rows - 1) / rows;
   p.r_offset = 0;
   p.smem_bytes = pk_smem_bytes(p, rows, &p.h_offset, &p.acc_offset);
@@ -114,8 +127,9 @@ QGRU_HD void pk_units(const PkPlan& p, int64_t b, int64_t* u0, int64_t* u1) {
 }
 
 // The global channel (row of the weight limbs) of block b's local channel c, or -1 for a channel
-// past the last unit (the last block's padding: its R rows are zero, its products never read).
+// past the last unit or past `channels` (padding: its R rows are zero, its products never read).
 QGRU_HD int64_t pk_channel(const PkPlan& p, int64_t b, int64_t c) {
+  if (c >= p.channels) return -1;
   if (c == p.ones_local && p.channels > 3 * p.units) return p.ones_col;
   const int64_t q = c / p.units, j = b * p.units + c % p.units;
   return j < p.H ? q * p.H + j : -1;
@@ -150,51 +164,74 @@ struct PkArgs {
 
 // ---- the phases of block b's step: each handles one index of a thread-strided loop ----------
 
-// R rows of the block, once per launch: 4-byte word w of [n_w][channels][K_pad] into shared memory.
-QGRU_HD int64_t pk_r_words(const PkPlan& p) { return p.n_w * p.channels * (p.K_pad / 4); }
+// R rows of the block, once per launch: 4-byte word w of [n_w][ch_ld][K_pad] into shared memory
+// (padding channels zero).
+QGRU_HD int64_t pk_r_words(const PkPlan& p) { return p.n_w * p.ch_ld * (p.K_pad / 4); }
 QGRU_HD void pk_stage_r(const PkPlan& p, const PkArgs& a, unsigned char* smem, int64_t b, int64_t w) {
-  const int64_t kw = p.K_pad / 4, k = (w % kw) * 4, c = (w / kw) % p.channels, limb = w / (kw * p.channels);
+  const int64_t kw = p.K_pad / 4, k = (w % kw) * 4, c = (w / kw) % p.ch_ld, limb = w / (kw * p.ch_ld);
   const int64_t g = pk_channel(p, b, c);
-  int8_t* dst = (int8_t*)(smem + p.r_offset + (limb * p.channels + c) * p.row_ld + k);
+  int8_t* dst = (int8_t*)(smem + p.r_offset + (limb * p.ch_ld + c) * p.row_ld + k);
   const int8_t* src = a.weight_limbs + (limb * p.M_pad + (g < 0 ? 0 : g)) * p.K_pad + k;
   for (int i = 0; i < 4; ++i) dst[i] = g < 0 ? (int8_t)0 : src[i];
 }
 
-// The operand of rows [row0, row0 + rows_tile) at step t: word w of [n_act][rows_tile][K_pad].
-// Rows past N stage zeros. `load` reads 4 global bytes (the kernel bypasses L1: other blocks wrote
+// The operand of rows [row0, row0 + rows_tile) at step t: word w of [n_act][rows_ld][K_pad].
+// Rows past N or past the tile stage zeros. `load` reads 4 global bytes (the kernel bypasses L1: other blocks wrote
 // them before the barrier).
 template <typename Load>
 QGRU_HD void pk_stage_h(const PkPlan& p, const PkArgs& a, unsigned char* smem, int64_t t, int64_t row0, int64_t w,
                         Load load) {
-  const int64_t kw = p.K_pad / 4, k = (w % kw) * 4, r = (w / kw) % p.rows_tile, limb = w / (kw * p.rows_tile);
+  const int64_t kw = p.K_pad / 4, k = (w % kw) * 4, r = (w / kw) % p.rows_ld, limb = w / (kw * p.rows_ld);
   const int64_t n = row0 + r;
   uint32_t v = 0;
-  if (n < p.N) v = load(a.h_buf + pk_h_index(p, t & 1, limb, n, k));
-  *(uint32_t*)(smem + p.h_offset + (limb * p.rows_tile + r) * p.row_ld + k) = v;
+  if (r < p.rows_tile && n < p.N) v = load(a.h_buf + pk_h_index(p, t & 1, limb, n, k));
+  *(uint32_t*)(smem + p.h_offset + (limb * p.rows_ld + r) * p.row_ld + k) = v;
 }
-QGRU_HD int64_t pk_h_words(const PkPlan& p) { return p.n_act * p.rows_tile * (p.K_pad / 4); }
+QGRU_HD int64_t pk_h_words(const PkPlan& p) { return p.n_act * p.rows_ld * (p.K_pad / 4); }
 
-// a . w over K_pad int8 (K_pad a multiple of 16, both 4-byte aligned): exact in int32 (K < 2^17).
-QGRU_HD int32_t pk_dot(const int8_t* x, const int8_t* w, int64_t K_pad) {
-  int32_t acc = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 610
-  const int* x4 = (const int*)x;
-  const int* w4 = (const int*)w;
-  for (int64_t k = 0; k < K_pad / 4; ++k) acc = __dp4a(x4[k], w4[k], acc);
-#else
-  for (int64_t k = 0; k < K_pad; ++k) acc += (int32_t)x[k] * (int32_t)w[k];
-#endif
-  return acc;
+// The products [P][rows_ld][ch_ld] in work items of kPkRowBlock x kPkChanBlock: item o of pair q
+// takes rows rb + i nrb and channels cb + j ncb (nrb = rows_ld / kPkRowBlock, ncb = ch_ld /
+// kPkChanBlock; consecutive items: consecutive cb, so a warp reads consecutive R rows, conflict-free
+// (pk_row_ld), and few distinct operand rows, broadcast). Each staged row is read once per 16 bytes
+// of K for all the item's products. Exact in int32: |sum| <= K 2^14 < 2^31 for K < 2^17, on the
+// GPU with dp4a, on the host with int32 multiply-adds (the same integers).
+QGRU_HD int64_t pk_products(const PkPlan& p) {
+  return p.P * (p.rows_ld / kPkRowBlock) * (p.ch_ld / kPkChanBlock);
 }
-
-// Product o of [P][rows_tile][channels]: pair p's activation limb of the tile's row r times its
-// weight limb's local channel c.
-QGRU_HD int64_t pk_products(const PkPlan& p) { return p.P * p.rows_tile * p.channels; }
 QGRU_HD void pk_product(const PkPlan& p, const PkArgs& a, unsigned char* smem, int64_t o) {
-  const int64_t c = o % p.channels, r = (o / p.channels) % p.rows_tile, q = o / (p.channels * p.rows_tile);
-  const int8_t* x = (const int8_t*)(smem + p.h_offset + (a.act_limb[q] * p.rows_tile + r) * p.row_ld);
-  const int8_t* w = (const int8_t*)(smem + p.r_offset + (a.weight_limb[q] * p.channels + c) * p.row_ld);
-  ((int32_t*)(smem + p.acc_offset))[o] = pk_dot(x, w, p.K_pad);
+  const int64_t nrb = p.rows_ld / kPkRowBlock, ncb = p.ch_ld / kPkChanBlock;
+  const int64_t cb = o % ncb, rb = (o / ncb) % nrb, q = o / (ncb * nrb);
+  const unsigned char* x0 = smem + p.h_offset + (a.act_limb[q] * p.rows_ld + rb) * p.row_ld;
+  const unsigned char* w0 = smem + p.r_offset + (a.weight_limb[q] * p.ch_ld + cb) * p.row_ld;
+  const int64_t xs = nrb * p.row_ld, ws = ncb * p.row_ld;  // bytes between an item's rows, channels
+  int32_t acc[kPkRowBlock][kPkChanBlock] = {};
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 610
+  for (int64_t k = 0; k < p.K_pad; k += 16) {
+    int4 xv[kPkRowBlock], wv[kPkChanBlock];
+    QGRU_UNROLL
+    for (int i = 0; i < kPkRowBlock; ++i) xv[i] = *(const int4*)(x0 + i * xs + k);
+    QGRU_UNROLL
+    for (int j = 0; j < kPkChanBlock; ++j) wv[j] = *(const int4*)(w0 + j * ws + k);
+    QGRU_UNROLL
+    for (int i = 0; i < kPkRowBlock; ++i) {
+      QGRU_UNROLL
+      for (int j = 0; j < kPkChanBlock; ++j) {
+        acc[i][j] = __dp4a(xv[i].x, wv[j].x, acc[i][j]);
+        acc[i][j] = __dp4a(xv[i].y, wv[j].y, acc[i][j]);
+        acc[i][j] = __dp4a(xv[i].z, wv[j].z, acc[i][j]);
+        acc[i][j] = __dp4a(xv[i].w, wv[j].w, acc[i][j]);
+      }
+    }
+  }
+#else
+  for (int i = 0; i < kPkRowBlock; ++i)
+    for (int j = 0; j < kPkChanBlock; ++j)
+      for (int64_t k = 0; k < p.K_pad; ++k)
+        acc[i][j] += (int32_t)(int8_t)x0[i * xs + k] * (int32_t)(int8_t)w0[j * ws + k];
+#endif
+  int32_t* out = (int32_t*)(smem + p.acc_offset) + (q * p.rows_ld + rb) * p.ch_ld + cb;
+  for (int i = 0; i < kPkRowBlock; ++i)
+    for (int j = 0; j < kPkChanBlock; ++j) out[i * nrb * p.ch_ld + j * ncb] = acc[i][j];
 }
 
 // The tile's products as qgru_cell.h's LimbProducts (row = tile row, column = local channel).
@@ -202,11 +239,11 @@ QGRU_HD LimbProducts pk_limb_products(const PkPlan& p, const PkArgs& a, unsigned
   LimbProducts lp{};
   int32_t* acc = (int32_t*)(smem + p.acc_offset);
   for (int q = 0; q < kMaxPairs; ++q) {
-    lp.G[q] = acc + (q < p.P ? q : 0) * p.rows_tile * p.channels;
+    lp.G[q] = acc + (q < p.P ? q : 0) * p.rows_ld * p.ch_ld;
     lp.scale[q] = q < p.P ? a.scale[q] : 0;
     lp.weight_offset[q] = q < p.P ? a.weight_offset[q] : 0;
   }
-  lp.ld = p.channels;
+  lp.ld = p.ch_ld;
   lp.ones_col = p.ones_local;
   return lp;
 }

@@ -56,8 +56,9 @@ static int check(long long H, long long N, long long K_pad, long long M_pad, int
   PkPlan p{};
   const int rc = pk_plan(s, PkDevice{sm, smem}, &p);
   if (rc == kPkNoRoom) {  // refused only when not even one row fits beside the block's R rows
-    const long long units = (H + sm - 1) / sm, channels = 3 * units + (ones ? 1 : 0), ld = K_pad + kPkRowPad;
-    const long long need = pk_align(n_w * channels * ld) + pk_align(n_act * ld) + pk_align(4 * s.P * channels);
+    const long long units = (H + sm - 1) / sm, ch = pk_round(3 * units + (ones ? 1 : 0), kPkChanBlock);
+    const long long ld = pk_row_ld(K_pad), rows = kPkRowBlock;
+    const long long need = pk_align(n_w * ch * ld) + pk_align(n_act * rows * ld) + pk_align(4 * s.P * rows * ch);
     return need > smem ? 0 : fail("refused a shape that fits", need, smem);
   }
   if (rc != kPkFits) return fail("refused a valid shape", rc, 0);
@@ -102,20 +103,47 @@ static int check(long long H, long long N, long long K_pad, long long M_pad, int
       if (cell[(size_t)i] != 1) return fail("cell never computed", i / H, i % H);
   }
   // shared memory: within the limit, regions in order and apart, every access inside its region
-  if (p.smem_bytes > smem || p.r_offset != 0 || p.h_offset % 16 || p.acc_offset % 16 || p.row_ld % 4 ||
-      p.row_ld < K_pad)
+  // (rows 16-byte aligned for the kernel's 16-byte reads, 8 consecutive rows 4 banks apart)
+  if (p.smem_bytes > smem || p.r_offset != 0 || p.h_offset % 16 || p.acc_offset % 16 || p.row_ld % 16 ||
+      p.row_ld < K_pad || (p.row_ld / 4) % 32 != 4 || p.ch_ld % kPkChanBlock || p.ch_ld < p.channels ||
+      p.ch_ld >= p.channels + kPkChanBlock || p.rows_ld % kPkRowBlock || p.rows_ld < p.rows_tile ||
+      p.rows_ld >= p.rows_tile + kPkRowBlock)
     return fail("smem layout", p.smem_bytes, smem);
-  const long long r_end = p.n_w * p.channels * p.row_ld, h_end = p.h_offset + p.n_act * p.rows_tile * p.row_ld;
-  const long long acc_end = p.acc_offset + 4 * p.P * p.rows_tile * p.channels;
+  const long long r_end = p.n_w * p.ch_ld * p.row_ld, h_end = p.h_offset + p.n_act * p.rows_ld * p.row_ld;
+  const long long acc_end = p.acc_offset + 4 * p.P * p.rows_ld * p.ch_ld;
   if (r_end > p.h_offset || h_end > p.acc_offset || acc_end > p.smem_bytes) return fail("smem regions overlap", r_end, h_end);
   // the staging and product index maps stay in their regions (last word of each)
   {
     const long long w = pk_r_words(p) - 1, kw = K_pad / 4;
-    const long long at = ((w / (kw * p.channels)) * p.channels + (w / kw) % p.channels) * p.row_ld + (w % kw) * 4 + 4;
+    const long long at = ((w / (kw * p.ch_ld)) * p.ch_ld + (w / kw) % p.ch_ld) * p.row_ld + (w % kw) * 4 + 4;
     if (at > r_end) return fail("R staging past its region", at, r_end);
-    if (pk_r_words(p) * 4 != p.n_w * p.channels * K_pad) return fail("R words", pk_r_words(p), 0);
-    if (pk_h_words(p) * 4 != p.n_act * p.rows_tile * K_pad) return fail("h words", pk_h_words(p), 0);
-    if (pk_products(p) != p.P * p.rows_tile * p.channels) return fail("products", pk_products(p), 0);
+    if (pk_r_words(p) * 4 != p.n_w * p.ch_ld * K_pad) return fail("R words", pk_r_words(p), 0);
+    if (pk_h_words(p) * 4 != p.n_act * p.rows_ld * K_pad) return fail("h words", pk_h_words(p), 0);
+    if (pk_products(p) * kPkRowBlock * kPkChanBlock != p.P * p.rows_ld * p.ch_ld)
+      return fail("products", pk_products(p), 0);
+  }
+  // the work items of pk_product: every product [P][rows_ld][ch_ld] written once, with its own
+  // rows' and channel's dot product (staged h bytes 1 + row % 3, R bytes 1 + channel % 5)
+  if ((long long)pk_products(p) * kPkRowBlock * kPkChanBlock * K_pad <= 50000000) {
+    std::vector<uint32_t> sm_((size_t)(p.smem_bytes / 4), 0);
+    unsigned char* b = (unsigned char*)sm_.data();
+    PkArgs a{};
+    for (int q = 0; q < s.P; ++q) a.act_limb[q] = q % n_act, a.weight_limb[q] = q / n_act;
+    for (long long l = 0; l < n_w; ++l)
+      for (long long c = 0; c < p.ch_ld; ++c)
+        for (long long k = 0; k < K_pad; ++k) b[p.r_offset + (l * p.ch_ld + c) * p.row_ld + k] = (unsigned char)(1 + c % 5 + l);
+    for (long long l = 0; l < n_act; ++l)
+      for (long long r = 0; r < p.rows_ld; ++r)
+        for (long long k = 0; k < K_pad; ++k) b[p.h_offset + (l * p.rows_ld + r) * p.row_ld + k] = (unsigned char)(1 + r % 3 + 2 * l);
+    int32_t* acc = (int32_t*)(b + p.acc_offset);
+    for (long long i = 0; i < p.P * p.rows_ld * p.ch_ld; ++i) acc[i] = -1;
+    for (long long o = 0; o < pk_products(p); ++o) pk_product(p, a, b, o);
+    for (long long q = 0; q < s.P; ++q)
+      for (long long r = 0; r < p.rows_ld; ++r)
+        for (long long c = 0; c < p.ch_ld; ++c) {
+          const long long want = K_pad * (1 + r % 3 + 2 * a.act_limb[q]) * (1 + c % 5 + a.weight_limb[q]);
+          if (acc[(q * p.rows_ld + r) * p.ch_ld + c] != want) return fail("product", (q * p.rows_ld + r) * p.ch_ld + c, want);
+        }
   }
   // the operand double buffer: [2][n_act][N][K_pad]; step t stages only parity t & 1, writes go
   // to (t + 1) & 1 (pk_cell): record what pk_stage_h reads
@@ -123,7 +151,7 @@ static int check(long long H, long long N, long long K_pad, long long M_pad, int
   if (pk_h_index(p, 1, n_act - 1, N - 1, K_pad - 1) != p.h_buffer - 1 || pk_h_index(p, 1, 0, 0, 0) != p.h_buffer / 2)
     return fail("h buffer index", pk_h_index(p, 1, n_act - 1, N - 1, K_pad - 1), p.h_buffer);
   if ((long long)pk_h_words(p) * p.tiles <= 2000000) {
-    std::vector<unsigned char> smem_buf((size_t)p.smem_bytes + 16);
+    std::vector<uint32_t> smem_buf((size_t)p.smem_bytes / 4 + 4);
     std::vector<int8_t> hbuf((size_t)p.h_buffer, 0);
     PkArgs a{};
     a.h_buf = hbuf.data();
@@ -256,16 +284,16 @@ def _smem_for_rows(p, rows: int, sm: int) -> int:
     n_act = P // n_w
     ones = bool((t["h_pairs"][:, 3] != 0).any())
     units = -(-H // sm)
-    ch, ld = 3 * units + int(ones), K + 4
-    al = lambda x: -(-x // 16) * 16
-    return al(n_w * ch * ld) + al(n_act * rows * ld) + al(4 * P * rows * ch)
+    up = lambda x, m: -(-x // m) * m
+    ch, ld, rows_ld = up(3 * units + int(ones), 4), up(K, 128) + 16, up(rows, 2)
+    return up(n_w * ch * ld, 16) + up(n_act * rows_ld * ld, 16) + up(4 * P * rows_ld * ch, 16)
 
 
-CASES = [  # I, H, T, N, window, SMs, rows per tile (None: all)
-    (5, 12, 9, 5, 4, 5, None),    # 4 blocks of 3 units, 3 windows
+CASES = [  # I, H, T, N, window, SMs, rows per tile (None: all; the plan's rows come in pairs)
+    (5, 12, 9, 5, 4, 5, None),    # 4 blocks of 3 units, 3 windows, an odd tile (5 rows staged as 6)
     (7, 37, 11, 6, 5, 4, 2),      # 4 blocks of 10 units (the last 7), 3 row tiles
     (3, 1, 4, 2, 4, 3, None),     # one unit
-    (9, 20, 6, 3, 6, 1, 1),       # one block, one row per tile
+    (9, 20, 6, 3, 6, 1, 2),       # one block, a last tile of one row
 ]
 
 
