@@ -97,11 +97,13 @@ int persistent_plan(const LayerDesc& d, int64_t N, int device, PkPlan* out) {
   PkPlan p{};
   const int rc = pk_plan(persistent_shape(d, N), PkDevice{sm, smem}, &p);
   if (rc != kPkFits) return rc;
-  // the kernel's dynamic shared memory, then whether one block per SM is co-resident (registers,
-  // shared memory): the cooperative launch would refuse a grid that is not
+  // The kernel's dynamic shared memory: the device's whole opt-in amount, the same for every plan
+  // (the attribute belongs to the kernel, not to a launch: a plan's own size would lower the bound
+  // under another plan of the same kernel). Then whether one block per SM is co-resident
+  // (registers, shared memory): the cooperative launch would refuse a grid that is not.
   int per_sm = 0;
   dispatch(d, [&](auto kernel) {
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)p.smem_bytes),
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
           "cudaFuncSetAttribute (persistent kernel shared memory)");
     check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kPkThreads, (size_t)p.smem_bytes),
           "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
