@@ -361,3 +361,25 @@ def test_cuda_persistent_kernel_is_the_golden_model(cuda_backend, monkeypatch, c
             assert layer.counters["persistent_calls"] == 4
         else:
             assert layer.persistent_plan(N) == {} and layer.counters["persistent_calls"] == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(cfg=st.sampled_from(["w8a8", "w8a16", "w16a16"]), mode=st.sampled_from(["pow2", "multiplier"]),
+       I=st.integers(1, 20), H=st.integers(1, 70), T=st.integers(1, 12), N=st.integers(1, 9),
+       window=st.integers(1, 12), sm=st.integers(1, 40), rows=st.sampled_from([None, 2, 4]),
+       with_lengths=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_persistent_schedule_random_shapes(host_ext, cfg, mode, I, H, T, N, window, sm, rows, with_lengths, seed):
+    """The host-run schedule against golden.gru_direction on shapes hypothesis draws: any split of
+    the units over blocks, of the rows over tiles and of the steps over windows."""
+    config = QuantConfig.load(cfg, overrides={"scale_mode": mode})
+    one = lambda lo, hi: (torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64))
+    per = lambda lo, hi: (torch.full((3 * H,), lo, dtype=torch.float64), torch.full((3 * H,), hi, dtype=torch.float64))
+    ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-4, 5), "Rh": per(-3, 2),
+              "r_pre": one(-6, 6), "z_pre": one(-6, 6), "g_pre": one(-5, 7)}
+    p = _random_layer(config, I, H, ranges, w_exp=-2, b_exp=-2, zero_row=False, seed=seed)
+    t, v = prepare_layer(p, gemm_min=CUDA_GEMM_MIN)
+    smem = _smem_for_rows(p, rows, sm) if rows else 227 * 1024
+    qx, qh0, lengths = _random_inputs(p, T, N, with_lengths, torch.Generator().manual_seed(seed))
+    want_out, want_h = golden.gru_direction(p, qx, qh0, lengths)
+    out, h, info = host_ext.run(t, v, qx.int(), qh0.int(), lengths, window, sm, smem, bool(seed % 2))
+    assert torch.equal(out.long(), want_out) and torch.equal(h.long(), want_h), info
