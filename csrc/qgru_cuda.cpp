@@ -412,7 +412,8 @@ class CudaLayer {
     // A call of more than kMaxGraphSteps steps runs without a plan too: its graph would be too
     // large to capture and instantiate quickly, and launches matter little over so many steps.
     const int64_t ws_bytes = use_graph_ ? cublas_workspace_bytes(device_.index()) : 0;
-    if (buffer_bytes(d_, Tp, N, masked, persistent_plan(N)) + ws_bytes > plan_max_bytes_ || (use_graph_ && Tp > cuda::kMaxGraphSteps))
+    if (buffer_bytes(d_, Tp, N, masked, persistent_plan(N)) + ws_bytes > plan_max_bytes_ ||
+        (use_graph_ && Tp > cuda::kMaxGraphSteps))
       return run_unplanned(T, N, lengths, opts, cur, false, fill, drain);
 
     std::lock_guard<std::mutex> lock(mu_);  // one call at a time enqueues work on the plan

@@ -52,7 +52,8 @@ __global__ void __launch_bounds__(kPkThreads) persistent_kernel(CellParams c, Pk
       __syncthreads();
       for (int64_t o = threadIdx.x; o < pk_products(p); o += blockDim.x) pk_product(p, a, smem, o);
       __syncthreads();
-      for (int64_t e = threadIdx.x; e < pk_cells(p); e += blockDim.x) pk_cell<NP, POW2, ACC32>(c, p, a, smem, b, t, row0, e);
+      for (int64_t e = threadIdx.x; e < pk_cells(p); e += blockDim.x)
+        pk_cell<NP, POW2, ACC32>(c, p, a, smem, b, t, row0, e);
       __syncthreads();
     }
     if (t + 1 < t_end) grid_barrier(a.counter, pk_barrier_target(t - t_begin, p.blocks));

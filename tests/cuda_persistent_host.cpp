@@ -30,7 +30,8 @@ Gemm gemm_of(const qgru::LayerTensors& lt, const std::string& k, int64_t bits) {
   const at::Tensor pr = lt.pairs(k).contiguous();
   g.P = (int)pr.size(0);
   auto a = pr.accessor<int64_t, 2>();
-  for (int p = 0; p < g.P; ++p) g.act[p] = (int)a[p][0], g.wl[p] = (int)a[p][1], g.scale[p] = a[p][2], g.off[p] = a[p][3];
+  for (int p = 0; p < g.P; ++p)
+    g.act[p] = (int)a[p][0], g.wl[p] = (int)a[p][1], g.scale[p] = a[p][2], g.off[p] = a[p][3];
   g.n_act = bits > 8 ? 2 : 1;
   return g;
 }
@@ -73,7 +74,8 @@ std::tuple<at::Tensor, at::Tensor, std::map<std::string, int64_t>> run(
   const at::Tensor xl = limbs(qx_in.reshape({T * N, I}).to(at::kLong), gx.w.size(2), x_bits, none);
   std::vector<at::Tensor> Gx;
   for (int p = 0; p < gx.P; ++p)
-    Gx.push_back(at::matmul(xl[gx.act[p]].to(at::kDouble), gx.w[gx.wl[p]].to(at::kDouble).t()).to(at::kInt).contiguous());
+    Gx.push_back(
+        at::matmul(xl[gx.act[p]].to(at::kDouble), gx.w[gx.wl[p]].to(at::kDouble).t()).to(at::kInt).contiguous());
   qgru::LimbProducts lx{};
   for (int p = 0; p < qgru::kMaxPairs; ++p) {
     lx.G[p] = Gx[p < gx.P ? p : 0].data_ptr<int32_t>();

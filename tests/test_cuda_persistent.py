@@ -89,7 +89,8 @@ static int check(long long H, long long N, long long K_pad, long long M_pad, int
   for (long long g = 0; g < 3 * H; ++g)
     if (owned[(size_t)g] != 1) return fail("channel owned other than once", g, owned[(size_t)g]);
   // cells: each (n, j) once per step, over blocks, tiles and elements (the index map of pk_cell)
-  if (p.rows_tile < 1 || p.tiles * p.rows_tile < N || (p.tiles - 1) * p.rows_tile >= N) return fail("tiles", p.rows_tile, p.tiles);
+  if (p.rows_tile < 1 || p.tiles * p.rows_tile < N || (p.tiles - 1) * p.rows_tile >= N)
+    return fail("tiles", p.rows_tile, p.tiles);
   if (N * H <= 4000000) {
     std::vector<unsigned char> cell((size_t)(N * H), 0);
     for (long long b = 0; b < p.blocks; ++b)
@@ -111,7 +112,8 @@ static int check(long long H, long long N, long long K_pad, long long M_pad, int
     return fail("smem layout", p.smem_bytes, smem);
   const long long r_end = p.n_w * p.ch_ld * p.row_ld, h_end = p.h_offset + p.n_act * p.rows_ld * p.row_ld;
   const long long acc_end = p.acc_offset + 4 * p.P * p.rows_ld * p.ch_ld;
-  if (r_end > p.h_offset || h_end > p.acc_offset || acc_end > p.smem_bytes) return fail("smem regions overlap", r_end, h_end);
+  if (r_end > p.h_offset || h_end > p.acc_offset || acc_end > p.smem_bytes)
+    return fail("smem regions overlap", r_end, h_end);
   // the staging and product index maps stay in their regions (last word of each)
   {
     const long long w = pk_r_words(p) - 1, kw = K_pad / 4;
@@ -131,10 +133,12 @@ static int check(long long H, long long N, long long K_pad, long long M_pad, int
     for (int q = 0; q < s.P; ++q) a.act_limb[q] = q % n_act, a.weight_limb[q] = q / n_act;
     for (long long l = 0; l < n_w; ++l)
       for (long long c = 0; c < p.ch_ld; ++c)
-        for (long long k = 0; k < K_pad; ++k) b[p.r_offset + (l * p.ch_ld + c) * p.row_ld + k] = (unsigned char)(1 + c % 5 + l);
+        for (long long k = 0; k < K_pad; ++k)
+          b[p.r_offset + (l * p.ch_ld + c) * p.row_ld + k] = (unsigned char)(1 + c % 5 + l);
     for (long long l = 0; l < n_act; ++l)
       for (long long r = 0; r < p.rows_ld; ++r)
-        for (long long k = 0; k < K_pad; ++k) b[p.h_offset + (l * p.rows_ld + r) * p.row_ld + k] = (unsigned char)(1 + r % 3 + 2 * l);
+        for (long long k = 0; k < K_pad; ++k)
+          b[p.h_offset + (l * p.rows_ld + r) * p.row_ld + k] = (unsigned char)(1 + r % 3 + 2 * l);
     int32_t* acc = (int32_t*)(b + p.acc_offset);
     for (long long i = 0; i < p.P * p.rows_ld * p.ch_ld; ++i) acc[i] = -1;
     for (long long o = 0; o < pk_products(p); ++o) pk_product(p, a, b, o);
@@ -142,7 +146,8 @@ static int check(long long H, long long N, long long K_pad, long long M_pad, int
       for (long long r = 0; r < p.rows_ld; ++r)
         for (long long c = 0; c < p.ch_ld; ++c) {
           const long long want = K_pad * (1 + r % 3 + 2 * a.act_limb[q]) * (1 + c % 5 + a.weight_limb[q]);
-          if (acc[(q * p.rows_ld + r) * p.ch_ld + c] != want) return fail("product", (q * p.rows_ld + r) * p.ch_ld + c, want);
+          const long long at = (q * p.rows_ld + r) * p.ch_ld + c;
+          if (acc[at] != want) return fail("product", at, want);
         }
   }
   // the operand double buffer: [2][n_act][N][K_pad]; step t stages only parity t & 1, writes go
