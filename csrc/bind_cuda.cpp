@@ -38,5 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("gemm", [](const qgru::cuda_api::Layer&) { return std::string("cublas"); })
       .def_property_readonly("counters", &qgru::cuda_api::Layer::counters)
       .def("window_steps", &qgru::cuda_api::Layer::window_steps, pybind11::arg("T"), pybind11::arg("N"),
-           "steps per W.x window of a call of this shape (the tests span two windows)");
+           "steps per W.x window of a call of this shape (the tests span two windows)")
+      .def("persistent_plan", &qgru::cuda_api::Layer::persistent_plan, pybind11::arg("N"),
+           "the persistent recurrence's plan for N batch rows (blocks, units, rows_tile, ...); {} where the "
+           "per-step path runs (QGRU_CUDA_PERSISTENT=0, or the shape does not fit on chip)");
 }

@@ -164,10 +164,13 @@ cuda::GemmDesc gemm_desc(const LayerTensors& lt, const std::string& k) {
 // own inside a foreign graph capture.
 struct Buffers {
   at::Tensor qx, state, out, lengths, x_limbs, Gx, h_limbs, Gh, dwx;
+  at::Tensor pk_h, pk_counter;  // the persistent recurrence's (ws.pk.blocks > 0)
   cuda::Workspace ws{};
 };
 
-Buffers make_buffers(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_lengths, const at::TensorOptions& opts) {
+// pk: the layer's persistent plan for N rows (pk.blocks == 0: none; CudaLayer::persistent_plan).
+Buffers make_buffers(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_lengths, const cuda::PkPlan& pk,
+                     const at::TensorOptions& opts) {
   Buffers b;
   const cuda::WorkspaceSizes s = cuda::workspace_sizes(d, T, N);
   auto i8 = opts.dtype(at::kChar), i32 = opts.dtype(at::kInt), i64 = opts.dtype(at::kLong);
@@ -193,22 +196,30 @@ Buffers make_buffers(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_le
   for (int i = 0; i < d.wx.P; ++i) ws.Gx[i] = b.Gx[i].data_ptr<int32_t>();
   for (int i = 0; i < d.rh.P; ++i) ws.Gh[i] = b.Gh[i].data_ptr<int32_t>();
   ws.dwx = b.dwx.data_ptr<int32_t>();
+  ws.pk = pk;
+  if (pk.blocks > 0) {
+    b.pk_h = at::zeros({pk.h_buffer}, i8);  // zeroed once: the padding k >= H reads as 0 in every step
+    b.pk_counter = at::zeros({1}, i32);
+    ws.pk_h = b.pk_h.data_ptr<int8_t>();
+    ws.pk_counter = (uint32_t*)b.pk_counter.data_ptr<int32_t>();
+  }
   return b;
 }
 
 int64_t buffer_bytes(const Buffers& b) {
   int64_t n = 0;
-  for (const at::Tensor* t : {&b.qx, &b.state, &b.out, &b.lengths, &b.x_limbs, &b.Gx, &b.h_limbs, &b.Gh, &b.dwx})
+  for (const at::Tensor* t :
+       {&b.qx, &b.state, &b.out, &b.lengths, &b.x_limbs, &b.Gx, &b.h_limbs, &b.Gh, &b.dwx, &b.pk_h, &b.pk_counter})
     if (t->defined()) n += (int64_t)t->nbytes();
   return n;
 }
 
 // buffer_bytes(make_buffers(d, T, N, has_lengths, ...)) before allocating them (make_plan checks
 // that the two agree).
-int64_t buffer_bytes(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_lengths) {
+int64_t buffer_bytes(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_lengths, const cuda::PkPlan& pk) {
   const cuda::WorkspaceSizes s = cuda::workspace_sizes(d, T, N);
   return 2 * T * N * (d.I + d.H) + 4 * N * d.H + (has_lengths ? 8 * N : 0) + 2 * (s.x_limb + s.h_limb) +
-         4 * (d.wx.P * s.Gx + d.rh.P * s.Gh + s.dwx);
+         4 * (d.wx.P * s.Gx + d.rh.P * s.Gh + s.dwx) + (pk.blocks > 0 ? pk.h_buffer + 4 : 0);
 }
 
 // QGRU_CUDA_PLAN_MAX_BYTES: the most bytes a plan may keep between calls (default
@@ -222,6 +233,15 @@ int64_t plan_max_bytes_from_env() {
   TORCH_CHECK_VALUE(errno == 0 && end != env && *end == '\0' && v >= 0, "qgru cuda: QGRU_CUDA_PLAN_MAX_BYTES='",
                     env, "' is not a non-negative integer (bytes)");
   return (int64_t)v;
+}
+
+// QGRU_CUDA_PERSISTENT: unset, "" or "1": the persistent recurrence where a layer's shape fits
+// (qgru_persistent.h pk_plan, persistent_plan); "0": never (one R.h GEMM and one cell kernel per step).
+bool persistent_from_env() {
+  const char* env = std::getenv("QGRU_CUDA_PERSISTENT");
+  if (env == nullptr || *env == '\0' || std::string(env) == "1") return true;
+  TORCH_CHECK_VALUE(std::string(env) == "0", "qgru cuda: QGRU_CUDA_PERSISTENT='", env, "' must be 0 or 1");
+  return false;
 }
 
 // qgru's own cuBLAS handle, one per device, for the runs on a workspace qgru owns (the first call of
@@ -318,6 +338,7 @@ class CudaLayer {
     const char* env = std::getenv("QGRU_CUDA_GRAPH");
     use_graph_ = env == nullptr || std::string(env) != "0";
     plan_max_bytes_ = plan_max_bytes_from_env();
+    persistent_ = persistent_from_env();
     // qgru's own cuBLAS handle exists from here on: creating it inside a graph capture would fail
     c10::cuda::CUDAGuard guard(device_);
     own_handle(device_.index());
@@ -391,12 +412,14 @@ class CudaLayer {
     // A call of more than kMaxGraphSteps steps runs without a plan too: its graph would be too
     // large to capture and instantiate quickly, and launches matter little over so many steps.
     const int64_t ws_bytes = use_graph_ ? cublas_workspace_bytes(device_.index()) : 0;
-    if (buffer_bytes(d_, Tp, N, masked) + ws_bytes > plan_max_bytes_ || (use_graph_ && Tp > cuda::kMaxGraphSteps))
+    if (buffer_bytes(d_, Tp, N, masked, persistent_plan(N)) + ws_bytes > plan_max_bytes_ ||
+        (use_graph_ && Tp > cuda::kMaxGraphSteps))
       return run_unplanned(T, N, lengths, opts, cur, false, fill, drain);
 
     std::lock_guard<std::mutex> lock(mu_);  // one call at a time enqueues work on the plan
     bool fresh = false;
     Plan& p = plan_for(Tp, N, masked, opts, &fresh);
+    if (p.b.ws.pk.blocks > 0) ++counters_.persistent_calls;
     // The mutex orders only the host side. On the device, every use of the plan's buffers (the
     // copies in, the run, eager or graph, and the copies out) is ordered after the previous call's
     // last use, whichever stream or thread that call ran on.
@@ -446,6 +469,36 @@ class CudaLayer {
 
   int64_t window_steps(int64_t T, int64_t N) const { return cuda::workspace_sizes(d_, T, N).window_steps; }
 
+  // The persistent plan of this layer for N batch rows (blocks == 0: none, the per-step path runs),
+  // decided once per N (the device's SMs, shared memory and the kernel's occupancy: qgru_cuda_persistent.cu).
+  cuda::PkPlan persistent_plan(int64_t N) const {
+    std::lock_guard<std::mutex> lock(pk_mu_);
+    auto it = pk_plans_.find(N);
+    if (it != pk_plans_.end()) return it->second;
+    cuda::PkPlan p{};
+    if (persistent_) {
+      c10::cuda::CUDAGuard guard(device_);
+      // decided outside a capture only (it sets a kernel attribute and asks the occupancy API):
+      // a batch size first seen inside a caller's capture runs the per-step path there
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      check_cuda(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream().stream(), &capture), "cudaStreamIsCapturing");
+      if (capture != cudaStreamCaptureStatusNone) return p;
+      if (cuda::persistent_plan(d_, N, device_.index(), &p) != cuda::kPkFits) p = cuda::PkPlan{};
+    }
+    pk_plans_[N] = p;
+    return p;
+  }
+
+  // Layer.persistent_plan(N): the plan's fields ({} where there is none).
+  std::map<std::string, int64_t> persistent_info(int64_t N) const {
+    TORCH_CHECK(N >= 1, "qgru cuda: N must be at least 1");
+    const cuda::PkPlan p = persistent_plan(N);
+    if (p.blocks == 0) return {};
+    return {{"blocks", p.blocks},       {"units", p.units},   {"channels", p.channels},
+            {"rows_tile", p.rows_tile}, {"tiles", p.tiles},   {"smem_bytes", p.smem_bytes},
+            {"h_buffer", p.h_buffer}};
+  }
+
   ~CudaLayer() {
     plans_.clear();  // each waits for its last use
     if (side_ != nullptr) cudaStreamDestroy(side_);  // its work is done: the plans' last uses follow it
@@ -463,7 +516,8 @@ class CudaLayer {
             {"captures", counters_.captures.load()},
             {"replays", counters_.replays.load()},
             {"in_foreign_capture", counters_.in_foreign_capture.load()},
-            {"unplanned_runs", counters_.unplanned_runs.load()}};
+            {"unplanned_runs", counters_.unplanned_runs.load()},
+            {"persistent_calls", counters_.persistent_calls.load()}};
   }
 
  private:
@@ -475,6 +529,7 @@ class CudaLayer {
     std::atomic<int64_t> replays{0};             // launches of a graph captured by an earlier call
     std::atomic<int64_t> in_foreign_capture{0};  // calls inside a capture of the caller's
     std::atomic<int64_t> unplanned_runs{0};      // calls of a shape too large for a plan (plan_max_bytes_)
+    std::atomic<int64_t> persistent_calls{0};    // calls whose recurrence ran persistent (qgru_cuda_persistent.cu)
   };
 
   void run(const Buffers& b, cudaStream_t stream, cublasHandle_t handle) const {
@@ -529,7 +584,8 @@ class CudaLayer {
                      cudaStream_t cur, bool in_capture, const Fill& fill, const Drain& drain) {
     ++(in_capture ? counters_.in_foreign_capture : counters_.unplanned_runs);
     if (in_capture) keep_for_foreign_graphs();
-    Buffers b = make_buffers(d_, T, N, lengths.has_value(), opts);
+    Buffers b = make_buffers(d_, T, N, lengths.has_value(), persistent_plan(N), opts);
+    if (b.ws.pk.blocks > 0) ++counters_.persistent_calls;
     fill(b, cur);
     if (lengths.has_value()) b.lengths.copy_(*lengths);
     if (in_capture) {
@@ -582,8 +638,8 @@ class CudaLayer {
     p->T = T;
     p->N = N;
     p->has_lengths = has_lengths;
-    p->b = make_buffers(d_, T, N, has_lengths, opts);
-    TORCH_CHECK(buffer_bytes(p->b) == buffer_bytes(d_, T, N, has_lengths),
+    p->b = make_buffers(d_, T, N, has_lengths, persistent_plan(N), opts);
+    TORCH_CHECK(buffer_bytes(p->b) == buffer_bytes(d_, T, N, has_lengths, persistent_plan(N)),
                 "qgru cuda: internal error: a plan's buffer size differs from its estimate");
     if (use_graph_) p->cublas_ws = at::empty({cublas_workspace_bytes(device_.index())}, opts.dtype(at::kByte));
     check_cuda(cudaEventCreateWithFlags(&p->last_use, cudaEventDisableTiming), "cudaEventCreate");
@@ -596,6 +652,9 @@ class CudaLayer {
   cuda::LayerDesc d_{};
   at::Device device_{at::kCUDA};
   bool use_graph_ = true;
+  bool persistent_ = true;  // QGRU_CUDA_PERSISTENT
+  mutable std::mutex pk_mu_;
+  mutable std::map<int64_t, cuda::PkPlan> pk_plans_;  // persistent_plan, by N
   int64_t plan_max_bytes_ = cuda::kPlanCacheBytes;
   cudaStream_t side_ = nullptr;   // side_stream()
   bool kept_for_graphs_ = false;  // keep_for_foreign_graphs()
@@ -750,6 +809,7 @@ std::tuple<at::Tensor, at::Tensor> Layer::forward(const at::Tensor& qx, const at
 }
 std::map<std::string, int64_t> Layer::counters() const { return impl->layer->counters(); }
 int64_t Layer::window_steps(int64_t T, int64_t N) const { return impl->layer->window_steps(T, N); }
+std::map<std::string, int64_t> Layer::persistent_plan(int64_t N) const { return impl->layer->persistent_info(N); }
 
 struct Stack::Impl {
   CudaStack stack;

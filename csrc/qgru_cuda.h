@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include "qgru_cell.h"
+#include "qgru_persistent.h"
 
 namespace qgru {
 namespace cuda {
@@ -60,6 +61,11 @@ struct Workspace {
   int8_t* h_limbs[2];      // [N_pad, rh.K_pad]
   int32_t* Gh[kMaxPairs];  // [N_pad, M_pad]
   int32_t* dwx;            // [window_steps * N, 3H]  Wx - Z_Wx of the current window's steps
+  // The persistent recurrence (qgru_persistent.h, qgru_cuda_persistent.cu), where pk.blocks > 0:
+  // each window's steps in one launch instead of one R.h GEMM and one cell kernel per step.
+  PkPlan pk;
+  int8_t* pk_h;            // [pk.h_buffer] the operand's double buffer, zeroed at allocation
+  uint32_t* pk_counter;    // [1] the grid barrier's counter
 };
 
 struct WorkspaceSizes {    // element counts
@@ -74,6 +80,16 @@ WorkspaceSizes workspace_sizes(const LayerDesc& d, int64_t T, int64_t N);
 // or nullptr. Only kernel launches and cuBLAS calls on `stream`: safe to capture in a CUDA graph.
 void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, int64_t T, int64_t N, int32_t* state,
              int16_t* out, const int64_t* lengths, cudaStream_t stream, cublasHandle_t handle);
+
+// The persistent recurrence (qgru_cuda_persistent.cu). persistent_plan: the plan of a layer for
+// N batch rows on `device`, or why there is none (PkFit: the device, the shared memory, the
+// occupancy of one block per SM); it sets the kernel's shared-memory attribute, outside any capture
+// preferably. persistent_steps: steps [t_begin, t_end) of the window in args (one cooperative
+// launch per pk_launch_steps steps), on `stream`; capturable in a CUDA graph.
+PkShape persistent_shape(const LayerDesc& d, int64_t N);
+int persistent_plan(const LayerDesc& d, int64_t N, int device, PkPlan* out);
+void persistent_steps(const LayerDesc& d, const PkPlan& p, const PkArgs& args, int64_t t_begin, int64_t t_end,
+                      cudaStream_t stream);
 
 // The float boundary (primitives.quantize / dequantize) and the layer-to-layer requantization,
 // one pass each on `stream`. quantize: x [n] float32 or float64 -> q [n] int32 or int16 on the grid

@@ -29,6 +29,7 @@ class Layer {
                                              const c10::optional<at::Tensor>& lengths);
   std::map<std::string, int64_t> counters() const;
   int64_t window_steps(int64_t T, int64_t N) const;
+  std::map<std::string, int64_t> persistent_plan(int64_t N) const;
   struct Impl;
   std::shared_ptr<Impl> impl;
 };

@@ -191,11 +191,36 @@ void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, int64_t
   // PyTorch's comes bound): calling cublasSetStream here would reset that workspace, and cuBLAS would
   // allocate inside a graph capture.
   const int64_t H = d.H, H3 = 3 * H;
-  // h0's limbs for the first R.h GEMM
+  // the persistent recurrence where the layer's plan has one (ws.pk.blocks > 0): its operand's
+  // double buffer [2][n_act][N][K_pad] takes h0's limbs at parity 0
+  const bool persistent = ws.pk.blocks > 0;
+  if (persistent && (ws.pk.N != N || ws.pk.H != H || ws.pk.K_pad != d.rh.K_pad || ws.pk_h == nullptr ||
+                     ws.pk_counter == nullptr))
+    throw std::runtime_error("qgru cuda: the persistent plan is not this call's shape");
+  // h0's limbs for the first R.h GEMM (or the persistent kernel's first step)
   const Launch2D lh = launch_2d(N, H);
-  limbs_kernel<int32_t><<<lh.grid, lh.block, 0, stream>>>(state, N, (int32_t)H, d.h_bits, d.cell.op, ws.h_limbs[0],
-                                                       d.h_bits > 8 ? ws.h_limbs[1] : nullptr, d.rh.K_pad);
+  int8_t* h0_lo = persistent ? ws.pk_h : ws.h_limbs[0];
+  int8_t* h0_hi = d.h_bits <= 8 ? nullptr : (persistent ? ws.pk_h + N * d.rh.K_pad : ws.h_limbs[1]);
+  limbs_kernel<int32_t><<<lh.grid, lh.block, 0, stream>>>(state, N, (int32_t)H, d.h_bits, d.cell.op, h0_lo, h0_hi,
+                                                       d.rh.K_pad);
   check(cudaGetLastError(), "limbs_kernel (state) launch");
+  PkArgs pk{};
+  if (persistent) {
+    pk.weight_limbs = d.rh.weight_limbs;
+    for (int q = 0; q < d.rh.P; ++q) {
+      pk.act_limb[q] = d.rh.act_limb[q];
+      pk.weight_limb[q] = d.rh.weight_limb[q];
+      pk.scale[q] = d.rh.scale[q];
+      pk.weight_offset[q] = d.rh.weight_offset[q];
+    }
+    pk.dwx = ws.dwx;
+    pk.state = state;
+    pk.out = out;
+    pk.lengths = lengths;
+    pk.h_buf = ws.pk_h;
+    pk.h_bits = d.h_bits;
+    pk.counter = ws.pk_counter;
+  }
   // Windows of steps: W.x of a window's steps in one GEMM (seed 001 steps 1-2), then their
   // recurrence, one R.h GEMM + one cell kernel per step (step 3). Wx - Z_Wx is kept for one window
   // only (window_steps: at most kWindowBytes of buffers), not for all T steps.
@@ -215,6 +240,11 @@ void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, int64_t
           <<<le.grid, le.block, 0, stream>>>(d.acc_x, d.acc_x32, lx_p, rows, (int32_t)H3, ws.dwx);
     });
     check(cudaGetLastError(), "input_epilogue_kernel launch");
+    if (persistent) {  // the window's steps in one launch (qgru_cuda_persistent.cu)
+      pk.t0 = t0;
+      persistent_steps(d, ws.pk, pk, t0, t0 + steps, stream);
+      continue;
+    }
     for (int64_t t = t0; t < t0 + steps; ++t) {
       const LimbProducts lp = run_gemms(d.rh, ws.h_limbs, ws.Gh, ws.N_pad, ws.N_pad, d.ones_col, handle);
       dispatch_kernel(d.rh.P, d.pow2, d.acc32, [&](auto np, auto pow2, auto acc32) {

@@ -1,6 +1,7 @@
 """The CUDA sources compile with nvcc, on machines without a GPU (CI): a syntax or template error
-in csrc/qgru_cuda_kernels.cu (every kernel, the shared cell header instantiated for every
-template flag, the cuBLAS calls) fails the suite here, not first on a GPU machine.
+in csrc/qgru_cuda_kernels.cu or qgru_cuda_persistent.cu (every kernel, the shared cell header
+instantiated for every template flag, the cuBLAS calls) fails the suite here, not first on a GPU
+machine.
 
 Skipped without nvcc. cuBLAS headers come from CUDA_HOME, an installed nvidia-cublas wheel,
 QGRU_CUDA_HEADERS, or are fetched once (the nvidia-cublas wheel, headers only kept) into
@@ -53,9 +54,10 @@ def _fetch_cublas_headers() -> Path:
     return found
 
 
-def test_cuda_kernels_compile_with_nvcc(tmp_path):
+@pytest.mark.parametrize("source", ["qgru_cuda_kernels.cu", "qgru_cuda_persistent.cu"])
+def test_cuda_kernels_compile_with_nvcc(tmp_path, source):
     inc = _include_dirs_with("cublas_v2.h") or _fetch_cublas_headers()
-    src = csrc_dir() / "qgru_cuda_kernels.cu"
+    src = csrc_dir() / source
     # two architectures: Ampere and Hopper (the lent GPUs), as TORCH_CUDA_ARCH_LIST would give
     cmd = [NVCC, "-std=c++17", "-O1", "-c", str(src), "-o", str(tmp_path / "k.o"), "-I", str(csrc_dir()),
            "-I", str(inc), "-Werror", "all-warnings",

@@ -34,13 +34,13 @@ _KINDS = ("cpu", "cuda")
 _CPU_PATHS = ("portable", "avx2", "avxvnni", "avx512vnni", "amx")
 _SOURCES = {
     "cpu": ["cpu/qgru_cpu.cpp", "cpu/bind_cpu.cpp", "cpu/isa.cpp"] + [f"cpu/kernel_{p}.cpp" for p in _CPU_PATHS],
-    "cuda": ["qgru_cuda.cpp", "bind_cuda.cpp", "qgru_cuda_kernels.cu"],
+    "cuda": ["qgru_cuda.cpp", "bind_cuda.cpp", "qgru_cuda_kernels.cu", "qgru_cuda_persistent.cu"],
 }
 # every header the sources include: the build's cache key hashes them, so an edit to any of them
 # rebuilds (tests/test_native.py checks that this list and _SOURCES cover every file in csrc/)
 _HEADERS = ["qgru_fixedpoint.h", "qgru_cell.h", "qgru_layer.h", "qgru_cuda.h", "qgru_cuda_launch.h",
-            "qgru_cuda_backend.h", "cpu/kernels.h", "cpu/cell_loops.h", "cpu/isa.h", "cpu/quantize_block.h",
-            "cpu/lanes_avx2.h", "cpu/lanes_avx512.h", "cpu/vnni_gemm.h", "cpu/cpu_backend.h"]
+            "qgru_persistent.h", "qgru_cuda_backend.h", "cpu/kernels.h", "cpu/cell_loops.h", "cpu/isa.h",
+            "cpu/quantize_block.h", "cpu/lanes_avx2.h", "cpu/lanes_avx512.h", "cpu/vnni_gemm.h", "cpu/cpu_backend.h"]
 
 
 def csrc_dir() -> Path:
