@@ -41,5 +41,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "steps per W.x window of a call of this shape (the tests span two windows)")
       .def("persistent_plan", &qgru::cuda_api::Layer::persistent_plan, pybind11::arg("N"),
            "the persistent recurrence's plan for N batch rows (blocks, units, rows_tile, ...); {} where the "
-           "per-step path runs (QGRU_CUDA_PERSISTENT=0, or the shape does not fit on chip)");
+           "per-step path runs (QGRU_CUDA_PERSISTENT unset or 0, or the shape does not fit on chip)");
 }

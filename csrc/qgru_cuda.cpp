@@ -235,13 +235,14 @@ int64_t plan_max_bytes_from_env() {
   return (int64_t)v;
 }
 
-// QGRU_CUDA_PERSISTENT: unset, "" or "1": the persistent recurrence where a layer's shape fits
-// (qgru_persistent.h pk_plan, persistent_plan); "0": never (one R.h GEMM and one cell kernel per step).
+// QGRU_CUDA_PERSISTENT: "1": the persistent recurrence where a layer's shape fits (qgru_persistent.h
+// pk_plan, persistent_plan); unset, "" or "0": never (one R.h GEMM and one cell kernel per step). Off by
+// default until a GPU has run it against the golden model (it has only been checked on the host).
 bool persistent_from_env() {
   const char* env = std::getenv("QGRU_CUDA_PERSISTENT");
-  if (env == nullptr || *env == '\0' || std::string(env) == "1") return true;
-  TORCH_CHECK_VALUE(std::string(env) == "0", "qgru cuda: QGRU_CUDA_PERSISTENT='", env, "' must be 0 or 1");
-  return false;
+  if (env == nullptr || *env == '\0' || std::string(env) == "0") return false;
+  TORCH_CHECK_VALUE(std::string(env) == "1", "qgru cuda: QGRU_CUDA_PERSISTENT='", env, "' must be 0 or 1");
+  return true;
 }
 
 // qgru's own cuBLAS handle, one per device, for the runs on a workspace qgru owns (the first call of
@@ -652,7 +653,7 @@ class CudaLayer {
   cuda::LayerDesc d_{};
   at::Device device_{at::kCUDA};
   bool use_graph_ = true;
-  bool persistent_ = true;  // QGRU_CUDA_PERSISTENT
+  bool persistent_ = false;  // QGRU_CUDA_PERSISTENT
   mutable std::mutex pk_mu_;
   mutable std::map<int64_t, cuda::PkPlan> pk_plans_;  // persistent_plan, by N
   int64_t plan_max_bytes_ = cuda::kPlanCacheBytes;

@@ -388,8 +388,8 @@ def bench_cuda(args, configs) -> Bench:
                 d = {k: after.get(k, 0) - before[cfg].get(k, 0) for k in after}
                 if d.get("persistent_calls", 0) > 0:
                     bench.notes.append(f"{sc} / qgru {cfg}: {d['persistent_calls']} layer calls took the persistent "
-                                       "recurrence (one launch per window; QGRU_CUDA_PERSISTENT=0: one GEMM and one "
-                                       "cell kernel per step)")
+                                       "recurrence (QGRU_CUDA_PERSISTENT=1: one launch per window, instead of one GEMM "
+                                       "and one cell kernel per step)")
                 if d.get("unplanned_runs", 0) > 0:
                     bench.notes.append(f"{sc} / qgru {cfg}: {d['unplanned_runs']} layer runs without a plan (no "
                                        "graph: the plan would pass QGRU_CUDA_PLAN_MAX_BYTES, default 256 MiB)")

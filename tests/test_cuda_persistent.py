@@ -337,7 +337,7 @@ def test_persistent_schedule_is_the_golden_model(host_ext, cfg, mode, I, H, T, N
 @pytest.mark.parametrize("cfg", ["w8a8", "w8a16", "w16a16"])
 @pytest.mark.parametrize("I,H,T,N", [(5, 12, 9, 5), (16, 300, 40, 3), (8, 64, 20, 70)])
 def test_cuda_persistent_kernel_is_the_golden_model(cuda_backend, monkeypatch, cfg, I, H, T, N):  # noqa: F811
-    """The persistent recurrence on the GPU (QGRU_CUDA_PERSISTENT unset: on where it fits) gives
+    """The persistent recurrence on the GPU (QGRU_CUDA_PERSISTENT=1: on where it fits) gives
     golden.gru_direction's integers with and without lengths and took the persistent path
     (Layer.persistent_calls); with QGRU_CUDA_PERSISTENT=0 the per-step path gives the same and
     does not take it. Two calls each: the eager run and the captured graph's replay."""
