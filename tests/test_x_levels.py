@@ -440,3 +440,46 @@ def test_state_dict_round_trip_through_safetensors_carries_levels(tmp_path):
     x = drifted()
     with qgru.backend("reference"), torch.no_grad():
         assert torch.equal(fresh(x)[0], m(x)[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# qgru.compare
+# ---------------------------------------------------------------------------------------------
+def test_compare_x_row_counts_only_what_the_widest_level_clips():
+    """On inputs at 2x-3x the calibrated range, the x row of a model with levels reports no clipping
+    and the own SQNR of an 8-bit grid per token (the static model's x clips, with a warning); the
+    share of tokens above level 0 is reported; beyond the widest level (8x) it warns again."""
+    import warnings
+    gru_l = build("multiplier", layers=1, bidirectional=False)
+    gru_s = build("multiplier", layers=1, bidirectional=False, over="static")
+    torch.manual_seed(3)
+    ref = nn.GRU(3, 5, 1)  # build()'s float GRU (same seed and shape)
+    x = drifted(T=10, N=4, scales=(2.0, 3.0))
+    with qgru.backend("reference"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", qgru.CalibrationWarning)
+            rep_l = qgru.compare(ref, gru_l, [x], verbose=False, progress=False)
+        with pytest.warns(qgru.CalibrationWarning, match=r"lies beyond its calibrated grid.*'dynamic': True"):
+            rep_s = qgru.compare(ref, gru_s, [x], verbose=False, progress=False)
+        row_l, row_s = rep_l.row("x"), rep_s.row("x")
+        assert row_l["saturation"] == 0 and row_s["saturation"] > 0.05
+        assert row_l["range_needed"] <= 1.0 < row_s["range_needed"]
+        # the own error: each element within half its token's step, against clipping
+        assert row_l["own_sqnr_db"] > 35 and row_l["own_sqnr_db"] > row_s["own_sqnr_db"] + 15
+        assert 0.2 < row_l["above_level0"] < 1 and row_l["x_levels_widest"] == 8.0
+        assert row_s["above_level0"] is None and row_s["x_levels_widest"] is None
+        assert "x levels: layer 0 fwd:" in str(rep_l) and "x levels" not in str(rep_s)
+        # inputs in range: tokens on level 0 only, the static model's x and W.x
+        x_in = drifted(scales=(0.3,))
+        rep_in = qgru.compare(ref, gru_l, [x_in], verbose=False, progress=False)
+        rep_in_s = qgru.compare(ref, gru_s, [x_in], verbose=False, progress=False)
+        assert rep_in.row("x")["above_level0"] == 0.0
+        for t in ("x", "Wx"):
+            assert rep_in.row(t)["own_sqnr_db"] == rep_in_s.row(t)["own_sqnr_db"]
+        # beyond level 0, W.x's own reference takes each token's level bias: W.x as exact as in range
+        # (1.2x: W.x does not saturate yet; its own SQNR is that of its 16-bit grid)
+        rep_12 = qgru.compare(ref, gru_l, [drifted(scales=(1.2,))], verbose=False, progress=False)
+        assert rep_12.row("x")["above_level0"] > 0 and rep_12.row("Wx")["saturation"] == 0
+        assert rep_12.row("Wx")["own_sqnr_db"] > 70
+        with pytest.warns(qgru.CalibrationWarning, match=r"lies beyond its widest x level \(8x its calibrated range\)"):
+            qgru.compare(ref, gru_l, [drifted(scales=(20.0,))], verbose=False, progress=False)
