@@ -10,9 +10,11 @@ evaluated on held-out data: output SQNR (dB) against the float model for torch's
 and qgru's configs, every GRU swapped (qgru.prepare_model + calibrate + convert, as quantize_model).
 Two more rows: the drift stand-in of issue 31 (drift_case: a forecaster calibrated on the early part
 of series whose amplitude grows, evaluated on the late part, test inputs 1.75x and 2.1x the
-calibration range here). docs/accuracy.md holds the table.
+calibration range here). Column "x levels": w8a8 with x.dynamic and h_gemm.dynamic (docs/spec.md
+section 4b; the native backends do not run it yet: --backend reference). docs/accuracy.md holds the table.
 
-    python scripts/accuracy_models.py                  # docs/accuracy.md's table (~3 min on 2 cores)
+    python scripts/accuracy_models.py --backend reference --study   # docs/accuracy.md's table (~10 min)
+    python scripts/accuracy_models.py                  # without the x-levels study columns (~3 min on 2 cores)
     python scripts/accuracy_models.py --only darts     # models whose name contains "darts"
     python scripts/accuracy_models.py --seed 1         # every model trained from another seed
     python scripts/accuracy_models.py --compare NAME   # + qgru.compare of the default w8a8 on model NAME
