@@ -21,7 +21,7 @@ from qgru.compare import sqnr_db
 from qgru.demo import dynamic_quant
 
 # x in 16 bits over 4x its calibrated range: the override for inputs beyond calibration
-X16 = {"tensors": {"x": {"bits": 16, "headroom": 4.0}}}
+X16 = {"tensors": {"x": {"bits": 16, "headroom": 4.0, "dynamic": False}}}
 # x levels and state-derived GEMM operands (docs/spec.md section 4b), and the static grids (the C
 # export's mode; said explicitly, whatever the shipped config's default)
 DYN = {"tensors": {"x": {"dynamic": True}, "h_gemm": {"dynamic": True}}}
