@@ -35,7 +35,8 @@ saturation
     it should have stored (the own reference above) lies beyond that end of the grid: clipping,
     not a value that merely rounds to the end point (a zero point at qmin is not saturation). For
     the calibrated tensors (x, h, h_gemm, Wx, Rh, r_pre, z_pre, g_pre) that is clipping at the
-    calibrated range (for x of layer 0: inputs outside it). For r, z, g the grid is the function's whole
+    calibrated range (for x of layer 0: inputs outside it; with x levels, docs/spec.md section 4b,
+    each token is on its own level's grid and only inputs beyond the widest level clip). For r, z, g the grid is the function's whole
     range, so it only means sigmoid/tanh itself is within a step of 0 or 1: reported, marked
     ``*``, never blamed. Weights are symmetric over their exact max: not reported.
 
@@ -144,6 +145,8 @@ class _Stat:
         self.need = 0.0  # largest (value the integer model had to store) / (edge of its grid)
         self.step_ref2: Optional[torch.Tensor] = None
         self.step_err2: Optional[torch.Tensor] = None
+        self.tokens = 0  # x of a layer with x levels: tokens compared, and those on a level above 0
+        self.above0: Optional[int] = None
 
     def add(self, ref: torch.Tensor, got: torch.Tensor, mask: Optional[torch.Tensor] = None,
             own: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None, bits: int = 0,
@@ -227,7 +230,12 @@ class CompareReport:
     for a model not calibrated in this process, e.g. from load_params), ``calib_sqnr_db``: the
     SQNR its grid is expected to have on its own calibration data (the histogram's model of
     rounding and clipping; None likewise), and ``grid``: (scale, zero point) as floats and ints
-    (per_gate/per_channel: the scale and zero point of the first channel).
+    (per_gate/per_channel: the scale and zero point of the first channel; with x levels, level 0's).
+    Layer 0's x row of a model with x levels (docs/spec.md section 4b) has every token on its own
+    level's grid: saturation, range_needed and own SQNR are against that level (only the widest
+    level clips), ``x_levels_widest`` is the widest level's range over the calibrated one (8.0;
+    None without levels) and ``above_level0`` the share of tokens on a level above 0 (beyond the
+    calibrated range; None without levels).
     """
     rows: List[Dict[str, Any]]
     batches: int
@@ -342,6 +350,11 @@ class CompareReport:
         out = [head, fmt(cols), fmt(["-" * w for w in width])] + [fmt(l) for l in lines]
         out.append("SQNR: vs the float model; own: the error this tensor's own grid adds; calib: its grid's "
                    "expected SQNR on its own calibration data; * r, z, g: the end of the function's range, not clipping")
+        for r in self.rows:
+            if r.get("above_level0") is not None:
+                out.append(f"x levels: {_mod(r['module']) + ' ' if multi else ''}layer 0 {r['direction']}: "
+                           f"{100 * r['above_level0']:.2f}% of the tokens beyond the calibrated range, on wider "
+                           f"levels (up to {r['x_levels_widest']:g}x); sat % counts only what the widest clips")
         drift = [r for r in self.rows if r["steps_sqnr_db"]]
         if drift:
             out.append("drift: SQNR dB of h per step (a reverse direction counted in its own order)")
@@ -583,7 +596,7 @@ class _Comparer:
                                    for e, v in enumerate(inp_)], dim=-1)
             tr: Dict[str, Any] = {}
             out, hn = golden.gru_direction(p, qx, qh0, lengths, trace=tr, level=level)
-            tr.update(qx=qx, x_own=x_own, qh0=qh0, out=out, hn=hn)
+            tr.update(qx=qx, x_own=x_own, qh0=qh0, out=out, hn=hn, level=level)
             itr[(layer, d)] = tr
             return out, hn
 
@@ -628,12 +641,24 @@ class _Comparer:
             ref, got, mask, own, q, bits[t], _edges(*g[t], bits[t]), steps)
 
         qx = it["qx"]
-        x_deq = deq("x", qx)
-        add("x", ft["x"], x_deq, it["x_own"], qx)
-
         W = p.W.double() * p.scale["W"].double().unsqueeze(1)
         R = p.R.double() * p.scale["R"].double().unsqueeze(1)
-        b_x = p.b_x.double() * p.scale["W"].double() * p.scale["x"].double()
+        level = it.get("level")
+        if level is None:
+            x_deq = deq("x", qx)
+            add("x", ft["x"], x_deq, it["x_own"], qx)
+            b_x = p.b_x.double() * p.scale["W"].double() * p.scale["x"].double()
+        else:  # x levels: each token on its own level's grid, and W.x's bias at that level's scale
+            lv = p.x_levels
+            s_tok = lv.scale[level].unsqueeze(-1)  # [T, N, 1]
+            x_deq = (qx - p.zp["x"]).double() * s_tok
+            # saturation and range_needed against the token's own level: only the last level clips
+            st = self._stat(name, layer, d, "x")
+            st.add(ft["x"], x_deq, mask, it["x_own"], qx, bits["x"], _edges(s_tok, p.zp["x"], bits["x"]))
+            on = level > 0 if mask is None else (level > 0) & mask
+            st.tokens += level.numel() if mask is None else int(mask.sum())
+            st.above0 = (st.above0 or 0) + int(on.sum())
+            b_x = lv.b_x[level].double() * p.scale["W"].double() * s_tok
         # b_h is at the scale of R times R.h's operand: h_gemm's when the model has one, not h's
         b_h = p.b_h.double() * p.scale["R"].double() * g[recurrent_operand(bits)][0]
 
@@ -708,6 +733,11 @@ class _Comparer:
                     "grid": (_grid(q._qparams[key[1]][("fwd", "rev").index(key[2])], t)
                              if t in ("x", "h", "h_gemm") and key[1] is not None else None),
                     "scale_mode": q.qconfig.scale_mode,
+                    "x_levels_widest": (2.0 ** (int(q._qparams[0][0].x_levels.exponent[-1]) / 4)
+                                        if t == "x" and key[1] == 0 and q._qparams[0][0].x_levels is not None
+                                        else None),
+                    "above_level0": (s.above0 / s.tokens if s.above0 is not None and s.tokens else
+                                     (0.0 if s.above0 is not None else None)),
                 })
         return CompareReport(rows=rows, batches=batches, configs=configs)
 
@@ -780,16 +810,30 @@ def compare(float_model: nn.Module, quant_model: nn.Module, batches: Iterable,
 
 def _warn_input_clipping(report: CompareReport) -> None:
     """A CalibrationWarning per GRU whose layer-0 input x saturated on more than X_CLIP_WARN of its
-    elements in the compared batches: those inputs lie beyond the range calibration saw."""
+    elements in the compared batches: those inputs lie beyond the range calibration saw (with x
+    levels: beyond the widest level, 8x that range; what the lower levels hold is not clipping)."""
     for r in report.rows:
         if r["tensor"] != "x" or r["layer"] != 0 or not r["saturation"] or r["saturation"] <= X_CLIP_WARN:
             continue
         need = r.get("range_needed")
         widen = f" (they need a range {need:.2g}x as wide)" if need and need > 1 else ""
+        widest = r.get("x_levels_widest")
+        if widest:  # x levels: only the widest clips; more range is recalibration (or a headroom)
+            headroom = math.ceil(need * r["headroom"] * 11) / 10 if need and need > 1 else 2.0
+            warnings.warn(f"compare(): GRU {_mod(r['module'])!r}: {100 * r['saturation']:.2f}% of its input x "
+                          f"({r['direction']}) lies beyond its widest x level ({widest:g}x its calibrated range)"
+                          f"{widen}, more than {100 * X_CLIP_WARN:g}%: these batches reach far beyond what "
+                          f"calibration saw and those values saturate. Calibrate on data that spans the inputs the "
+                          f"model will get, or widen every level: overrides={{'tensors': {{'x': {{'headroom': "
+                          f"{headroom:g}}}}}}} (README, \"Inputs beyond the calibration range\")",
+                          CalibrationWarning, stacklevel=3)
+            continue
         headroom = max(4.0, math.ceil(need * 11) / 10) if need and need > 1 else 4.0
         warnings.warn(f"compare(): GRU {_mod(r['module'])!r}: {100 * r['saturation']:.2f}% of its input x "
                       f"({r['direction']}) lies beyond its calibrated grid{widen}, more than "
                       f"{100 * X_CLIP_WARN:g}%: these batches reach beyond what calibration saw and those values "
-                      f"saturate. Calibrate on data that spans the inputs the model will get, or widen x's "
-                      f"range: overrides={{'tensors': {{'x': {{'bits': 16, 'headroom': {headroom:g}}}}}}} (README, "
+                      f"saturate. Calibrate on data that spans the inputs the model will get, or quantize x per "
+                      f"token on x levels (8 bits, up to 8x the calibrated range; not for the C export): "
+                      f"overrides={{'tensors': {{'x': {{'dynamic': True}}}}}}, or x in 16 bits over a wider range: "
+                      f"overrides={{'tensors': {{'x': {{'bits': 16, 'headroom': {headroom:g}}}}}}} (README, "
                       f"\"Inputs beyond the calibration range\")", CalibrationWarning, stacklevel=3)

@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Sequence, Tuple, Union
 import torch
 
 from .config import GATE_OUTPUTS, OPTIONAL_TENSORS, TENSOR_NAMES, QuantConfig
-from .convert import _bits_of, operand_bounds, recurrent_operand
+from .convert import X_LEVEL_EXPONENTS, X_LEVEL_EXPONENTS_POW2, _bits_of, operand_bounds, recurrent_operand
 from .golden import LayerParams, Rescale, XLevels
 from .primitives import INT8_GEMM_K_MAX, MAX_SHIFT, multiplier_bits, pack_int32, qrange, unpack_int32
 from .tables import output_grid, table_geometry
@@ -54,6 +54,7 @@ _ZP_NAMES = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre", "r", "z", "g")
 _RESCALES = ("Wx", "Rh", "Wx_r", "Rh_r", "Wx_z", "Rh_z", "Wx_g", "rRh_g", "zh", "zg")
 _SCALES = ("x", "h", "W", "R")
 _GATES = ("r", "z", "g")
+_X_LEVEL_PARTS = ("exponent", "scale", "lo", "hi", "b_x", "multiplier", "shift")
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _LAYER_KEY = re.compile(r"l(0|[1-9][0-9]{0,8})\.(fwd|rev)\.(.+)\Z", re.S)
 
@@ -343,6 +344,8 @@ def _layer_fields(cfg: QuantConfig, layer: int, ndir: int) -> set:
     f |= {f"rescale.{n}.{part}" for n in rescales for part in ("multiplier", "shift")}
     f |= {f"tables.{g}" for g in _GATES}
     f |= {f"scale.{n}" for n in names["scale"]}
+    if layer == 0 and cfg["x"].dynamic:  # x levels: the first layer's, exactly when meta.config has x.dynamic
+        f |= {f"x_levels.{k}" for k in _X_LEVEL_PARTS}
     return f
 
 
@@ -426,7 +429,7 @@ def _read_layer(d: Dict[str, Any], pre: str, cfg: QuantConfig) -> LayerParams:
     kw["tables"] = {g: tensor(f"tables.{g}", torch.int32) for g in _GATES}
     kw["one_z"] = integer("one_z")
     kw["scale"] = {n: tensor(f"scale.{n}", torch.float64) for n in names["scale"]}
-    if pre + "x_levels.exponent" in d:  # TODO issue 31: validation of x levels (_check_entries, _check_layer)
+    if pre + "x_levels.exponent" in d:  # _check_entries: exactly in layer 0 with meta.config x.dynamic
         kw["x_levels"] = XLevels(
             exponent=tensor("x_levels.exponent", torch.int32), scale=tensor("x_levels.scale", torch.float64),
             lo=tensor("x_levels.lo", torch.float64), hi=tensor("x_levels.hi", torch.float64),
@@ -557,3 +560,75 @@ def _check_layer(p: LayerParams, where: str, cfg: QuantConfig, meta: Dict[str, A
                                    "values would dequantize to +-inf (x and h grids lie in float32's range)")
         if pow2 and not bool((torch.frexp(s).mantissa == 0.5).all()):
             fail(f"scale.{n}", "not a power of two (meta.config.scale_mode is pow2)")
+    _check_x_levels(p, fail, tensor, in_range, cfg, meta, n_prev == 0, bound["Wx"])
+
+
+def _check_x_levels(p: LayerParams, fail, tensor, in_range, cfg: QuantConfig, meta: Dict[str, Any], first: bool,
+                    wx_bound: int) -> None:
+    """The x levels (docs/spec.md section 4b) against the layer's own x grid, b_x and rescale.Wx: exactly
+    in the first layer when meta.config has x.dynamic; exponents as convert makes them (ascending from
+    0, in [0, 12], whole octaves in pow2); every scale S_x 2^(e/4) and range end exactly as convert
+    computes them; biases, multipliers and shifts within rescale.Wx's bounds; level 0 equal to the
+    static b_x and rescale.Wx (tokens within calibration give the integers of a layer without levels)."""
+    lv = p.x_levels
+    want = first and cfg["x"].dynamic
+    if lv is None:
+        if want:
+            fail("x_levels", "missing: meta.config has x.dynamic, so the first layer quantizes x on levels")
+        return
+    if not want:
+        fail("x_levels", "present, but only the first layer of a config with x.dynamic has x levels"
+             + ("" if first else " (this layer's x is the previous layer's state)"))
+    if not isinstance(lv, XLevels):
+        fail("x_levels", f"expected XLevels, got {type(lv).__name__}")
+    allowed = X_LEVEL_EXPONENTS_POW2 if cfg.power_of_two else X_LEVEL_EXPONENTS
+    e = lv.exponent
+    if not isinstance(e, torch.Tensor) or e.dtype != torch.int64 or e.dim() != 1:
+        fail("x_levels.exponent", "expected a 1-D torch.int64 tensor")
+    J = e.numel()
+    if not 1 <= J <= len(X_LEVEL_EXPONENTS):
+        fail("x_levels.exponent", f"{J} levels; a layer has 1 to {len(X_LEVEL_EXPONENTS)}")
+    exps = [int(v) for v in e]
+    if exps != list(allowed[:J]):
+        fail("x_levels.exponent", f"{_listed(exps, 13)}, but convert makes {_listed(allowed[:J], 13)} "
+                                  f"(ascending from 0{', whole octaves: meta.config.scale_mode is pow2' if cfg.power_of_two else ''})")
+    H3 = 3 * p.hidden_size
+    S_x = p.scale["x"]
+    scale = tensor("x_levels.scale", lv.scale, [(J,)], torch.float64)
+    # as convert computes them: S_x * 2^(e/4) (a float64 product), the ends (q_min/max - Z_x) * scale
+    want_scale = S_x * torch.tensor([2.0 ** (v / 4) for v in exps], dtype=torch.float64, device=S_x.device)
+    if not torch.equal(scale, want_scale):
+        k = int((scale != want_scale).nonzero()[0, 0])
+        fail("x_levels.scale", f"level {k}: {float(scale[k])!r}, but scale.x * 2^({exps[k]}/4) is "
+                               f"{float(want_scale[k])!r}")
+    lo_q, hi_q = qrange(p.bits["x"])
+    zx = int(p.zp["x"])
+    inf = torch.full((J,), float("inf"), dtype=torch.float64, device=S_x.device)
+    for name, v, end in (("lo", lv.lo, lo_q), ("hi", lv.hi, hi_q)):
+        v = tensor(f"x_levels.{name}", v, [(J,)], torch.float64)
+        w = (inf if end == hi_q else -inf) if zx == end else (end - zx) * want_scale
+        if not torch.equal(v, w):
+            k = int((v != w).nonzero()[0, 0])
+            fail(f"x_levels.{name}", f"level {k}: {float(v[k])!r}, but x's {p.bits['x']}-bit grid (zero point {zx}) "
+                                     f"at that level's scale makes it {float(w[k])!r}")
+    b = tensor("x_levels.b_x", lv.b_x, [(J, H3)])
+    in_range("x_levels.b_x", b, *qrange(32), "32-bit biases")
+    if not meta["bias"] and bool(b.any()):
+        fail("x_levels.b_x", "nonzero, but meta.bias is false")
+    if not torch.equal(b[0], p.b_x):
+        fail("x_levels.b_x", "level 0 differs from b_x (level 0 is the static grid)")
+    if not isinstance(lv.rescale, Rescale):
+        fail("x_levels", f"expected a Rescale in rescale, got {type(lv.rescale).__name__}")
+    m = tensor("x_levels.multiplier", lv.rescale.multiplier, [(J, H3)])
+    sh = tensor("x_levels.shift", lv.rescale.shift, [(J, H3)])
+    operand = _bits_of(wx_bound)
+    mb = multiplier_bits(operand)
+    in_range("x_levels.multiplier", m, 0, (1 << mb) - 1,
+             f"W.x's operand needs up to {operand} bits, which leaves {mb} multiplier bits in int64")
+    in_range("x_levels.shift", sh, 1, MAX_SHIFT, "shifts are kept in [1, 62]")
+    if cfg.power_of_two and bool((m & (m - 1)).any()):
+        fail("x_levels.multiplier", f"{int(m[(m & (m - 1)) != 0].reshape(-1)[0])} is not a power of two "
+                                    "(meta.config.scale_mode is pow2)")
+    static = p.rescale["Wx"]
+    if not (torch.equal(m[0], static.multiplier.expand(H3)) and torch.equal(sh[0], static.shift.expand(H3))):
+        fail("x_levels.multiplier", "level 0 differs from rescale.Wx (level 0 is the static grid)")

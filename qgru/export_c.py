@@ -15,6 +15,10 @@
   ``int <prefix>_selftest(void)``, compiled only with ``-D<PREFIX>_GOLDEN``; adding
   ``-D<PREFIX>_SELFTEST_MAIN`` also compiles a ``main`` that prints the mismatch count.
 
+The C code takes integer x: a layer with x levels (the first layer of a config with x.dynamic,
+docs/spec.md section 4b, which picks each token's grid from its float values) is refused, naming the
+static override; layers above it have static x grids and export as any other.
+
 ``path`` is a stem: ``.h`` and ``.c`` are appended (a trailing ``.h`` / ``.c`` is dropped first)
 and missing parent folders are created. The C identifier prefix is the stem's file name with
 every character that cannot appear in an identifier replaced by ``_`` (``out/my-gru`` ->
@@ -97,6 +101,13 @@ def write_c(params: QuantParams, path: Union[str, Path], layer: int = 0, directi
     if golden_steps < 1:
         raise ValueError(f"golden_steps must be >= 1, got {golden_steps}")
     p = row[direction]
+    if p.x_levels is not None:
+        # the C code takes integer x (q_x on one grid; the float input is quantized by the caller):
+        # x levels choose a grid per token from the float values, which it never sees
+        raise ValueError("write_c: this layer has x levels (config x.dynamic: each token of the float input on "
+                         "its own grid, docs/spec.md section 4b), and the C code takes integer x on one static "
+                         "grid. Convert for the C export with x on one grid: "
+                         "overrides={\"tensors\": {\"x\": {\"dynamic\": False}}} (docs/spec.md section 10)")
     prev = params.layers[layer - 1] if layer > 0 else []
     golden = golden_vectors(p, golden_steps, seed)
     ctx = _Ctx(p, prefix, layer, direction, params.meta, prev, golden, stem.name)

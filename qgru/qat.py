@@ -23,7 +23,9 @@ then freezes the integer model. docs/spec.md section 14 is the contract; in shor
   (the R.h operand, qgru/config.py) the surrogate's R.h reads h fake-quantized onto h_gemm's
   grid, as the integer GEMM reads the operand, while the state carried to the next step keeps
   h's grid: R's gradient is taken at the operand's values, and h's through R.h is masked where
-  the operand's narrower grid clips it.
+  the operand's narrower grid clips it. With x levels (config x.dynamic, docs/spec.md section 4b)
+  the first layer's x is fake-quantized per token on the level golden chooses for it, and only
+  what that level clips (beyond the widest) passes no gradient.
 
 The forward itself (qat_forward, _Golden, _direction) lives in qgru/qat_step.py, below qgru.module,
 which calls it; this module, above both, holds the workflow (prepare_qat, convert_qat) and

@@ -61,19 +61,23 @@ def _fake(surrogate: torch.Tensor, q: torch.Tensor, S, Z, bits: Optional[int]) -
 
 
 def _direction(p: LayerParams, S: Dict[str, torch.Tensor], weights, x_sur: torch.Tensor, qx: torch.Tensor,
-               h0: torch.Tensor, lengths: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               h0: torch.Tensor, lengths: Optional[torch.Tensor], level: Optional[torch.Tensor] = None
+               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One direction: golden's integers, and the float64 surrogate that carries them with the
     float GRU's gradients. ``S``: every tensor's scale (convert's, see derive_layer_params'
     scales_out). x_sur [T, N, I]: the layer input before quantization (any float dtype), qx: its
-    golden integers; h0 [N, H] float. Returns (out [T, N, H] float64, h_n float64, q_out)."""
+    golden integers; h0 [N, H] float. ``level`` [T, N] (a layer with x levels): each token's x
+    level, whose scale is that token's x scale (the clipped STE's mask too: only what the chosen
+    level clips passes no gradient). Returns (out [T, N, H] float64, h_n float64, q_out)."""
     H = p.hidden_size
     w_ih, w_hh, b_ih, b_hh = weights
     Z = p.zp
     qh0 = _BOUNDARY.quantize(h0, S["h"], Z["h"], p.bits["h"], "h0")
     trace: Dict[str, List[torch.Tensor]] = {}
-    q_out, _ = golden.gru_direction(p, qx, qh0, lengths, trace)
+    q_out, _ = golden.gru_direction(p, qx, qh0, lengths, trace, level=level)
 
-    x = _fake(x_sur.double(), qx, S["x"], Z["x"], p.bits["x"])
+    S_x = S["x"] if level is None else p.x_levels.scale[level].unsqueeze(-1)  # [T, N, 1]: per token
+    x = _fake(x_sur.double(), qx, S_x, Z["x"], p.bits["x"])
     h = _fake(h0.double(), qh0, S["h"], Z["h"], p.bits["h"])
     W = _fake(w_ih.double(), p.W, S["W"].unsqueeze(1), 0, None)
     R = _fake(w_hh.double(), p.R, S["R"].unsqueeze(1), 0, None)
@@ -141,7 +145,11 @@ def qat_forward(module, x: torch.Tensor, hx: torch.Tensor,
         outs_sur, outs_q = [], []
         for d in range(D):
             p, S = params[layer][d], scales[(layer, d)]
-            if layer == 0:
+            level = None
+            if layer == 0 and p.x_levels is not None:  # x levels (x.dynamic): each token on its own grid
+                x_sur = x
+                qx, level = _BOUNDARY.quantize_levels(x, p.x_levels, p.zp["x"], p.bits["x"], "input")
+            elif layer == 0:
                 x_sur = x
                 qx = _BOUNDARY.quantize(x, p.scale["x"], p.zp["x"], p.bits["x"], "input")
             elif drop > 0:
@@ -154,7 +162,9 @@ def qat_forward(module, x: torch.Tensor, hx: torch.Tensor,
                                                      p.bits["x"]) for e, q in enumerate(prev_q)], dim=-1)
             if d == 1:  # the reverse direction runs on sequences reversed within their lengths
                 x_sur, qx = reverse_within_lengths(x_sur, lengths), reverse_within_lengths(qx, lengths)
-            o, h, q_out = _direction(p, S, module._weights(layer, d), x_sur, qx, hx[layer * D + d], lengths)
+                if level is not None:
+                    level = reverse_within_lengths(level, lengths)
+            o, h, q_out = _direction(p, S, module._weights(layer, d), x_sur, qx, hx[layer * D + d], lengths, level)
             if d == 1:
                 o, q_out = reverse_within_lengths(o, lengths), reverse_within_lengths(q_out, lengths)
             outs_sur.append(o)

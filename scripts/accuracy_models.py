@@ -10,9 +10,11 @@ evaluated on held-out data: output SQNR (dB) against the float model for torch's
 and qgru's configs, every GRU swapped (qgru.prepare_model + calibrate + convert, as quantize_model).
 Two more rows: the drift stand-in of issue 31 (drift_case: a forecaster calibrated on the early part
 of series whose amplitude grows, evaluated on the late part, test inputs 1.75x and 2.1x the
-calibration range here). docs/accuracy.md holds the table.
+calibration range here). Column "x levels": w8a8 with x.dynamic and h_gemm.dynamic (docs/spec.md
+section 4b; run on the reference backend until the native backends run it). docs/accuracy.md holds the table.
 
-    python scripts/accuracy_models.py                  # docs/accuracy.md's table (~3 min on 2 cores)
+    python scripts/accuracy_models.py --backend reference --study   # docs/accuracy.md's table (~10 min)
+    python scripts/accuracy_models.py                  # without the Wx-headroom study columns
     python scripts/accuracy_models.py --only darts     # models whose name contains "darts"
     python scripts/accuracy_models.py --seed 1         # every model trained from another seed
     python scripts/accuracy_models.py --compare NAME   # + qgru.compare of the default w8a8 on model NAME
@@ -20,6 +22,7 @@ calibration range here). docs/accuracy.md holds the table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import platform
 import time
@@ -30,21 +33,33 @@ import torch
 from torch import nn
 
 import qgru
+from qgru.backends import forced_backend_name
 from qgru.native import cpu_model_name
 from qgru.demo import dynamic_quant
 from qgru.module import QuantGRU
 
 NEAREST = {"weight_rounding": "nearest"}
 # x in 16 bits over 4x its calibrated range (issue 31: inputs beyond the calibration range; W.x int8 x int16)
-X16 = {"tensors": {"x": {"bits": 16, "symmetric": False, "headroom": 4.0}}}
+X16 = {"tensors": {"x": {"bits": 16, "symmetric": False, "headroom": 4.0, "dynamic": False}}}
+# x levels and state-derived GEMM operands (issue 31, docs/spec.md section 4b): each token of the
+# first layer's x on the first of 13 grids (calibrated range x 2^(e/4), e = 0..12) that holds it
+DYN = {"tensors": {"x": {"dynamic": True}, "h_gemm": {"dynamic": True}}}
+STATIC = {"tensors": {"x": {"dynamic": False}, "h_gemm": {"dynamic": False}}}  # one calibrated grid each
 # w8a8 before 2026-11-25: an 8-bit state that R.h reads directly (no h_gemm)
 STATE8 = {"tensors": {"h": {"bits": 8, "headroom": 1.0}, "h_gemm": None}}
 COLUMNS = [  # (column, config, overrides)
-    ("w8a8 default", "w8a8", {}),  # 8-bit x, 16-bit state, 8-bit h_gemm, multiplier, mse, gptq
+    ("w8a8 static", "w8a8", STATIC),  # 8-bit x on one grid, 16-bit state, 8-bit h_gemm, multiplier, mse, gptq
+    ("w8a8 x levels", "w8a8", DYN),  # x.dynamic + h_gemm.dynamic
     ("w8a8 16-bit x (headroom 4)", "w8a8", X16),  # for inputs beyond the calibration range
     ("w8a8 pow2", "w8a8", {"scale_mode": "pow2"}),  # the other scale mode
     ("w8a8 8-bit state (before)", "w8a8", STATE8),  # the default before h_gemm
     ("w8a16 default", "w8a16", {}),
+]
+# --study: x levels with W.x's grid widened (W.x grows with x: Wx has headroom 1.5 in w8a8)
+STUDY = [
+    (f"w8a8 x levels, Wx headroom {h}", "w8a8",
+     {"tensors": {**DYN["tensors"], "Wx": {"headroom": h}}})
+    for h in (2.0, 3.0)
 ]
 
 
@@ -487,19 +502,23 @@ def outputs(case: Case, model) -> torch.Tensor:
         return torch.cat([case.run(model, x).reshape(-1) for x in case.test])
 
 
-def evaluate(case: Case, compare: bool = False):
+def evaluate(case: Case, compare: bool = False, columns=None):
     ref = outputs(case, case.model)
     row = {}
     dq, why = dynamic_quant(case.model)
     row["torch dynamic-quant"] = sqnr_db(ref, outputs(case, dq)) if dq is not None else math.nan
     models = {}
-    for col, cfg, over in COLUMNS:
-        q = quantize(case, qgru.QuantConfig.load(cfg, overrides=over))
-        models[col] = q
-        row[col] = sqnr_db(ref, outputs(case, q))
+    for col, cfg, over in columns or COLUMNS:
+        config = qgru.QuantConfig.load(cfg, overrides=over)
+        # x levels run on the reference backend until the native backends run them (the same integers)
+        levels = config["x"].dynamic and forced_backend_name() is None
+        with qgru.backend("reference") if levels else contextlib.nullcontext():
+            q = quantize(case, config)
+            models[col] = q
+            row[col] = sqnr_db(ref, outputs(case, q))
     if compare:
-        print(f"\nqgru.compare, {case.name}, w8a8 default:")
-        _compare(case, models["w8a8 default"])
+        print(f"\nqgru.compare, {case.name}, w8a8 static:")
+        _compare(case, models["w8a8 static"])
     return row
 
 
@@ -514,30 +533,37 @@ def main(argv=None) -> None:
     ap.add_argument("--compare", default="", help="print qgru.compare of the default w8a8 for the models "
                                                   "whose name contains this")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--backend", default="", help="force a qgru backend (reference: the golden model, which "
+                                                  "runs x levels before the native backends do)")
+    ap.add_argument("--study", action="store_true", help="the x-levels study's columns (docs/accuracy.md): "
+                                                         "x levels with Wx headroom 2 and 3")
     ap.add_argument("--seed", type=int, default=0, help="offset of every model's seed (0: docs/accuracy.md's table)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    columns = COLUMNS + (STUDY if args.study else [])
     t0 = time.perf_counter()
     default = qgru.QuantConfig.load("w8a8")
     print(f"default w8a8: scale_mode {default.scale_mode}, observer {default.observer.kind}")
     rows = []
-    for case in cases(args.only, args.seed):
-        t = time.perf_counter()
-        row = evaluate(case, bool(args.compare) and args.compare.lower() in case.name.lower())
-        rows.append((case.name, row))
-        print(f"  {case.name}: {time.perf_counter() - t:.1f} s", flush=True)
-    cols = ["torch dynamic-quant"] + [c for c, _, _ in COLUMNS]
+    with (qgru.backend(args.backend) if args.backend else contextlib.nullcontext()):
+        for case in cases(args.only, args.seed):
+            t = time.perf_counter()
+            row = evaluate(case, bool(args.compare) and args.compare.lower() in case.name.lower(), columns)
+            rows.append((case.name, row))
+            print(f"  {case.name}: {time.perf_counter() - t:.1f} s", flush=True)
+    cols = ["torch dynamic-quant"] + [c for c, _, _ in columns]
     print(f"\noutput SQNR vs float (dB); torch {torch.__version__}, {platform.machine()} {cpu_model_name()}, "
-          f"{torch.get_num_threads()} thread(s); {time.perf_counter() - t0:.0f} s in all\n")
-    print("| model | " + " | ".join(cols) + " | w8a8 >= dyn-1 | 16-bit x >= dyn-1 | w8a16 >= dyn |")
-    print("|---|" + "---:|" * len(cols) + "---|---|---|")
+          f"{torch.get_num_threads()} thread(s), {args.backend or 'default'} backend; "
+          f"{time.perf_counter() - t0:.0f} s in all\n")
+    checks = [("static >= dyn-1", "w8a8 static", -1), ("x levels >= dyn-1", "w8a8 x levels", -1),
+              ("16-bit x >= dyn-1", "w8a8 16-bit x (headroom 4)", -1), ("w8a16 >= dyn", "w8a16 default", 0)]
+    print("| model | " + " | ".join(cols) + " | " + " | ".join(c for c, _, _ in checks) + " |")
+    print("|---|" + "---:|" * len(cols) + "---|" * len(checks))
     for name, row in rows:
         dyn = row["torch dynamic-quant"]
-        ok8 = "yes" if row["w8a8 default"] >= dyn - 1 else "NO"
-        ok16x = "yes" if row["w8a8 16-bit x (headroom 4)"] >= dyn - 1 else "NO"
-        ok16 = "yes" if row["w8a16 default"] >= dyn else "NO"
-        print(f"| {name} | " + " | ".join(f"{row[c]:.1f}" for c in cols) + f" | {ok8} | {ok16x} | {ok16} |")
+        ok = ["yes" if row[col] >= dyn + margin else "NO" for _, col, margin in checks]
+        print(f"| {name} | " + " | ".join(f"{row[c]:.1f}" for c in cols) + " | " + " | ".join(ok) + " |")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,12 @@ CASES = {  # id: (config, scale_mode, input, hidden, num_layers, bidirectional, 
     "hg12_6-multiplier-l1": ("hg12_6", "multiplier", 9, 7, 2, False, 1, 0),
     "hg12_6-pow2-rev": ("hg12_6", "pow2", 5, 4, 1, True, 0, 1),
     "hg16_12-multiplier": ("hg16_12", "multiplier", 8, 6, 1, False, 0, 0),
+    # x levels and state-derived GEMM operands (docs/spec.md section 4b): layer 0 is refused (its
+    # grid is chosen per token from float x), the layers above have static grids and export
+    "dyn-multiplier-l1-rev": ("dyn", "multiplier", 6, 5, 2, True, 1, 1),
+    "dyn-pow2-l1": ("dyn", "pow2", 4, 6, 2, False, 1, 0),
 }
+DYN = {"x": {"dynamic": True}, "h_gemm": {"dynamic": True}}
 
 HARNESS = r"""
 #include <stdio.h>
@@ -111,6 +116,8 @@ def converted(case: str) -> qgru.QuantParams:
         cfg = qgru.QuantConfig.load("w8a8", overrides={**CUSTOM, "scale_mode": mode})
     elif config in H_GEMM:
         cfg = qgru.QuantConfig.load("w8a8", overrides={"tensors": H_GEMM[config], "scale_mode": mode})
+    elif config == "dyn":
+        cfg = qgru.QuantConfig.load("w8a8", overrides={"tensors": DYN, "scale_mode": mode})
     else:
         cfg = qgru.QuantConfig.load(config, overrides={"scale_mode": mode})
     torch.manual_seed(len(case))
@@ -355,6 +362,26 @@ def test_bad_arguments(tmp_path):
         params.to_c(tmp_path / "gru", prefix="my-gru")
     h, _ = params.to_c(tmp_path / "2nd layer")
     assert "void qgru_2nd_layer_run(" in h.read_text()
+
+
+def test_a_layer_with_x_levels_is_refused_naming_the_static_override(tmp_path):
+    """The C code takes integer x on one grid: x levels (chosen per token from float x) cannot be
+    exported; the error names the override, and the model converted with it exports."""
+    params = converted("dyn-multiplier-l1-rev")
+    assert params.layers[0][1].x_levels is not None and params.layers[1][0].x_levels is None
+    for d in (0, 1):
+        with pytest.raises(ValueError, match=r'layer has x levels .* overrides=\{"tensors": \{"x": \{"dynamic": False\}\}\}'):
+            params.to_c(tmp_path / "gru", layer=0, direction=d)
+    assert not (tmp_path / "gru.c").exists()
+    torch.manual_seed(0)
+    gru = torch.nn.GRU(6, 5)
+    cfg = qgru.QuantConfig.load("w8a8", overrides={"tensors": {**DYN, "x": {"dynamic": False}}})
+    m = qgru.prepare_model(gru, cfg)
+    qgru.calibrate(m, [torch.randn(6, 3, 6)], progress=False)
+    static = m.convert().export()
+    assert static.layers[0][0].x_levels is None
+    h, _ = static.to_c(tmp_path / "gru")
+    assert "void gru_run(" in h.read_text()
 
 
 def test_a_stem_that_cannot_be_written_into_c_is_refused(tmp_path):

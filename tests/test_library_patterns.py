@@ -527,9 +527,18 @@ def test_quantized_state_dict_holds_tensors_only():
     assert sd["encoder._extra_state"].dtype == torch.uint8 and sd["encoder._extra_state"].dim() == 1
 
 
-@pytest.mark.parametrize("config", ["w8a8", "w8a16"])
+@pytest.mark.parametrize("config", ["w8a8", "w8a16", "w8a8-levels"])
 def test_quantized_state_dict_round_trips_through_safetensors(tmp_path, config):
     st = pytest.importorskip("safetensors.torch")
+    if config == "w8a8-levels":  # x levels (docs/spec.md section 4b), run by the reference backend
+        config = qgru.QuantConfig.load("w8a8", overrides={"tensors": {"x": {"dynamic": True},
+                                                                      "h_gemm": {"dynamic": True}}})
+        with qgru.backend("reference"):
+            return _safetensors_round_trip(tmp_path, config, st)
+    _safetensors_round_trip(tmp_path, config, st)
+
+
+def _safetensors_round_trip(tmp_path, config, st):
     torch.manual_seed(6)
     model = Seq2Seq().eval()
     q = qgru.quantize_model(model, _s2s_batches(), config=config, progress=False)
@@ -538,6 +547,8 @@ def test_quantized_state_dict_round_trips_through_safetensors(tmp_path, config):
     fresh = qgru.prepare_model(Seq2Seq())
     fresh.load_state_dict(st.load_file(str(path)))
     assert fresh.encoder.is_converted and fresh.decoder.qconfig.to_dict() == q.decoder.qconfig.to_dict()
+    if q.encoder.qconfig["x"].dynamic:
+        assert torch.equal(fresh.encoder._qparams[0][0].x_levels.b_x, q.encoder._qparams[0][0].x_levels.b_x)
     _assert_same_state(fresh.state_dict(), q.state_dict())
     for x, lengths in _s2s_batches(2, seed=1):
         with torch.no_grad():

@@ -25,12 +25,15 @@ torch.set_num_threads(1)
 
 def config(name: str, mode: str) -> qgru.QuantConfig:
     """A shipped config in a scale mode; "w2a8" is w8a8 with 2-bit weights (scripts/qat.py's);
-    "w8a16g8" is w8a16 whose R.h GEMM reads an 8-bit operand h_gemm (the state keeps 16 bits)."""
+    "w8a16g8" is w8a16 whose R.h GEMM reads an 8-bit operand h_gemm (the state keeps 16 bits);
+    "w8a8dyn" is w8a8 with x levels and dynamic h_gemm (x.dynamic, h_gemm.dynamic)."""
     over = {"scale_mode": mode}
     if name == "w2a8":
         name, over["tensors"] = "w8a8", {"W": {"bits": 2}, "R": {"bits": 2}}
     if name == "w8a16g8":
         name, over["tensors"] = "w8a16", {"h_gemm": {"bits": 8}}
+    if name == "w8a8dyn":  # x levels and state-derived GEMM operands (docs/spec.md section 4b)
+        name, over["tensors"] = "w8a8", {"x": {"dynamic": True}, "h_gemm": {"dynamic": True}}
     return qgru.QuantConfig.load(name, overrides=over)
 
 
@@ -58,7 +61,7 @@ def cases(draw):
     return dict(T=draw(st.integers(1, 6)), N=draw(st.integers(1, 4)), I=draw(st.integers(1, 6)),
                 H=draw(st.integers(1, 6)), L=draw(st.integers(1, 2)), bidirectional=draw(st.booleans()),
                 bias=draw(st.booleans()), form=draw(st.sampled_from(["time", "batch_first", "packed", "unbatched"])),
-                h0=draw(st.booleans()), cfg=draw(st.sampled_from(["w8a8", "w8a16", "w2a8", "w8a16g8"])),
+                h0=draw(st.booleans()), cfg=draw(st.sampled_from(["w8a8", "w8a16", "w2a8", "w8a16g8", "w8a8dyn"])),
                 mode=draw(st.sampled_from(["pow2", "multiplier"])), seed=draw(st.integers(0, 2 ** 16)),
                 dtype=draw(st.sampled_from([torch.float32, torch.float64])))
 
@@ -68,7 +71,7 @@ def cases(draw):
 def test_converted_equals_qat_forward(c):
     """The bound is 0: the QAT model's (eval) forward and the converted model's outputs are equal,
     also after the weights moved away from the ones calibrated with, and on inputs 3x beyond the
-    calibrated range (saturation everywhere)."""
+    calibrated range (saturation everywhere; with x levels, 3x lands on a wider level)."""
     gen = torch.Generator().manual_seed(c["seed"])
     torch.manual_seed(c["seed"])
     form = c["form"]
