@@ -11,6 +11,15 @@ float32 activations into float32 accumulators.
   owns BLOCK_H hidden units of one batch row, computes their three rows of R.h (dequantizing R
   in registers), adds gi = W.x + b_ih and b_hh, applies the gates and writes h_t and the output
   (t >= length: the state is kept and the output is 0, for PackedSequence input).
+* ``fused_gru_direction``: the whole time loop of one layer direction in ONE launch. Program p owns
+  a block of batch rows and every hidden unit of them, so a step depends only on what the program
+  wrote itself and no grid-wide barrier is needed (none would run under the interpreter, which
+  runs the programs one after another). The state goes through a global scratch [2, B, H]
+  (double-buffered, a tl.debug_barrier between the steps); R's packed codes are read and
+  dequantized in registers every step (they stay in L2). B < 16: one batch row per program, each
+  word's codes multiplied and summed in registers; B >= 16: 16 rows per program and tl.dot (16-bit
+  modules: the float32 state split into two float16 or three bfloat16 parts, so the tensor-core
+  products stay exact; float32: input_precision "ieee"). GPU speed NOT yet measured.
 
 Triton is optional (``pip install qgru[triton]``) and imported only when this module is. The
 kernels run on CUDA; with ``TRITON_INTERPRET=1`` set before this module is imported they run on
@@ -180,10 +189,10 @@ if triton is not None:
                     acc_r = tl.zeros((BLOCK_B, BLOCK_H), dtype=tl.float32)
                     acc_z = tl.zeros((BLOCK_B, BLOCK_H), dtype=tl.float32)
                     acc_n = tl.zeros((BLOCK_B, BLOCK_H), dtype=tl.float32)
-                else:  # one row (BLOCK_B == 1): products summed per element, reduced once per tile
-                    acc_r = tl.zeros((KW, PER, BLOCK_H), dtype=tl.float32)
-                    acc_z = tl.zeros((KW, PER, BLOCK_H), dtype=tl.float32)
-                    acc_n = tl.zeros((KW, PER, BLOCK_H), dtype=tl.float32)
+                else:  # one row (BLOCK_B == 1): the codes of a word summed in registers, word rows once per tile
+                    acc_r = tl.zeros((KW, BLOCK_H), dtype=tl.float32)
+                    acc_z = tl.zeros((KW, BLOCK_H), dtype=tl.float32)
+                    acc_n = tl.zeros((KW, BLOCK_H), dtype=tl.float32)
                 for k0 in range(0, H, BLOCK_K):
                     kw = k0 // PER + tl.arange(0, KW)  # [KW] word rows
                     rk = (k0 + tl.arange(0, KW)[:, None] * PER + tl.arange(0, PER)[None, :])  # [KW, PER] inputs
@@ -258,17 +267,17 @@ if triton is not None:
                                 acc_n = acc
                         else:
                             if gate == 0:
-                                acc_r += hk * w
+                                acc_r += tl.sum(hk * w, axis=1)
                             elif gate == 1:
-                                acc_z += hk * w
+                                acc_z += tl.sum(hk * w, axis=1)
                             else:
-                                acc_n += hk * w
+                                acc_n += tl.sum(hk * w, axis=1)
                 if DOT:
                     ar, az, an = acc_r, acc_z, acc_n  # [BLOCK_B, BLOCK_H]
                 else:
-                    ar = tl.sum(tl.sum(acc_r, axis=1), axis=0)[None, :]  # [1, BLOCK_H]
-                    az = tl.sum(tl.sum(acc_z, axis=1), axis=0)[None, :]
-                    an = tl.sum(tl.sum(acc_n, axis=1), axis=0)[None, :]
+                    ar = tl.sum(acc_r, axis=0)[None, :]  # [1, BLOCK_H]
+                    az = tl.sum(acc_z, axis=0)[None, :]
+                    an = tl.sum(acc_n, axis=0)[None, :]
                 if HAS_BIAS:
                     ar += tl.load(bhh_ptr + rj, mask=j_ok, other=0.0)[None, :]
                     az += tl.load(bhh_ptr + H + rj, mask=j_ok, other=0.0)[None, :]
@@ -364,14 +373,21 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def fused_blocks(H: int, B: int, bits: int) -> dict:
-    """The fused kernel's launch shape: B < FUSED_DOT_BATCH: one batch row per program, products
-    summed elementwise and reduced once per tile; else FUSED_DOT_BATCH rows per program and tl.dot."""
+def fused_blocks(H: int, B: int, bits: int, group: int, dtype: torch.dtype) -> dict:
+    """The fused kernel's launch shape. B < FUSED_DOT_BATCH: one batch row per program (the
+    elementwise form); else FUSED_DOT_BATCH rows per program and tl.dot. BLOCK_K divides the group
+    size where it can (one scale and zero point per column and tile: the ONE_GROUP form).
+    Chosen from the compiled kernel's register counts (triton 3.9, sm_90, no spills), NOT tuned
+    on a GPU."""
     per = 32 // bits
-    if B >= FUSED_DOT_BATCH:
-        return dict(BLOCK_B=FUSED_DOT_BATCH, BLOCK_H=64, BLOCK_K=max(32, per), num_warps=4)
-    return dict(BLOCK_B=1, BLOCK_H=max(16, min(128, _pow2(H))), BLOCK_K=max(per, min(64, _pow2(H))),
-                num_warps=8 if H >= 256 else 4)
+    dot = B >= FUSED_DOT_BATCH
+    lo = max(per, 16) if dot else per
+    bk = max(lo, min((16 if dtype == torch.float32 else 32) if dot else 64, _pow2(H)))
+    while bk > lo and group % bk:
+        bk //= 2
+    if dot:
+        return dict(BLOCK_B=FUSED_DOT_BATCH, BLOCK_H=32 if dtype == torch.float32 else 64, BLOCK_K=bk, num_warps=4)
+    return dict(BLOCK_B=1, BLOCK_H=max(16, min(128, _pow2(H))), BLOCK_K=bk, num_warps=8 if H >= 256 else 4)
 
 
 def fused_gru_direction(gi: torch.Tensor, h0: torch.Tensor, R: PackedWeight, b_hh: Optional[torch.Tensor],
@@ -385,7 +401,7 @@ def fused_gru_direction(gi: torch.Tensor, h0: torch.Tensor, R: PackedWeight, b_h
     T, B, _ = gi.shape
     H = R.K
     dev = gi.device
-    cfg = fused_blocks(H, B, R.bits)
+    cfg = fused_blocks(H, B, R.bits, R.group, dtype)
     for k, v in (("BLOCK_B", BLOCK_B), ("BLOCK_H", BLOCK_H), ("BLOCK_K", BLOCK_K), ("num_warps", num_warps)):
         if v is not None:
             cfg[k] = v
@@ -460,11 +476,11 @@ class GraphedForward:
         self._graphs.clear()
 
     def __call__(self, layers, x: torch.Tensor, hx: Optional[torch.Tensor], dtype: torch.dtype,
-                 lengths: Optional[torch.Tensor] = None):
+                 lengths: Optional[torch.Tensor] = None, kernel: str = "auto"):
         _need()
         if not x.is_cuda:
             raise WeightOnlyError("GraphedForward: CUDA tensors only")
-        key = (tuple(x.shape), x.dtype, hx is not None, lengths is not None, dtype)
+        key = (tuple(x.shape), x.dtype, hx is not None, lengths is not None, dtype, kernel)
         entry = self._graphs.get(key)
         if entry is None:
             static = {"x": x.clone(), "hx": None if hx is None else hx.clone(),
@@ -472,11 +488,11 @@ class GraphedForward:
             side = torch.cuda.Stream(device=x.device)
             side.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(side):  # compile the kernels and warm the allocator outside the capture
-                gru_forward(layers, static["x"], static["hx"], dtype, static["len"])
+                gru_forward(layers, static["x"], static["hx"], dtype, static["len"], kernel)
             torch.cuda.current_stream(x.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = gru_forward(layers, static["x"], static["hx"], dtype, static["len"])
+                out = gru_forward(layers, static["x"], static["hx"], dtype, static["len"], kernel)
             entry = self._graphs[key] = (graph, static, out)
         graph, static, out = entry
         static["x"].copy_(x)
