@@ -375,19 +375,22 @@ def _pow2(n: int) -> int:
 
 def fused_blocks(H: int, B: int, bits: int, group: int, dtype: torch.dtype) -> dict:
     """The fused kernel's launch shape. B < FUSED_DOT_BATCH: one batch row per program (the
-    elementwise form); else FUSED_DOT_BATCH rows per program and tl.dot. BLOCK_K divides the group
+    elementwise form), BLOCK_H = 32 * num_warps hidden units (up to 512 and 16 warps), so each
+    thread owns one column and sums its products in registers (compiled for sm_90 with triton 3.9:
+    128 registers, no spills, no shared memory); B >= FUSED_DOT_BATCH: 16 rows per program and
+    tl.dot (fp16 / bf16: 64 x 32 tiles, float32: 32 x 16; no spills). BLOCK_K divides the group
     size where it can (one scale and zero point per column and tile: the ONE_GROUP form).
-    Chosen from the compiled kernel's register counts (triton 3.9, sm_90, no spills), NOT tuned
-    on a GPU."""
+    NOT yet tuned on a GPU (scripts/weight_only.py --only-gpu --gpu-sweep compares shapes)."""
     per = 32 // bits
     dot = B >= FUSED_DOT_BATCH
     lo = max(per, 16) if dot else per
-    bk = max(lo, min((16 if dtype == torch.float32 else 32) if dot else 64, _pow2(H)))
+    bk = max(lo, min((16 if dtype == torch.float32 else 32) if dot else 32, _pow2(H)))
     while bk > lo and group % bk:
         bk //= 2
     if dot:
         return dict(BLOCK_B=FUSED_DOT_BATCH, BLOCK_H=32 if dtype == torch.float32 else 64, BLOCK_K=bk, num_warps=4)
-    return dict(BLOCK_B=1, BLOCK_H=max(16, min(128, _pow2(H))), BLOCK_K=bk, num_warps=8 if H >= 256 else 4)
+    bh = max(16, min(512, _pow2(H)))
+    return dict(BLOCK_B=1, BLOCK_H=bh, BLOCK_K=bk, num_warps=max(1, min(16, bh // 32)))
 
 
 def fused_gru_direction(gi: torch.Tensor, h0: torch.Tensor, R: PackedWeight, b_hh: Optional[torch.Tensor],
@@ -430,10 +433,11 @@ def fused_gru_direction(gi: torch.Tensor, h0: torch.Tensor, R: PackedWeight, b_h
 
 def gru_forward(layers: Sequence[Sequence[WOLayer]], x: torch.Tensor, hx: Optional[torch.Tensor],
                 dtype: torch.dtype, lengths: Optional[torch.Tensor] = None,
-                kernel: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
+                kernel: str = "auto", blocks: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The weight-only GRU on x [T, B, I] (time-major) with Triton: W.x for the whole sequence,
     then the recurrence: ``kernel`` "fused" (one launch per layer direction), "step" (one launch
-    per time step) or "auto" (choose_kernel). Returns (output [T, B, D*H], h_n) in float32."""
+    per time step) or "auto" (choose_kernel); ``blocks`` overrides fused_blocks() (BLOCK_B,
+    BLOCK_H, BLOCK_K, num_warps) for the fused kernel. Returns (output [T, B, D*H], h_n) in float32."""
     _need()
     T, B, _ = x.shape
     D = len(layers[0])
@@ -453,8 +457,10 @@ def gru_forward(layers: Sequence[Sequence[WOLayer]], x: torch.Tensor, hx: Option
             b_hh = p.b_hh.to(dtype).to(torch.float32) if p.b_hh is not None else None
             h0 = hx[li * D + d].to(dtype).to(torch.float32) if hx is not None else \
                 torch.zeros(B, H, dtype=torch.float32, device=x.device)
-            run = fused_gru_direction if kind == "fused" else gru_direction
-            o, h = run(gi, h0, p.R, b_hh, lengths, d == 1, dtype)
+            if kind == "fused":
+                o, h = fused_gru_direction(gi, h0, p.R, b_hh, lengths, d == 1, dtype, **(blocks or {}))
+            else:
+                o, h = gru_direction(gi, h0, p.R, b_hh, lengths, d == 1, dtype)
             outs.append(o)
             h_n.append(h)
         inp = outs[0] if D == 1 else torch.cat(outs, -1)

@@ -417,13 +417,7 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # slow (about 0.1 s per program and step here): the last two run one dtype each.
 cases = [(16, 1, "w4g32", {}, (F32, F16, BF16)), (40, 3, "w8g32", {}, (F32, F16, BF16)),
          (16, 17, "w2g32s", {}, (F32, F16, BF16)), (40, 17, "w8pc", {}, (F16,)), (40, 1, "w4g32", {"BLOCK_H": 16}, (BF16,))]
-blocks = {}
-real = wo_triton.fused_gru_direction
-def fused(*a, **k):
-    return real(*a, **{**k, **blocks})
-wo_triton.fused_gru_direction = fused  # gru_forward looks it up at each call
 for i, (H, B, name, blk, dtypes) in enumerate(cases):
-    blocks.clear(); blocks.update(blk)
     m = WeightOnlyGRU.from_float(t._float_gru(I=12, H=H, L=2, bidir=True, seed=i),
                                  wo.WeightOnlyConfig.load(name, weight_rounding="nearest"))
     L = m.layers()
@@ -434,7 +428,7 @@ for i, (H, B, name, blk, dtypes) in enumerate(cases):
     for dtype in dtypes:
         key = f"H={H} B={B} {name} {blk} {str(dtype)[6:]}"
         xd, hd = x.to(dtype), h0.to(dtype)
-        out, h = wo_triton.gru_forward(L, xd, hd, dtype, lengths, kernel="fused")
+        out, h = wo_triton.gru_forward(L, xd, hd, dtype, lengths, kernel="fused", blocks=blk)
         gout, gh = wo.golden_forward(L, xd.double(), hd.double(), lengths, dtype)
         assert out.dtype == torch.float32 and out.shape == gout.shape and h.shape == gh.shape
         res[key + " model"] = max(t._err(out, gout), t._err(h, gh))
