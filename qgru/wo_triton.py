@@ -172,7 +172,7 @@ if triton is not None:
         b_ok = rb < B
         lens = tl.load(len_ptr + rb, mask=b_ok, other=0)
         rb64 = rb.to(tl.int64)
-        sh = (tl.arange(0, PER) * BITS)[None, :, None]  # [1, PER, 1]: code i of a word at bit BITS * i
+        sh = (tl.arange(0, PER) * BITS).to(tl.uint32)[None, :, None]  # [1, PER, 1]: code i of a word at bit BITS * i
         for s in range(T):
             if REVERSE:
                 t = T - 1 - s
@@ -190,9 +190,9 @@ if triton is not None:
                     acc_z = tl.zeros((BLOCK_B, BLOCK_H), dtype=tl.float32)
                     acc_n = tl.zeros((BLOCK_B, BLOCK_H), dtype=tl.float32)
                 else:  # one row (BLOCK_B == 1): the codes of a word summed in registers, word rows once per tile
-                    acc_r = tl.zeros((KW, BLOCK_H), dtype=tl.float32)
-                    acc_z = tl.zeros((KW, BLOCK_H), dtype=tl.float32)
-                    acc_n = tl.zeros((KW, BLOCK_H), dtype=tl.float32)
+                    acc_r = tl.zeros((KW, PER, BLOCK_H), dtype=tl.float32)
+                    acc_z = tl.zeros((KW, PER, BLOCK_H), dtype=tl.float32)
+                    acc_n = tl.zeros((KW, PER, BLOCK_H), dtype=tl.float32)
                 for k0 in range(0, H, BLOCK_K):
                     kw = k0 // PER + tl.arange(0, KW)  # [KW] word rows
                     rk = (k0 + tl.arange(0, KW)[:, None] * PER + tl.arange(0, PER)[None, :])  # [KW, PER] inputs
@@ -220,7 +220,8 @@ if triton is not None:
                     for gate in tl.static_range(3):
                         col = gate * H + rj  # [BLOCK_H]
                         words = tl.load(codes_ptr + kw[:, None, None] * N + col[None, None, :], mask=wmask, other=0)
-                        q = (words >> sh) & MASK  # [KW, PER, BLOCK_H]
+                        # logical shift, then mask and the exponent bits of 2^23 in one logic op
+                        q = (words.to(tl.uint32, bitcast=True) >> sh) & MASK  # [KW, PER, BLOCK_H]
                         qm = (q | MAGIC).to(tl.float32, bitcast=True)  # 2^23 + q
                         if ONE_GROUP:  # the tile lies in one group: one scale and zero point per column
                             g = k0 // group
@@ -267,17 +268,17 @@ if triton is not None:
                                 acc_n = acc
                         else:
                             if gate == 0:
-                                acc_r += tl.sum(hk * w, axis=1)
+                                acc_r += hk * w
                             elif gate == 1:
-                                acc_z += tl.sum(hk * w, axis=1)
+                                acc_z += hk * w
                             else:
-                                acc_n += tl.sum(hk * w, axis=1)
+                                acc_n += hk * w
                 if DOT:
                     ar, az, an = acc_r, acc_z, acc_n  # [BLOCK_B, BLOCK_H]
                 else:
-                    ar = tl.sum(acc_r, axis=0)[None, :]  # [1, BLOCK_H]
-                    az = tl.sum(acc_z, axis=0)[None, :]
-                    an = tl.sum(acc_n, axis=0)[None, :]
+                    ar = tl.sum(tl.sum(acc_r, axis=1), axis=0)[None, :]  # [1, BLOCK_H]
+                    az = tl.sum(tl.sum(acc_z, axis=1), axis=0)[None, :]
+                    an = tl.sum(tl.sum(acc_n, axis=1), axis=0)[None, :]
                 if HAS_BIAS:
                     ar += tl.load(bhh_ptr + rj, mask=j_ok, other=0.0)[None, :]
                     az += tl.load(bhh_ptr + H + rj, mask=j_ok, other=0.0)[None, :]
@@ -375,9 +376,10 @@ def _pow2(n: int) -> int:
 
 def fused_blocks(H: int, B: int, bits: int, group: int, dtype: torch.dtype) -> dict:
     """The fused kernel's launch shape. B < FUSED_DOT_BATCH: one batch row per program (the
-    elementwise form), BLOCK_H = 32 * num_warps hidden units (up to 512 and 16 warps), so each
-    thread owns one column and sums its products in registers (compiled for sm_90 with triton 3.9:
-    128 registers, no spills, no shared memory); B >= FUSED_DOT_BATCH: 16 rows per program and
+    elementwise form), BLOCK_H = 32 * num_warps hidden units (up to 256 and 8 warps), so each
+    thread owns one column and accumulates its products in registers (compiled for sm_90 with
+    triton 3.9: 174 registers, no spills, no shared memory, about 10 instructions per weight in
+    the inner loop); B >= FUSED_DOT_BATCH: 16 rows per program and
     tl.dot (fp16 / bf16: 64 x 32 tiles, float32: 32 x 16; no spills). BLOCK_K divides the group
     size where it can (one scale and zero point per column and tile: the ONE_GROUP form).
     NOT yet tuned on a GPU (scripts/weight_only.py --only-gpu --gpu-sweep compares shapes)."""
@@ -389,8 +391,8 @@ def fused_blocks(H: int, B: int, bits: int, group: int, dtype: torch.dtype) -> d
         bk //= 2
     if dot:
         return dict(BLOCK_B=FUSED_DOT_BATCH, BLOCK_H=32 if dtype == torch.float32 else 64, BLOCK_K=bk, num_warps=4)
-    bh = max(16, min(512, _pow2(H)))
-    return dict(BLOCK_B=1, BLOCK_H=bh, BLOCK_K=bk, num_warps=max(1, min(16, bh // 32)))
+    bh = max(16, min(256, _pow2(H)))
+    return dict(BLOCK_B=1, BLOCK_H=bh, BLOCK_K=bk, num_warps=max(1, min(8, bh // 32)))
 
 
 def fused_gru_direction(gi: torch.Tensor, h0: torch.Tensor, R: PackedWeight, b_hh: Optional[torch.Tensor],

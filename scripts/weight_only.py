@@ -243,9 +243,9 @@ GPU_HEADERS = ["shape", "cuDNN fp16 ms", "step ms", "vs cuDNN", "step graph ms",
                "fused graph ms", "vs cuDNN", "max diff", "auto path"]
 
 # fused kernel launch shapes tried by --gpu-sweep (qgru.wo_triton.fused_blocks gives the default)
-SWEEP_BLOCKS = ({"BLOCK_H": 512, "BLOCK_K": 32, "num_warps": 16}, {"BLOCK_H": 256, "BLOCK_K": 32, "num_warps": 8},
-                {"BLOCK_H": 128, "BLOCK_K": 32, "num_warps": 4}, {"BLOCK_H": 256, "BLOCK_K": 64, "num_warps": 8},
-                {"BLOCK_H": 128, "BLOCK_K": 64, "num_warps": 8}, {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 4})
+SWEEP_BLOCKS = ({"BLOCK_H": 256, "BLOCK_K": 32, "num_warps": 8}, {"BLOCK_H": 512, "BLOCK_K": 16, "num_warps": 16},
+                {"BLOCK_H": 128, "BLOCK_K": 32, "num_warps": 4}, {"BLOCK_H": 128, "BLOCK_K": 64, "num_warps": 8},
+                {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 4})
 
 
 def gpu_sweep_rows(repeats):
