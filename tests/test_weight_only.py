@@ -231,6 +231,18 @@ def test_backends_match_golden(backend, dtype, name):
     assert _err(out, gout) < TOL[dtype] and _err(h, gh) < TOL[dtype]
 
 
+def test_cpu_kernel_source_and_build_key(monkeypatch):
+    """The CPU kernel's C++ source is csrc/cpu/wo_kernel.cpp, and its build folder's name hashes
+    that file's text: an edit to the file builds anew instead of loading the old binary."""
+    from qgru import wo_cpu
+    from qgru.native.build import csrc_dir
+    text = (csrc_dir() / "cpu" / "wo_kernel.cpp").read_text()
+    assert wo_cpu.source() == text and "PYBIND11_MODULE" in text and "wo_gru_layer" in text
+    assert wo_cpu.build_dir() == wo_cpu.build_dir(text) != wo_cpu.build_dir(text + "// an edit\n")
+    monkeypatch.setattr(wo_cpu, "source", lambda: text.replace("wo_mm", "wo_mm2"))
+    assert wo_cpu.build_dir() != wo_cpu.build_dir(text)
+
+
 @pytest.mark.parametrize("backend", ["dequant", "native", "golden"])
 def test_dropin_surface(backend):
     """batch_first, unbatched, PackedSequence and h0 give what torch.nn.GRU gives on the same
