@@ -425,10 +425,11 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # (H, B, config, block sizes, dtypes): B 1 and 3 one row per program; B 17 two programs of the
 # tl.dot form, the second with one row. At H=40 the input tiles of 32 are 2, the second partial
 # (and in the second group); w8pc at B=17: per-element groups in the tl.dot form (40 is no
-# multiple of 16); BLOCK_H 16 at H=40: 3 hidden tiles, the last one partial. The interpreter is
+# multiple of 16); BLOCK_H 16 at H=40: 3 hidden tiles, the last one partial. Bits: 4 and 8 in
+# the row form, 2 in both. The interpreter is
 # slow (about 0.1 s per program and step here): the last two run one dtype each.
 cases = [(16, 1, "w4g32", {}, (F32, F16, BF16)), (40, 3, "w8g32", {}, (F32, F16, BF16)),
-         (16, 17, "w2g32s", {}, (F32, F16, BF16)), (40, 17, "w8pc", {}, (F16,)), (40, 1, "w4g32", {"BLOCK_H": 16}, (BF16,))]
+         (16, 17, "w2g32s", {}, (F32, F16, BF16)), (40, 17, "w8pc", {}, (F16,)), (40, 1, "w2g32", {"BLOCK_H": 16}, (BF16,))]
 for i, (H, B, name, blk, dtypes) in enumerate(cases):
     m = WeightOnlyGRU.from_float(t._float_gru(I=12, H=H, L=2, bidir=True, seed=i),
                                  wo.WeightOnlyConfig.load(name, weight_rounding="nearest"))
