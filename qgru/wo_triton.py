@@ -228,27 +228,7 @@ if triton is not None:
                         col = gate * H + rj  # [BLOCK_H]
                         words = tl.load(codes_ptr + kw[:, None, None] * N + col[None, None, :], mask=wmask, other=0)
                         u = words.to(tl.uint32, bitcast=True)
-                        if ROW_FAST:
-                            # no shift per code: code i is masked where it lies, at bit pos_i (the word
-                            # shifted down 16 once for the codes that end above bit 23), so the float
-                            # (2^23 | masked) is 2^23 + q * 2^pos_i, exactly; zp and the scale follow
-                            g = k0 // group
-                            zp = tl.load(zp_ptr + g * N + col, mask=j_ok, other=0).to(tl.float32)[None, None, :]
-                            sc = tl.load(scale_ptr + g * N + col, mask=j_ok, other=0.0)[None, None, :]
-                            # per word: the low 23 bits and the high 16, each under the exponent of 2^23;
-                            # per code: one AND with its mask (the exponent bits kept)
-                            src = tl.where(HI, (u >> 16) | MAGIC, (u & 0x7FFFFF) | MAGIC)  # [KW, PER, BLOCK_H]
-                            qm = (src & PMASK).to(tl.float32, bitcast=True)  # 2^23 + q * 2^pos
-                            # (2^23 + q 2^pos) - (2^23 + zp 2^pos) = (q - zp) 2^pos exactly, times
-                            # scale 2^-pos: the same single rounding as float32(q - zp) * scale
-                            w = (qm - (zp * P2 + 8388608.0)) * (sc * P2INV)
-                        else:
-                            # logical shift, then mask and the exponent bits of 2^23
-                            q = (u >> sh) & MASK  # [KW, PER, BLOCK_H]
-                            qm = (q | MAGIC).to(tl.float32, bitcast=True)  # 2^23 + q
-                        if ROW_FAST:
-                            pass
-                        elif ONE_GROUP:  # the tile lies in one group: one scale and zero point per column
+                        if ONE_GROUP:  # the tile lies in one group: one scale and zero point per column
                             g = k0 // group
                             zp = tl.load(zp_ptr + g * N + col, mask=j_ok, other=0).to(tl.float32)[None, None, :]
                             sc = tl.load(scale_ptr + g * N + col, mask=j_ok, other=0.0)[None, None, :]
@@ -257,7 +237,18 @@ if triton is not None:
                             m3 = k_ok[:, :, None] & j_ok[None, None, :]
                             zp = tl.load(zp_ptr + gk, mask=m3, other=0).to(tl.float32)
                             sc = tl.load(scale_ptr + gk, mask=m3, other=0.0)
-                        if not ROW_FAST:
+                        if ROW_FAST:
+                            # no shift per code: code i is masked where it lies, at bit pos_i of the low 23
+                            # bits or (codes that end above bit 23) of the word shifted down 16, each under
+                            # the exponent bits of 2^23, so the float is 2^23 + q 2^pos_i exactly; minus
+                            # 2^23 + zp 2^pos_i is (q - zp) 2^pos_i exactly, and times scale 2^-pos_i the
+                            # same single rounding as float32(q - zp) * scale
+                            src = tl.where(HI, (u >> 16) | MAGIC, (u & 0x7FFFFF) | MAGIC)  # [KW, PER, BLOCK_H]
+                            qm = (src & PMASK).to(tl.float32, bitcast=True)  # 2^23 + q 2^pos
+                            w = (qm - (zp * P2 + 8388608.0)) * (sc * P2INV)
+                        else:
+                            q = (u >> sh) & MASK  # [KW, PER, BLOCK_H]
+                            qm = (q | MAGIC).to(tl.float32, bitcast=True)  # 2^23 + q
                             # (2^23 + q) - (2^23 + zp) = q - zp exactly; times the scale: the stored float32 weight
                             w = (qm - (zp + 8388608.0)) * sc
                         if ROUND == 1:
