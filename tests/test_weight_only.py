@@ -476,6 +476,54 @@ def test_triton_fused_kernel_interpreted():
     assert not bad, bad
 
 
+def test_triton_fused_kernel_compiles_for_sm90():
+    """The interpreter does not compile: this compiles the fused kernel's default launch shapes
+    (H=512, w4g128; B=1 the row form, B=64 the tl.dot form; each dtype) for sm_90 with the
+    installed Triton (no GPU needed: triton.compile with a target) and checks what the GPU relies
+    on: the step barrier is there (bar.sync), the tl.dot form of float16 / bfloat16 modules runs on
+    the tensor cores (mma), and no registers spill to local memory (cuobjdump's STACK:0)."""
+    import importlib.util
+    import re
+    import subprocess
+    import tempfile
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install qgru[triton])")
+    import triton
+    from qgru import wo_triton
+    if wo_triton.INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1: the kernels are not compiled")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:
+        pytest.skip(f"this triton has no offline compiler API ({e})")
+    fn = wo_triton._gru_seq_kernel
+    sig = {"gi_ptr": "*fp32", "h_ptr": "*fp32", "codes_ptr": "*i32", "scale_ptr": "*fp32", "zp_ptr": "*u8",
+           "bhh_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": "*fp32", "T": "i32", "B": "i32", "H": "i32",
+           "group": "i32"}
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    for B in (1, 64):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            cfg = wo_triton.fused_blocks(512, B, 4, 128, dtype)
+            const = dict(REVERSE=True, HAS_BIAS=True, BITS=4, ROUND=wo_triton._ROUND[dtype], DOT=cfg["BLOCK_B"] != 1,
+                         DOT_IN_FP32=False, ONE_GROUP=128 % cfg["BLOCK_K"] == 0, BLOCK_B=cfg["BLOCK_B"],
+                         BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"])
+            src = ASTSource(fn, {**sig, **{k: "constexpr" for k in const}},
+                            {(fn.arg_names.index(k),): v for k, v in const.items()})
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]})
+            ptx = k.asm["ptx"]
+            assert "bar.sync" in ptx or "barrier.sync" in ptx, (B, dtype)
+            if B > 1 and dtype != torch.float32:
+                assert "mma" in ptx, (B, dtype)
+            if os.path.exists(cuobjdump) and "cubin" in k.asm:
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+                    fh.write(k.asm["cubin"])
+                    fh.flush()
+                    usage = subprocess.run([cuobjdump, "-res-usage", fh.name], capture_output=True, text=True).stdout
+                m = re.search(r"STACK:(\d+)", usage)
+                assert m and m.group(1) == "0", (B, dtype, usage[-300:])
+
+
 def test_triton_kernel_choice():
     """choose_kernel's rule and the module's triton_kernel attribute (no GPU needed)."""
     from qgru import wo_triton
