@@ -8,8 +8,11 @@ nn.GRU does. Which path runs a call (``last_path`` says which ran last):
 
 * ``native`` (CPU, float32, batch <= NATIVE_MAX_BATCH): qgru/wo_cpu.py's kernel
   multiplies the packed weights directly, unpacking them in registers; the time loop is in C++.
-* ``triton`` (CUDA, float16/bfloat16/float32): qgru/wo_triton.py's dequant-GEMM for W.x over
-  the whole sequence and its GEMV for R.h each step, fused with the gates.
+* ``triton-fused`` / ``triton-step`` (CUDA, float16/bfloat16/float32): qgru/wo_triton.py's
+  dequant-GEMM for W.x over the whole sequence, then the recurrence (R.h fused with the gates):
+  ``fused``, one launch per layer direction running the whole time loop, or ``step``, one launch
+  per time step. ``triton_kernel`` ("auto", "fused", "step") picks; "auto" is
+  qgru.wo_triton.choose_kernel.
 * ``dequant`` (any other call): the weights are dequantized once for the call into the module's
   dtype and torch's own GRU runs (the batched and PackedSequence calls, where a float GEMM over
   many rows outweighs reading the weights).
@@ -17,7 +20,8 @@ nn.GRU does. Which path runs a call (``last_path`` says which ran last):
 
 ``backend`` (constructor argument or attribute) is "auto" (the first of native / triton /
 dequant that applies), or one of "native", "triton", "dequant", "golden" (a call that the forced
-path cannot run raises WeightOnlyError instead of running another).
+path cannot run raises WeightOnlyError instead of running another); ``last_path`` names the
+Triton kernel too ("triton-fused" or "triton-step").
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from .weight_only import PackedWeight, WeightOnlyConfig, WeightOnlyError, WOLaye
 
 NATIVE_MAX_BATCH = 8
 BACKENDS = ("auto", "native", "triton", "dequant", "golden")
+TRITON_KERNELS = ("auto", "fused", "step")  # qgru.wo_triton.KERNELS
 _DIRS = ("fwd", "rev")
 _warned: set = set()
 
@@ -51,6 +56,7 @@ class WeightOnlyGRU(nn.Module):
         self.bias, self.batch_first, self.bidirectional = bool(bias), bool(batch_first), bool(bidirectional)
         self.config = WeightOnlyConfig.load(config)
         self.backend = backend
+        self.triton_kernel = "auto"  # the Triton path's recurrence: "auto", "fused" or "step"
         self.dtype = self.config.torch_dtype
         self.last_path: Optional[str] = None
         # CUDA only, opt-in: the Triton path replayed as a CUDA graph per input shape (qgru.wo_triton.
@@ -86,6 +92,16 @@ class WeightOnlyGRU(nn.Module):
         if b not in BACKENDS:
             raise WeightOnlyError(f"WeightOnlyGRU: backend must be one of {BACKENDS}, got {b!r}")
         self._backend = b
+
+    @property
+    def triton_kernel(self) -> str:
+        return self._triton_kernel
+
+    @triton_kernel.setter
+    def triton_kernel(self, k: str) -> None:
+        if k not in TRITON_KERNELS:
+            raise WeightOnlyError(f"WeightOnlyGRU: triton_kernel must be one of {TRITON_KERNELS}, got {k!r}")
+        self._triton_kernel = k
 
     def layers(self) -> List[List[WOLayer]]:
         """The stored parameters as qgru.weight_only.WOLayer rows (the buffers themselves). Cached;
@@ -265,12 +281,14 @@ class WeightOnlyGRU(nn.Module):
                 out, h_n = self._native_forward(xt, hx, lengths)
             else:
                 from . import wo_triton
+                kernel = wo_triton.choose_kernel(H, xt.shape[1], self.triton_kernel)
+                self.last_path = f"triton-{kernel}"
                 if self.cuda_graph:
                     if self._graphed is None:
                         self._graphed = wo_triton.GraphedForward()
-                    out, h_n = self._graphed(self.layers(), xt, hx, self.dtype, lengths)
+                    out, h_n = self._graphed(self.layers(), xt, hx, self.dtype, lengths, kernel)
                 else:
-                    out, h_n = wo_triton.gru_forward(self.layers(), xt, hx, self.dtype, lengths)
+                    out, h_n = wo_triton.gru_forward(self.layers(), xt, hx, self.dtype, lengths, kernel)
             out, h_n = out.to(out_dtype), h_n.to(out_dtype)
             if packed:
                 out = _repack(out, input)

@@ -13,13 +13,15 @@ where a GPU is present. Prints markdown tables (docs/weight_only.md holds a run'
    B=64 T=100 (one call), float nn.GRU vs qgru w8a8 (the cpu backend) vs weight-only; the models
    take turns call by call and each reports its median (robust to a shared machine's drift).
 4. GPU speed (only with CUDA; skipped here otherwise): cuDNN fp16 nn.GRU vs the weight-only
-   w4g128 float16 module (Triton kernels, launched per step and, cuda_graph=True, replayed as a
-   CUDA graph), B=1 and B=64, T=1000 and T=1 calls, hidden 512 / 1024.
+   w4g128 float16 module through Triton, each recurrent kernel (triton_kernel "step": one launch
+   per time step; "fused": one launch per layer direction) called plainly and, cuda_graph=True,
+   replayed as a CUDA graph; B=1 and B=64, T=1000 and T=1 calls, hidden 512 / 1024.
 
     python scripts/weight_only.py                 # everything this machine can run
     python scripts/weight_only.py --quick         # fewer repeats, smaller synthetic data
     python scripts/weight_only.py --skip-speed    # accuracy and bytes only
     python scripts/weight_only.py --only-speed --threads 1   # the speed tables, one thread
+    python scripts/weight_only.py --only-gpu --repeats 5 [--gpu-sweep]   # the GPU table (and launch shapes)
 """
 from __future__ import annotations
 
@@ -192,14 +194,66 @@ def cpu_speed_rows(repeats, I=256, H=512, T=100, B=64):
     return rows
 
 
-def gpu_speed_rows(repeats):
-    """cuDNN fp16 vs weight-only w4g128 float16 (Triton, launched per step and replayed as a CUDA
-    graph) on CUDA; [] without CUDA. A path that fails reports its error in its row."""
+GPU_VARIANTS = (("step", False), ("step", True), ("fused", False), ("fused", True))  # (triton_kernel, cuda_graph)
+
+
+def gpu_speed_rows(repeats, shapes=None):
+    """cuDNN fp16 vs weight-only w4g128 float16 through Triton, each recurrent kernel ("step": one
+    launch per time step, "fused": one launch per layer direction) called plainly and replayed as
+    a CUDA graph, on CUDA; [] without CUDA. Shapes: hidden 512 / 1024 (input = hidden), B 1 / 64,
+    T 1000 / 1. A path that fails reports its error in its cells; max diff is the largest
+    |w4g128 - cuDNN fp16| over the variants' outputs (the 4-bit weights' error, about 0.1)."""
     if not torch.cuda.is_available():
         return []
     from qgru import wo_triton
     if wo_triton.why_unavailable():
-        return [("(skipped)", wo_triton.why_unavailable(), "", "", "", "", "")]
+        return [("(skipped)", wo_triton.why_unavailable()) + ("",) * (2 * len(GPU_VARIANTS) + 1)]
+    rows = []
+    sync = torch.cuda.synchronize
+    shapes = shapes or [(H, B, T) for H in (512, 1024) for B in (1, 64) for T in (1000, 1)]
+    models = {}
+    for H, B, T in shapes:
+        if H not in models:
+            torch.manual_seed(0)
+            g = nn.GRU(H, H).eval()
+            m = WeightOnlyGRU.from_float(g, wo.WeightOnlyConfig.load("w4g128", weight_rounding="nearest")).cuda().half()
+            models[H] = (g.cuda().half(), m)
+        g, m = models[H]
+        x = torch.randn(T, B, H, device="cuda", dtype=torch.float16)
+        with torch.no_grad():
+            tc = _median_time(lambda: g(x), repeats, sync=sync)
+            ref = g(x)[0].float()
+            cells, diff = [], 0.0
+            for kernel, graph in GPU_VARIANTS:
+                m.triton_kernel, m.cuda_graph = kernel, graph
+                try:
+                    tw = _median_time(lambda: m(x), repeats, sync=sync)
+                    assert m.last_path == f"triton-{kernel}", m.last_path
+                    diff = max(diff, float((m(x)[0].float() - ref).abs().max()))
+                    cells += [f"{tw * 1e3:.3f}", f"{tc / tw:.2f}x"]
+                except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
+                    cells += ["error", f"{type(e).__name__}: {str(e)[:80]}"]
+            m.triton_kernel, m.cuda_graph = "auto", False
+            m(x)
+            rows.append((f"H={H} B={B} T={T}", f"{tc * 1e3:.3f}", *cells, f"{diff:.2f}", m.last_path))
+    return rows
+
+
+GPU_HEADERS = ["shape", "cuDNN fp16 ms", "step ms", "vs cuDNN", "step graph ms", "vs cuDNN", "fused ms", "vs cuDNN",
+               "fused graph ms", "vs cuDNN", "max diff", "auto path"]
+
+# fused kernel launch shapes tried by --gpu-sweep (qgru.wo_triton.fused_blocks gives the default)
+SWEEP_BLOCKS = ({"BLOCK_H": 256, "BLOCK_K": 32, "num_warps": 8}, {"BLOCK_H": 512, "BLOCK_K": 16, "num_warps": 16},
+                {"BLOCK_H": 128, "BLOCK_K": 32, "num_warps": 4}, {"BLOCK_H": 128, "BLOCK_K": 64, "num_warps": 8},
+                {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 4})
+
+
+def gpu_sweep_rows(repeats):
+    """The fused kernel at B=1 T=1000 (w4g128 float16) for each of SWEEP_BLOCKS, hidden 512 / 1024,
+    against cuDNN fp16: which launch shape to make the default."""
+    if not torch.cuda.is_available():
+        return []
+    from qgru import wo_triton
     rows = []
     sync = torch.cuda.synchronize
     for H in (512, 1024):
@@ -207,21 +261,16 @@ def gpu_speed_rows(repeats):
         g = nn.GRU(H, H).eval()
         m = WeightOnlyGRU.from_float(g, wo.WeightOnlyConfig.load("w4g128", weight_rounding="nearest")).cuda().half()
         g = g.cuda().half()
-        for B in (1, 64):
-            for T in (1000, 1):
-                x = torch.randn(T, B, H, device="cuda", dtype=torch.float16)
-                with torch.no_grad():
-                    tc = _median_time(lambda: g(x), repeats, sync=sync)
-                    res = []
-                    for graph in (False, True):
-                        m.cuda_graph = graph
-                        try:
-                            tw = _median_time(lambda: m(x), repeats, sync=sync)
-                            err = float((m(x)[0].float() - g(x)[0].float()).abs().max())
-                            res.append((f"{tw * 1e3:.3f}", f"{tc / tw:.2f}x (max diff vs cuDNN {err:.1e})"))
-                        except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
-                            res.append(("error", f"{type(e).__name__}: {str(e)[:80]}"))
-                rows.append((f"H={H} B={B} T={T}", f"{tc * 1e3:.3f}", *res[0], *res[1], m.last_path))
+        x = torch.randn(1000, 1, H, device="cuda", dtype=torch.float16)
+        with torch.no_grad():
+            tc = _median_time(lambda: g(x), repeats, sync=sync)
+            for blk in SWEEP_BLOCKS:
+                run = lambda: wo_triton.gru_forward(m.layers(), x, None, torch.float16, None, "fused", blk)
+                try:
+                    tw = _median_time(run, repeats, sync=sync)
+                    rows.append((f"H={H}", str(blk), f"{tc * 1e3:.3f}", f"{tw * 1e3:.3f}", f"{tc / tw:.2f}x"))
+                except Exception as e:  # noqa: BLE001
+                    rows.append((f"H={H}", str(blk), f"{tc * 1e3:.3f}", "error", f"{type(e).__name__}: {str(e)[:80]}"))
     return rows
 
 
@@ -232,6 +281,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--only-speed", action="store_true", help="the speed tables only")
+    ap.add_argument("--only-gpu", action="store_true", help="the GPU speed table only")
+    ap.add_argument("--gpu-sweep", action="store_true", help="with --only-gpu: also the fused kernel's launch shapes")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -240,6 +291,8 @@ def main():
     print(f"# weight-only mode, measured {datetime.date.today()} on {cpu_name()} "
           f"({torch.get_num_threads()} threads), torch {torch.__version__}\n")
 
+    if args.only_gpu:
+        return gpu_speed(args, repeats)
     if args.only_speed:
         return speed(args, repeats)
     data = demo.load_dataset()
@@ -274,14 +327,21 @@ def speed(args, repeats):
           f"(models in turns call by call, medians; weight-only rows name the path of the B=1 / B=64 calls)\n")
     print(_table(["model", "B=1 streaming, us per T=1 call", "vs float", "B=64 T=100 call, ms", "vs float"],
                  cpu_speed_rows(repeats)))
-    rows = gpu_speed_rows(repeats)
-    if rows:
-        print(f"\n## GPU speed, {torch.cuda.get_device_name()}: cuDNN fp16 vs weight-only w4g128 float16\n")
-        print(_table(["shape", "cuDNN fp16 ms", "w4g128 ms", "vs cuDNN", "w4g128 graph ms", "vs cuDNN",
-                      "path"], rows))
-    else:
-        print("\n## GPU speed: skipped (no CUDA device here)")
+    gpu_speed(args, repeats)
 
+
+def gpu_speed(args, repeats):
+    rows = gpu_speed_rows(repeats)
+    if not rows:
+        print("\n## GPU speed: skipped (no CUDA device here)")
+        return
+    import triton
+    print(f"\n## GPU speed, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}: "
+          f"cuDNN fp16 vs weight-only w4g128 float16 (medians of {repeats})\n")
+    print(_table(GPU_HEADERS, rows))
+    if getattr(args, "gpu_sweep", False):
+        print("\n## GPU: the fused kernel's launch shapes, w4g128 float16, B=1 T=1000\n")
+        print(_table(["hidden", "blocks", "cuDNN fp16 ms", "fused ms", "vs cuDNN"], gpu_sweep_rows(repeats)))
 
 if __name__ == "__main__":
     main()
