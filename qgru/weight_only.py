@@ -206,7 +206,8 @@ def dequantize(p: PackedWeight) -> torch.Tensor:
 SEARCH_SHRINK = tuple(1.0 - 0.04 * i for i in range(13))  # range factors tried per group: 1.0 ... 0.52
 SEARCH_RUNS = 4  # grids (per group: the best SEARCH_RUNS ranges by the group's own error) rounded in full
 CD_SWEEPS = 4  # coordinate-descent passes over the codes after rounding (each only lowers the error)
-DAMP = 0.01  # GPTQ's dampening: M + DAMP * mean(diag M) * I, the objective the rounding and search minimize
+DAMP = 0.001  # dampening: M + DAMP * mean(diag M) * I, the objective the rounding and search minimize
+# (0.01, GPTQ's usual value, gave 38.4 dB instead of 39.8 on the demo's w4g128; docs/weight_only.md)
 
 
 def _grid(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -294,12 +295,13 @@ def _gptq(W: torch.Tensor, s_cols: torch.Tensor, z_cols: torch.Tensor, U: torch.
 
 
 def _descend(w: torch.Tensor, q: torch.Tensor, s_cols: torch.Tensor, z_cols: torch.Tensor, M: torch.Tensor,
-             lo: int, hi: int, sweeps: int = CD_SWEEPS) -> torch.Tensor:
+             lo: int, hi: int, sweeps: Optional[int] = None) -> torch.Tensor:
     """Coordinate descent on e M e^T (e = (q - z) s - w, per row) over the integer codes: each
     column in turn moves to its best code with the others fixed (the rounded minimum of a 1-D
     quadratic, clamped to the code range: never a higher error); ``sweeps`` passes at most."""
     q = q.clone()
     eM = (((q - z_cols) * s_cols - w) @ M)
+    sweeps = CD_SWEEPS if sweeps is None else sweeps
     d = M.diagonal()
     for _ in range(sweeps):
         moved = False
