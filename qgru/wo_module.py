@@ -410,12 +410,11 @@ def _call(model: nn.Module, batch):
     return model(batch)
 
 
-def second_moments(gru: nn.GRU, batches: Iterable, model: Optional[nn.Module] = None, with_means: bool = False
-                   ) -> List[List[Tuple[torch.Tensor, ...]]]:
+def second_moments(gru: nn.GRU, batches: Iterable, model: Optional[nn.Module] = None
+                   ) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
     """E[x x^T] of each layer's input and E[h h^T] of the state its R multiplies, per layer and
     direction, over the calls ``gru`` sees while ``model`` (or gru itself) runs ``batches``. The
-    float GRU is re-run layer by layer in float64 on what it was given. With ``with_means``, each
-    entry is (E[x x^T], E[h h^T], E[x], E[h])."""
+    float GRU is re-run layer by layer in float64 on what it was given."""
     captured = []
     handle = gru.register_forward_pre_hook(lambda mod, args: captured.append(args))
     try:
@@ -428,7 +427,7 @@ def second_moments(gru: nn.GRU, batches: Iterable, model: Optional[nn.Module] = 
         raise WeightOnlyError("gptq rounding: the calibration batches never called the GRU")
     D = 2 if gru.bidirectional else 1
     H = gru.hidden_size
-    sums = [[[None, None, 0, 0, 0, 0] for _ in range(D)] for _ in range(gru.num_layers)]
+    sums = [[[None, None, 0, 0] for _ in range(D)] for _ in range(gru.num_layers)]
     with torch.no_grad():
         for args in captured:
             inp = args[0]
@@ -477,13 +476,8 @@ def second_moments(gru: nn.GRU, batches: Iterable, model: Optional[nn.Module] = 
                     s[1] = hv.t() @ hv if s[1] is None else s[1] + hv.t() @ hv
                     s[2] += xv.shape[0]
                     s[3] += hv.shape[0]
-                    s[4] = s[4] + xv.sum(0)
-                    s[5] = s[5] + hv.sum(0)
                     outs.append(out)
                 x = torch.cat(outs, -1)
-    if with_means:
-        return [[(s[0] / max(s[2], 1), s[1] / max(s[3], 1), s[4] / max(s[2], 1), s[5] / max(s[3], 1)) for s in row]
-                for row in sums]
     return [[(s[0] / max(s[2], 1), s[1] / max(s[3], 1)) for s in row] for row in sums]
 
 
