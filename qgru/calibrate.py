@@ -92,7 +92,7 @@ def quantize_model(model: nn.Module, batches: Iterable, config: Union[str, dict,
     then feed only gptq rounding (docs/weight_only.md).
     """
     if is_weight_only(config):
-        return quantize_model_weight_only(model, batches, config)
+        return quantize_model_weight_only(model, batches, config, None if progress else False)
     qmodel = prepare_model(model, config)
     # QuantGRUs converted already (e.g. a quantized encoder) stay as they are and run integer-only
     # while the others calibrate: those see the inputs they will see after quantization

@@ -33,6 +33,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+from tqdm.auto import tqdm
 
 from . import weight_only as wo
 from .weight_only import PackedWeight, WeightOnlyConfig, WeightOnlyError, WOLayer
@@ -175,10 +176,13 @@ class WeightOnlyGRU(nn.Module):
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def from_float(cls, gru: nn.GRU, config: Union[str, dict, WeightOnlyConfig] = "w4g128",
-                   batches: Optional[Iterable] = None, model: Optional[nn.Module] = None) -> "WeightOnlyGRU":
+                   batches: Optional[Iterable] = None, model: Optional[nn.Module] = None,
+                   progress: Optional[bool] = None) -> "WeightOnlyGRU":
         """Quantize a float nn.GRU. With ``config.weight_rounding == "gptq"``, ``batches`` (run
         through ``model``, or through ``gru`` itself when model is None) give the second moments of
-        each layer's inputs and states; without batches, gptq rounds to nearest."""
+        each layer's inputs and states; without batches, gptq rounds to nearest. ``progress``: a
+        progress bar over the weight matrices (default: when the GRU has over 2^18 weights, where
+        the range search takes seconds per matrix)."""
         config = WeightOnlyConfig.load(config)
         if type(gru) is not nn.GRU:
             raise TypeError(f"WeightOnlyGRU.from_float: a torch.nn.GRU is needed, got {type(gru).__name__} "
@@ -191,6 +195,9 @@ class WeightOnlyGRU(nn.Module):
         m = cls(gru.input_size, gru.hidden_size, gru.num_layers, gru.bias, gru.batch_first, gru.bidirectional,
                 config, device="cpu")
         D = 2 if gru.bidirectional else 1
+        if progress is None:
+            progress = sum(p.numel() for n, p in gru.named_parameters() if n.startswith("weight")) > 1 << 18
+        bar = tqdm(total=2 * gru.num_layers * D, desc="qgru weight-only", unit="matrix", disable=not progress)
         layers = []
         for li in range(gru.num_layers):
             row = []
@@ -199,10 +206,13 @@ class WeightOnlyGRU(nn.Module):
                 w_ih, w_hh = getattr(gru, "weight_ih" + sfx), getattr(gru, "weight_hh" + sfx)
                 mx, mh = (None, None) if moments is None else moments[li][d]
                 W = wo.quantize_weight(w_ih.detach().float().cpu(), config, mx)
+                bar.update()
                 R = wo.quantize_weight(w_hh.detach().float().cpu(), config, mh)
+                bar.update()
                 b = [getattr(gru, n + sfx).detach().float().cpu() if gru.bias else None for n in ("bias_ih", "bias_hh")]
                 row.append(WOLayer(W, R, b[0], b[1]))
             layers.append(row)
+        bar.close()
         m._set_layers(layers)
         dev = gru.weight_ih_l0.device
         return m.to(dev)
@@ -490,7 +500,8 @@ def second_moments(gru: nn.GRU, batches: Iterable, model: Optional[nn.Module] = 
 
 
 def quantize_model_weight_only(model: nn.Module, batches: Optional[Iterable],
-                               config: Union[str, dict, WeightOnlyConfig] = "w4g128") -> nn.Module:
+                               config: Union[str, dict, WeightOnlyConfig] = "w4g128",
+                               progress: Optional[bool] = None) -> nn.Module:
     """A deep copy of ``model`` with every torch.nn.GRU replaced by a WeightOnlyGRU (``model`` itself
     is untouched). ``batches`` (called as in qgru.calibrate) feed gptq rounding; they are run once."""
     import copy
@@ -501,7 +512,7 @@ def quantize_model_weight_only(model: nn.Module, batches: Optional[Iterable],
     if isinstance(qmodel, nn.GRU):
         if type(qmodel) is not nn.GRU:
             raise TypeError(f"weight-only mode converts torch.nn.GRU, not its subclass {type(qmodel).__name__}")
-        return WeightOnlyGRU.from_float(qmodel, config, batches)
+        return WeightOnlyGRU.from_float(qmodel, config, batches, progress=progress)
     grus = [(name, m) for name, m in qmodel.named_modules() if isinstance(m, nn.GRU)]
     if not grus:
         raise ValueError("quantize_model(): the model contains no torch.nn.GRU to quantize")
@@ -511,7 +522,7 @@ def quantize_model_weight_only(model: nn.Module, batches: Optional[Iterable],
     done: Dict[int, nn.Module] = {}
     for name, g in grus:  # every GRU sees the batches through the whole float model
         if id(g) not in done:
-            done[id(g)] = WeightOnlyGRU.from_float(g, config, batches, model=qmodel)
+            done[id(g)] = WeightOnlyGRU.from_float(g, config, batches, model=qmodel, progress=progress)
     _swap(qmodel, done)
     return qmodel
 
