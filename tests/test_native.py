@@ -1372,10 +1372,13 @@ def _levels_layer(cfg: str, mode: str, I: int, H: int, seed: int) -> golden.Laye
 
 
 def _level_inputs(p: golden.LayerParams, shape, gen: torch.Generator, dtype=torch.float32) -> torch.Tensor:
-    """Float x of ``shape`` (last axis I): each token drawn in the calibrated range [-3, 2] and scaled
-    by its own factor in [0.3, 5] (so that several levels occur); about one token in five has a
-    value at exactly a level's lo or hi (in float64: a level's own edge)."""
-    x = torch.rand(shape, generator=gen, dtype=torch.float64) * 5 - 3
+    """Float x of ``shape`` (last axis I): each token drawn in the static grid's range (level 0's
+    [lo, hi], an infinite end taken as the other's mirror) and scaled by its own factor in [0.3, 5]
+    (so that several levels occur); about one token in five has a value at exactly a level's lo or
+    hi (in float64: a level's own edge)."""
+    lo, hi = float(p.x_levels.lo[0]), float(p.x_levels.hi[0])
+    lo, hi = (lo if math.isfinite(lo) else -hi), (hi if math.isfinite(hi) else -lo)
+    x = torch.rand(shape, generator=gen, dtype=torch.float64) * (hi - lo) + lo
     f = torch.exp(torch.rand(tuple(shape[:-1]) + (1,), generator=gen, dtype=torch.float64)
                   * (math.log(5) - math.log(0.3)) + math.log(0.3))
     x = x * f
@@ -1434,19 +1437,54 @@ def test_x_levels_bit_exact(kind, cfg, mode, I, H):
 
 
 def test_x_levels_int32_cell_taken(cpu_backend):
-    """w8a8 layers with x levels keep the int32 cell in both scale modes: every level's W.x passes
-    the int32 bounds where the static grid's does (prepare_layer's acc32, Wxl_* fields)."""
+    """Calibrated w8a8 layers with x levels take the int32 cell where the same layer without levels
+    does: always in multiplier mode (the shipped w8a8's), where a level's wider grid only lowers its
+    shift; in pow2 mode a level lowers W.x's right shift R by exponent / 4 (up to 3) and a static R
+    of 1 to 3 can leave the int32 form's R >= 1 (then the whole layer runs the int64 cell: 1 of 77
+    calibrated pow2 layers with an int32 cell, sizes 8 to 512, x at 0.03 to 10, 2026-11-27). Level
+    0's int32 fields are the static grid's."""
     from qgru.native.prepare import prepare_layer
+    taken = 0
     for mode in ("pow2", "multiplier"):
-        for I, H in ((17, 48), (256, 512)):
-            p = _levels_layer("w8a8", mode, I, H, seed=1)
-            t, v = prepare_layer(p)
+        for (I, H), xs in (((12, 20), 1.0), ((64, 128), 0.1), ((64, 128), 10.0)):
+            torch.manual_seed(I + H)
+            m = qgru.QuantGRU(I, H, config=_dynamic("w8a8", mode))
+            qgru.calibrate(m, [torch.randn(20, 8, I) * xs for _ in range(2)], progress=False)
+            p = m.convert()._qparams[0][0]
+            static = p.clone()
+            static.x_levels = None
+            with warnings.catch_warnings():  # a pow2 layer that falls back says so (tested below)
+                warnings.simplefilter("ignore", RuntimeWarning)
+                t, v = prepare_layer(p)
             J = p.x_levels.exponent.numel()
-            assert v["acc32"] == 1 and v["x_levels"] == J, (mode, I, H)
-            assert t["Wxl_bias_hi"].shape == (J * 3 * H,)
-            # level 0 is the static grid: the same int32 fields as Wx's
-            for f in ("bias_hi", "bias_lo", "rshift", "mult32"):
-                assert torch.equal(t[f"Wxl_{f}"][:3 * H], t[f"Wx_{f}"]), (mode, f)
+            was = prepare_layer(static)[1]["acc32"]
+            assert v["x_levels"] == J and (v["acc32"] == was if mode == "multiplier" else v["acc32"] <= was), \
+                (mode, I, H)
+            if v["acc32"]:
+                taken += 1
+                assert t["Wxl_bias_hi"].shape == (J * 3 * H,)
+                for f in ("bias_hi", "bias_lo", "rshift", "mult32"):
+                    assert torch.equal(t[f"Wxl_{f}"][:3 * H], t[f"Wx_{f}"]), (mode, f)
+    assert taken >= 3
+
+
+def test_x_levels_int32_fallback_warns_and_stays_exact(cpu_backend, monkeypatch):
+    """A calibrated pow2 layer whose static W.x right shift is 1 to 2 (the int32 form holds) and its
+    widest levels' 0 to -2 (it does not): the layer runs the int64 cell, says so once, and is still
+    bit-exact."""
+    from qgru.native import prepare
+    torch.manual_seed(192)
+    m = qgru.QuantGRU(64, 128, config=_dynamic("w8a8", "pow2"))
+    qgru.calibrate(m, [torch.randn(20, 8, 64) * 0.1 for _ in range(2)], progress=False)
+    p = m.convert()._qparams[0][0]
+    monkeypatch.setattr(prepare, "_warned_levels_int64", False)
+    with pytest.warns(RuntimeWarning, match="int64 cell"):
+        t, v = prepare.prepare_layer(p)
+    static = p.clone()
+    static.x_levels = None
+    assert v["acc32"] == 0 and prepare.prepare_layer(static)[1]["acc32"] == 1
+    for T, N in ((5, 3), (2, 20), (1, 1)):
+        _check_levels("cpu", p, T, N, False, seed=T + N)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
