@@ -1440,7 +1440,7 @@ def test_x_levels_int32_cell_taken(cpu_backend):
     """Calibrated w8a8 layers with x levels take the int32 cell where the same layer without levels
     does: always in multiplier mode (the shipped w8a8's), where a level's wider grid only lowers its
     shift; in pow2 mode a level lowers W.x's right shift R by exponent / 4 (up to 3) and a static R
-    of 1 to 3 can leave the int32 form's R >= 1 (then the whole layer runs the int64 cell: 1 of 77
+    of 1 to 3 can leave the int32 form's R >= 1 (then the whole layer runs the int64 cell: 1 of ~100
     calibrated pow2 layers with an int32 cell, sizes 8 to 512, x at 0.03 to 10, 2026-11-27). Level
     0's int32 fields are the static grid's."""
     from qgru.native.prepare import prepare_layer
