@@ -146,9 +146,12 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
   if constexpr (ACC32) {
     const Cell32 c32 = p.c32;
     const int32_t* fields = cell32_channel<ACC32>(p, j0).at;  // channel j0 + c's at fields + c
-    // W.x of gate q at channel j0 + c on the row's level (wl: wx32 at the row's level)
-    const auto d_wx = [&](const AccRequant32& wl, int q, int64_t c, auto v) {
-      return XACC ? requant32_flat<POW2, decltype(v)>(wl, q * H + j0 + c, v) : v;
+    // W.x of gate q at channel j0 + c: a row without levels from the channel's blocked fields (ch), a
+    // row of a layer with x levels (LV) from the flat arrays at its level (wl: wx32 at the row's level)
+    const auto d_wx = [&](auto lv, const AccRequant32& wl, Channel32 ch, int q, int64_t c, auto v) {
+      if constexpr (!XACC) return v;
+      else if constexpr (decltype(lv)::value) return requant32_flat<POW2, decltype(v)>(wl, q * H + j0 + c, v);
+      else return requant32_at<POW2, decltype(v)>(ch, kWxRequant, q, v, c32.wx_lo, c32.wx_hi);
     };
     // Four passes over the tile, each a short loop: the gates' pre-activations r and z, their
     // table lookups, g's pre-activation, then its lookup and the new state. A table lookup waits
@@ -158,27 +161,27 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
     // measured ~15% faster than one on the AMX machine; four took the cell's samples per GEMM
     // sample from 0.234-0.236 to 0.196-0.228 on a Zen 3 EPYC, avx2 layer T=100 N=64, perf.)
     alignas(64) int32_t d_r[kTileRows * W], d_z[kTileRows * W], g_pre[kTileRows * W];  // row r's at [r * W]
-    const auto rz_pre = [&](auto lanes, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t, int64_t c) {
+    const auto rz_pre = [&](auto lanes, auto lv, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t, int64_t c) {
       using V = decltype(lanes);
       const Channel32 ch{fields + c};
       lanes_store(d_r + rh + c, sigmoid_pre32<POW2, V>(c32, ch, 0, lanes_load<V>(acc_h + rh + c),
-                                                       d_wx(wl, 0, c, lanes_load<V>(x + rx + c))));
+                                                       d_wx(lv, wl, ch, 0, c, lanes_load<V>(x + rx + c))));
       lanes_store(d_z + rh + c, sigmoid_pre32<POW2, V>(c32, ch, 1, lanes_load<V>(acc_h + rh + gs + c),
-                                                       d_wx(wl, 1, c, lanes_load<V>(x + rx + xs + c))));
+                                                       d_wx(lv, wl, ch, 1, c, lanes_load<V>(x + rx + xs + c))));
     };
-    const auto rz_table = [&](auto lanes, const AccRequant32&, int64_t, int64_t rh, int64_t, int64_t c) {
+    const auto rz_table = [&](auto lanes, auto, const AccRequant32&, int64_t, int64_t rh, int64_t, int64_t c) {
       using V = decltype(lanes);
       lanes_store(d_r + rh + c, lookup32<V>(c32.table[0], lanes_load<V>(d_r + rh + c)));
       lanes_store(d_z + rh + c, lookup32<V>(c32.table[1], lanes_load<V>(d_z + rh + c)));
     };
-    const auto g_preact = [&](auto lanes, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t, int64_t c) {
+    const auto g_preact = [&](auto lanes, auto lv, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t, int64_t c) {
       using V = decltype(lanes);
       const Channel32 ch{fields + c};
       const V acc_g = lanes_load<V>(acc_h + rh + 2 * gs + c), d_r_c = lanes_load<V>(d_r + rh + c);
-      lanes_store(g_pre + rh + c,
-                  candidate_pre32<POW2, V>(c32, ch, acc_g, d_wx(wl, 2, c, lanes_load<V>(x + rx + 2 * xs + c)), d_r_c));
+      lanes_store(g_pre + rh + c, candidate_pre32<POW2, V>(
+                                      c32, ch, acc_g, d_wx(lv, wl, ch, 2, c, lanes_load<V>(x + rx + 2 * xs + c)), d_r_c));
     };
-    const auto h_step = [&](auto lanes, const AccRequant32&, int64_t, int64_t rh, int64_t rs, int64_t c) {
+    const auto h_step = [&](auto lanes, auto, const AccRequant32&, int64_t, int64_t rh, int64_t rs, int64_t c) {
       using V = decltype(lanes);
       const V h_new = new_state32<POW2, V>(c32, lookup32<V>(c32.table[2], lanes_load<V>(g_pre + rh + c)),
                                            lanes_load<V>(d_z + rh + c), lanes_load<V>(s + rs + c));
@@ -192,19 +195,25 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
 #else
     const int64_t nv = 0;
 #endif
-    // One pass: body(lanes, wl, rx, rh, rs, c) on every active row's channels, the path's explicit
-    // vector (csrc/cpu/lanes_*.h) over whole groups of its lanes, int32_t lanes (the compiler's
-    // vectors) over the rest; wl: the row's W.x requantization (XACC) at its level.
+    // One pass: body(lanes, lv, wl, rx, rh, rs, c) on every active row's channels, the path's
+    // explicit vector (csrc/cpu/lanes_*.h) over whole groups of its lanes, int32_t lanes (the
+    // compiler's vectors) over the rest; lv (a type: true for a layer with x levels, XACC) and wl,
+    // the row's W.x requantization at its level. A layer without levels keeps reading W.x's fields
+    // from the blocked array (the flat arrays' extra base pointers measured ~4% of a T=100 N=64 call).
+    const auto row_pass = [&](auto lv, auto body, int64_t r) {
+      const int64_t rx = r * xr, rh = r * W, rs = r * H;
+      const AccRequant32 wl = decltype(lv)::value ? at_level(wx32, level[r] * 3 * H) : wx32;
+#if defined(QGRU_CELL_LANES)
+      for (int64_t c = 0; c < nv; c += L) body(VL{}, lv, wl, rx, rh, rs, c);
+#endif
+#pragma omp simd
+      for (int64_t c = nv; c < nj; ++c) body(int32_t{}, lv, wl, rx, rh, rs, c);
+    };
     const auto pass = [&](auto body) {
       for (int64_t r = 0; r < rows; ++r) {
         if (!active[r]) continue;
-        const int64_t rx = r * xr, rh = r * W, rs = r * H;
-        const AccRequant32 wl = XACC && level != nullptr ? at_level(wx32, level[r] * 3 * H) : wx32;
-#if defined(QGRU_CELL_LANES)
-        for (int64_t c = 0; c < nv; c += L) body(VL{}, wl, rx, rh, rs, c);
-#endif
-#pragma omp simd
-        for (int64_t c = nv; c < nj; ++c) body(int32_t{}, wl, rx, rh, rs, c);
+        if (XACC && level != nullptr) row_pass(std::true_type{}, body, r);
+        else row_pass(std::false_type{}, body, r);
       }
     };
     pass(rz_pre);
