@@ -654,6 +654,17 @@ void quantize_into(const at::Tensor& xc, int64_t first, int64_t n, double scale,
                     "(out-of-range and infinite values saturate)");
 }
 
+// An int32 tensor of `sizes` from one of a calling thread's kQuantizeBuffers cached buffers
+// (reuse_or_empty): the one of these sizes that no caller holds any more, else a free one replaced.
+at::Tensor reuse_slot(at::Tensor (&cache)[kQuantizeBuffers], at::IntArrayRef sizes) {
+  at::Tensor* slot = &cache[0];
+  for (auto& c : cache) {
+    if (c.defined() && c.sizes() == sizes && c.storage().use_count() == 1) { slot = &c; break; }
+    if (!c.defined() || c.storage().use_count() == 1) slot = &c;  // free: may be replaced
+  }
+  return reuse_or_empty(*slot, sizes);
+}
+
 // float -> int32 on (scale, zp, bits), into a buffer reused per calling thread.
 at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bits, const char* what,
                     const Kernels* k) {
@@ -661,12 +672,7 @@ at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bi
   // per calling thread (no other thread sees a buffer being reused), a few shapes: a module call
   // quantizes its input and then h0 while still holding the input's result
   thread_local at::Tensor cache[kQuantizeBuffers];
-  at::Tensor* slot = &cache[0];
-  for (auto& c : cache) {
-    if (c.defined() && c.sizes() == x.sizes() && c.storage().use_count() == 1) { slot = &c; break; }
-    if (!c.defined() || c.storage().use_count() == 1) slot = &c;  // free: may be replaced
-  }
-  at::Tensor q = reuse_or_empty(*slot, x.sizes());
+  at::Tensor q = reuse_slot(cache, x.sizes());
   quantize_into(x, 0, x.numel(), scale, zp, bits, what, k, q.data_ptr<int32_t>());
   return q;
 }
@@ -707,8 +713,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x_in, const
               " must have at least one value per token (its last axis)");
   const at::Tensor x = float_contiguous(x_in, what);
   const int64_t I = x.size(-1), tokens = x.numel() / I;
-  at::Tensor q = at::empty(x.sizes(), at::TensorOptions().dtype(at::kInt));
-  at::Tensor level = at::empty(x.sizes().slice(0, x.dim() - 1), at::TensorOptions().dtype(at::kInt));
+  // per calling thread, reused once dropped (as quantize's: a streaming call's allocations count)
+  thread_local at::Tensor q_cache[kQuantizeBuffers], level_cache[kQuantizeBuffers];
+  at::Tensor q = reuse_slot(q_cache, x.sizes());
+  at::Tensor level = reuse_slot(level_cache, x.sizes().slice(0, x.dim() - 1));
   const Range r = signed_range((int32_t)bits);
   const bool ok = x.scalar_type() == at::kDouble
                       ? quantize_levels_loop(k, x.data_ptr<double>(), q.data_ptr<int32_t>(), level.data_ptr<int32_t>(),

@@ -201,12 +201,13 @@ def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, in
 def _requant32(t: Dict[str, torch.Tensor], name: str, pow2: bool, K: int) -> Optional[Dict[str, torch.Tensor]]:
     """The int32 form of the accumulator requantization ``name`` (Wx, Rh, or Wxl: every x level's,
     [J 3H]) over K products of int8 operands (|G| <= K 2^14), or None where its bounds fail (csrc
-    AccRequant32: pow2, 1 <= R <= 30; multiplier, (K 2^14 + |bias|) 2^lsh < 2^31 and |bias| < 2^31)."""
+    AccRequant32: pow2, 1 <= R <= 30 and |bias| <= 2^31; multiplier, (K 2^14 + |bias|) 2^lsh < 2^31 and
+    |bias| < 2^31)."""
     bias = t[name + "_bias"]
     parts = {}
     if pow2:
         r = _net_shift(t, name)
-        if bool((r < 1).any()) or bool((r > 30).any()):
+        if bool((r < 1).any()) or bool((r > 30).any()) or bool((bias.abs() > (1 << 31)).any()):
             return None
         hi = torch.div(bias, 1 << r, rounding_mode="floor")
         parts[name + "_bias_hi"] = hi.to(torch.int32)
