@@ -178,6 +178,34 @@ QGRU_HD int64_t requantize_product(const AccRequant& a, const AccRequant32& a32,
   return requantize_acc<POW2>(a, c, exact_product<NPAIRS>(g, row, c));
 }
 
+// x levels (golden.input_gemm with `level`): W.x of a token on level j is requantized with that
+// level's bias and rescale (same zero point and range). A Layer with levels keeps them as [J, 3H]
+// arrays, level j's channel c at j 3H + c, in both forms (AccRequant's bias and rescale, and
+// AccRequant32's bias_hi, bias_lo, rshift, mult: every level passed the int32 bounds, or the layer
+// runs the int64 form); level 0 is the static grid's. A row's requantization is the layer's
+// AccRequant(32) with those pointers moved to its level: `offset` = level 3H (the zero point is
+// shared and stays).
+QGRU_HD AccRequant at_level(const AccRequant& a, int64_t offset) {
+  return AccRequant{a.bias + offset, Rescale{a.rescale.mult + offset, a.rescale.shift + offset,
+                                             a.rescale.mult_log2 + offset},
+                    a.zp, a.out};
+}
+
+QGRU_HD AccRequant32 at_level(const AccRequant32& a, int64_t offset) {
+  if (a.bias_hi == nullptr) return a;  // no int32 form
+  return AccRequant32{a.bias_hi + offset, a.bias_lo + offset, a.rshift + offset, a.zp,
+                      a.mult == nullptr ? nullptr : a.mult + offset, a.lo, a.hi};
+}
+
+// requantize_acc32 in V lanes from the flat arrays of an AccRequant32 (channels c .. c + lanes - 1):
+// the fused step's W.x of a row on its level.
+template <bool POW2, typename V = int32_t>
+QGRU_HD V requant32_flat(const AccRequant32& a, int64_t c, V product) {
+  return requant32<POW2, V>(product, lanes_load<V>(a.bias_hi + c), lanes_load<V>(a.bias_lo + c),
+                            lanes_load<V>(a.rshift + c), lanes_load<V>(a.zp + c),
+                            POW2 ? V(0) : lanes_load<V>(a.mult + c), a.lo, a.hi);
+}
+
 QGRU_ISA_END
 // ---------------------------------------------------------------------------------------------
 // The gates

@@ -165,6 +165,7 @@ cuda::GemmDesc gemm_desc(const LayerTensors& lt, const std::string& k) {
 struct Buffers {
   at::Tensor qx, state, out, lengths, x_limbs, Gx, h_limbs, Gh, dwx;
   at::Tensor pk_h, pk_counter;  // the persistent recurrence's (ws.pk.blocks > 0)
+  at::Tensor level;  // a layer with x levels: int32 [T, N], each token's (zeros: see plan_steps)
   cuda::Workspace ws{};
 };
 
@@ -176,6 +177,7 @@ Buffers make_buffers(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_le
   auto i8 = opts.dtype(at::kChar), i32 = opts.dtype(at::kInt), i64 = opts.dtype(at::kLong);
   auto i16 = opts.dtype(at::kShort);  // T-sized: activations of at most 16 bits (qgru_cuda.h)
   b.qx = at::zeros({T, N, d.I}, i16);  // quantized x (zeros: see plan_steps)
+  if (d.x_levels > 0) b.level = at::zeros({T, N}, i32);
   b.state = at::empty({N, d.H}, i32);
   b.out = at::empty({T, N, d.H}, i16);
   if (has_lengths) b.lengths = at::empty({N}, i64);
@@ -209,7 +211,8 @@ Buffers make_buffers(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_le
 int64_t buffer_bytes(const Buffers& b) {
   int64_t n = 0;
   for (const at::Tensor* t :
-       {&b.qx, &b.state, &b.out, &b.lengths, &b.x_limbs, &b.Gx, &b.h_limbs, &b.Gh, &b.dwx, &b.pk_h, &b.pk_counter})
+       {&b.qx, &b.level, &b.state, &b.out, &b.lengths, &b.x_limbs, &b.Gx, &b.h_limbs, &b.Gh, &b.dwx, &b.pk_h,
+        &b.pk_counter})
     if (t->defined()) n += (int64_t)t->nbytes();
   return n;
 }
@@ -218,8 +221,9 @@ int64_t buffer_bytes(const Buffers& b) {
 // that the two agree).
 int64_t buffer_bytes(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_lengths, const cuda::PkPlan& pk) {
   const cuda::WorkspaceSizes s = cuda::workspace_sizes(d, T, N);
-  return 2 * T * N * (d.I + d.H) + 4 * N * d.H + (has_lengths ? 8 * N : 0) + 2 * (s.x_limb + s.h_limb) +
-         4 * (d.wx.P * s.Gx + d.rh.P * s.Gh + s.dwx) + (pk.blocks > 0 ? pk.h_buffer + 4 : 0);
+  return 2 * T * N * (d.I + d.H) + (d.x_levels > 0 ? 4 * T * N : 0) + 4 * N * d.H + (has_lengths ? 8 * N : 0) +
+         2 * (s.x_limb + s.h_limb) + 4 * (d.wx.P * s.Gx + d.rh.P * s.Gh + s.dwx) +
+         (pk.blocks > 0 ? pk.h_buffer + 4 : 0);
 }
 
 // QGRU_CUDA_PLAN_MAX_BYTES: the most bytes a plan may keep between calls (default
@@ -332,8 +336,9 @@ class CudaLayer {
     d_.acc32 = lt_.value("acc32") != 0;
     d_.wx = gemm_desc(lt_, "x");
     d_.rh = gemm_desc(lt_, "h");
-    d_.acc_x = lt_.acc("Wx");
-    d_.acc_x32 = lt_.acc32("Wx");
+    d_.x_levels = lt_.x_levels();
+    d_.acc_x = lt_.acc_x();  // every x level's (x_levels > 0), else the static grid's
+    d_.acc_x32 = lt_.acc32_x();
     d_.cell = lt_.cell();
     device_ = lt_.tensor("Wx_bias").device();
     const char* env = std::getenv("QGRU_CUDA_GRAPH");
@@ -346,8 +351,11 @@ class CudaLayer {
     device_nan_flag(device_.index());  // so is the device's NaN flag
   }
 
+  // level: each token's x level [T, N] (a layer with x levels; its values are not read on the host,
+  // which would wait for the GPU: the kernels clamp them into range), else none.
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx, const at::Tensor& qh0,
-                                             const c10::optional<at::Tensor>& lengths) {
+                                             const c10::optional<at::Tensor>& lengths,
+                                             const c10::optional<at::Tensor>& level = c10::nullopt) {
     TORCH_CHECK(qx.is_cuda() && qh0.is_cuda(), "qgru cuda: inputs must be CUDA tensors");
     TORCH_CHECK(qx.device() == device_ && qh0.device() == device_, "qgru cuda: inputs on ", qx.device(), " and ",
                 qh0.device(), ", parameters on ", device_);
@@ -358,6 +366,15 @@ class CudaLayer {
     if (has_lengths)
       TORCH_CHECK(lengths->device() == device_ && lengths->dim() == 1 && lengths->size(0) == qx.size(1),
                   "qgru cuda: lengths must be [N] on ", device_);
+    TORCH_CHECK(!level.has_value() || d_.x_levels > 0, "qgru cuda: this layer has no x levels, yet a level per token ",
+                "was given");
+    TORCH_CHECK(level.has_value() || d_.x_levels == 0 || qx.numel() == 0,
+                "qgru cuda: a layer with x levels needs each token's level");
+    if (level.has_value())
+      TORCH_CHECK(level->device() == device_ && !level->is_floating_point() && level->dim() == 2 &&
+                      level->size(0) == qx.size(0) && level->size(1) == qx.size(1),
+                  "qgru cuda: level must be an integer tensor [T, N] = [", qx.size(0), ", ", qx.size(1), "] on ",
+                  device_);
     c10::cuda::CUDAGuard guard(device_);
     const int64_t T = qx.size(0), N = qx.size(1);
     if (T == 0 || N == 0)
@@ -369,6 +386,7 @@ class CudaLayer {
           // steps T .. Tp - 1 of a plan's qx keep an earlier call's (or the plan's zero) values:
           // valid operands whose results are never read
           b.qx.narrow(0, 0, T).copy_(qx);
+          if (level.has_value()) b.level.narrow(0, 0, T).copy_(*level);
           b.state.copy_(qh0);
         },
         [&](const Buffers& b, cudaStream_t) {
@@ -466,6 +484,7 @@ class CudaLayer {
   int64_t state_zp() const { return lt_.value("h_zp"); }
   int64_t hidden_size() const { return d_.H; }
   int64_t input_size() const { return d_.I; }
+  int64_t x_levels() const { return d_.x_levels; }
   at::Device device() const { return device_; }
 
   int64_t window_steps(int64_t T, int64_t N) const { return cuda::workspace_sizes(d_, T, N).window_steps; }
@@ -535,7 +554,8 @@ class CudaLayer {
 
   void run(const Buffers& b, cudaStream_t stream, cublasHandle_t handle) const {
     const int64_t T = b.qx.size(0), N = b.qx.size(1);
-    cuda::forward(d_, b.ws, b.qx.data_ptr<int16_t>(), T, N, b.state.data_ptr<int32_t>(), b.out.data_ptr<int16_t>(),
+    cuda::forward(d_, b.ws, b.qx.data_ptr<int16_t>(), b.level.defined() ? b.level.data_ptr<int32_t>() : nullptr, T, N,
+                  b.state.data_ptr<int32_t>(), b.out.data_ptr<int16_t>(),
                   b.lengths.defined() ? b.lengths.data_ptr<int64_t>() : nullptr, stream, handle);
   }
 
@@ -681,6 +701,16 @@ void quantize_into(const at::Tensor& x, int64_t first, Q* q, int64_t n, double s
     cuda::quantize(x.data_ptr<float>() + first, q, n, scale, zp, (int32_t)bits, flag, bit, stream);
 }
 
+// quantize_into with x levels: each token of x (float_operand, [tokens, I]) on its level.
+template <typename Q>
+void levels_into(const at::Tensor& x, Q* q, int32_t* level, int64_t tokens, int64_t I, const XLevelGrid& g, int64_t zp,
+                 int64_t bits, int32_t* flag, int32_t bit, cudaStream_t stream) {
+  if (x.scalar_type() == at::kDouble)
+    cuda::quantize_levels(x.data_ptr<double>(), q, level, tokens, I, g, zp, (int32_t)bits, flag, bit, stream);
+  else
+    cuda::quantize_levels(x.data_ptr<float>(), q, level, tokens, I, g, zp, (int32_t)bits, flag, bit, stream);
+}
+
 at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bits, const std::string& what) {
   TORCH_CHECK(x_in.is_cuda() && x_in.is_floating_point(), "qgru cuda quantize: a floating-point CUDA tensor expected");
   check_quantize_args("qgru cuda quantize", scale, zp, bits);  // qgru_layer.h
@@ -694,6 +724,29 @@ at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bi
                 at::cuda::getCurrentCUDAStream().stream());
   if (check) raise_on_nan(own_flag);
   return q;
+}
+
+// x [..., I] -> (q int32 [..., I], level int32 [...]) on the x levels g, one kernel pass (NaN: as
+// quantize).
+std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x_in, const XLevelGrid& g, int64_t zp,
+                                                   int64_t bits, const std::string& what) {
+  TORCH_CHECK(x_in.is_cuda() && x_in.is_floating_point(),
+              "qgru cuda quantize_levels: a floating-point CUDA tensor expected");
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) >= 1, "qgru cuda quantize_levels: ", what,
+              " must have at least one value per token (its last axis)");
+  for (int j = 0; j < g.count; ++j) check_quantize_args("qgru cuda quantize_levels", g.scale[j], zp, bits);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const bool check = nan_check_enabled();
+  const at::Tensor own_flag = check ? checked_nan_flag(x_in.options()) : at::Tensor();
+  int32_t* flag = check ? own_flag.data_ptr<int32_t>() : device_nan_flag(x_in.device().index());
+  const at::Tensor x = float_operand(x_in);
+  const int64_t I = x.size(-1), tokens = x.numel() / I;
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kInt));
+  at::Tensor level = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kInt));
+  levels_into(x, q.data_ptr<int32_t>(), level.data_ptr<int32_t>(), tokens, I, g, zp, bits, flag,
+              what == "h0" ? kNanH0 : kNanInput, at::cuda::getCurrentCUDAStream().stream());
+  if (check) raise_on_nan(own_flag);
+  return {q, level};
 }
 
 at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
@@ -717,10 +770,13 @@ at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
 // against the Layers once, when the Stack is made.
 class CudaStack {
  public:
-  CudaStack(std::vector<std::shared_ptr<CudaLayer>> layers, std::vector<std::vector<double>> q)
+  // levels: layer 0's x levels as [scale, lo, hi] (golden.XLevels), or empty for a stack without.
+  CudaStack(std::vector<std::shared_ptr<CudaLayer>> layers, std::vector<std::vector<double>> q,
+            const std::vector<std::vector<double>>& levels)
       : layers_(std::move(layers)), q_(std::move(q)) {  // qgru_layer.h: the values against the Layers
     check_stack_values("qgru cuda Stack", layers_, q_,
                        [](const CudaLayer& a, const CudaLayer& b) { return a.device() == b.device(); });
+    levels_ = check_stack_levels("qgru cuda Stack", layers_, levels);
   }
 
   // x float [T, N, I] and h0 [L, N, H] (floating point, on the layers' device) -> float32 output
@@ -754,7 +810,10 @@ class CudaStack {
       layers_[l]->run_call(
           T, N, c10::nullopt, opts,
           [&](Buffers& b, cudaStream_t s) {
-            if (l == 0)
+            if (l == 0 && levels_.count > 0)  // each token straight onto its level, its level into the plan's
+              levels_into(x, b.qx.data_ptr<int16_t>(), b.level.data_ptr<int32_t>(), T * N, I, levels_, (int64_t)v[1],
+                          (int64_t)v[2], flag, kNanInput, s);
+            else if (l == 0)
               quantize_into(x, 0, b.qx.data_ptr<int16_t>(), T * N * I, v[0], (int64_t)v[1], (int64_t)v[2], flag,
                             kNanInput, s);
             else
@@ -782,6 +841,7 @@ class CudaStack {
  private:
   std::vector<std::shared_ptr<CudaLayer>> layers_;
   std::vector<std::vector<double>> q_;
+  XLevelGrid levels_{};
 };
 
 }  // namespace
@@ -794,6 +854,11 @@ namespace cuda_api {
 at::Tensor quantize(const at::Tensor& x, double scale, int64_t zp, int64_t bits, const std::string& what) {
   return qgru::quantize(x, scale, zp, bits, what);
 }
+std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x, const std::vector<double>& scale,
+                                                   const std::vector<double>& lo, const std::vector<double>& hi,
+                                                   int64_t zp, int64_t bits, const std::string& what) {
+  return qgru::quantize_levels(x, level_grid(scale, lo, hi, "qgru cuda quantize_levels"), zp, bits, what);
+}
 at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp) { return qgru::dequantize(q, scale, zp); }
 int64_t nan_flags(int64_t device, bool clear) { return qgru::nan_flags(device, clear); }
 void check_cublas_version() { qgru::check_cublas_version(); }
@@ -805,9 +870,11 @@ struct Layer::Impl {
 Layer::Layer(TensorMap tensors, IntMap values)
     : impl(std::make_shared<Impl>(Impl{std::make_shared<CudaLayer>(std::move(tensors), std::move(values))})) {}
 std::tuple<at::Tensor, at::Tensor> Layer::forward(const at::Tensor& qx, const at::Tensor& qh0,
-                                                  const c10::optional<at::Tensor>& lengths) {
-  return impl->layer->forward(qx, qh0, lengths);
+                                                  const c10::optional<at::Tensor>& lengths,
+                                                  const c10::optional<at::Tensor>& level) {
+  return impl->layer->forward(qx, qh0, lengths, level);
 }
+int64_t Layer::x_levels() const { return impl->layer->x_levels(); }
 std::map<std::string, int64_t> Layer::counters() const { return impl->layer->counters(); }
 int64_t Layer::window_steps(int64_t T, int64_t N) const { return impl->layer->window_steps(T, N); }
 std::map<std::string, int64_t> Layer::persistent_plan(int64_t N) const { return impl->layer->persistent_info(N); }
@@ -824,8 +891,9 @@ std::vector<std::shared_ptr<CudaLayer>> cuda_layers(const std::vector<std::share
 }
 }  // namespace
 
-Stack::Stack(const std::vector<std::shared_ptr<Layer>>& layers, std::vector<std::vector<double>> values)
-    : impl(std::make_shared<Impl>(Impl{CudaStack(cuda_layers(layers), std::move(values))})) {}
+Stack::Stack(const std::vector<std::shared_ptr<Layer>>& layers, std::vector<std::vector<double>> values,
+             const std::vector<std::vector<double>>& levels)
+    : impl(std::make_shared<Impl>(Impl{CudaStack(cuda_layers(layers), std::move(values), levels)})) {}
 std::tuple<at::Tensor, at::Tensor> Stack::forward(const at::Tensor& x, const at::Tensor& h0) const {
   return impl->stack.forward(x, h0);
 }

@@ -43,6 +43,9 @@ struct LayerDesc {
   int64_t ones_col;
   bool pow2, acc32;
   GemmDesc wx, rh;
+  // W.x's requantization: with x levels (x_levels > 0) every level's, [x_levels, 3H] flat
+  // (qgru_cell.h at_level), else the static grid's
+  int64_t x_levels;
   AccRequant acc_x;
   AccRequant32 acc_x32;
   CellParams cell;
@@ -77,9 +80,12 @@ WorkspaceSizes workspace_sizes(const LayerDesc& d, int64_t T, int64_t N);
 // out[t]: int16 [N, H]; state: int32 [N, H] (state holds q_h0 on entry and q_h_T on return).
 // qx: int16 [T, N, I] on the device. Activations have at most 16 bits (LayerTensors::validate), so
 // the T-sized buffers a plan keeps between calls are int16, half an int32 copy. lengths: int64 [N]
-// or nullptr. Only kernel launches and cuBLAS calls on `stream`: safe to capture in a CUDA graph.
-void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, int64_t T, int64_t N, int32_t* state,
-             int16_t* out, const int64_t* lengths, cudaStream_t stream, cublasHandle_t handle);
+// or nullptr. level (a layer with x levels): int32 [T, N], each token's level (a value outside
+// [0, x_levels) is clamped into it: the kernels never read outside the level arrays; the Layer
+// takes levels from quantize_levels), else nullptr. Only kernel launches and cuBLAS calls on
+// `stream`: safe to capture in a CUDA graph.
+void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, const int32_t* level, int64_t T, int64_t N,
+             int32_t* state, int16_t* out, const int64_t* lengths, cudaStream_t stream, cublasHandle_t handle);
 
 // The persistent recurrence (qgru_cuda_persistent.cu). persistent_plan: the plan of a layer for
 // N batch rows on `device`, or why there is none (PkFit: the device, the shared memory, the
@@ -100,6 +106,13 @@ void persistent_steps(const LayerDesc& d, const PkPlan& p, const PkArgs& args, i
 template <typename X, typename Q>
 void quantize(const X* x, Q* q, int64_t n, double scale, int64_t zp, int32_t bits, int32_t* nan_flag, int32_t nan_bit,
               cudaStream_t stream);
+// golden.quantize_levels: x [tokens, I] float32 or float64 -> q [tokens, I] int32 or int16 and
+// level [tokens] int32, one warp per token (its minimum and maximum, select_level, quantize on that
+// level's grid). A token holding a NaN takes the last level, its NaN the value 0.0 takes, and sets
+// nan_bit in *nan_flag (as quantize).
+template <typename X, typename Q>
+void quantize_levels(const X* x, Q* q, int32_t* level, int64_t tokens, int64_t I, const XLevelGrid& g, int64_t zp,
+                     int32_t bits, int32_t* nan_flag, int32_t nan_bit, cudaStream_t stream);
 template <typename Q>
 void dequantize(const Q* q, float* out, int64_t n, double scale, int64_t zp, cudaStream_t stream);
 void requantize(const int16_t* q, int16_t* out, int64_t n, int64_t from_zp, int64_t mult, int32_t shift, int64_t to_zp,

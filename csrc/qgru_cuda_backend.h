@@ -17,6 +17,10 @@ namespace qgru {
 namespace cuda_api {
 
 at::Tensor quantize(const at::Tensor& x, double scale, int64_t zp, int64_t bits, const std::string& what);
+// golden.quantize_levels: (q int32, level int32 per token) on the x levels [scale, lo, hi]; NaN as quantize.
+std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x, const std::vector<double>& scale,
+                                                   const std::vector<double>& lo, const std::vector<double>& hi,
+                                                   int64_t zp, int64_t bits, const std::string& what);
 at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp);
 int64_t nan_flags(int64_t device, bool clear);
 void check_cublas_version();
@@ -26,7 +30,9 @@ class Layer {
  public:
   Layer(TensorMap tensors, IntMap values);
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx, const at::Tensor& qh0,
-                                             const c10::optional<at::Tensor>& lengths);
+                                             const c10::optional<at::Tensor>& lengths,
+                                             const c10::optional<at::Tensor>& level);
+  int64_t x_levels() const;
   std::map<std::string, int64_t> counters() const;
   int64_t window_steps(int64_t T, int64_t N) const;
   std::map<std::string, int64_t> persistent_plan(int64_t N) const;
@@ -34,10 +40,12 @@ class Layer {
   std::shared_ptr<Impl> impl;
 };
 
-// A unidirectional stack in one call (qgru_cuda.cpp CudaStack).
+// A unidirectional stack in one call (qgru_cuda.cpp CudaStack); levels: layer 0's x levels as
+// [scale, lo, hi], or empty.
 class Stack {
  public:
-  Stack(const std::vector<std::shared_ptr<Layer>>& layers, std::vector<std::vector<double>> values);
+  Stack(const std::vector<std::shared_ptr<Layer>>& layers, std::vector<std::vector<double>> values,
+        const std::vector<std::vector<double>>& levels);
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& h0) const;
   struct Impl;
   std::shared_ptr<Impl> impl;

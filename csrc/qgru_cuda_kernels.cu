@@ -67,13 +67,19 @@ __global__ void limbs_kernel(const S* __restrict__ src, int64_t rows, int32_t K,
 
 constexpr HOperand kNoOperand{0, Rescale{nullptr, nullptr, nullptr}, 0, 0, Range{0, 0}};
 
+// W.x of rows [0, rows): the limb products requantized, row r on its x level (level[r], clamped
+// into [0, levels); nullptr: level 0, a layer without levels) with that level's bias and rescale.
 template <int NP, bool POW2, bool ACC32>
 __global__ void input_epilogue_kernel(AccRequant a, AccRequant32 a32, LimbProducts lp, int64_t rows, int32_t H3,
-                                      int32_t* __restrict__ dwx) {
+                                      const int32_t* __restrict__ level, int32_t levels, int32_t* __restrict__ dwx) {
   const int32_t c = this_col();
   if (c >= H3) return;
-  for (int64_t r = first_row(); r < rows; r += row_stride())
-    dwx[r * H3 + c] = (int32_t)requantize_product<NP, POW2, ACC32>(a, a32, lp, r, c);
+  for (int64_t r = first_row(); r < rows; r += row_stride()) {
+    int32_t j = level != nullptr ? level[r] : 0;
+    j = j < 0 ? 0 : (j >= levels ? levels - 1 : j);
+    const int64_t off = (int64_t)j * H3;
+    dwx[r * H3 + c] = (int32_t)requantize_product<NP, POW2, ACC32>(at_level(a, off), at_level(a32, off), lp, r, c);
+  }
 }
 
 // One time step for every (n, j): the shared cell, then the new state, its output copy (int16: a
@@ -115,6 +121,48 @@ __global__ void quantize_kernel(const X* __restrict__ x, Q* __restrict__ q, int6
   bool nan = false;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
     q[i] = (Q)quantize_value((double)x[i], scale, zp, r, b, &nan);
+  if (nan && nan_flag != nullptr) atomicOr(nan_flag, nan_bit);
+}
+
+// golden.quantize_levels, one warp per token (a grid-stride loop over tokens): the lanes reduce
+// the token's minimum and maximum (float64; a NaN marks the token), lane 0 writes its level
+// (select_level), every lane quantizes its values on that level's grid (quantize_value).
+template <typename X, typename Q>
+__global__ void quantize_levels_kernel(const X* __restrict__ x, Q* __restrict__ q, int32_t* __restrict__ level,
+                                       int64_t tokens, int64_t I, XLevelGrid g, int64_t zp, Range r,
+                                       int32_t* __restrict__ nan_flag, int32_t nan_bit) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+  bool nan = false;
+  for (int64_t t = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; t < tokens; t += warps) {
+    const X* v = x + t * I;
+    double mn = 0.0, mx = 0.0;
+    bool any = false, has_nan = false;
+    for (int64_t i = lane; i < I; i += 32) {
+      const double d = (double)v[i];
+      if (d != d) {
+        has_nan = true;
+      } else {
+        mn = any && mn <= d ? mn : d;
+        mx = any && mx >= d ? mx : d;
+        any = true;
+      }
+    }
+    for (int o = 16; o > 0; o /= 2) {  // the whole warp: min, max, whether any lane saw a value or a NaN
+      const double omn = __shfl_xor_sync(0xffffffffu, mn, o), omx = __shfl_xor_sync(0xffffffffu, mx, o);
+      const bool oany = __shfl_xor_sync(0xffffffffu, (int)any, o) != 0;
+      has_nan = __shfl_xor_sync(0xffffffffu, (int)has_nan, o) != 0 || has_nan;
+      if (oany) {
+        mn = any && mn <= omn ? mn : omn;
+        mx = any && mx >= omx ? mx : omx;
+        any = true;
+      }
+    }
+    const int32_t j = select_level(g, mn, mx, has_nan);
+    if (lane == 0) level[t] = j;
+    const QuantizeBounds b = quantize_bounds(r, zp);
+    for (int64_t i = lane; i < I; i += 32) q[t * I + i] = (Q)quantize_value((double)v[i], g.scale[j], zp, r, b, &nan);
+  }
   if (nan && nan_flag != nullptr) atomicOr(nan_flag, nan_bit);
 }
 
@@ -184,8 +232,8 @@ WorkspaceSizes workspace_sizes(const LayerDesc& d, int64_t T, int64_t N) {
   return s;
 }
 
-void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, int64_t T, int64_t N, int32_t* state,
-             int16_t* out, const int64_t* lengths, cudaStream_t stream, cublasHandle_t handle) {
+void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, const int32_t* level, int64_t T, int64_t N,
+             int32_t* state, int16_t* out, const int64_t* lengths, cudaStream_t stream, cublasHandle_t handle) {
   if (T == 0 || N == 0) return;
   // `handle` must already be bound to `stream` with a workspace (qgru_cuda.cpp binds its own handle;
   // PyTorch's comes bound): calling cublasSetStream here would reset that workspace, and cuBLAS would
@@ -237,7 +285,9 @@ void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, int64_t
     const Launch2D le = launch_2d(rows, H3);
     dispatch_kernel(d.wx.P, d.pow2, d.acc32, [&](auto np, auto pow2, auto acc32) {
       input_epilogue_kernel<decltype(np)::value, decltype(pow2)::value, decltype(acc32)::value>
-          <<<le.grid, le.block, 0, stream>>>(d.acc_x, d.acc_x32, lx_p, rows, (int32_t)H3, ws.dwx);
+          <<<le.grid, le.block, 0, stream>>>(d.acc_x, d.acc_x32, lx_p, rows, (int32_t)H3,
+                                             level != nullptr ? level + t0 * N : nullptr,
+                                             (int32_t)(d.x_levels > 0 ? d.x_levels : 1), ws.dwx);
     });
     check(cudaGetLastError(), "input_epilogue_kernel launch");
     if (persistent) {  // the window's steps in one launch (qgru_cuda_persistent.cu)
@@ -269,6 +319,20 @@ void quantize(const X* x, Q* q, int64_t n, double scale, int64_t zp, int32_t bit
   check(cudaGetLastError(), "quantize_kernel launch");
 }
 
+template <typename X, typename Q>
+void quantize_levels(const X* x, Q* q, int32_t* level, int64_t tokens, int64_t I, const XLevelGrid& g, int64_t zp,
+                     int32_t bits, int32_t* nan_flag, int32_t nan_bit, cudaStream_t stream) {
+  static_assert(std::is_same<Q, int32_t>::value || std::is_same<Q, int16_t>::value, "int32 or int16 output");
+  if (tokens == 0) return;
+  if (g.count < 1 || g.count > kMaxXLevels || I < 1) throw std::runtime_error("qgru cuda: bad x levels");
+  const int64_t warps_per_block = kThreads / 32;
+  int64_t blocks = (tokens + warps_per_block - 1) / warps_per_block;
+  blocks = blocks > 65535 ? 65535 : blocks;  // the grid-stride loop covers the rest
+  quantize_levels_kernel<X, Q><<<(unsigned)blocks, kThreads, 0, stream>>>(x, q, level, tokens, I, g, zp,
+                                                                          signed_range(bits), nan_flag, nan_bit);
+  check(cudaGetLastError(), "quantize_levels_kernel launch");
+}
+
 template <typename Q>
 void dequantize(const Q* q, float* out, int64_t n, double scale, int64_t zp, cudaStream_t stream) {
   if (n == 0) return;
@@ -293,6 +357,14 @@ template void quantize<float, int16_t>(const float*, int16_t*, int64_t, double, 
                                        cudaStream_t);
 template void quantize<double, int16_t>(const double*, int16_t*, int64_t, double, int64_t, int32_t, int32_t*, int32_t,
                                         cudaStream_t);
+template void quantize_levels<float, int32_t>(const float*, int32_t*, int32_t*, int64_t, int64_t, const XLevelGrid&,
+                                              int64_t, int32_t, int32_t*, int32_t, cudaStream_t);
+template void quantize_levels<double, int32_t>(const double*, int32_t*, int32_t*, int64_t, int64_t,
+                                               const XLevelGrid&, int64_t, int32_t, int32_t*, int32_t, cudaStream_t);
+template void quantize_levels<float, int16_t>(const float*, int16_t*, int32_t*, int64_t, int64_t, const XLevelGrid&,
+                                              int64_t, int32_t, int32_t*, int32_t, cudaStream_t);
+template void quantize_levels<double, int16_t>(const double*, int16_t*, int32_t*, int64_t, int64_t,
+                                               const XLevelGrid&, int64_t, int32_t, int32_t*, int32_t, cudaStream_t);
 template void dequantize<int32_t>(const int32_t*, float*, int64_t, double, int64_t, cudaStream_t);
 template void dequantize<int16_t>(const int16_t*, float*, int64_t, double, int64_t, cudaStream_t);
 

@@ -88,6 +88,29 @@ QGRU_HD int32_t quantize_value(double x, double scale, int64_t zp, Range r, Quan
 // int64 difference exactly (both below 2^53).
 QGRU_HD float dequantize_value(int32_t q, double scale, double zp) { return (float)(((double)q - zp) * scale); }
 
+// x levels (golden.XLevels, select_levels): per-token grids of a first layer's float x. Level j
+// holds the values in [lo[j], hi[j]] (float64; -inf / +inf where the zero point is at the range's
+// end); a token (the I values of x at one time step and batch row) takes the first level that holds
+// its minimum and maximum, else the last. A token holding a NaN fits no level (the last): the
+// quantizer then rejects it (CPU) or flags it (CUDA) as without levels. Passed by value (CUDA: a
+// kernel argument, nothing to copy to the device), so the count is bounded.
+QGRU_ISA_END
+constexpr int kMaxXLevels = 16;
+struct XLevelGrid {
+  int32_t count;  // 1 .. kMaxXLevels
+  double scale[kMaxXLevels], lo[kMaxXLevels], hi[kMaxXLevels];
+};
+QGRU_ISA_BEGIN
+
+// The level of a token from its minimum and maximum (compared in float64, where every float32
+// and float64 value is exact); nan: the token holds a NaN.
+QGRU_HD int32_t select_level(const XLevelGrid& g, double mn, double mx, bool nan) {
+  if (!nan)
+    for (int32_t j = 0; j < g.count; ++j)
+      if (mn >= g.lo[j] && mx <= g.hi[j]) return j;
+  return g.count - 1;
+}
+
 // round_half_up(v / 2^s) for s >= 0; s = 0 returns v (primitives.rounding_shift).
 QGRU_HD int64_t rounding_shift(int64_t v, int32_t s) { return (v + ((int64_t(1) << s) >> 1)) >> s; }
 

@@ -83,6 +83,42 @@ void check_stack_values(const char* who, const std::vector<std::shared_ptr<Layer
   }
 }
 
+// The x levels' grids (golden.XLevels: scale, lo, hi per level) as the kernels take them, checked:
+// 1 to kMaxXLevels levels, each a valid quantize scale, lo and hi not NaN.
+inline XLevelGrid level_grid(const std::vector<double>& scale, const std::vector<double>& lo, const std::vector<double>& hi,
+                      const char* who) {
+  const size_t J = scale.size();
+  TORCH_CHECK(J >= 1 && J <= (size_t)kMaxXLevels && lo.size() == J && hi.size() == J, who, ": 1 to ", kMaxXLevels,
+              " x levels with a scale, lo and hi each, got ", scale.size(), ", ", lo.size(), " and ", hi.size());
+  XLevelGrid g{};
+  g.count = (int32_t)J;
+  for (size_t j = 0; j < J; ++j) {
+    TORCH_CHECK(std::isfinite(scale[j]) && scale[j] > 0 && !std::isnan(lo[j]) && !std::isnan(hi[j]), who,
+                ": x level ", j, " has scale ", scale[j], ", lo ", lo[j], " and hi ", hi[j]);
+    g.scale[j] = scale[j], g.lo[j] = lo[j], g.hi[j] = hi[j];
+  }
+  return g;
+}
+
+// A Stack's x levels (layer 0's, as [scale, lo, hi], or none), checked against its Layers (which
+// have hidden_size ... and x_levels()): layer 0's count, and no levels below it (their x is the
+// previous layer's output, requantized). A grid of count 0 when there are none.
+template <class Layer>
+XLevelGrid check_stack_levels(const char* who, const std::vector<std::shared_ptr<Layer>>& layers,
+                              const std::vector<std::vector<double>>& levels) {
+  for (size_t l = 1; l < layers.size(); ++l)
+    TORCH_CHECK(layers[l]->x_levels() == 0, who, ": layer ", l, " has x levels; only the first layer takes a float x");
+  const int64_t J = layers[0]->x_levels();
+  if (levels.empty()) {
+    TORCH_CHECK(J == 0, who, ": layer 0 has ", J, " x levels, the Stack was given none");
+    return XLevelGrid{};
+  }
+  TORCH_CHECK(levels.size() == 3, who, ": x levels as [scale, lo, hi]");
+  const XLevelGrid g = level_grid(levels[0], levels[1], levels[2], who);
+  TORCH_CHECK(g.count == J, who, ": ", g.count, " x levels given, layer 0 has ", J);
+  return g;
+}
+
 struct LayerTensors {
   TensorMap t;
   IntMap v;
@@ -151,7 +187,20 @@ struct LayerTensors {
     check_rescale("zh", 1, pow2);
     check_rescale("zg", 1, pow2);
     for (const char* g : {"r", "z", "g"}) check_table(g);
+    // x levels (first layer, config x.dynamic): W.x's bias and rescale per level, [J, 3H] flat
+    const int64_t J = x_levels();
+    TORCH_CHECK(0 <= J && J <= kMaxXLevels, "qgru native layer: 'x_levels' = ", J, " is outside [0, ", kMaxXLevels, "]");
+    if (J > 0) {
+      host("Wxl_bias", at::kLong, J * H3);
+      check_rescale("Wxl", J * H3, pow2);
+    }
     if (value("acc32") != 0) check_acc32(H, I, px, ph, pow2);
+  }
+
+  // The number of x levels (0: none). Maps made before levels existed have no entry.
+  int64_t x_levels() const {
+    auto it = v.find("x_levels");
+    return it == v.end() ? 0 : it->second;
   }
 
   void check_value(const std::string& k, int64_t lo, int64_t hi) const {
@@ -237,14 +286,19 @@ struct LayerTensors {
                 "qgru native layer: the int32 path needs 8-bit GEMM operands, one limb pair and sizes below 2^16");
     host("Wx_zp32", at::kInt, 3 * H);
     const int64_t i32max = INT32_MAX;
-    if (pow2) {
-      for (const char* f : {"Wx_bias_hi", "Wx_bias_lo"}) host(f, at::kInt, 3 * H);
-      check_values("Wx_rshift", host("Wx_rshift", at::kInt, 3 * H), 1, 30);
-    } else {
-      host("Wx_bias_hi", at::kInt, 3 * H);  // the whole bias
-      check_values("Wx_bias_lo", host("Wx_bias_lo", at::kInt, 3 * H), 0, 31);  // lsh
-      check_values("Wx_rshift", host("Wx_rshift", at::kInt, 3 * H), 0, 31);
-      check_values("Wx_mult32", host("Wx_mult32", at::kInt, 3 * H), 0, i32max);
+    // W.x's int32 form: the static grid's [3H], and every x level's [J 3H] (Wxl_*)
+    for (const std::string k : {"Wx", "Wxl"}) {
+      const int64_t n = (k == "Wx" ? 1 : x_levels()) * 3 * H;
+      if (n == 0) continue;
+      if (pow2) {
+        for (const char* f : {"_bias_hi", "_bias_lo"}) host(k + f, at::kInt, n);
+        check_values(k + "_rshift", host(k + "_rshift", at::kInt, n), 1, 30);
+      } else {
+        host(k + "_bias_hi", at::kInt, n);  // the whole bias
+        check_values(k + "_bias_lo", host(k + "_bias_lo", at::kInt, n), 0, 31);  // lsh
+        check_values(k + "_rshift", host(k + "_rshift", at::kInt, n), 0, 31);
+        check_values(k + "_mult32", host(k + "_mult32", at::kInt, n), 0, i32max);
+      }
     }
     check_value("zg_rsh", 0, 31);
     check_value("zg_lsh", 0, pow2 ? 0 : 31);
@@ -315,6 +369,18 @@ struct LayerTensors {
     const bool pow2 = value("pow2") != 0;
     return AccRequant32{i32(k + "_bias_hi"), i32(k + "_bias_lo"), i32(k + "_rshift"), i32(k + "_zp32"),
                         pow2 ? nullptr : i32(k + "_mult32"), (int32_t)value(k + "_lo"), (int32_t)value(k + "_hi")};
+  }
+  // W.x's requantization as the kernels take it: a layer with x levels, every level's bias and
+  // rescale ([J, 3H] flat, qgru_cell.h at_level), else the static grid's ([3H], level 0 only).
+  AccRequant acc_x() const {
+    if (x_levels() == 0) return acc("Wx");
+    return AccRequant{i64("Wxl_bias"), rescale("Wxl"), i64("Wx_zp"), range("Wx")};
+  }
+  AccRequant32 acc32_x() const {
+    if (x_levels() == 0 || value("acc32") == 0) return acc32("Wx");
+    const bool pow2 = value("pow2") != 0;
+    return AccRequant32{i32("Wxl_bias_hi"), i32("Wxl_bias_lo"), i32("Wxl_rshift"), i32("Wx_zp32"),
+                        pow2 ? nullptr : i32("Wxl_mult32"), (int32_t)value("Wx_lo"), (int32_t)value("Wx_hi")};
   }
   SigmoidGate sigmoid(const std::string& k) const {  // k = "r" or "z"
     return SigmoidGate{rescale(k + "_from_wx"), rescale(k + "_from_rh"), value(k + "_pre_zp"), range(k + "_pre"),

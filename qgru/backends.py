@@ -59,6 +59,10 @@ class _NativeCpuBoundaryOps(BoundaryOps):
     def quantize(self, x, scale, zp, bits, what):
         return self.mod.quantize(native.resolved(x), float(scale), int(zp), int(bits), what, native.cpu_isa_request())
 
+    def quantize_levels(self, x, levels, zp, bits, what):
+        return self.mod.quantize_levels(native.resolved(x), *_level_lists(levels), int(zp), int(bits), what,
+                                        native.cpu_isa_request())
+
     def dequantize(self, q, scale, zp):
         return self.mod.dequantize(native.resolved(q), float(scale), int(zp))
 
@@ -81,6 +85,16 @@ def _host_scalar(t, kind=float):
     return v
 
 
+def _level_lists(levels: "golden.XLevels"):
+    """(scale, lo, hi) of x levels as lists of floats (what the native quantize_levels take), read
+    once per XLevels: device parameters would otherwise cost a device-to-host copy per call."""
+    v = getattr(levels, "_qgru_host_lists", None)
+    if v is None:
+        v = tuple([float(x) for x in t.reshape(-1).tolist()] for t in (levels.scale, levels.lo, levels.hi))
+        levels._qgru_host_lists = v
+    return v
+
+
 class _NativeCudaBoundaryOps(BoundaryOps):
     """One kernel pass each for quantize and dequantize (csrc/qgru_cuda.cpp), on the arithmetic of
     csrc/qgru_fixedpoint.h that the CPU backend's boundary computes too; the layer-to-layer
@@ -93,6 +107,10 @@ class _NativeCudaBoundaryOps(BoundaryOps):
 
     def quantize(self, x, scale, zp, bits, what):
         return self.mod.quantize(native.resolved(x), _host_scalar(scale), _host_scalar(zp, int), int(bits), what)
+
+    def quantize_levels(self, x, levels, zp, bits, what):
+        return self.mod.quantize_levels(native.resolved(x), *_level_lists(levels), _host_scalar(zp, int), int(bits),
+                                        what)
 
     def dequantize(self, q, scale, zp):
         return self.mod.dequantize(native.resolved(q), _host_scalar(scale), _host_scalar(zp, int))

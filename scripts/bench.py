@@ -29,6 +29,7 @@ Scenarios (issue targets in brackets):
     python scripts/bench.py --quick --no-write     # small shapes, few repeats: a smoke test
     python scripts/bench.py --device cuda --configs w8a8,w8a16
     python scripts/bench.py --configs w8a8,w8a8:pow2   # a config in the other scale mode too
+    python scripts/bench.py --configs w8a8,w8a8+dynamic   # and with x levels (x.dynamic, h_gemm.dynamic)
     python scripts/bench.py --T 50 --N 32 --hidden 256 --threads 4 --out /tmp/b.md
 
 The cpu backend is timed once per instruction-set path the CPU runs (rows `cpu:amx`, `cpu:avx2`,
@@ -239,9 +240,17 @@ def cpu_kind(args) -> str:
 
 def config_of(name: str) -> qgru.QuantConfig:
     """A --configs entry: a built-in config, or NAME:MODE for it with another scale mode
-    (w8a8:pow2: every rescale a shift)."""
+    (w8a8:pow2: every rescale a shift); a "+dynamic" suffix turns on x.dynamic (the first layer's x
+    levels) and h_gemm.dynamic where the config has an h_gemm (w8a8+dynamic, w8a8:pow2+dynamic)."""
+    name, plus, _ = name.partition("+dynamic")
     base, _, mode = name.partition(":")
-    return qgru.QuantConfig.load(base, overrides={"scale_mode": mode} if mode else None)
+    over = {"scale_mode": mode} if mode else {}
+    if plus:
+        tensors = {"x": {"dynamic": True}}
+        if "h_gemm" in qgru.QuantConfig.load(base).to_dict()["tensors"]:
+            tensors["h_gemm"] = {"dynamic": True}
+        over["tensors"] = tensors
+    return qgru.QuantConfig.load(base, overrides=over or None)
 
 
 def quantized(gru, calib, configs):

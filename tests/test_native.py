@@ -1354,6 +1354,222 @@ def _check_boundary(ops, ref, dev, bits, pow2, exp, mant, zp_frac, dtype, shape,
 
 
 # ---------------------------------------------------------------------------------------------
+# 1c. x levels (issue 31): per-token grids of the first layer's float x, on every native path
+# ---------------------------------------------------------------------------------------------
+def _dynamic(cfg: str, mode: str) -> QuantConfig:
+    return QuantConfig.load(cfg, overrides={"scale_mode": mode, "tensors": {"x": {"dynamic": True}}})
+
+
+def _levels_layer(cfg: str, mode: str, I: int, H: int, seed: int) -> golden.LayerParams:
+    """A first layer with x levels (config x.dynamic), x calibrated to [-3, 2]."""
+    one = lambda lo, hi: (torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64))
+    per = lambda lo, hi: (torch.full((3 * H,), lo, dtype=torch.float64), torch.full((3 * H,), hi, dtype=torch.float64))
+    ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-4, 5), "Rh": per(-3, 2),
+              "r_pre": one(-6, 6), "z_pre": one(-6, 6), "g_pre": one(-5, 7)}
+    p = _random_layer(_dynamic(cfg, mode), I, H, ranges, w_exp=-2, b_exp=-2, zero_row=False, seed=seed)
+    assert p.x_levels is not None and p.x_levels.exponent.numel() > 1
+    return p
+
+
+def _level_inputs(p: golden.LayerParams, shape, gen: torch.Generator, dtype=torch.float32) -> torch.Tensor:
+    """Float x of ``shape`` (last axis I): each token drawn in the static grid's range (level 0's
+    [lo, hi], an infinite end taken as the other's mirror) and scaled by its own factor in [0.3, 5]
+    (so that several levels occur); about one token in five has a value at exactly a level's lo or
+    hi (in float64: a level's own edge)."""
+    lo, hi = float(p.x_levels.lo[0]), float(p.x_levels.hi[0])
+    lo, hi = (lo if math.isfinite(lo) else -hi), (hi if math.isfinite(hi) else -lo)
+    x = torch.rand(shape, generator=gen, dtype=torch.float64) * (hi - lo) + lo
+    f = torch.exp(torch.rand(tuple(shape[:-1]) + (1,), generator=gen, dtype=torch.float64)
+                  * (math.log(5) - math.log(0.3)) + math.log(0.3))
+    x = x * f
+    lv = p.x_levels
+    edges = torch.cat([lv.lo, lv.hi])
+    edges = edges[torch.isfinite(edges)]
+    flat = x.reshape(-1, shape[-1])
+    pick = torch.rand(flat.shape[0], generator=gen) < 0.2
+    which = torch.randint(0, edges.numel(), (flat.shape[0],), generator=gen)
+    col = torch.randint(0, shape[-1], (flat.shape[0],), generator=gen)
+    rows = pick.nonzero().reshape(-1)
+    flat[rows, col[rows]] = edges[which[rows]]
+    return flat.reshape(shape).to(dtype)
+
+
+def _check_levels(kind: str, p: golden.LayerParams, T: int, N: int, with_lengths: bool, seed: int) -> torch.Tensor:
+    """native gru_direction == golden's on float x quantized on its tokens' levels; returns the levels."""
+    gen = torch.Generator().manual_seed(seed)
+    x = _level_inputs(p, (T, N, p.input_size), gen)
+    qx, level = golden.quantize_levels(p.x_levels, x, p.zp["x"], p.bits["x"])
+    qh0 = _random_ints((N, p.hidden_size), p.bits["h"], gen)
+    lengths = torch.randint(0, T + 1, (N,), generator=gen) if with_lengths else None
+    want_out, want_h = golden.gru_direction(p, qx, qh0, lengths, level=level)
+    dev = _device(kind)
+    pd = p
+    if dev.type != "cpu":
+        copies = p.__dict__.setdefault("_test_device_copies", {})
+        if str(dev) not in copies:
+            copies[str(dev)] = p.to(dev)
+        pd = copies[str(dev)]
+    got_out, got_h = native.gru_direction(_backend(kind))(pd, qx.to(dev), qh0.to(dev), _to(lengths, dev),
+                                                          level=level.to(dev))
+    assert {layer.gemm for layer in pd.__dict__["_native"].values()} == {_expected_gemm(kind, p)}
+    got_out, got_h = got_out.cpu().long(), got_h.cpu().long()
+    bad = (got_out != want_out).nonzero()
+    assert torch.equal(got_out, want_out), (
+        f"outputs differ at [t, n, j] {bad[:5].tolist()} ({len(bad)} of {want_out.numel()}), T={T} N={N}")
+    assert torch.equal(got_h, want_h)
+    return level
+
+
+@pytest.mark.parametrize("cfg", ["w8a8", "w8a16", "w16a16"])
+@pytest.mark.parametrize("mode", ["pow2", "multiplier"])
+@pytest.mark.parametrize("I,H", [(17, 48), (100, 129)])
+def test_x_levels_bit_exact(kind, cfg, mode, I, H):
+    """A layer with x levels, tokens spread over its levels: the native W.x requantization takes each
+    row's level (the unfused W.x pass, the fused step's W.x tiles, the one-row Layer) as golden
+    does. Shapes: one-row streaming (T = N = 1), a few rows (W.x per chunk), 20 and 37 rows (16-row
+    tiles, the last partial), lengths, and a sequence longer than one chunk of steps."""
+    p = _levels_layer(cfg, mode, I, H, seed=I * 100 + H)
+    seen = set()
+    for T, N, lengths in ((1, 1, False), (3, 1, False), (5, 7, True), (2, 20, False), (30, 37, True),
+                          (1, 20, False), (40, 3, False)):
+        seen |= set(_check_levels(kind, p, T, N, lengths, seed=T * 10 + N).unique().tolist())
+    assert len(seen) >= 3, seen  # the inputs really used several levels
+
+
+def test_x_levels_int32_cell_taken(cpu_backend):
+    """Calibrated w8a8 layers with x levels take the int32 cell where the same layer without levels
+    does: always in multiplier mode (the shipped w8a8's), where a level's wider grid only lowers its
+    shift; in pow2 mode a level lowers W.x's right shift R by exponent / 4 (up to 3) and a static R
+    of 1 to 3 can leave the int32 form's R >= 1 (then the whole layer runs the int64 cell: 1 of ~100
+    calibrated pow2 layers with an int32 cell, sizes 8 to 512, x at 0.03 to 10, 2026-11-27). Level
+    0's int32 fields are the static grid's."""
+    from qgru.native.prepare import prepare_layer
+    taken = 0
+    for mode in ("pow2", "multiplier"):
+        for (I, H), xs in (((12, 20), 1.0), ((64, 128), 0.1), ((64, 128), 10.0)):
+            torch.manual_seed(I + H)
+            m = qgru.QuantGRU(I, H, config=_dynamic("w8a8", mode))
+            qgru.calibrate(m, [torch.randn(20, 8, I) * xs for _ in range(2)], progress=False)
+            p = m.convert()._qparams[0][0]
+            static = p.clone()
+            static.x_levels = None
+            with warnings.catch_warnings():  # a pow2 layer that falls back says so (tested below)
+                warnings.simplefilter("ignore", RuntimeWarning)
+                t, v = prepare_layer(p)
+            J = p.x_levels.exponent.numel()
+            was = prepare_layer(static)[1]["acc32"]
+            assert v["x_levels"] == J and (v["acc32"] == was if mode == "multiplier" else v["acc32"] <= was), \
+                (mode, I, H)
+            if v["acc32"]:
+                taken += 1
+                assert t["Wxl_bias_hi"].shape == (J * 3 * H,)
+                for f in ("bias_hi", "bias_lo", "rshift", "mult32"):
+                    assert torch.equal(t[f"Wxl_{f}"][:3 * H], t[f"Wx_{f}"]), (mode, f)
+    assert taken >= 3
+
+
+def test_x_levels_int32_fallback_warns_and_stays_exact(cpu_backend, monkeypatch):
+    """A calibrated pow2 layer whose static W.x right shift is 1 to 2 (the int32 form holds) and its
+    widest levels' 0 to -2 (it does not): the layer runs the int64 cell, says so once, and is still
+    bit-exact."""
+    from qgru.native import prepare
+    torch.manual_seed(192)
+    m = qgru.QuantGRU(64, 128, config=_dynamic("w8a8", "pow2"))
+    qgru.calibrate(m, [torch.randn(20, 8, 64) * 0.1 for _ in range(2)], progress=False)
+    p = m.convert()._qparams[0][0]
+    monkeypatch.setattr(prepare, "_warned_levels_int64", False)
+    with pytest.warns(RuntimeWarning, match="int64 cell"):
+        t, v = prepare.prepare_layer(p)
+    static = p.clone()
+    static.x_levels = None
+    assert v["acc32"] == 0 and prepare.prepare_layer(static)[1]["acc32"] == 1
+    for T, N in ((5, 3), (2, 20), (1, 1)):
+        _check_levels("cpu", p, T, N, False, seed=T + N)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_x_levels_quantize_matches_golden(kind, dtype):
+    """The native quantize_levels (per token: minimum, maximum, level, quantize on it) == golden's,
+    for values at levels' edges, infinities (the last level, saturated), one value per token, and
+    unbatched shapes."""
+    p = _levels_layer("w8a8", "multiplier", 37, 16, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    dev = _device(kind)
+    with qgru.backend(_backend(kind)) as b:
+        ops = b.boundary
+        for shape in ((6, 9, 37), (11, 37), (4, 5, 1)):
+            if shape[-1] != p.input_size:
+                q1 = _levels_layer("w8a8", "pow2", shape[-1], 16, seed=4)
+            else:
+                q1 = p
+            x = _level_inputs(q1, shape, gen, dtype)
+            x[0, 0] = float("inf")  # a token holding +inf: the last level, saturated
+            want_q, want_l = golden.quantize_levels(q1.x_levels, x, q1.zp["x"], q1.bits["x"])
+            got_q, got_l = ops.quantize_levels(x.to(dev), q1.x_levels, q1.zp["x"], q1.bits["x"], "input")
+            assert torch.equal(got_l.cpu().long(), want_l), shape
+            assert torch.equal(got_q.cpu().long(), want_q), shape
+            assert got_q.shape == shape and got_l.shape == shape[:-1]
+
+
+def test_x_levels_nan_is_an_error(cpu_backend):
+    p = _levels_layer("w8a8", "pow2", 8, 16, seed=0)
+    x = torch.randn(3, 2, 8)
+    x[1, 1, 3] = float("nan")
+    with qgru.backend("cpu") as b, pytest.raises(ValueError, match="contains NaN"):
+        b.boundary.quantize_levels(x, p.x_levels, p.zp["x"], p.bits["x"], "input")
+
+
+def test_x_levels_layer_checks_its_levels(cpu_backend):
+    """A Layer with levels refuses a call without them, levels outside [0, J), and a level tensor of
+    another shape; a Layer without levels refuses a level."""
+    p = _levels_layer("w8a8", "multiplier", 8, 16, seed=0)
+    plain = _plain_layer("w8a8", "multiplier", 8, 16, seed=0)
+    J = p.x_levels.exponent.numel()
+    run = native.gru_direction("cpu")
+    qx, qh0 = torch.zeros(3, 2, 8, dtype=torch.int64), torch.zeros(2, 16, dtype=torch.int64)
+    good = torch.zeros(3, 2, dtype=torch.int64)
+    run(p, qx, qh0, None, level=good)
+    with pytest.raises(RuntimeError, match="needs each token's level"):
+        run(p, qx, qh0, None)
+    for bad in (good - 1, good + J):
+        with pytest.raises(RuntimeError, match="level holds values"):
+            run(p, qx, qh0, None, level=bad)
+    with pytest.raises(RuntimeError, match="level must be"):
+        run(p, qx, qh0, None, level=good[:2])
+    with pytest.raises(RuntimeError, match="no x levels"):
+        run(plain, qx, qh0, None, level=good)
+
+
+@pytest.mark.parametrize("cfg", ["w8a8", "w8a16", "w16a16"])
+@pytest.mark.parametrize("mode", ["pow2", "multiplier"])
+def test_module_x_levels_bit_exact(kind, cfg, mode):
+    """A converted 2-layer QuantGRU with x levels (x.dynamic; h_gemm.dynamic where the config has an
+    h_gemm) on each native backend == on the reference backend, for inputs 0.3 to 5 times the
+    calibrated range per token: the one-call stack (batched), the layer-by-layer path (packed),
+    streaming calls of one step and a batch of 20."""
+    tensors = {"x": {"dynamic": True}}
+    if "h_gemm" in QuantConfig.load(cfg).to_dict()["tensors"]:
+        tensors["h_gemm"] = {"dynamic": True}
+    cfg_json = QuantConfig.load(cfg, overrides={"scale_mode": mode, "tensors": tensors}).to_json()
+    m = _converted(cfg_json, 12, 20, 2, False, False, 2)
+    assert m._qparams[0][0].x_levels is not None and m._qparams[1][0].x_levels is None
+    _forget_native(m)
+    gen = torch.Generator().manual_seed(9)
+    cases = []
+    for T, N in ((7, 3), (1, 1), (4, 20)):
+        x = torch.randn(T, N, 12, generator=gen) * torch.exp(torch.rand(T, N, 1, generator=gen) * 2.8 - 1.2)
+        cases.append((x, None))
+        cases.append((x, torch.randn(2, N, 20, generator=gen)))
+    x = torch.randn(6, 4, 12, generator=gen) * 3
+    cases.append((pack_padded_sequence(x, torch.tensor([6, 2, 5, 1]), enforce_sorted=False), None))
+    for x, h0 in cases:
+        want = _run(m, "reference", torch.device("cpu"), x, h0)
+        got = _run(m, kind, _device(kind), x, h0)
+        _assert_same(got, want)
+    _assert_native_ran(m, kind)
+
+
+# ---------------------------------------------------------------------------------------------
 # 2-5. The registry: report, default selection, fallback, forcing
 # ---------------------------------------------------------------------------------------------
 def test_backends_report():

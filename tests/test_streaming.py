@@ -215,3 +215,53 @@ def test_one_call_path_leaves_other_calls_to_the_general_path(monkeypatch, case)
             with qgru.backend(ctx):
                 m(x, h)
     assert seen == [case]
+
+
+# ---------------------------------------------------------------------------------------------
+# x levels (issue 31, config x.dynamic): the one-call stack quantizes each token of the input on
+# its own level (native quantize_levels) and runs the first layer's W.x on it
+# ---------------------------------------------------------------------------------------------
+_LEVEL_MODELS = {}
+
+
+def _levels_model(config: str, mode: str, layers: int) -> qgru.QuantGRU:
+    key = (config, mode, layers)
+    if key not in _LEVEL_MODELS:
+        torch.manual_seed(len(_LEVEL_MODELS) + 5)
+        cfg = qgru.QuantConfig.load(config, overrides={"scale_mode": mode, "tensors": {"x": {"dynamic": True}}})
+        m = qgru.QuantGRU(I, H, num_layers=layers, config=cfg)
+        qgru.calibrate(m, [torch.randn(T, N, I) for _ in range(3)], progress=False)
+        _LEVEL_MODELS[key] = m.convert()
+        assert m._qparams[0][0].x_levels is not None
+    return _LEVEL_MODELS[key]
+
+
+def _spread_tokens(shape, gen: torch.Generator) -> torch.Tensor:
+    """randn tokens, each scaled by its own factor in [0.3, 5]: inside and far outside calibration."""
+    f = torch.exp(torch.rand(tuple(shape[:-1]) + (1,), generator=gen) * (math.log(5) - math.log(0.3)) + math.log(0.3))
+    return torch.randn(shape, generator=gen) * f
+
+
+@pytest.mark.parametrize("config,mode,layers", list(itertools.product(CONFIGS, MODES, (1, 2))))
+def test_x_levels_one_call_stack_streams_like_reference(monkeypatch, config, mode, layers):
+    """With x levels: streaming calls (T = 1, N = 1; and chunks of a batch of 3 and of 20) take the
+    one-call stack (the general path's _check_input would raise), equal the reference backend bit
+    for bit, and chunks equal the whole sequence."""
+    if not _cpu_available():
+        pytest.skip(f"cpu backend unavailable: {qgru.backends()['cpu']['why']}")
+    m = _levels_model(config, mode, layers)
+    gen = torch.Generator().manual_seed(17)
+    for n in (1, N, 20):
+        x = _spread_tokens((T, n, I), gen)
+        h0 = 0.5 * torch.randn(layers, n, H, generator=gen)
+        with qgru.backend("reference"):
+            want, h_want = m(x, h0)
+        for chunk in (1, 7, T):
+            with monkeypatch.context() as mp:
+                _refuse_general(mp)
+                outs, h = [], h0
+                for piece in x.split(chunk):
+                    out, h = m(piece, h)
+                    outs.append(out)
+            assert torch.equal(torch.cat(outs), want), (n, chunk)
+            assert torch.equal(h, h_want), (n, chunk)

@@ -42,13 +42,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize", &qgru::cpu_api::quantize,
         "float -> int32 (primitives.quantize) on a CPU path", pybind11::arg("x"), pybind11::arg("scale"),
         pybind11::arg("zp"), pybind11::arg("bits"), pybind11::arg("what"), pybind11::arg("isa") = "auto", release_gil());
+  m.def("quantize_levels", &qgru::cpu_api::quantize_levels,
+        "golden.quantize_levels on a CPU path: (q int32, level int32 per token)", pybind11::arg("x"),
+        pybind11::arg("scale"), pybind11::arg("lo"), pybind11::arg("hi"), pybind11::arg("zp"), pybind11::arg("bits"),
+        pybind11::arg("what"), pybind11::arg("isa") = "auto", release_gil());
   m.def("dequantize", &qgru::cpu_api::dequantize, "int -> float (primitives.dequantize)", release_gil());
   m.def("requantize", &qgru::cpu_api::requantize, "golden.requantize_input, per-tensor factor", release_gil());
   m.def("kernel_gemm", &qgru::cpu_api::kernel_gemm, "one CPU path's GEMM alone (tests)", pybind11::arg("isa"),
         pybind11::arg("a"), pybind11::arg("w"), pybind11::arg("gates") = false);
   pybind11::class_<qgru::cpu_api::Stack>(m, "Stack")
-      .def(pybind11::init<const std::vector<std::shared_ptr<qgru::cpu_api::Layer>>&, std::vector<std::vector<double>>>(),
-           pybind11::arg("layers"), pybind11::arg("values"))
+      .def(pybind11::init<const std::vector<std::shared_ptr<qgru::cpu_api::Layer>>&, std::vector<std::vector<double>>,
+                          const std::vector<std::vector<double>>&>(),
+           pybind11::arg("layers"), pybind11::arg("values"), pybind11::arg("levels") = std::vector<std::vector<double>>())
       .def("forward", &qgru::cpu_api::Stack::forward, pybind11::arg("x"), pybind11::arg("h0"), release_gil());
   pybind11::class_<qgru::cpu_api::Layer, std::shared_ptr<qgru::cpu_api::Layer>>(m, "Layer")
       .def(pybind11::init<qgru::TensorMap, qgru::IntMap, const std::string&>(), pybind11::arg("tensors"),
@@ -59,6 +64,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_one_row", &qgru::cpu_api::Layer::set_one_row, pybind11::arg("tensors"), pybind11::arg("values"),
            pybind11::arg("isa"))
       .def("forward", &qgru::cpu_api::Layer::forward, pybind11::arg("qx"), pybind11::arg("qh0"),
-           pybind11::arg("lengths") = pybind11::none(),
-           pybind11::call_guard<pybind11::gil_scoped_release>());
+           pybind11::arg("lengths") = pybind11::none(), pybind11::arg("level") = pybind11::none(),
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def_property_readonly("x_levels", &qgru::cpu_api::Layer::x_levels);
 }

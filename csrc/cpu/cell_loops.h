@@ -128,8 +128,11 @@ void cell_rows_t(const CellRowsArgs& a) {
 // whole as int16), stride lda.
 // All rows in one call, the row loops around the channel loops: per row calls of the same loops
 // paid their start-up (setup, pipeline fill) for every 128 elements; measured ~15% of the cell.
+// With XACC, row r's W.x is requantized on its x level (level[r]; nullptr: level 0), from wx / wx32
+// moved to that level (at_level).
 template <bool POW2, bool ACC32, bool XACC, typename A>
-QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t j0, int64_t nj, int64_t rows,
+QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const AccRequant32& wx32,
+                             const int32_t* __restrict level, int64_t j0, int64_t nj, int64_t rows,
                              const uint8_t* __restrict active, const int32_t* __restrict x,
                              const int32_t* __restrict acc_h, int32_t* __restrict s, int32_t* __restrict o,
                              const A* __restrict h_in, A* __restrict h_out, int64_t lda) {
@@ -143,8 +146,12 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
   if constexpr (ACC32) {
     const Cell32 c32 = p.c32;
     const int32_t* fields = cell32_channel<ACC32>(p, j0).at;  // channel j0 + c's at fields + c
-    const auto d_wx = [&](Channel32 ch, int q, auto v) {
-      return XACC ? requant32_at<POW2, decltype(v)>(ch, kWxRequant, q, v, c32.wx_lo, c32.wx_hi) : v;
+    // W.x of gate q at channel j0 + c: a row without levels from the channel's blocked fields (ch), a
+    // row of a layer with x levels (LV) from the flat arrays at its level (wl: wx32 at the row's level)
+    const auto d_wx = [&](auto lv, const AccRequant32& wl, Channel32 ch, int q, int64_t c, auto v) {
+      if constexpr (!XACC) return v;
+      else if constexpr (decltype(lv)::value) return requant32_flat<POW2, decltype(v)>(wl, q * H + j0 + c, v);
+      else return requant32_at<POW2, decltype(v)>(ch, kWxRequant, q, v, c32.wx_lo, c32.wx_hi);
     };
     // Four passes over the tile, each a short loop: the gates' pre-activations r and z, their
     // table lookups, g's pre-activation, then its lookup and the new state. A table lookup waits
@@ -154,27 +161,27 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
     // measured ~15% faster than one on the AMX machine; four took the cell's samples per GEMM
     // sample from 0.234-0.236 to 0.196-0.228 on a Zen 3 EPYC, avx2 layer T=100 N=64, perf.)
     alignas(64) int32_t d_r[kTileRows * W], d_z[kTileRows * W], g_pre[kTileRows * W];  // row r's at [r * W]
-    const auto rz_pre = [&](auto lanes, int64_t rx, int64_t rh, int64_t, int64_t c) {
+    const auto rz_pre = [&](auto lanes, auto lv, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t, int64_t c) {
       using V = decltype(lanes);
       const Channel32 ch{fields + c};
       lanes_store(d_r + rh + c, sigmoid_pre32<POW2, V>(c32, ch, 0, lanes_load<V>(acc_h + rh + c),
-                                                       d_wx(ch, 0, lanes_load<V>(x + rx + c))));
+                                                       d_wx(lv, wl, ch, 0, c, lanes_load<V>(x + rx + c))));
       lanes_store(d_z + rh + c, sigmoid_pre32<POW2, V>(c32, ch, 1, lanes_load<V>(acc_h + rh + gs + c),
-                                                       d_wx(ch, 1, lanes_load<V>(x + rx + xs + c))));
+                                                       d_wx(lv, wl, ch, 1, c, lanes_load<V>(x + rx + xs + c))));
     };
-    const auto rz_table = [&](auto lanes, int64_t, int64_t rh, int64_t, int64_t c) {
+    const auto rz_table = [&](auto lanes, auto, const AccRequant32&, int64_t, int64_t rh, int64_t, int64_t c) {
       using V = decltype(lanes);
       lanes_store(d_r + rh + c, lookup32<V>(c32.table[0], lanes_load<V>(d_r + rh + c)));
       lanes_store(d_z + rh + c, lookup32<V>(c32.table[1], lanes_load<V>(d_z + rh + c)));
     };
-    const auto g_preact = [&](auto lanes, int64_t rx, int64_t rh, int64_t, int64_t c) {
+    const auto g_preact = [&](auto lanes, auto lv, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t, int64_t c) {
       using V = decltype(lanes);
       const Channel32 ch{fields + c};
       const V acc_g = lanes_load<V>(acc_h + rh + 2 * gs + c), d_r_c = lanes_load<V>(d_r + rh + c);
-      lanes_store(g_pre + rh + c,
-                  candidate_pre32<POW2, V>(c32, ch, acc_g, d_wx(ch, 2, lanes_load<V>(x + rx + 2 * xs + c)), d_r_c));
+      lanes_store(g_pre + rh + c, candidate_pre32<POW2, V>(
+                                      c32, ch, acc_g, d_wx(lv, wl, ch, 2, c, lanes_load<V>(x + rx + 2 * xs + c)), d_r_c));
     };
-    const auto h_step = [&](auto lanes, int64_t, int64_t rh, int64_t rs, int64_t c) {
+    const auto h_step = [&](auto lanes, auto, const AccRequant32&, int64_t, int64_t rh, int64_t rs, int64_t c) {
       using V = decltype(lanes);
       const V h_new = new_state32<POW2, V>(c32, lookup32<V>(c32.table[2], lanes_load<V>(g_pre + rh + c)),
                                            lanes_load<V>(d_z + rh + c), lanes_load<V>(s + rs + c));
@@ -188,18 +195,25 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
 #else
     const int64_t nv = 0;
 #endif
-    // One pass: body(lanes, rx, rh, rs, c) on every active row's channels, the path's explicit
-    // vector (csrc/cpu/lanes_*.h) over whole groups of its lanes, int32_t lanes (the compiler's
-    // vectors) over the rest.
+    // One pass: body(lanes, lv, wl, rx, rh, rs, c) on every active row's channels, the path's
+    // explicit vector (csrc/cpu/lanes_*.h) over whole groups of its lanes, int32_t lanes (the
+    // compiler's vectors) over the rest; lv (a type: true for a layer with x levels, XACC) and wl,
+    // the row's W.x requantization at its level. A layer without levels keeps reading W.x's fields
+    // from the blocked array (the flat arrays' extra base pointers measured ~4% of a T=100 N=64 call).
+    const auto row_pass = [&](auto lv, auto body, int64_t r) {
+      const int64_t rx = r * xr, rh = r * W, rs = r * H;
+      const AccRequant32 wl = decltype(lv)::value ? at_level(wx32, level[r] * 3 * H) : wx32;
+#if defined(QGRU_CELL_LANES)
+      for (int64_t c = 0; c < nv; c += L) body(VL{}, lv, wl, rx, rh, rs, c);
+#endif
+#pragma omp simd
+      for (int64_t c = nv; c < nj; ++c) body(int32_t{}, lv, wl, rx, rh, rs, c);
+    };
     const auto pass = [&](auto body) {
       for (int64_t r = 0; r < rows; ++r) {
         if (!active[r]) continue;
-        const int64_t rx = r * xr, rh = r * W, rs = r * H;
-#if defined(QGRU_CELL_LANES)
-        for (int64_t c = 0; c < nv; c += L) body(VL{}, rx, rh, rs, c);
-#endif
-#pragma omp simd
-        for (int64_t c = nv; c < nj; ++c) body(int32_t{}, rx, rh, rs, c);
+        if (XACC && level != nullptr) row_pass(std::true_type{}, body, r);
+        else row_pass(std::false_type{}, body, r);
       }
     };
     pass(rz_pre);
@@ -207,12 +221,13 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, int64_t 
     pass(g_preact);
     pass(h_step);
   } else {
-    const auto d_wx = [&](int q, int64_t j, int32_t v) {
-      return XACC ? (int32_t)requantize_acc<POW2>(wx, q * H + j, v) : v;
-    };
     for (int64_t r = 0; r < rows; ++r) {
       if (!active[r]) continue;
       const int64_t rx = r * xr, rh = r * W, rs = r * H;
+      const AccRequant wa = XACC && level != nullptr ? at_level(wx, level[r] * 3 * H) : wx;  // the row's level
+      const auto d_wx = [&](int q, int64_t j, int32_t v) {
+        return XACC ? (int32_t)requantize_acc<POW2>(wa, q * H + j, v) : v;
+      };
 #pragma omp simd
       for (int64_t c = 0; c < nj; ++c) {
         const int64_t j = j0 + c;
@@ -251,8 +266,8 @@ void cell_tile_t(const CellTileArgs& a) {
   const A* h_in = static_cast<const A*>(a.h_in);
   A* h_out = static_cast<A*>(a.h_out);
 #define QGRU_CELL_TILE(P2, A32, XA)                                                                       \
-  cell_tile<P2, A32, XA, A>(*a.p, *a.wx, a.j0, a.nj, a.rows, a.active, a.x, a.acc_h, a.s, a.o, h_in, h_out, \
-                            a.lda)
+  cell_tile<P2, A32, XA, A>(*a.p, *a.wx, *a.wx32, a.level, a.j0, a.nj, a.rows, a.active, a.x, a.acc_h, a.s, a.o, \
+                            h_in, h_out, a.lda)
   if (a.acc32 && a.pow2) {
     if (a.xacc) QGRU_CELL_TILE(true, true, true);
     else QGRU_CELL_TILE(true, true, false);
@@ -277,10 +292,14 @@ QGRU_NOINLINE void requantize_row(const AccRequant a, const AccRequant32 a32, co
   for (int64_t c = 0; c < H3; ++c) o[c] = (int32_t)requantize_product<NP, POW2, ACC32>(a, a32, lp, r, c);
 }
 
+// Rows [r0, r1), each on its x level (level[r]; nullptr: level 0).
 inline void requant_rows(const RequantRowsArgs& a) {
   dispatch_kernel(a.np, a.pow2, a.acc32, [&](auto np, auto pow2, auto acc32) {
-    for (int64_t r = a.r0; r < a.r1; ++r)
-      requantize_row<np.value, pow2.value, acc32.value>(*a.a, *a.a32, *a.lp, r, a.H3, a.dwx + r * a.H3);
+    for (int64_t r = a.r0; r < a.r1; ++r) {
+      const int64_t off = a.level != nullptr ? a.level[r] * a.H3 : 0;
+      requantize_row<np.value, pow2.value, acc32.value>(at_level(*a.a, off), at_level(*a.a32, off), *a.lp, r, a.H3,
+                                                        a.dwx + r * a.H3);
+    }
   });
 }
 

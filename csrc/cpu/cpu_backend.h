@@ -21,6 +21,11 @@ bool forked_child();
 
 at::Tensor quantize(const at::Tensor& x, double scale, int64_t zp, int64_t bits, const std::string& what,
                     const std::string& isa);
+// golden.quantize_levels: (q int32, level int32 per token) on the x levels [scale, lo, hi].
+std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x, const std::vector<double>& scale,
+                                                   const std::vector<double>& lo, const std::vector<double>& hi,
+                                                   int64_t zp, int64_t bits, const std::string& what,
+                                                   const std::string& isa);
 at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp);
 at::Tensor requantize(const at::Tensor& q, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
                       int64_t to_bits);
@@ -35,15 +40,19 @@ class Layer {
   bool one_row_made();
   void set_one_row(TensorMap tensors, IntMap values, const std::string& isa);
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx, const at::Tensor& qh0,
-                                             const c10::optional<at::Tensor>& lengths);
+                                             const c10::optional<at::Tensor>& lengths,
+                                             const c10::optional<at::Tensor>& level);
+  int64_t x_levels() const;
   struct Impl;
   std::shared_ptr<Impl> impl;
 };
 
-// A unidirectional stack in one call (qgru_cpu.cpp Stack).
+// A unidirectional stack in one call (qgru_cpu.cpp Stack); levels: layer 0's x levels as
+// [scale, lo, hi], or empty.
 class Stack {
  public:
-  Stack(const std::vector<std::shared_ptr<Layer>>& layers, std::vector<std::vector<double>> values);
+  Stack(const std::vector<std::shared_ptr<Layer>>& layers, std::vector<std::vector<double>> values,
+        const std::vector<std::vector<double>>& levels);
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& h0) const;
   struct Impl;
   std::shared_ptr<Impl> impl;

@@ -74,6 +74,10 @@ struct CellTileArgs {
   void* h_out;              // the next step's
   int64_t lda;
   int pow2, acc32, xacc;
+  // xacc: W.x's int32 form as flat [levels][3H] arrays (wx32), and each row's x level (level[r],
+  // nullptr: level 0; rows of a layer without levels), the row's arrays at level[r] * 3H
+  const AccRequant32* wx32;
+  const int32_t* level;
 };
 
 // W.x requantization of rows [r0, r1): dwx[r][c] = Wx - Z_Wx from the limb products.
@@ -84,6 +88,7 @@ struct RequantRowsArgs {
   int64_t r0, r1, H3;
   int32_t* dwx;
   int np, pow2, acc32;
+  const int32_t* level;     // row r's x level at level[r] (nullptr: level 0; a layer without levels)
 };
 
 // Rows [r0, r1) of int32 values of `bits` bits (row stride K) as activation limbs: n_limbs

@@ -282,8 +282,9 @@ class CpuLayer {
     acc32_ = lt_.value("acc32") != 0;
     wx_.init(lt_, "x", k_, H_, I_, x_bits_, (int)lt_.value("x_direct16"));
     rh_.init(lt_, "h", k_, H_, H_, h_bits_, (int)lt_.value("h_direct16"));
-    acc_x_ = lt_.acc("Wx");
-    acc_x32_ = lt_.acc32("Wx");
+    levels_ = lt_.x_levels();
+    acc_x_ = lt_.acc_x();  // every x level's (levels_ > 0), else the static grid's
+    acc_x32_ = lt_.acc32_x();
     cell_ = lt_.cell();
     fused_ = rh_.P == 1 && wx_.P == 1;
     if (fused_) rh_.packed.clear();  // the fused step reads R only in the gates layout
@@ -301,6 +302,8 @@ class CpuLayer {
     for (auto& kv : tensors)
       TORCH_CHECK(kv.second.device().is_cpu(), "qgru cpu backend: '", kv.first, "' is not on the CPU");
     const LayerTensors spec{tensors, values};
+    TORCH_CHECK(spec.x_levels() == lt_.x_levels(), "qgru cpu: the one-row Layer has ", spec.x_levels(),
+                " x levels, this layer ", lt_.x_levels());
     for (const char* v : {"H", "I", "x_bits", "h_bits"})
       TORCH_CHECK(spec.value(v) == lt_.value(v), "qgru cpu: the one-row Layer's ", v, " (", spec.value(v),
                   ") is not this layer's (", lt_.value(v), ")");
@@ -332,7 +335,8 @@ class CpuLayer {
   }
 
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx_in, const at::Tensor& qh0_in,
-                                             const c10::optional<at::Tensor>& lengths_in) {
+                                             const c10::optional<at::Tensor>& lengths_in,
+                                             const c10::optional<at::Tensor>& level_in = c10::nullopt) {
     TORCH_CHECK(qx_in.device().is_cpu() && qh0_in.device().is_cpu() &&
                     (!lengths_in.has_value() || lengths_in->device().is_cpu()),
                 "qgru cpu: qx, qh0 and lengths must be CPU tensors");
@@ -346,9 +350,22 @@ class CpuLayer {
       lengths = lengths_in->resolve_neg().to(at::kLong).contiguous();
       TORCH_CHECK(lengths.numel() == qx_in.size(1), "qgru cpu: lengths must have N entries");
     }
+    at::Tensor level;
+    if (level_in.has_value() || (levels_ > 0 && qx_in.numel() > 0)) {
+      TORCH_CHECK(levels_ > 0, "qgru cpu: this layer has no x levels, yet a level per token was given");
+      TORCH_CHECK(level_in.has_value(), "qgru cpu: a layer with x levels needs each token's level");
+      TORCH_CHECK(level_in->device().is_cpu() && level_in->dim() == 2 && level_in->size(0) == qx_in.size(0) &&
+                      level_in->size(1) == qx_in.size(1),
+                  "qgru cpu: level must be a CPU tensor [T, N] = [", qx_in.size(0), ", ", qx_in.size(1), "], got ",
+                  level_in->sizes());
+      check_operand_values(*level_in, Range{0, levels_ - 1}, "level");
+      level = int32_contiguous(*level_in);
+    }
     // values fit int32: at most 16 bits; the state is this call's own copy (run updates it)
-    return run(int32_contiguous(qx_in), int32_contiguous(qh0_in).clone(), lengths);
+    return run(int32_contiguous(qx_in), int32_contiguous(qh0_in).clone(), lengths, level);
   }
+
+  int64_t x_levels() const { return levels_; }
 
   int64_t hidden_size() const { return H_; }
   int64_t input_size() const { return I_; }
@@ -359,15 +376,18 @@ class CpuLayer {
 
   // forward on checked operands: qx int32 contiguous [T, N, I]; state int32 contiguous [N, H], the
   // initial state, owned by this call (updated in place and returned as h_n); lengths undefined or
-  // int64 contiguous [N]. (stack_forward quantizes h0 straight into such a state.)
-  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& qx, at::Tensor state, const at::Tensor& lengths) {
+  // int64 contiguous [N]; level (a layer with x levels) int32 contiguous [T, N] with values in
+  // [0, levels), else undefined. (stack_forward quantizes h0 straight into such a state.)
+  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& qx, at::Tensor state, const at::Tensor& lengths,
+                                         const at::Tensor& level = at::Tensor()) {
     if (qx.size(0) == 1 && qx.size(1) == 1)
-      if (std::shared_ptr<CpuLayer> other = one_row_layer()) return other->run(qx, std::move(state), lengths);
+      if (std::shared_ptr<CpuLayer> other = one_row_layer()) return other->run(qx, std::move(state), lengths, level);
     const int64_t T = qx.size(0), N = qx.size(1);
     std::lock_guard<std::mutex> lock(mu_);  // the workspace and out_ are shared by calls on this layer
     at::Tensor out = reuse_or_empty(out_, {T, N, H_});
     if (T == 0 || N == 0) return {out, state};
     const int64_t* len = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
+    const int32_t* lev = level.defined() ? level.data_ptr<int32_t>() : nullptr;  // token (t, n) at t N + n
     // W.x is computed for a chunk of steps at a time, right before those steps run: its buffers
     // stay small and warm in cache, and are reused across chunks and calls (fresh large buffers
     // cost page faults that measured as much as the arithmetic). The fused path computes W.x
@@ -387,10 +407,10 @@ class CpuLayer {
       if (wx_in_step) {
         wx_.to_act(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N, I_, ws_.x_act);
       } else {
-        input_chunk(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N);
+        input_chunk(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N, lev != nullptr ? lev + t0 * N : nullptr);
       }
       if (fused_) {
-        fused_steps(t0, tc, N, state.data_ptr<int32_t>(), out, len, wx_in_step);
+        fused_steps(t0, tc, N, state.data_ptr<int32_t>(), out, len, wx_in_step, wx_in_step ? lev : nullptr);
       } else {
         recurrent_steps(t0, tc, N, state, out, len);
       }
@@ -466,8 +486,9 @@ class CpuLayer {
   // kTaskUnits hidden units, tile of 16 batch rows), each computing its R.h, with xacc its W.x
   // too (from x's activation rows of the chunk in ws_.x_act; else Wx - Z_Wx is read from
   // ws_.dwx), and then the cell on them while they are in L1.
+  // level (xacc, a layer with x levels): every token's, at t N + n; else nullptr.
   void fused_steps(int64_t t0, int64_t tc, int64_t N, int32_t* state, at::Tensor& out, const int64_t* lengths,
-                   bool xacc) {
+                   bool xacc, const int32_t* level) {
     constexpr int64_t W = kTaskUnits, T16 = kTileRows;
     const int64_t H = H_, HB = ceil_div(H, W), RT = ceil_div(N, T16), G = k_->group, ab = k_->act_bytes;
     const int64_t lda = rh_.lda, ldx = wx_.lda;
@@ -522,7 +543,8 @@ class CpuLayer {
             for (int64_t r = 0; r < rows; ++r) active[r] = lengths == nullptr || t < lengths[n0 + r];
             k_->cell_tile(cpu::CellTileArgs{&cell_, &acc_x_, j0, nj, rows, active, xacc ? acc_x : dwx_t + n0 * 3 * H,
                                            acc_h, state + n0 * H, out_t + n0 * H, h_in + n0 * lda * ab,
-                                           h_out + n0 * lda * ab, lda, pow2_, acc32_, xacc});
+                                           h_out + n0 * lda * ab, lda, pow2_, acc32_, xacc, &acc_x32_,
+                                           level != nullptr ? level + t * N + n0 : nullptr});
             step.done.fetch_add(1, std::memory_order_release);  // publishes this task's h_out, state, out
           }
         }
@@ -532,13 +554,15 @@ class CpuLayer {
     ws_.cur = (cur0 + (int)tc) & 1;
   }
 
-  // Wx - Z_Wx of `rows` input rows into ws_.dwx (seed 001 steps 1-2).
-  void input_chunk(const int32_t* src, int64_t rows) {
+  // Wx - Z_Wx of `rows` input rows into ws_.dwx (seed 001 steps 1-2); level: row r's x level at
+  // level[r] (a layer with levels), else nullptr.
+  void input_chunk(const int32_t* src, int64_t rows, const int32_t* level) {
     wx_.to_act(src, rows, I_, ws_.x_act);
     const LimbProducts lp = wx_.run(ws_.x_act, ws_.Gx, rows, ones_col_);
     int32_t* o = ws_.dwx.data_ptr<int32_t>();
     parallel_for(0, rows, std::max<int64_t>(1, kMinParallelWork * 4 / (3 * H_)), [&](int64_t r0, int64_t r1) {
-      k_->requant_rows(cpu::RequantRowsArgs{&acc_x_, &acc_x32_, &lp, r0, r1, 3 * H_, o, (int)wx_.P, pow2_, acc32_});
+      k_->requant_rows(
+          cpu::RequantRowsArgs{&acc_x_, &acc_x32_, &lp, r0, r1, 3 * H_, o, (int)wx_.P, pow2_, acc32_, level});
     });
   }
 
@@ -570,6 +594,7 @@ class CpuLayer {
   Workspace ws_;
   at::Tensor out_;  // the last output, reused once its caller drops it (reuse_or_empty)
   int64_t H_, I_, ones_col_;
+  int64_t levels_ = 0;  // x levels (0: none)
   int32_t x_bits_, h_bits_;
   bool pow2_, acc32_;
   Gemm wx_, rh_;
@@ -629,6 +654,17 @@ void quantize_into(const at::Tensor& xc, int64_t first, int64_t n, double scale,
                     "(out-of-range and infinite values saturate)");
 }
 
+// An int32 tensor of `sizes` from one of a calling thread's kQuantizeBuffers cached buffers
+// (reuse_or_empty): the one of these sizes that no caller holds any more, else a free one replaced.
+at::Tensor reuse_slot(at::Tensor (&cache)[kQuantizeBuffers], at::IntArrayRef sizes) {
+  at::Tensor* slot = &cache[0];
+  for (auto& c : cache) {
+    if (c.defined() && c.sizes() == sizes && c.storage().use_count() == 1) { slot = &c; break; }
+    if (!c.defined() || c.storage().use_count() == 1) slot = &c;  // free: may be replaced
+  }
+  return reuse_or_empty(*slot, sizes);
+}
+
 // float -> int32 on (scale, zp, bits), into a buffer reused per calling thread.
 at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bits, const char* what,
                     const Kernels* k) {
@@ -636,14 +672,60 @@ at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bi
   // per calling thread (no other thread sees a buffer being reused), a few shapes: a module call
   // quantizes its input and then h0 while still holding the input's result
   thread_local at::Tensor cache[kQuantizeBuffers];
-  at::Tensor* slot = &cache[0];
-  for (auto& c : cache) {
-    if (c.defined() && c.sizes() == x.sizes() && c.storage().use_count() == 1) { slot = &c; break; }
-    if (!c.defined() || c.storage().use_count() == 1) slot = &c;  // free: may be replaced
-  }
-  at::Tensor q = reuse_or_empty(*slot, x.sizes());
+  at::Tensor q = reuse_slot(cache, x.sizes());
   quantize_into(x, 0, x.numel(), scale, zp, bits, what, k, q.data_ptr<int32_t>());
   return q;
+}
+
+// golden.quantize_levels over tokens [0, tokens) of I values each: per token its minimum and
+// maximum (in its own float type, exact), its level (select_level, qgru_fixedpoint.h) and its
+// values on that level's grid with the path's quantize; false if any value is NaN.
+template <typename scalar_t>
+bool quantize_levels_loop(const Kernels* k, const scalar_t* x, int32_t* q, int32_t* level, int64_t tokens, int64_t I,
+                          const XLevelGrid& g, int64_t zp, Range r) {
+  std::atomic<bool> nan{false};
+  parallel_for(0, tokens, std::max<int64_t>(1, 4096 / I), [&](int64_t b, int64_t e) {
+    bool ok = true;
+    for (int64_t t = b; t < e; ++t) {
+      const scalar_t* v = x + t * I;
+      scalar_t mn = v[0], mx = v[0];
+      for (int64_t i = 1; i < I; ++i) {  // a NaN is flagged by the quantize below (the level is then moot)
+        mn = v[i] < mn ? v[i] : mn;
+        mx = v[i] > mx ? v[i] : mx;
+      }
+      const int32_t j = select_level(g, (double)mn, (double)mx, false);
+      level[t] = j;
+      ok = (std::is_same<scalar_t, float>::value
+                ? k->quantize_f32((const float*)v, q + t * I, I, g.scale[j], zp, r.lo, r.hi)
+                : k->quantize_f64((const double*)v, q + t * I, I, g.scale[j], zp, r.lo, r.hi)) && ok;
+    }
+    if (!ok) nan = true;
+  });
+  return !nan;
+}
+
+// float x [..., I] -> (q int32 [..., I], level int32 [...]): each token on its own x level; NaN is
+// an error (it has no quantized value).
+std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x_in, const XLevelGrid& g, int64_t zp,
+                                                   int64_t bits, const char* what, const Kernels* k) {
+  for (int j = 0; j < g.count; ++j) check_quantize_args("qgru cpu quantize_levels", g.scale[j], zp, bits);
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) >= 1, "qgru cpu quantize_levels: ", what,
+              " must have at least one value per token (its last axis)");
+  const at::Tensor x = float_contiguous(x_in, what);
+  const int64_t I = x.size(-1), tokens = x.numel() / I;
+  // per calling thread, reused once dropped (as quantize's: a streaming call's allocations count)
+  thread_local at::Tensor q_cache[kQuantizeBuffers], level_cache[kQuantizeBuffers];
+  at::Tensor q = reuse_slot(q_cache, x.sizes());
+  at::Tensor level = reuse_slot(level_cache, x.sizes().slice(0, x.dim() - 1));
+  const Range r = signed_range((int32_t)bits);
+  const bool ok = x.scalar_type() == at::kDouble
+                      ? quantize_levels_loop(k, x.data_ptr<double>(), q.data_ptr<int32_t>(), level.data_ptr<int32_t>(),
+                                             tokens, I, g, zp, r)
+                      : quantize_levels_loop(k, x.data_ptr<float>(), q.data_ptr<int32_t>(), level.data_ptr<int32_t>(),
+                                             tokens, I, g, zp, r);
+  TORCH_CHECK_VALUE(ok, "QuantGRU ", what, " contains NaN, which has no quantized value ",
+                    "(out-of-range and infinite values saturate)");
+  return {q, level};
 }
 
 // int32 src[0, n) -> float32 dst: (q - zp) * scale in float64, rounded once to float32 (as
@@ -691,9 +773,10 @@ at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int
 // multiplier and shift of S_h,l-1 / S_x,l), the per-tensor values qgru/native/stacks.py reads from the
 // layer's parameters. The Stack checked the layers and the values against each other; x and h0
 // are checked here, per call.
+// levels: layer 0's x levels (count 0: none), whose input is quantized per token on them.
 std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<std::shared_ptr<CpuLayer>>& layers,
                                                  const at::Tensor& x, const at::Tensor& h0,
-                                                 const std::vector<std::vector<double>>& q) {
+                                                 const std::vector<std::vector<double>>& q, const XLevelGrid& levels) {
   const int64_t L = (int64_t)layers.size();
   TORCH_CHECK(L > 0 && (int64_t)q.size() == L && h0.dim() == 3 && h0.size(0) == L,
               "qgru cpu stack_forward: one Layer, one parameter row and one h0 per layer");
@@ -703,7 +786,11 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<std::shared_p
   const int64_t N = x.size(1);
   TORCH_CHECK(h0.size(1) == N && h0.size(2) == H, "qgru cpu stack_forward: h0 must be [", L, ", ", N, ", ", H, "]");
   const Kernels* k = layers[0]->kernels();
-  at::Tensor qx = quantize(x, q[0][0], (int64_t)q[0][1], (int64_t)q[0][2], "input", k);
+  at::Tensor qx, level;
+  if (levels.count > 0)
+    std::tie(qx, level) = quantize_levels(x, levels, (int64_t)q[0][1], (int64_t)q[0][2], "input", k);
+  else
+    qx = quantize(x, q[0][0], (int64_t)q[0][1], (int64_t)q[0][2], "input", k);
   // h0 is read and h_n written in place, layer by layer (no per-layer views of them)
   const at::Tensor h0c = float_contiguous(h0, "h0");
   at::Tensor h_n = at::empty({L, N, H}, at::TensorOptions().dtype(at::kFloat));
@@ -714,7 +801,7 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<std::shared_p
     at::Tensor state = at::empty({N, H}, at::TensorOptions().dtype(at::kInt));  // the layer's own, updated
     quantize_into(h0c, l * N * H, N * H, q[l][3], (int64_t)q[l][4], (int64_t)q[l][5], "h0", k,
                   state.data_ptr<int32_t>());
-    auto res = layers[l]->run(qx, std::move(state), at::Tensor());
+    auto res = layers[l]->run(qx, std::move(state), at::Tensor(), l == 0 ? level : at::Tensor());
     out = std::get<0>(res);
     dequantize_into(std::get<1>(res).data_ptr<int32_t>(), N * H, q[l][3], (int64_t)q[l][4],
                     h_n.data_ptr<float>() + l * N * H);
@@ -731,17 +818,21 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<std::shared_p
 // each layer's x bits, state grid and state zero point.
 class Stack {
  public:
-  Stack(std::vector<std::shared_ptr<CpuLayer>> layers, std::vector<std::vector<double>> q)
+  // levels: layer 0's x levels as [scale, lo, hi] (golden.XLevels), or empty for a stack without.
+  Stack(std::vector<std::shared_ptr<CpuLayer>> layers, std::vector<std::vector<double>> q,
+        const std::vector<std::vector<double>>& levels)
       : layers_(std::move(layers)), q_(std::move(q)) {
     check_stack_values("qgru cpu Stack", layers_, q_, [](const CpuLayer&, const CpuLayer&) { return true; });
+    levels_ = check_stack_levels("qgru cpu Stack", layers_, levels);
   }
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& h0) const {
-    return stack_forward(layers_, x, h0, q_);
+    return stack_forward(layers_, x, h0, q_, levels_);
   }
 
  private:
   std::vector<std::shared_ptr<CpuLayer>> layers_;
   std::vector<std::vector<double>> q_;
+  XLevelGrid levels_{};
 };
 
 // One path's GEMM on its own, for the tests: C [rows, M] = A [rows, K] . W [M, K]^T with W int8 and
@@ -803,6 +894,13 @@ at::Tensor quantize(const at::Tensor& x, double scale, int64_t zp, int64_t bits,
                     const std::string& isa) {
   return qgru::quantize(x, scale, zp, bits, what.c_str(), qgru::kernels_for(isa));
 }
+std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x, const std::vector<double>& scale,
+                                                   const std::vector<double>& lo, const std::vector<double>& hi,
+                                                   int64_t zp, int64_t bits, const std::string& what,
+                                                   const std::string& isa) {
+  return qgru::quantize_levels(x, level_grid(scale, lo, hi, "qgru cpu quantize_levels"), zp, bits, what.c_str(),
+                               qgru::kernels_for(isa));
+}
 at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp) { return qgru::dequantize(q, scale, zp); }
 at::Tensor requantize(const at::Tensor& q, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
                       int64_t to_bits) {
@@ -825,9 +923,11 @@ void Layer::set_one_row(TensorMap tensors, IntMap values, const std::string& isa
   impl->layer->set_one_row(std::move(tensors), std::move(values), isa);
 }
 std::tuple<at::Tensor, at::Tensor> Layer::forward(const at::Tensor& qx, const at::Tensor& qh0,
-                                                  const c10::optional<at::Tensor>& lengths) {
-  return impl->layer->forward(qx, qh0, lengths);
+                                                  const c10::optional<at::Tensor>& lengths,
+                                                  const c10::optional<at::Tensor>& level) {
+  return impl->layer->forward(qx, qh0, lengths, level);
 }
+int64_t Layer::x_levels() const { return impl->layer->x_levels(); }
 
 struct Stack::Impl {
   qgru::Stack stack;
@@ -841,8 +941,9 @@ std::vector<std::shared_ptr<CpuLayer>> cpu_layers(const std::vector<std::shared_
 }
 }  // namespace
 
-Stack::Stack(const std::vector<std::shared_ptr<Layer>>& layers, std::vector<std::vector<double>> values)
-    : impl(std::make_shared<Impl>(Impl{qgru::Stack(cpu_layers(layers), std::move(values))})) {}
+Stack::Stack(const std::vector<std::shared_ptr<Layer>>& layers, std::vector<std::vector<double>> values,
+             const std::vector<std::vector<double>>& levels)
+    : impl(std::make_shared<Impl>(Impl{qgru::Stack(cpu_layers(layers), std::move(values), levels)})) {}
 std::tuple<at::Tensor, at::Tensor> Stack::forward(const at::Tensor& x, const at::Tensor& h0) const {
   return impl->stack.forward(x, h0);
 }

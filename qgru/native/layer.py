@@ -31,8 +31,11 @@ class NativeLayer:
         # CPU: the path whose Layer runs one-step calls of a batch of one ("": this one, one_row_path)
         self.one_row_gemm = self.layer.one_row_gemm if kind == "cpu" else ""
 
-    def __call__(self, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor]):
-        return self.layer.forward(qx, qh0, lengths)
+    def __call__(self, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor],
+                 level: Optional[torch.Tensor] = None):
+        if level is None:
+            return self.layer.forward(qx, qh0, lengths)
+        return self.layer.forward(qx, qh0, lengths, level)
 
 
 def resolved(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -44,8 +47,9 @@ def resolved(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def gru_direction(kind: str, isa: Optional[str] = None):
-    """A backend's gru_direction(p, qx, qh0, lengths): the native Layer is made once per LayerParams
-    and CPU path (``isa``: see NativeLayer).
+    """A backend's gru_direction(p, qx, qh0, lengths, level=None): the native Layer is made once per
+    LayerParams and CPU path (``isa``: see NativeLayer). ``level`` [T, N]: each token's x level, for
+    a layer with x levels (golden.gru_direction); the Layer checks that it is given exactly then.
 
     Under torch.inference_mode() the Layer is made and run with inference mode off: it keeps
     workspaces (and the CUDA backend its buffers) from call to call, and a workspace made as an
@@ -53,15 +57,13 @@ def gru_direction(kind: str, isa: Optional[str] = None):
     predict, which runs under inference_mode, followed by any other call)."""
     def run(p: LayerParams, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor] = None,
             level: Optional[torch.Tensor] = None):
-        if level is not None or p.x_levels is not None:
-            raise NotImplementedError("native backends do not run x levels yet (TODO issue 31)")
         if torch.is_inference_mode_enabled():
             with torch.inference_mode(False), torch.no_grad():
-                return run(p, qx, qh0, lengths)
-        qx, qh0, lengths = resolved(qx), resolved(qh0), resolved(lengths)
+                return run(p, qx, qh0, lengths, level)
+        qx, qh0, lengths, level = resolved(qx), resolved(qh0), resolved(lengths), resolved(level)
         cache = _native_cache(p)
         key = (kind, str(qx.device), (cpu_isa_request() if isa is None else isa) if kind == "cpu" else "")
         if key not in cache:
             cache[key] = NativeLayer(kind, p, qx.device, isa)
-        return cache[key](qx, qh0, lengths)
+        return cache[key](qx, qh0, lengths, level)
     return run

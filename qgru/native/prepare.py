@@ -10,7 +10,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..convert import recurrent_operand
-from ..golden import LayerParams
+from ..golden import LayerParams, Rescale
 from ..primitives import qrange, split_int8_limbs
 from ..tables import table_geometry
 
@@ -129,6 +129,15 @@ def prepare_layer(p: LayerParams, act16: bool = False,
         rescale(name, rs[name], H3)
         t[name + "_zp"] = _per_channel(zp[name], H3).to(torch.int64)
         rng(name, b[name])
+    # x levels (golden.XLevels, first layer with config x.dynamic): W.x's bias and rescale per level,
+    # [J, 3H] flattened, level j's channel c at j 3H + c (csrc/qgru_cell.h at_level); level 0 is the
+    # static grid's (the same integers as Wx_bias and Wx's rescale)
+    lv = p.x_levels
+    v["x_levels"] = 0 if lv is None else int(lv.exponent.numel())
+    if lv is not None:
+        J = v["x_levels"]
+        t["Wxl_bias"] = (lv.b_x.reshape(J, H3) - p.W_zp_comp + const_x).to(torch.int64).reshape(-1).contiguous()
+        rescale("Wxl", Rescale(lv.rescale.multiplier.reshape(-1), lv.rescale.shift.reshape(-1)), J * H3)
     for g in ("r", "z"):
         rescale(f"{g}_from_wx", rs[f"Wx_{g}"], H)
         rescale(f"{g}_from_rh", rs[f"Rh_{g}"], H)
@@ -176,10 +185,70 @@ def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, in
     parts = _acc32_pow2(t, v) if v["pow2"] else _acc32_mult(t, v)
     if parts is None:
         return False
+    if v["x_levels"]:
+        levels = _acc32_levels(t, v)
+        if levels is None:
+            _warn_levels_int64()
+            return False
+        parts.update(levels)
     t["c32_channels"] = _channel_blocks(parts, v["H"])
     # the W.x requantization pass of the unfused paths reads Wx's int32 form over all 3H channels
-    t.update({k: x for k, x in parts.items() if k.startswith("Wx_")})
+    # (and the fused step's, with W.x inside the step); a layer with x levels, Wxl_* per level
+    t.update({k: x for k, x in parts.items() if k.startswith(("Wx_", "Wxl_"))})
     return True
+
+
+def _requant32(t: Dict[str, torch.Tensor], name: str, pow2: bool, K: int) -> Optional[Dict[str, torch.Tensor]]:
+    """The int32 form of the accumulator requantization ``name`` (Wx, Rh, or Wxl: every x level's,
+    [J 3H]) over K products of int8 operands (|G| <= K 2^14), or None where its bounds fail (csrc
+    AccRequant32: pow2, 1 <= R <= 30 and |bias| <= 2^31; multiplier, (K 2^14 + |bias|) 2^lsh < 2^31 and
+    |bias| < 2^31)."""
+    bias = t[name + "_bias"]
+    parts = {}
+    if pow2:
+        r = _net_shift(t, name)
+        if bool((r < 1).any()) or bool((r > 30).any()) or bool((bias.abs() > (1 << 31)).any()):
+            return None
+        hi = torch.div(bias, 1 << r, rounding_mode="floor")
+        parts[name + "_bias_hi"] = hi.to(torch.int32)
+        parts[name + "_bias_lo"] = (bias - hi * (1 << r)).to(torch.int32)
+        parts[name + "_rshift"] = r.to(torch.int32)
+        parts[name + "_mult32"] = torch.zeros_like(r, dtype=torch.int32)
+        return parts
+    m, s = t[name + "_mult"], t[name + "_shift"].to(torch.int64)
+    lsh, rsh = (33 - s).clamp(min=0), (s - 33).clamp(min=0)
+    acc_max = K * (1 << 14) + bias.abs()  # |G + bias|
+    step = torch.ones_like(lsh) << lsh.clamp(max=32)
+    if not bool(((acc_max * step < (1 << 31)) & (m >= 0) & (m < (1 << 31))).all()) \
+            or bool((bias.abs() >= (1 << 31)).any()):
+        return None
+    parts[name + "_bias_hi"] = bias.to(torch.int32)  # the whole bias
+    parts[name + "_bias_lo"], parts[name + "_rshift"], parts[name + "_mult32"] = (
+        lsh.to(torch.int32), rsh.to(torch.int32), m.to(torch.int32))  # lsh, rsh, m
+    return parts
+
+
+def _acc32_levels(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[str, torch.Tensor]]:
+    """The int32 form of every x level's W.x requantization (Wxl_bias_hi, _bias_lo, _rshift, _mult32,
+    [J 3H]), or None where a level fails its bounds (the layer then runs the int64 cell: one form
+    for all its rows)."""
+    return _requant32(t, "Wxl", bool(v["pow2"]), v["I"])
+
+
+_warned_levels_int64 = False
+
+
+def _warn_levels_int64() -> None:
+    """Once per process: a layer whose static W.x fits the int32 cell but one of its x levels does
+    not runs the int64 cell (correct, slower)."""
+    global _warned_levels_int64
+    if _warned_levels_int64:
+        return
+    _warned_levels_int64 = True
+    import warnings
+    warnings.warn("qgru native: a layer's widest x levels' W.x requantization does not fit the int32 cell's bounds "
+                  "(csrc/qgru_cell.h AccRequant32), which its static grid fits: the layer runs the int64 cell "
+                  "(the same integers, slower)", RuntimeWarning, stacklevel=2)
 
 
 def _pow2_shifts(t: Dict[str, torch.Tensor], name: str) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:

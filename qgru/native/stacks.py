@@ -27,7 +27,8 @@ def cpu_stack_plan(params: List[List[LayerParams]], req: str):
     where the one-call form does not apply (a bidirectional stack, or a per-channel requantization
     between layers). Made outside inference mode (the Layers keep tensors)."""
     return _stack_plan(params, ("cpu-stack", req, len(params)),
-                       lambda rows: load("cpu").Stack([_cpu_layer(p, req).layer for (p,) in params], rows))
+                       lambda rows: load("cpu").Stack([_cpu_layer(p, req).layer for (p,) in params], rows,
+                                                      stack_levels(params)))
 
 
 def _stack_plan(params: List[List[LayerParams]], key: Tuple, make: Callable[[List[List[float]]], object]):
@@ -57,6 +58,15 @@ def _stack_plan(params: List[List[LayerParams]], key: Tuple, make: Callable[[Lis
     return plan
 
 
+def stack_levels(params: List[List[LayerParams]]) -> List[List[float]]:
+    """The native Stack's x levels: the first layer's [scale, lo, hi] (golden.XLevels, float64 values,
+    infinities included), or [] for a first layer without levels."""
+    lv = params[0][0].x_levels
+    if lv is None:
+        return []
+    return [[float(v) for v in t.reshape(-1).tolist()] for t in (lv.scale, lv.lo, lv.hi)]
+
+
 def stack_values(params: List[List[LayerParams]]) -> Optional[List[List[float]]]:
     """The native Stack's per-layer values of a unidirectional stack: (S_x, Z_x, bits_x, S_h, Z_h,
     bits_h, multiplier, shift of layer l - 1's h grid onto layer l's x grid; 1, 1 for layer 0), or
@@ -83,8 +93,6 @@ def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torc
     reused buffers) outside inference mode itself (leaving inference mode here for every call cost
     a streaming call ~5 us of its ~40). ``resolve=False``: the caller has checked that neither x
     nor hx is a negative view (float tensors are never conjugate views)."""
-    if params[0][0].x_levels is not None:  # TODO issue 31: native x levels
-        return None
     plan = cpu_stack_plan(params, cpu_isa_request())
     if plan is None:
         return None
@@ -109,7 +117,8 @@ def cuda_stack_plan(params: List[List[LayerParams]], device: torch.device):
     host (a device-to-host copy when they are on the GPU): the first call of a model on a device
     must therefore run outside a CUDA graph capture, as torch.cuda.graph's warm-up asks anyway."""
     return _stack_plan(params, ("cuda-stack", str(device), len(params)),
-                       lambda rows: load("cuda").Stack([_cuda_layer(p, device).layer for (p,) in params], rows))
+                       lambda rows: load("cuda").Stack([_cuda_layer(p, device).layer for (p,) in params], rows,
+                                                       stack_levels(params)))
 
 
 def cuda_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor, resolve: bool = True):
@@ -118,8 +127,6 @@ def cuda_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: tor
     apply (cuda_stack_plan). The same integers as the layer-by-layer path; no host work in it waits
     for the GPU (docs/spec.md section 11), so a caller's torch.cuda.graph can capture it.
     ``resolve=False``: the caller has checked that neither x nor hx is a negative view."""
-    if params[0][0].x_levels is not None:  # TODO issue 31: native x levels
-        return None
     plan = cuda_stack_plan(params, x.device)
     if plan is None:
         return None
