@@ -368,8 +368,7 @@ class CudaLayer {
                   "qgru cuda: lengths must be [N] on ", device_);
     TORCH_CHECK(!level.has_value() || d_.x_levels > 0, "qgru cuda: this layer has no x levels, yet a level per token ",
                 "was given");
-    TORCH_CHECK(level.has_value() || d_.x_levels == 0 || qx.numel() == 0,
-                "qgru cuda: a layer with x levels needs each token's level");
+    // a layer with x levels given no level: every token on level 0, the static grid (golden.gru_direction)
     if (level.has_value())
       TORCH_CHECK(level->device() == device_ && !level->is_floating_point() && level->dim() == 2 &&
                       level->size(0) == qx.size(0) && level->size(1) == qx.size(1),
@@ -387,6 +386,7 @@ class CudaLayer {
           // valid operands whose results are never read
           b.qx.narrow(0, 0, T).copy_(qx);
           if (level.has_value()) b.level.narrow(0, 0, T).copy_(*level);
+          else if (b.level.defined()) b.level.narrow(0, 0, T).zero_();  // level 0: the static grid
           b.state.copy_(qh0);
         },
         [&](const Buffers& b, cudaStream_t) {
@@ -813,9 +813,11 @@ class CudaStack {
             if (l == 0 && levels_.count > 0)  // each token straight onto its level, its level into the plan's
               levels_into(x, b.qx.data_ptr<int16_t>(), b.level.data_ptr<int32_t>(), T * N, I, levels_, (int64_t)v[1],
                           (int64_t)v[2], flag, kNanInput, s);
-            else if (l == 0)
+            else if (l == 0) {
               quantize_into(x, 0, b.qx.data_ptr<int16_t>(), T * N * I, v[0], (int64_t)v[1], (int64_t)v[2], flag,
                             kNanInput, s);
+              if (b.level.defined()) b.level.narrow(0, 0, T).zero_();  // a Stack given no levels: level 0
+            }
             else
               b.qx.narrow(0, 0, T).copy_(moved);
             quantize_into(h0, l * N * H, b.state.data_ptr<int32_t>(), N * H, v[3], (int64_t)v[4], (int64_t)v[5], flag,

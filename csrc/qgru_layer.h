@@ -102,17 +102,15 @@ inline XLevelGrid level_grid(const std::vector<double>& scale, const std::vector
 
 // A Stack's x levels (layer 0's, as [scale, lo, hi], or none), checked against its Layers (which
 // have hidden_size ... and x_levels()): layer 0's count, and no levels below it (their x is the
-// previous layer's output, requantized). A grid of count 0 when there are none.
+// previous layer's output, requantized). A grid of count 0 when none are given (then every token of
+// layer 0 is quantized on its static grid, level 0, even where the layer has levels).
 template <class Layer>
 XLevelGrid check_stack_levels(const char* who, const std::vector<std::shared_ptr<Layer>>& layers,
                               const std::vector<std::vector<double>>& levels) {
   for (size_t l = 1; l < layers.size(); ++l)
     TORCH_CHECK(layers[l]->x_levels() == 0, who, ": layer ", l, " has x levels; only the first layer takes a float x");
   const int64_t J = layers[0]->x_levels();
-  if (levels.empty()) {
-    TORCH_CHECK(J == 0, who, ": layer 0 has ", J, " x levels, the Stack was given none");
-    return XLevelGrid{};
-  }
+  if (levels.empty()) return XLevelGrid{};  // none given: layer 0's x on its static grid (level 0)
   TORCH_CHECK(levels.size() == 3, who, ": x levels as [scale, lo, hi]");
   const XLevelGrid g = level_grid(levels[0], levels[1], levels[2], who);
   TORCH_CHECK(g.count == J, who, ": ", g.count, " x levels given, layer 0 has ", J);

@@ -16,8 +16,9 @@
   ``-D<PREFIX>_SELFTEST_MAIN`` also compiles a ``main`` that prints the mismatch count.
 
 The C code takes integer x: a layer with x levels (the first layer of a config with x.dynamic,
-docs/spec.md section 4b, which picks each token's grid from its float values) is refused, naming the
-static override; layers above it have static x grids and export as any other.
+docs/spec.md section 4b, which picks each token's grid from its float values) exports on its static
+grid, level 0 (a UserWarning names the static override); layers above it have static x grids and
+export as any other.
 
 ``path`` is a stem: ``.h`` and ``.c`` are appended (a trailing ``.h`` / ``.c`` is dropped first)
 and missing parent folders are created. The C identifier prefix is the stem's file name with
@@ -29,9 +30,11 @@ CLI: ``python -m qgru.export_c params.qgru out/gru --layer 0 --direction 0``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pickle
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -103,11 +106,14 @@ def write_c(params: QuantParams, path: Union[str, Path], layer: int = 0, directi
     p = row[direction]
     if p.x_levels is not None:
         # the C code takes integer x (q_x on one grid; the float input is quantized by the caller):
-        # x levels choose a grid per token from the float values, which it never sees
-        raise ValueError("write_c: this layer has x levels (config x.dynamic: each token of the float input on "
-                         "its own grid, docs/spec.md section 4b), and the C code takes integer x on one static "
-                         "grid. Convert for the C export with x on one grid: "
-                         "overrides={\"tensors\": {\"x\": {\"dynamic\": False}}} (docs/spec.md section 10)")
+        # x levels choose a grid per token from the float values, which it never sees. It runs the
+        # layer on level 0, the static grid (golden.gru_direction without levels: the same integers)
+        warnings.warn("write_c: this layer's x levels are not exported (config x.dynamic: each token of the float "
+                      "input on its own grid, docs/spec.md section 4b): the C code takes integer x on the static "
+                      "grid (level 0, the calibrated range), where inputs beyond calibration saturate. For a model "
+                      "that runs the same on the host, convert with overrides={\"tensors\": {\"x\": {\"dynamic\": "
+                      "False}}} (docs/spec.md section 10)", UserWarning, stacklevel=3)
+        p = dataclasses.replace(p, x_levels=None)
     prev = params.layers[layer - 1] if layer > 0 else []
     golden = golden_vectors(p, golden_steps, seed)
     ctx = _Ctx(p, prefix, layer, direction, params.meta, prev, golden, stem.name)

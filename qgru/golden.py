@@ -219,12 +219,12 @@ def gru_direction(p: LayerParams, qx: torch.Tensor, qh0: torch.Tensor,
     A reverse direction is run by the caller on sequences reversed within their lengths.
     ``trace`` (optional, for qgru.compare): a dict that receives, per step, q_Wx and everything
     gru_step records. Tracing changes no result.
-    ``level`` [T, N] (a layer with x levels): each token's level, from quantize_levels.
+    ``level`` [T, N] (a layer with x levels): each token's level, from quantize_levels; None: every
+    token on level 0 (qx on the static grid, as a caller that quantizes x itself hands it).
     """
     T = qx.shape[0]
-    if (level is None) != (p.x_levels is None) and T > 0:
-        raise ValueError("gru_direction: a layer with x levels needs each token's level, and only such a layer "
-                         "takes one")
+    if level is not None and p.x_levels is None:
+        raise ValueError("gru_direction: a level per token was given to a layer without x levels")
     dWx = input_gemm(p, qx, level)
     h = qh0
     outs = []

@@ -318,8 +318,11 @@ class TestConfigErrors:
 # Out-of-range values at inference saturate
 # =============================================================================================
 def _x_grid(m):
+    """The ends of layer 0's x grid: its widest x level's with x levels (the shipped default), where
+    inputs saturate; else the static grid's."""
     p = m.export().to_dict()
-    scale, zp, bits = float(p["l0.fwd.scale.x"]), int(p["l0.fwd.zp.x"]), m.qconfig["x"].bits
+    scale = float(p["l0.fwd.x_levels.scale"][-1]) if "l0.fwd.x_levels.scale" in p else float(p["l0.fwd.scale.x"])
+    zp, bits = int(p["l0.fwd.zp.x"]), m.qconfig["x"].bits
     qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     return (qmin - zp) * scale, (qmax - zp) * scale, float(p["l0.fwd.scale.h"])
 

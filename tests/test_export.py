@@ -31,8 +31,8 @@ CUSTOM = {  # exercises per_group / per_tensor weights, per_channel / per_tensor
                               "z": {"bits": 8}, "r": {"bits": 12}, "g": {"bits": 8}}},
 }
 # h_gemm: the state keeps 16 (12) bits, the R.h GEMM reads it requantized to 8 (6) bits (golden.recurrent_operand)
-H_GEMM = {"hg16_8": {"h": {"bits": 16, "headroom": 1.5}, "h_gemm": {"bits": 8}},
-          "hg12_6": {"h": {"bits": 12, "headroom": 1.5}, "h_gemm": {"bits": 6}}}
+H_GEMM = {"hg16_8": {"h": {"bits": 16, "headroom": 1.5}, "h_gemm": {"bits": 8, "dynamic": False}},
+          "hg12_6": {"h": {"bits": 12, "headroom": 1.5}, "h_gemm": {"bits": 6, "dynamic": False}}}
 CONFIGS = ["w8a8", "w8a16", "w16a16", "custom", "hg16_8"]
 SCALE_MODES = ["pow2", "multiplier"]
 ARCHS = {  # (num_layers, bidirectional, bias, batch_first)
@@ -156,7 +156,7 @@ def test_export_ranges_and_dtypes(case):
 def _expected_storage_dtype(key, config):
     """The export's storage contract: narrow integers, floats only for boundary/weight scales."""
     field = key.split(".", 2)[2]
-    if field.startswith("scale."):
+    if field.startswith("scale.") or field in ("x_levels.scale", "x_levels.lo", "x_levels.hi"):
         return torch.float64
     if field in ("W", "R"):
         return torch.int8 if config[field].bits <= 8 else torch.int16

@@ -8,6 +8,7 @@ same integers, independently of the self-test's own count.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import shlex
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 import qgru
+from qgru.export import QuantParams
 from qgru import export_c
 from qgru.golden import gru_direction, input_gemm, recurrent_operand, requantize_input
 from qgru.primitives import qrange
@@ -40,9 +42,9 @@ CUSTOM = {"observer": {"kind": "minmax"},
 # an R.h operand narrower than the state (golden.recurrent_operand): the state keeps h's bits
 # (16-bit values in int32_t arrays), the step requantizes it onto h_gemm's grid for R h every step.
 # h's headroom (none on h_gemm) makes a state drawn over h's whole range saturate the operand.
-H_GEMM = {"hg16_8": {"h": {"bits": 16, "headroom": 1.5}, "h_gemm": {"bits": 8}},
-          "hg12_6": {"h": {"bits": 12, "headroom": 1.5}, "h_gemm": {"bits": 6}},
-          "hg16_12": {"h": {"bits": 16}, "h_gemm": {"bits": 12}}}  # an int16_t operand
+H_GEMM = {"hg16_8": {"h": {"bits": 16, "headroom": 1.5}, "h_gemm": {"bits": 8, "dynamic": False}},
+          "hg12_6": {"h": {"bits": 12, "headroom": 1.5}, "h_gemm": {"bits": 6, "dynamic": False}},
+          "hg16_12": {"h": {"bits": 16}, "h_gemm": {"bits": 12, "dynamic": False}}}  # an int16_t operand
 
 CASES = {  # id: (config, scale_mode, input, hidden, num_layers, bidirectional, layer, direction)
     "w8a8-pow2": ("w8a8", "pow2", 5, 3, 1, False, 0, 0),
@@ -120,6 +122,9 @@ def converted(case: str) -> qgru.QuantParams:
         cfg = qgru.QuantConfig.load("w8a8", overrides={"tensors": DYN, "scale_mode": mode})
     else:
         cfg = qgru.QuantConfig.load(config, overrides={"scale_mode": mode})
+    if config != "dyn":  # static grids: what the C runs (x levels and state-range operands: the "dyn" cases)
+        static = {"x": {"dynamic": False}, **({"h_gemm": {"dynamic": False}} if cfg.h_gemm is not None else {})}
+        cfg = qgru.QuantConfig.load(cfg, overrides={"tensors": static})
     torch.manual_seed(len(case))
     m = qgru.QuantGRU(I, H, num_layers=layers, bidirectional=bidir, config=cfg)
     qgru.calibrate(m, [torch.randn(6, 3, I) * 1.5 for _ in range(3)], progress=False)
@@ -364,15 +369,21 @@ def test_bad_arguments(tmp_path):
     assert "void qgru_2nd_layer_run(" in h.read_text()
 
 
-def test_a_layer_with_x_levels_is_refused_naming_the_static_override(tmp_path):
+def test_a_layer_with_x_levels_exports_its_static_grid_with_a_warning(tmp_path):
     """The C code takes integer x on one grid: x levels (chosen per token from float x) cannot be
-    exported; the error names the override, and the model converted with it exports."""
+    exported; the layer exports on level 0, its static grid, with a warning naming the override:
+    the same C as the layer without levels (golden.gru_direction without levels runs level 0).
+    The model converted with the override exports without a warning."""
     params = converted("dyn-multiplier-l1-rev")
     assert params.layers[0][1].x_levels is not None and params.layers[1][0].x_levels is None
     for d in (0, 1):
-        with pytest.raises(ValueError, match=r'layer has x levels .* overrides=\{"tensors": \{"x": \{"dynamic": False\}\}\}'):
-            params.to_c(tmp_path / "gru", layer=0, direction=d)
-    assert not (tmp_path / "gru.c").exists()
+        with pytest.warns(UserWarning, match=r'x levels are not exported .* overrides=\{"tensors": \{"x": \{"dynamic": False\}\}\}'):
+            h, c = params.to_c(tmp_path / f"lv{d}", layer=0, direction=d)
+        text = h.read_text() + c.read_text()
+        stripped = QuantParams(meta=params.meta, layers=[[dataclasses.replace(p, x_levels=None) for p in row]
+                                                          for row in params.layers])
+        h0, c0 = stripped.to_c(tmp_path / f"lv{d}", layer=0, direction=d)  # the same stem: the same prefix
+        assert h0.read_text() + c0.read_text() == text
     torch.manual_seed(0)
     gru = torch.nn.GRU(6, 5)
     cfg = qgru.QuantConfig.load("w8a8", overrides={"tensors": {**DYN, "x": {"dynamic": False}}})

@@ -373,6 +373,9 @@ class TestParamFiles:
         d = _entries()
         d["l0.fwd.b_x"] = d["l0.fwd.b_x"].clone()
         d["l0.fwd.b_x"][0] += 1
+        if "l0.fwd.x_levels.b_x" in d:  # x levels: level 0 is the static grid, b_x with it
+            d["l0.fwd.x_levels.b_x"] = d["l0.fwd.x_levels.b_x"].clone()
+            d["l0.fwd.x_levels.b_x"][0, 0] += 1
         _write(d, tmp_path / "resigned.qgru")
         qgru.load_params(tmp_path / "resigned.qgru")  # valid parameters, just other ones
         torch.save(d, tmp_path / "edited.qgru")  # the old checksum

@@ -475,7 +475,7 @@ def test_int32_multiplier_cell_taken_and_exact(kind, k, j):
     accumulators' shifts across lsh = 0 (s = 33) and past the int32 bound; the gate grids from
     2^-16 to 2^6 times theirs (j), which moves the pre-activation rescales' left shifts up to
     where a 16-bit Wx no longer fits int32 after them."""
-    config = QuantConfig.load("w8a8", overrides={"scale_mode": "multiplier"})
+    config = QuantConfig.load("w8a8", overrides={"scale_mode": "multiplier", **_STATIC})
     I, H = 40, 24
     one = lambda lo, hi: (torch.tensor(float(lo), dtype=torch.float64), torch.tensor(float(hi), dtype=torch.float64))
     per = lambda lo, hi: (torch.full((3 * H,), float(lo), dtype=torch.float64),
@@ -500,7 +500,7 @@ def test_state16_with_h_gemm_takes_the_int32_cell(kind, mode, h_range):
     golden, with a third of the states at either end of the 16-bit grid, h grids symmetric and
     lopsided (the operand's zero point far from the state's), H = 150 (a partial 128-channel
     block) and batches below and above a 16-row tile."""
-    config = QuantConfig.load("w8a8", overrides={"scale_mode": mode})
+    config = QuantConfig.load("w8a8", overrides={"scale_mode": mode, **_STATIC})  # the int32 cell of static grids
     assert config["h"].bits == 16 and config["h_gemm"].bits == 8
     I, H = 37, 150
     one = lambda lo, hi: (torch.tensor(float(lo), dtype=torch.float64), torch.tensor(float(hi), dtype=torch.float64))
@@ -781,8 +781,13 @@ def _assert_golden(got, p: golden.LayerParams, qx, qh0, lengths, what: str = "")
     assert torch.equal(h, want_h), f"{what}: h_n differs at {(h != want_h).nonzero()[:5].tolist()}"
 
 
+# static grids (w8a8 before x levels): the tests of a layer's own arithmetic (its int32 cell, its
+# h_gemm grid) pin them; x levels have tests of their own (_levels_layer)
+_STATIC = {"tensors": {"x": {"dynamic": False}, "h_gemm": {"dynamic": False}}}
+
+
 def _plain_layer(cfg: str, mode: str, I: int, H: int, seed: int, w_exp: int = -2) -> golden.LayerParams:
-    config = QuantConfig.load(cfg, overrides={"scale_mode": mode})
+    config = QuantConfig.load(cfg, overrides={"scale_mode": mode, **_STATIC})
     one = lambda lo, hi: (torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64))
     per = lambda lo, hi: (torch.full((3 * H,), lo, dtype=torch.float64), torch.full((3 * H,), hi, dtype=torch.float64))
     ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-4, 5), "Rh": per(-3, 2),
@@ -1357,7 +1362,12 @@ def _check_boundary(ops, ref, dev, bits, pow2, exp, mant, zp_frac, dtype, shape,
 # 1c. x levels (issue 31): per-token grids of the first layer's float x, on every native path
 # ---------------------------------------------------------------------------------------------
 def _dynamic(cfg: str, mode: str) -> QuantConfig:
-    return QuantConfig.load(cfg, overrides={"scale_mode": mode, "tensors": {"x": {"dynamic": True}}})
+    # x levels only (h_gemm, where the config has it, on its calibrated grid: the layers these tests
+    # draw were chosen with it so)
+    tensors = {"x": {"dynamic": True}}
+    if QuantConfig.load(cfg).h_gemm is not None:
+        tensors["h_gemm"] = {"dynamic": False}
+    return QuantConfig.load(cfg, overrides={"scale_mode": mode, "tensors": tensors})
 
 
 def _levels_layer(cfg: str, mode: str, I: int, H: int, seed: int) -> golden.LayerParams:
@@ -1520,8 +1530,8 @@ def test_x_levels_nan_is_an_error(cpu_backend):
 
 
 def test_x_levels_layer_checks_its_levels(cpu_backend):
-    """A Layer with levels refuses a call without them, levels outside [0, J), and a level tensor of
-    another shape; a Layer without levels refuses a level."""
+    """A Layer with levels runs a call without them on level 0 (golden's meaning), refuses levels
+    outside [0, J) and a level tensor of another shape; a Layer without levels refuses a level."""
     p = _levels_layer("w8a8", "multiplier", 8, 16, seed=0)
     plain = _plain_layer("w8a8", "multiplier", 8, 16, seed=0)
     J = p.x_levels.exponent.numel()
@@ -1529,8 +1539,11 @@ def test_x_levels_layer_checks_its_levels(cpu_backend):
     qx, qh0 = torch.zeros(3, 2, 8, dtype=torch.int64), torch.zeros(2, 16, dtype=torch.int64)
     good = torch.zeros(3, 2, dtype=torch.int64)
     run(p, qx, qh0, None, level=good)
-    with pytest.raises(RuntimeError, match="needs each token's level"):
-        run(p, qx, qh0, None)
+    # without levels: every token on level 0 (the static grid), as golden.gru_direction defines it
+    qx1 = torch.randint(-128, 128, (3, 2, 8), generator=torch.Generator().manual_seed(1))
+    want = golden.gru_direction(p, qx1, qh0, None, level=good)
+    assert all(torch.equal(a.long(), b) for a, b in zip(run(p, qx1, qh0, None), want))
+    assert all(torch.equal(a.long(), b) for a, b in zip(run(p, qx1, qh0, None, level=good), want))
     for bad in (good - 1, good + J):
         with pytest.raises(RuntimeError, match="level holds values"):
             run(p, qx, qh0, None, level=bad)
@@ -2031,14 +2044,15 @@ def test_native_boundary_refuses_bad_arguments(cpu_backend):
     layers = [native._cpu_layer(p, native.cpu_isa_request()).layer for (p,) in params]
     rows = native.stack_values(params)
     xs, h0 = torch.randn(4, 3, 7), torch.randn(2, 3, 12)
-    assert all(torch.equal(a, b) for a, b in zip(mod.Stack(layers, rows).forward(xs, h0), plan.forward(xs, h0)))
+    levels = native.stack_levels(params)
+    assert all(torch.equal(a, b) for a, b in zip(mod.Stack(layers, rows, levels).forward(xs, h0), plan.forward(xs, h0)))
     for l, i, value, msg in ((0, 2, 16.0, "takes"), (1, 5, 8.0, "takes"), (0, 4, rows[0][4] + 1, "takes"),
                              (0, 1, 0.5, "not an integer"), (0, 0, 0.0, "out of range"), (1, 7, 0.0, "out of range"),
                              (1, 6, 2.0 ** 31, "out of range")):
         bad = [list(r) for r in rows]
         bad[l][i] = value
         with pytest.raises(RuntimeError, match=msg):
-            mod.Stack(layers, bad)
+            mod.Stack(layers, bad, levels)
     with pytest.raises(RuntimeError, match="CPU tensors"):
         mod.kernel_gemm("portable", torch.zeros(2, 3).to("meta"), torch.zeros(4, 3))
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_sequence
 
 import qgru
-from qgru.golden import Rescale
+from qgru.golden import Rescale, XLevels
 from qgru.primitives import qrange
 
 torch.set_num_threads(1)
@@ -297,6 +297,10 @@ def assert_same_params(a, b, where):
         assert a.keys() == b.keys(), where
         for k in a:
             assert_same_params(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, XLevels):
+        assert isinstance(b, XLevels), where
+        for f in fields(a):
+            assert_same_params(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
     else:
         assert a == b, where
 

@@ -23,7 +23,8 @@ from qgru.golden import LayerParams, Rescale, XLevels
 from qgru.primitives import qrange
 
 DYN = {"tensors": {"x": {"dynamic": True}, "h_gemm": {"dynamic": True}}}
-X_ONLY = {"tensors": {"x": {"dynamic": True}}}
+X_ONLY = {"tensors": {"x": {"dynamic": True}, "h_gemm": {"dynamic": False}}}
+STATIC = {"tensors": {"x": {"dynamic": False}, "h_gemm": {"dynamic": False}}}  # w8a8 before x levels
 
 
 def config(mode="multiplier", over=DYN, base="w8a8") -> qgru.QuantConfig:
@@ -37,7 +38,7 @@ def build(mode="multiplier", layers=2, bidirectional=True, over="dyn", bias=True
     gru = nn.GRU(3, 5, layers, bidirectional=bidirectional, bias=bias)
     g = torch.Generator().manual_seed(1)
     calib = [torch.randn(8, 4, 3, generator=g) for _ in range(3)]
-    cfg = config(mode, {"dyn": DYN, "x_only": X_ONLY, "static": {}}[over])
+    cfg = config(mode, {"dyn": DYN, "x_only": X_ONLY, "static": STATIC}[over])
     with qgru.backend("reference"):
         return qgru.quantize_model(gru, calib, config=cfg, progress=False)
 
@@ -99,11 +100,20 @@ def test_hand_computed_level_choice_and_W_x():
     assert static.tolist() == [[(2 * 127 - 4 + 5 + 1) // 2, (127 + 4 + 1) // 2, (12 - 2 + 1) // 2]]
 
 
-def test_a_layer_with_levels_needs_levels_and_only_it_takes_them():
+def test_a_layer_with_levels_runs_level_0_without_levels_and_only_it_takes_them():
+    """No level: every token on level 0 (qx on the static grid, as integer callers hand it); a
+    level given to a layer without levels is an error."""
     p = hand_layer()
-    qx = torch.zeros(2, 1, 2, dtype=torch.int64)
-    with pytest.raises(ValueError, match="needs each token's level"):
-        golden.gru_direction(p, qx, torch.zeros(1, 1, dtype=torch.int64))
+    qx = torch.tensor([[[127, 4]], [[-3, 9]]])
+    h0 = torch.zeros(1, 1, dtype=torch.int64)
+    zeros = torch.zeros(2, 1, dtype=torch.int64)
+    assert torch.equal(golden.input_gemm(p, qx), golden.input_gemm(p, qx, zeros))
+    assert not torch.equal(golden.input_gemm(p, qx[:1], torch.ones(1, 1, dtype=torch.int64)),
+                           golden.input_gemm(p, qx[:1]))  # a level does change W.x
+    plain = hand_layer()
+    plain.x_levels = None
+    with pytest.raises(ValueError, match="without x levels"):
+        golden.gru_direction(plain, qx, h0, level=zeros)  # refused before any step runs
 
 
 def test_select_levels_of_a_nan_token_is_the_last_level():
@@ -146,7 +156,7 @@ def test_tokens_fitting_level_0_give_the_static_layers_integers():
     calib = [torch.randn(8, 4, 3) for _ in range(2)]
     with qgru.backend("reference"):
         dyn = qgru.quantize_model(gru, calib, config=config(over=X_ONLY), progress=False)
-        static = qgru.quantize_model(gru, calib, config=config(over={}), progress=False)
+        static = qgru.quantize_model(gru, calib, config=config(over=STATIC), progress=False)
         pd, ps = dyn._qparams[0][0], static._qparams[0][0]
         for f in ("W", "R", "b_x", "b_h", "W_zp_comp", "R_zp_comp"):
             assert torch.equal(getattr(pd, f), getattr(ps, f)), f
@@ -225,7 +235,8 @@ def test_config_errors():
     cfg = config()
     assert cfg["x"].dynamic and cfg["h_gemm"].dynamic and not cfg["W"].dynamic
     assert qgru.QuantConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
-    assert "dynamic" not in json.dumps(qgru.QuantConfig.load("w8a8").to_dict())
+    assert qgru.QuantConfig.load("w8a8").to_dict() == cfg.to_dict()  # the shipped default
+    assert "dynamic" not in json.dumps(config(over=STATIC).to_dict())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,7 +267,7 @@ def test_qat_gradient_passes_where_a_level_holds_the_input():
     gru = nn.GRU(3, 4)
     calib = [torch.randn(6, 4, 3) for _ in range(2)]
     grads = {}
-    for name, over in (("dyn", DYN), ("static", {})):
+    for name, over in (("dyn", DYN), ("static", STATIC)):
         model = qgru.prepare_qat(gru, calib, config(over=over), progress=False)
         p = model._derive_params(model._qat, {})[0][0]
         big = float(max(abs(p.scale["x"] * (qrange(8)[1] - p.zp["x"])), abs(p.scale["x"] * (qrange(8)[0] - p.zp["x"]))))

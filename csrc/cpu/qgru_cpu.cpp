@@ -351,9 +351,9 @@ class CpuLayer {
       TORCH_CHECK(lengths.numel() == qx_in.size(1), "qgru cpu: lengths must have N entries");
     }
     at::Tensor level;
-    if (level_in.has_value() || (levels_ > 0 && qx_in.numel() > 0)) {
+    // a layer with x levels given no level: every token on level 0, the static grid (golden.gru_direction)
+    if (level_in.has_value()) {
       TORCH_CHECK(levels_ > 0, "qgru cpu: this layer has no x levels, yet a level per token was given");
-      TORCH_CHECK(level_in.has_value(), "qgru cpu: a layer with x levels needs each token's level");
       TORCH_CHECK(level_in->device().is_cpu() && level_in->dim() == 2 && level_in->size(0) == qx_in.size(0) &&
                       level_in->size(1) == qx_in.size(1),
                   "qgru cpu: level must be a CPU tensor [T, N] = [", qx_in.size(0), ", ", qx_in.size(1), "], got ",

@@ -83,6 +83,9 @@ def pack_table(entries: torch.Tensor) -> torch.Tensor:
     return (diff * (1 << 32) + (lo & 0xFFFFFFFF)).contiguous()
 
 
+_FORK_SAFE_CHUNK = 1024  # elements per float op in prepare_layer (see rescale)
+
+
 def prepare_layer(p: LayerParams, act16: bool = False,
                   gemm_min: int = GEMM_PAD) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
     """The C++ Layer's arguments for one layer and direction (CPU tensors; move them as needed).
@@ -116,10 +119,16 @@ def prepare_layer(p: LayerParams, act16: bool = False,
         m = _per_channel(r.multiplier, n).to(torch.int64)
         t[name + "_mult"] = m
         t[name + "_shift"] = _per_channel(r.shift, n).to(torch.int32)
-        is_pow2 = (m > 0) & ((m & (m - 1)) == 0)
-        # log2 of power-of-two multipliers (x * m becomes a shift); -1 marks the others
-        t[name + "_mult_log2"] = torch.where(is_pow2, torch.log2(m.double().clamp(min=1)).round().long(),
-                                             torch.full_like(m, -1)).to(torch.int32)
+        # log2 of power-of-two multipliers (x * m becomes a shift); -1 marks the others. In chunks of
+        # at most _FORK_SAFE_CHUNK elements: torch's float kernels split larger tensors over OpenMP
+        # threads, which hangs in a child of fork() (a layer is prepared there anew; x levels make
+        # these arrays J times 3H long)
+        parts = []
+        for c in m.split(_FORK_SAFE_CHUNK):
+            is_pow2 = (c > 0) & ((c & (c - 1)) == 0)
+            parts.append(torch.where(is_pow2, torch.log2(c.double().clamp(min=1)).round().long(),
+                                     torch.full_like(c, -1)).to(torch.int32))
+        t[name + "_mult_log2"] = torch.cat(parts) if len(parts) != 1 else parts[0]
 
     def rng(name: str, bits: int) -> None:
         v[name + "_lo"], v[name + "_hi"] = qrange(bits)
