@@ -487,25 +487,36 @@ QGRU_HD int64_t gru_cell_acc(const CellParams& p, int64_t j, Channel32 ch, int32
   return computeH<POW2>(p, d_z, d_g, q_h);
 }
 
-// One element (batch row n, channel j) of one time step: golden.gru_step.
-// d_wx points at the row's 3H values of Wx - Z_Wx; the R.h product comes from the limb GEMMs.
+// One element (channel j) of one time step: golden.gru_step. d_wx points at the row's 3H values of
+// Wx - Z_Wx; the R.h products of gates r, z, g are row `row`'s columns col, col + stride and
+// col + 2 stride of the limb GEMMs' output (gru_cell: the layer's own layout, column j, stride H;
+// the persistent kernel's block-local products, qgru_persistent.h: its unit's column, stride units).
 template <int NPAIRS, bool POW2, bool ACC32>
-QGRU_HD int64_t gru_cell(const CellParams& p, const LimbProducts& rh_products, int64_t n, int64_t j, Channel32 ch,
-                         const int32_t* d_wx, int64_t q_h) {
+QGRU_HD int64_t gru_cell_at(const CellParams& p, const LimbProducts& rh_products, int64_t row, int64_t col,
+                            int64_t stride, int64_t j, Channel32 ch, const int32_t* d_wx, int64_t q_h) {
   const int64_t H = p.H;
   if (NPAIRS == 1) {
-    const int32_t* G = rh_products.G[0] + n * rh_products.ld;
-    return gru_cell_acc<POW2, ACC32>(p, j, ch, G[j], G[H + j], G[2 * H + j], d_wx[j], d_wx[H + j], d_wx[2 * H + j],
-                                     q_h);
+    const int32_t* G = rh_products.G[0] + row * rh_products.ld;
+    return gru_cell_acc<POW2, ACC32>(p, j, ch, G[col], G[stride + col], G[2 * stride + col], d_wx[j], d_wx[H + j],
+                                     d_wx[2 * H + j], q_h);
   }
   // two or more limb pairs: never the int32 form (prepare_layer enables it with one pair only)
-  const int64_t d_rh_r = requantize_acc<POW2>(p.rh, j, exact_product<NPAIRS>(rh_products, n, j));
-  const int64_t d_rh_z = requantize_acc<POW2>(p.rh, H + j, exact_product<NPAIRS>(rh_products, n, H + j));
-  const int64_t d_rh_g = requantize_acc<POW2>(p.rh, 2 * H + j, exact_product<NPAIRS>(rh_products, n, 2 * H + j));
+  const int64_t d_rh_r = requantize_acc<POW2>(p.rh, j, exact_product<NPAIRS>(rh_products, row, col));
+  const int64_t d_rh_z = requantize_acc<POW2>(p.rh, H + j, exact_product<NPAIRS>(rh_products, row, stride + col));
+  const int64_t d_rh_g =
+      requantize_acc<POW2>(p.rh, 2 * H + j, exact_product<NPAIRS>(rh_products, row, 2 * stride + col));
   const int64_t d_r = computeR<POW2>(p, j, d_wx[j], d_rh_r);
   const int64_t d_z = computeZ<POW2>(p, j, d_wx[H + j], d_rh_z);
   const int64_t d_g = computeG<POW2>(p, j, d_wx[2 * H + j], d_rh_g, d_r);
   return computeH<POW2>(p, d_z, d_g, q_h);
+}
+
+// One element (batch row n, channel j) of one time step: golden.gru_step, from the layer's own
+// R.h products (row n, column j of each gate's H).
+template <int NPAIRS, bool POW2, bool ACC32>
+QGRU_HD int64_t gru_cell(const CellParams& p, const LimbProducts& rh_products, int64_t n, int64_t j, Channel32 ch,
+                         const int32_t* d_wx, int64_t q_h) {
+  return gru_cell_at<NPAIRS, POW2, ACC32>(p, rh_products, n, j, p.H, j, ch, d_wx, q_h);
 }
 
 // Calls f(NPAIRS, POW2, ACC32), as std::integral_constant values, with the kernel template flags

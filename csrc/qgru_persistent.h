@@ -248,25 +248,12 @@ QGRU_HD LimbProducts pk_limb_products(const PkPlan& p, const PkArgs& a, unsigned
   return lp;
 }
 
-// The new state of unit j (local u) of row n (tile row r) from the tile's products: the functions
-// cell_kernel runs (gru_cell's two branches on a block-local layout: one limb pair, the raw int32
-// accumulators into gru_cell_acc; more, exact_product, requantize_acc and the four gates).
+// The new state of unit j (local u) of row n (tile row r) from the tile's products: the function
+// cell_kernel runs (qgru_cell.h gru_cell_at, here on the block-local layout: column u, stride units).
 template <int NPAIRS, bool POW2, bool ACC32>
 QGRU_HD int64_t pk_cell_value(const CellParams& c, const LimbProducts& lp, int64_t units, int64_t r, int64_t u,
                               int64_t j, const int32_t* d_wx, int64_t q_h) {
-  const int64_t H = c.H;
-  if (NPAIRS == 1) {
-    const int32_t* G = lp.G[0] + r * lp.ld;
-    return gru_cell_acc<POW2, ACC32>(c, j, cell32_channel<ACC32>(c, j), G[u], G[units + u], G[2 * units + u], d_wx[j],
-                                     d_wx[H + j], d_wx[2 * H + j], q_h);
-  }
-  const int64_t d_rh_r = requantize_acc<POW2>(c.rh, j, exact_product<NPAIRS>(lp, r, u));
-  const int64_t d_rh_z = requantize_acc<POW2>(c.rh, H + j, exact_product<NPAIRS>(lp, r, units + u));
-  const int64_t d_rh_g = requantize_acc<POW2>(c.rh, 2 * H + j, exact_product<NPAIRS>(lp, r, 2 * units + u));
-  const int64_t d_r = computeR<POW2>(c, j, d_wx[j], d_rh_r);
-  const int64_t d_z = computeZ<POW2>(c, j, d_wx[H + j], d_rh_z);
-  const int64_t d_g = computeG<POW2>(c, j, d_wx[2 * H + j], d_rh_g, d_r);
-  return computeH<POW2>(c, d_z, d_g, q_h);
+  return gru_cell_at<NPAIRS, POW2, ACC32>(c, lp, r, u, units, j, cell32_channel<ACC32>(c, j), d_wx, q_h);
 }
 
 // Element e of [rows_tile][units]: the cell of row row0 + e / units, unit b units + e % units, at
