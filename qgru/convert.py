@@ -412,7 +412,7 @@ def derive_layer_params(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Optional[t
 
     x_levels = None
     if not prev_h and config["x"].dynamic:  # the first layer: x comes from float
-        x_levels = derive_x_levels(S, Z, bits, b_ih, rescale["Wx"], bound["Wx"], pow2, bias)
+        x_levels = derive_x_levels(S, Z, bits, b_ih, bound["Wx"], pow2, bias)
 
     tables = {n: build_table("sigmoid" if n != "g" else "tanh", bits[f"{n}_pre"], float(S[f"{n}_pre"]),
                              int(Z[f"{n}_pre"]), float(S[n])) for n in ("r", "z", "g")}
@@ -441,7 +441,7 @@ X_LEVEL_EXPONENTS = tuple(range(0, 13))
 X_LEVEL_EXPONENTS_POW2 = (0, 4, 8, 12)
 
 
-def derive_x_levels(S, Z, bits, b_ih, static_rescale: Rescale, wx_bound: int, pow2: bool, bias) -> XLevels:
+def derive_x_levels(S, Z, bits, b_ih, wx_bound: int, pow2: bool, bias) -> XLevels:
     """The first layer's x levels: per level its scale, its range, b_ih at its accumulator scale and
     the W.x rescale onto the (static) Wx grid. Level 0 reproduces b_x and rescale["Wx"] exactly. A
     level whose rescale cannot be represented ends the list (the levels below it still apply)."""

@@ -300,19 +300,14 @@ def _acc32_pow2(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[
             return None
         v["hg_lsh"], v["hg_rsh"] = (int(x.reshape(-1)[0]) for x in f)
         v["hg_m32"] = 0
-    for name in ("Wx", "Rh"):
-        r = _net_shift(t, name)
-        if bool((r < 1).any()) or bool((r > 30).any()):
+    for name, K in (("Wx", v["I"]), ("Rh", v["H"])):  # the accumulators: _requant32, as every x level's
+        f = _requant32(t, name, True, K)
+        if f is None:
             return None
-        bias = t[name + "_bias"]
-        hi = torch.div(bias, 1 << r, rounding_mode="floor")
-        parts[name + "_bias_hi"] = hi.to(torch.int32)
-        parts[name + "_bias_lo"] = (bias - hi * (1 << r)).to(torch.int32)
-        parts[name + "_rshift"] = r.to(torch.int32)
+        parts.update(f)
         parts[name + "_zp32"] = t[name + "_zp"].to(torch.int32)
-    zeros = torch.zeros(v["H"], dtype=torch.int32, device=bias.device)  # the multiplier form's fields, unused here
+    zeros = torch.zeros(v["H"], dtype=torch.int32, device=t["Wx_bias"].device)  # the multiplier form's, unused
     parts.update({f"{name}_m": zeros for name in MULT_RESCALES})
-    parts.update({f"{name}_mult32": zeros.repeat(3) for name in ("Wx", "Rh")})
     return parts
 
 
@@ -390,14 +385,11 @@ def _acc32_mult(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[
         if f is None:
             return None
         v["hg_lsh"], v["hg_rsh"], v["hg_m32"] = (int(x.reshape(-1)[0]) for x in f)
-    for name, K in (("Wx", v["I"]), ("Rh", H)):
-        bias = t[name + "_bias"]
-        acc_max = K * (1 << 14) + bias.abs()  # |G + bias|
-        f = shifts(name, -acc_max, acc_max)
-        if f is None or bool((bias.abs() >= (1 << 31)).any()):
+    for name, K in (("Wx", v["I"]), ("Rh", H)):  # the accumulators: _requant32, as every x level's
+        f = _requant32(t, name, False, K)
+        if f is None:
             return None
-        parts[name + "_bias_hi"] = bias.to(torch.int32)  # the whole bias
-        parts[name + "_bias_lo"], parts[name + "_rshift"], parts[name + "_mult32"] = f  # lsh, rsh, m
+        parts.update(f)
         parts[name + "_zp32"] = t[name + "_zp"].to(torch.int32)
     return parts
 
