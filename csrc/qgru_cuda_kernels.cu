@@ -124,9 +124,11 @@ __global__ void quantize_kernel(const X* __restrict__ x, Q* __restrict__ q, int6
   if (nan && nan_flag != nullptr) atomicOr(nan_flag, nan_bit);
 }
 
-// golden.quantize_levels, one warp per token (a grid-stride loop over tokens): the lanes reduce
-// the token's minimum and maximum (float64; a NaN marks the token), lane 0 writes its level
-// (select_level), every lane quantizes its values on that level's grid (quantize_value).
+// golden.quantize_levels, one warp per token (a grid-stride loop over tokens): the lanes fold the
+// token's values into its range (token_range_add, qgru_fixedpoint.h: a NaN counts as 0.0, so the
+// token's level is golden's for x.nan_to_num(0.0), the integers this backend gives for NaN input),
+// the warp merges the lanes' ranges, lane 0 writes the level (select_level), and every lane
+// quantizes its values on that level's grid (quantize_value, which flags a NaN and takes 0.0).
 template <typename X, typename Q>
 __global__ void quantize_levels_kernel(const X* __restrict__ x, Q* __restrict__ q, int32_t* __restrict__ level,
                                        int64_t tokens, int64_t I, XLevelGrid g, int64_t zp, Range r,
@@ -136,29 +138,12 @@ __global__ void quantize_levels_kernel(const X* __restrict__ x, Q* __restrict__ 
   bool nan = false;
   for (int64_t t = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; t < tokens; t += warps) {
     const X* v = x + t * I;
-    double mn = 0.0, mx = 0.0;
-    bool any = false, has_nan = false;
-    for (int64_t i = lane; i < I; i += 32) {
-      const double d = (double)v[i];
-      if (d != d) {
-        has_nan = true;
-      } else {
-        mn = any && mn <= d ? mn : d;
-        mx = any && mx >= d ? mx : d;
-        any = true;
-      }
-    }
-    for (int o = 16; o > 0; o /= 2) {  // the whole warp: min, max, whether any lane saw a value or a NaN
-      const double omn = __shfl_xor_sync(0xffffffffu, mn, o), omx = __shfl_xor_sync(0xffffffffu, mx, o);
-      const bool oany = __shfl_xor_sync(0xffffffffu, (int)any, o) != 0;
-      has_nan = __shfl_xor_sync(0xffffffffu, (int)has_nan, o) != 0 || has_nan;
-      if (oany) {
-        mn = any && mn <= omn ? mn : omn;
-        mx = any && mx >= omx ? mx : omx;
-        any = true;
-      }
-    }
-    const int32_t j = select_level(g, mn, mx, has_nan);
+    TokenRange range = token_range_empty();
+    for (int64_t i = lane; i < I; i += 32) token_range_add(range, (double)v[i]);
+    for (int o = 16; o > 0; o /= 2)  // the whole warp's range (a lane with no value holds the empty one)
+      token_range_merge(range, TokenRange{__shfl_xor_sync(0xffffffffu, range.mn, o),
+                                          __shfl_xor_sync(0xffffffffu, range.mx, o)});
+    const int32_t j = select_level(g, range);
     if (lane == 0) level[t] = j;
     const QuantizeBounds b = quantize_bounds(r, zp);
     for (int64_t i = lane; i < I; i += 32) q[t * I + i] = (Q)quantize_value((double)v[i], g.scale[j], zp, r, b, &nan);

@@ -91,24 +91,55 @@ QGRU_HD float dequantize_value(int32_t q, double scale, double zp) { return (flo
 // x levels (golden.XLevels, select_levels): per-token grids of a first layer's float x. Level j
 // holds the values in [lo[j], hi[j]] (float64; -inf / +inf where the zero point is at the range's
 // end); a token (the I values of x at one time step and batch row) takes the first level that holds
-// its minimum and maximum, else the last. A token holding a NaN fits no level (the last): the
-// quantizer then rejects it (CPU) or flags it (CUDA) as without levels. Passed by value (CUDA: a
-// kernel argument, nothing to copy to the device), so the count is bounded.
+// its minimum and maximum, else the last. Passed by value (CUDA: a kernel argument, nothing to copy
+// to the device), so the count is bounded.
 QGRU_ISA_END
 constexpr int kMaxXLevels = 16;
 struct XLevelGrid {
   int32_t count;  // 1 .. kMaxXLevels
   double scale[kMaxXLevels], lo[kMaxXLevels], hi[kMaxXLevels];
 };
+// The smallest and largest value of a token as the level choice sees them (float64, where every
+// float32 and float64 value is exact). Empty: mn = +inf, mx = -inf (every fold below keeps them).
+struct TokenRange {
+  double mn, mx;
+};
 QGRU_ISA_BEGIN
 
-// The level of a token from its minimum and maximum (compared in float64, where every float32
-// and float64 value is exact); nan: the token holds a NaN.
-QGRU_HD int32_t select_level(const XLevelGrid& g, double mn, double mx, bool nan) {
-  if (!nan)
-    for (int32_t j = 0; j < g.count; ++j)
-      if (mn >= g.lo[j] && mx <= g.hi[j]) return j;
+QGRU_HD TokenRange token_range_empty() { return TokenRange{__builtin_huge_val(), -__builtin_huge_val()}; }
+
+// Adds one value of the token. A NaN counts as 0.0: the level of a token holding a NaN is then
+// golden.select_levels of x.nan_to_num(0.0), the integers the CUDA backend gives for NaN input
+// (docs/spec.md section 11; it flags the NaN and quantizes it as 0.0). The CPU backend rejects NaN
+// input, so there the level of such a token is never used. (Comparisons with a NaN are false, so
+// without this a NaN would be skipped by the minimum and maximum alike: equal for levels that hold
+// 0.0, which every level does, but stated here rather than left to the order of the comparisons.)
+QGRU_HD void token_range_add(TokenRange& r, double v) {
+  v = v != v ? 0.0 : v;
+  r.mn = v < r.mn ? v : r.mn;
+  r.mx = v > r.mx ? v : r.mx;
+}
+
+// Two parts of one token (the lanes of a warp, the threads of a block).
+QGRU_HD void token_range_merge(TokenRange& r, const TokenRange& o) {
+  r.mn = o.mn < r.mn ? o.mn : r.mn;
+  r.mx = o.mx > r.mx ? o.mx : r.mx;
+}
+
+// The level of a token from its range: the first level that holds both ends, else the last.
+QGRU_HD int32_t select_level(const XLevelGrid& g, const TokenRange& r) {
+  for (int32_t j = 0; j < g.count; ++j)
+    if (r.mn >= g.lo[j] && r.mx <= g.hi[j]) return j;
   return g.count - 1;
+}
+
+// The level of one token of I values at stride 1 (the host's form of the CUDA kernel's warp fold:
+// the same adds, in another order, which min and max do not see).
+template <typename X>
+QGRU_HD int32_t token_level(const XLevelGrid& g, const X* v, int64_t I) {
+  TokenRange r = token_range_empty();
+  for (int64_t i = 0; i < I; ++i) token_range_add(r, (double)v[i]);
+  return select_level(g, r);
 }
 
 // round_half_up(v / 2^s) for s >= 0; s = 0 returns v (primitives.rounding_shift).

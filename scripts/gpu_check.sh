@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check: whenever a machine with an NVIDIA GPU is available, run this first.
 #   bash scripts/gpu_check.sh            (logs in ./gpu-check/, or $QGRU_GPU_LOG)
-# 1. builds the cuda backend (parallel jobs), 2. runs every CUDA test (pytest -k cuda: the
-# CUDA-only tests and every test parametrised over backends or devices on its cuda case),
+# 1. builds the cuda backend from a clean cache (parallel jobs), 2. runs every CUDA test (pytest -k
+# cuda: the CUDA-only tests and every test parametrised over backends or devices on its cuda case;
+# among them x levels, graph captures, the NaN flag, the persistent kernel against golden with
+# QGRU_CUDA_PERSISTENT=1, both weight-only Triton kernels on CUDA, and native calls that raise),
+# 2b. if a native call that raises crashed its process, triages it (scripts/cuda_triage.py),
 # 3. runs the CUDA benchmark (scripts/bench.py --device cuda, into the log folder's BENCHMARKS.md,
-# not the repository's), keeps each stage's log, and prints a summary last. Each stage has a time
-# limit so the whole check ends within 8 minutes on an H100 or H200.
+# not the repository's), keeps each stage's log, and prints a summary last, with what each of
+# those groups of tests gave. Each stage has a time limit so the whole check ends within 8 minutes
+# on an H100 or H200.
 # It installs nothing: it uses the Python that holds torch with CUDA (python3, or $PYTHON) and
 # needs pytest, hypothesis, numpy and tqdm there (the GPU machines we test on have them, with
 # torch 2.11+cu130 and no package registry). qgru is imported from this checkout.
@@ -18,6 +22,12 @@ mkdir -p "$LOG"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"  # torch.utils.cpp_extension's parallel compile jobs
+# the build from a clean cache: a folder of its own under the logs, emptied first (unless the caller
+# names one in QGRU_BUILD_DIR, which is then used as it is)
+if [ -z "${QGRU_BUILD_DIR:-}" ]; then
+  export QGRU_BUILD_DIR="$PWD/$LOG/build-cache"
+  rm -rf "$QGRU_BUILD_DIR"
+fi
 T_BUILD="${QGRU_GPU_BUILD_S:-240}" T_TESTS="${QGRU_GPU_TESTS_S:-200}" T_BENCH="${QGRU_GPU_BENCH_S:-150}"
 start=$(date +%s)
 stage() { echo "== $1 ($(($(date +%s) - start)) s)"; }
@@ -57,6 +67,15 @@ if [ "$build_rc" -eq 0 ]; then
   grep -E '^(FAILED|ERROR) ' "$LOG/tests.log" | head -n 30
 fi
 
+# the crash triage (issue 38): only when a native call that raises crashed its test's child process
+triage_rc=-1
+if grep -qE 'test_cuda_calls_that_raise_do_not_crash.* (FAILED|ERROR)|^(FAILED|ERROR) .*test_cuda_calls_that_raise_do_not_crash' \
+    "$LOG/tests.log" 2>/dev/null; then
+  stage "crash triage (scripts/cuda_triage.py)"
+  timeout "${QGRU_GPU_TRIAGE_S:-150}" "$PY" scripts/cuda_triage.py > "$LOG/triage.log" 2>&1
+  triage_rc=$?
+fi
+
 bench_rc=99
 if [ "$build_rc" -eq 0 ] && [ -z "${QGRU_GPU_NO_BENCH:-}" ]; then
   stage "CUDA benchmark"
@@ -73,6 +92,23 @@ echo "software:   $(grep -m1 '^python' "$LOG/env.txt")"
 echo "build:      rc=$build_rc in ${build_s} s"
 echo "CUDA tests: rc=$tests_rc: $tests_line"
 grep -E '^[0-9.]+s (call|setup)' "$LOG/tests.log" 2>/dev/null | head -n 5 | sed 's/^/  slowest: /'
+# what issue 38 asks the check to cover, counted from the junit report: passed / failed / skipped
+[ -f "$LOG/tests.xml" ] && "$PY" - "$LOG/tests.xml" <<'PYEOF'
+import sys, xml.etree.ElementTree as ET
+groups = {"x levels": ("x_levels", "token_level"), "persistent kernel": ("persistent",),
+          "captures": ("capture", "graph"), "NaN flag": ("nan",), "weight-only Triton": ("triton",),
+          "raise, no crash": ("raise",), "stack": ("stack",)}
+count = {g: [0, 0, 0] for g in groups}
+for case in ET.parse(sys.argv[1]).getroot().iter("testcase"):
+    name = case.get("name", "").lower()
+    kind = 1 if case.find("failure") is not None or case.find("error") is not None else (
+        2 if case.find("skipped") is not None else 0)
+    for g, keys in groups.items():
+        if any(k in name for k in keys):
+            count[g][kind] += 1
+print("  covered:    " + "; ".join(f"{g} {p}/{f}/{s}" for g, (p, f, s) in count.items()) + "  (passed/failed/skipped)")
+PYEOF
+[ "$triage_rc" -ge 0 ] && { echo "triage:     rc=$triage_rc"; grep -E '^\|' "$LOG/triage.log" | tail -n 14; }
 echo "benchmark:  rc=$bench_rc (table in $LOG/bench.log and $LOG/BENCHMARKS.md)"
 if [ -f "$LOG/bench.log" ]; then
   grep -E '^\|' "$LOG/bench.log" | tail -n 40

@@ -8,6 +8,10 @@ unavailable cuda backend is a failure (test_native's cuda_backend fixture).
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -264,25 +268,11 @@ def test_cuda_nan_check_mode_inside_a_capture_is_a_clear_error(cuda_backend, mon
     assert torch.equal(got, want)
 
 
-# Open defect (issue 34 item 5). On an H200 (torch 2.11.0+cu130, 2026-11-27, three runs) this test
-# crashed its process (segmentation fault) at the first bad-value Stack; the valid Stack before it
-# is made fine. Read without a GPU (issue 34 session; no fix found): the failing constructor creates
-# nothing on the GPU. qgru::cuda_api::Stack builds CudaStack, whose constructor moves two vectors
-# (shared_ptrs to existing Layers, the values) and runs check_stack_values (qgru_layer.h), which
-# throws c10::Error (TORCH_CHECK) before anything is allocated; the pimpl (make_shared<Impl>) is made
-# only after it returns; no stream, event, graph or cuBLAS handle is created or destroyed on that
-# path, and unwinding destroys only those vectors. The CPU Stack runs the same template and throws
-# the same way, and test_native.py checks its bad values, but only on CPU machines (torch 2.13):
-# scripts/gpu_check.sh runs -k cuda, so that control has never run on the H200's build. The likely
-# fault is therefore in raising a c10::Error out of this extension's pybind11 constructor on that
-# build (backtrace capture or translation), not in qgru's code; unconfirmed. Next GPU session:
-# `python -X faulthandler -m pytest tests/test_native.py -k "stack" -p no:xdist` (the CPU Stack's
-# bad values on the same machine: same crash or not), and this test's body under
-# `gdb -batch -ex run -ex bt --args python ...` for the native frame.
-@pytest.mark.skip(reason="crashed the process (segmentation fault) at its first bad-value Stack on an H200 "
-                         "(torch 2.11.0+cu130), 2026-11-27; no fault found in qgru's constructor path by reading "
-                         "(it creates no CUDA resource and throws before any allocation; see the comment above): "
-                         "open defect, issue 34. The values a model hands the Stack come from validated parameters.")
+# On an H200 (torch 2.11.0+cu130, 2026-11-27) a CUDA Stack constructor that raised on a bad value
+# crashed the process (segmentation fault); reading found no fault in qgru's constructor path. qgru
+# therefore checks a Stack's values with the plain function check_stack before making it
+# (native.stacks._make_cuda_stack), and this test checks the values through it. Whether a
+# constructor that raises still crashes is the next test's (and scripts/cuda_triage.py's) question.
 def test_cuda_stack_checks_its_values(cuda_backend):
     """The CUDA Stack checks its per-layer values against its Layers when it is made (as the CPU
     Stack does): a wrong x bit count, an h zero point its Layer does not have, a non-integer
@@ -291,15 +281,30 @@ def test_cuda_stack_checks_its_values(cuda_backend):
     params = [[p.to("cuda") for p in row] for row in m._qparams]
     layers = [native._cuda_layer(p, torch.device("cuda:0")).layer for (p,) in params]
     rows = native.stack_values(params)
-    Stack = native.load("cuda").Stack
+    ext = native.load("cuda")
+    Stack = ext.Stack
+    ext.check_stack(layers, rows)
     Stack(layers, rows)  # the right values
     for l, i, v, match in [(0, 2, rows[0][2] + 1, "-bit x"), (1, 4, rows[1][4] + 1, "zero point"),
                            (1, 6, 0.5, "not an integer")]:
         bad = [list(r) for r in rows]
         bad[l][i] = v
         with pytest.raises(RuntimeError, match=match):
-            Stack(layers, bad)
+            ext.check_stack(layers, bad)  # a plain function: what qgru runs before making a Stack
     with pytest.raises(RuntimeError, match="one parameter row per Layer"):
-        Stack(layers, rows[:1])
+        ext.check_stack(layers, rows[:1])
     with pytest.raises(RuntimeError, match="h0 must be"):
         Stack(layers, rows).forward(torch.zeros(2, 3, 6, device="cuda"), torch.zeros(1, 3, 10, device="cuda"))
+
+
+@pytest.mark.parametrize("case", ["cuda_layer_empty", "cuda_stack_bad", "cuda_stack_rows_missing",
+                                  "cuda_quantize_bad_bits", "cuda_check_stack_bad"])
+def test_cuda_calls_that_raise_do_not_crash(cuda_backend, case):
+    """Each native call given a bad value raises a Python error and the process lives on:
+    constructors (a Layer with no tensors, a Stack with a bad value or a missing row) and plain
+    functions, each in a child process (scripts/cuda_triage.py --case), so that a crash fails this
+    case alone with its faulthandler output."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "cuda_triage.py"
+    r = subprocess.run([sys.executable, "-X", "faulthandler", str(script), "--case", case], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "raised" in r.stdout, (r.returncode, (r.stdout + r.stderr)[-3000:])

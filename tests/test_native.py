@@ -1521,6 +1521,53 @@ def test_x_levels_quantize_matches_golden(kind, dtype):
             assert got_q.shape == shape and got_l.shape == shape[:-1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", ["multiplier", "pow2"])
+def test_token_level_is_golden_on_nan_inf_and_edges(cpu_backend, mode, dtype):
+    """qgru_fixedpoint.h's token_level (the level choice the CUDA kernel folds, run here on the host)
+    == golden.select_levels of x.nan_to_num(0.0): the integers CUDA gives for NaN input. Tokens hold
+    a NaN among values of every level, infinities, a level's ends exactly and the next value past
+    them, and NaN alone. (The CUDA kernel once put any token holding a NaN on the widest level.)"""
+    p = _levels_layer("w8a8", mode, 9, 16, seed=11)
+    lv = p.x_levels
+    J = lv.exponent.numel()
+    token_levels = native.load("cpu").token_levels
+    grid = [lv.scale.tolist(), lv.lo.tolist(), lv.hi.tolist()]
+    gen = torch.Generator().manual_seed(7)
+    x = _level_inputs(p, (40, 6, 9), gen, torch.float64)
+    flat = x.reshape(-1, 9)
+    k = 0
+    for j in range(J):  # a level's ends and the values just past them, alone and beside a NaN
+        for end, away in ((lv.lo[j].item(), -math.inf), (lv.hi[j].item(), math.inf)):
+            if not math.isfinite(end):
+                continue
+            for v in (end, math.nextafter(end, away)):
+                flat[k] = 0.0
+                flat[k, 3] = v
+                flat[k + 1] = flat[k]
+                flat[k + 1, 0] = math.nan
+                k += 2
+    flat[k:k + 8, 2] = math.nan  # NaN among random values
+    flat[k + 8, :] = math.nan  # a token of NaN alone: 0.0, level 0
+    flat[k + 9, 1], flat[k + 10, 4], flat[k + 11, 5] = math.inf, -math.inf, math.nan
+    flat[k + 11, 6] = math.inf
+    x = x.to(dtype)  # float32 rounds some ends and the values past them: still edges, on either side
+    got = token_levels(x, *grid).long()
+    want = golden.select_levels(lv, x.nan_to_num(0.0))
+    assert torch.equal(got, want), (got != want).nonzero()[:5].tolist()
+    has_nan = torch.isnan(x).any(-1)
+    assert set(want[has_nan].tolist()) != {J - 1}, "the NaN tokens must span levels other than the widest"
+    assert len(set(want.reshape(-1).tolist())) >= 3
+    # without NaN, the host fold is golden itself, and the cpu path's quantize_levels agrees
+    clean = x.nan_to_num(0.0)
+    assert torch.equal(token_levels(clean, *grid).long(), golden.select_levels(lv, clean))
+    with qgru.backend("cpu") as b:
+        _, lvl = b.boundary.quantize_levels(clean, lv, p.zp["x"], p.bits["x"], "input")
+    assert torch.equal(lvl.long(), golden.select_levels(lv, clean))
+    with pytest.raises(RuntimeError, match="token_levels"):
+        token_levels(x.int(), *grid)
+
+
 def test_x_levels_nan_is_an_error(cpu_backend):
     p = _levels_layer("w8a8", "pow2", 8, 16, seed=0)
     x = torch.randn(3, 2, 8)
@@ -1717,6 +1764,31 @@ def test_build_key_covers_every_csrc_file():
     on_disk = {str(f.relative_to(root)) for f in root.rglob("*") if f.suffix in (".h", ".cpp", ".cu")}
     listed = set(native._HEADERS) | {f for files in native._SOURCES.values() for f in files} | {wo_cpu.SOURCE_FILE}
     assert on_disk == listed, (sorted(on_disk - listed), sorted(listed - on_disk))
+
+
+def test_cuda_build_key_names_the_gpus_architectures(monkeypatch):
+    """The cuda build's cache key changes with the GPU it compiles for (the compute capability of
+    every visible GPU where TORCH_CUDA_ARCH_LIST is unset, else that list): a cache shared between
+    machines with other GPUs must not load a binary without a kernel image for this one."""
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    keys = {}
+    for cap in [(8, 0), (9, 0), (8, 0)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0, cap=cap: cap)
+        keys.setdefault(cap, set()).add(native_build.build_key("cuda"))
+        assert native_build.cuda_arch_key() == f"devices sm_{cap[0]}{cap[1]}"
+    assert len(keys[(8, 0)]) == 1 and keys[(8, 0)] != keys[(9, 0)]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # an A100 and an H100 in one machine
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: [(9, 0), (8, 0)][i])
+    assert native_build.cuda_arch_key() == "devices sm_80,sm_90"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")  # what is compiled, whatever the GPUs
+    with_list = native_build.build_key("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (10, 0))
+    assert native_build.build_key("cuda") == with_list
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert native_build.build_key("cuda") != with_list
+    assert native_build.build_key("cpu") == native_build.build_key("cpu")  # the cpu key knows no GPU
 
 
 def test_load_skips_stale_binary_in_build_dir(cpu_backend, monkeypatch, tmp_path, capsys):

@@ -46,6 +46,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "golden.quantize_levels on a CPU path: (q int32, level int32 per token)", pybind11::arg("x"),
         pybind11::arg("scale"), pybind11::arg("lo"), pybind11::arg("hi"), pybind11::arg("zp"), pybind11::arg("bits"),
         pybind11::arg("what"), pybind11::arg("isa") = "auto", release_gil());
+  m.def("token_levels", &qgru::cpu_api::token_levels,
+        "the x level of every token by the shared token_level (NaN counts as 0.0): what the CUDA kernel runs",
+        pybind11::arg("x"), pybind11::arg("scale"), pybind11::arg("lo"), pybind11::arg("hi"));
   m.def("dequantize", &qgru::cpu_api::dequantize, "int -> float (primitives.dequantize)", release_gil());
   m.def("requantize", &qgru::cpu_api::requantize, "golden.requantize_input, per-tensor factor", release_gil());
   m.def("kernel_gemm", &qgru::cpu_api::kernel_gemm, "one CPU path's GEMM alone (tests)", pybind11::arg("isa"),

@@ -26,6 +26,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x, const st
                                                    const std::vector<double>& lo, const std::vector<double>& hi,
                                                    int64_t zp, int64_t bits, const std::string& what,
                                                    const std::string& isa);
+// qgru_fixedpoint.h's token_level on every token of x [..., I] (tests: the level choice CUDA runs).
+at::Tensor token_levels(const at::Tensor& x, const std::vector<double>& scale, const std::vector<double>& lo,
+                        const std::vector<double>& hi);
 at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp);
 at::Tensor requantize(const at::Tensor& q, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
                       int64_t to_bits);

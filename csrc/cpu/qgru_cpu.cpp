@@ -693,7 +693,7 @@ bool quantize_levels_loop(const Kernels* k, const scalar_t* x, int32_t* q, int32
         mn = v[i] < mn ? v[i] : mn;
         mx = v[i] > mx ? v[i] : mx;
       }
-      const int32_t j = select_level(g, (double)mn, (double)mx, false);
+      const int32_t j = select_level(g, TokenRange{(double)mn, (double)mx});
       level[t] = j;
       ok = (std::is_same<scalar_t, float>::value
                 ? k->quantize_f32((const float*)v, q + t * I, I, g.scale[j], zp, r.lo, r.hi)
@@ -900,6 +900,24 @@ std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x, const st
                                                    const std::string& isa) {
   return qgru::quantize_levels(x, level_grid(scale, lo, hi, "qgru cpu quantize_levels"), zp, bits, what.c_str(),
                                qgru::kernels_for(isa));
+}
+// The level of every token of float x [..., I] by qgru_fixedpoint.h's token_level alone, serially:
+// the function the CUDA kernel folds (a NaN counts as 0.0), run on the host for tests against
+// golden.select_levels(x.nan_to_num(0.0)).
+at::Tensor token_levels(const at::Tensor& x_in, const std::vector<double>& scale, const std::vector<double>& lo,
+                        const std::vector<double>& hi) {
+  const XLevelGrid g = qgru::level_grid(scale, lo, hi, "qgru cpu token_levels");
+  TORCH_CHECK(x_in.device().is_cpu() && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kDouble) &&
+                  x_in.dim() >= 1 && x_in.size(-1) >= 1,
+              "qgru cpu token_levels: a CPU float32 or float64 x with at least one value per token");
+  const at::Tensor x = x_in.resolve_conj().resolve_neg().contiguous();
+  const int64_t I = x.size(-1), tokens = x.numel() / I;
+  at::Tensor level = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kInt));
+  int32_t* out = level.data_ptr<int32_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    out[t] = x.scalar_type() == at::kDouble ? qgru::token_level(g, x.data_ptr<double>() + t * I, I)
+                                            : qgru::token_level(g, x.data_ptr<float>() + t * I, I);
+  return level;
 }
 at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp) { return qgru::dequantize(q, scale, zp); }
 at::Tensor requantize(const at::Tensor& q, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,

@@ -118,6 +118,23 @@ def _machine_id() -> str:
     return info
 
 
+def cuda_arch_key() -> str:
+    """The GPU architectures a cuda build compiles for, as torch.utils.cpp_extension picks them:
+    TORCH_CUDA_ARCH_LIST where set, else the compute capability of every visible GPU. Part of the
+    cuda build's cache key, so that a cache shared between machines with other GPUs (a home folder
+    on a cluster) never loads a binary without a kernel image for this one."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if env:
+        return "arch list " + env
+    caps = set()
+    try:
+        if torch.cuda.is_available():
+            caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+    except Exception:  # noqa: BLE001 - no usable GPU: the build is refused later, with the reason
+        caps = set()
+    return "devices " + ",".join(f"sm_{a}{b}" for a, b in sorted(caps))
+
+
 def build_key(kind: str) -> str:
     h = hashlib.sha256()
     src = csrc_dir()
@@ -129,7 +146,7 @@ def build_key(kind: str) -> str:
     h.update(_machine_id().encode())
     h.update((torch.version.git_version or "").encode())
     if kind == "cuda":
-        h.update((os.environ.get("TORCH_CUDA_ARCH_LIST", "") + str(torch.version.cuda)).encode())
+        h.update((cuda_arch_key() + " cuda " + str(torch.version.cuda)).encode())
     abi = sysconfig.get_config_var("SOABI") or sys.version
     return f"{kind}-torch{torch.__version__}-{abi}-{h.hexdigest()[:12]}".replace("+", "_")
 
