@@ -2,8 +2,9 @@
 // steps, each block keeping its rows of R in shared memory for the whole launch, with a grid
 // barrier between steps. The plan and every phase of a block's step are qgru_persistent.h's (the
 // tests run them on the host against the golden model); this file is their thread-strided loops,
-// the barrier and the launch. NOT YET RUN ON A GPU (written and compiled without one: see
-// docs/design.md, "Persistent recurrence").
+// the barrier and the launch. Run on an H200 (2026-11-28): bit-exact, and slower than the per-step
+// path at every benchmark shape, so off by default (docs/design.md, "persistent recurrence"). The
+// grid barrier needs every block resident at once: the kernel is only launched cooperatively.
 #include <stdexcept>
 #include <string>
 

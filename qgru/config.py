@@ -163,7 +163,13 @@ class QuantConfig:
         else:
             raise TypeError(f"config must be a name, a path, a dict or a QuantConfig, got {type(config).__name__}")
         if overrides:
+            had = set(base.get("tensors", {})) if isinstance(base.get("tensors"), Mapping) else set()
             base = _merge(base, overrides, "config")
+            over_t = overrides.get("tensors") if isinstance(overrides.get("tensors"), Mapping) else {}
+            for n, v in over_t.items():  # a tensor the config lacks, added by an override without its bits
+                if n not in had and isinstance(v, Mapping) and "bits" not in v:
+                    raise ValueError(f"config.tensors.{n}: config {name!r} has no {n}; an override that adds it "
+                                     f"must give its bits (got {dict(v)!r})")
         return cls.from_dict(base, default_name=name)
 
     @classmethod

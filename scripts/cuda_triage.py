@@ -1,5 +1,9 @@
 """Triage of the CudaStack crash (issue 38): which native calls that raise on a bad value crash the
 process on this machine, each in its own child process (a crash then ends only that case).
+First run (H200, 2026-11-28, both extensions built with the image's /opt/gcc): every call whose
+error message formats a number crashed (the CUDA quantize, check_stack and Stack, and the CPU Stack
+too), and those whose message holds only text raised cleanly; the native checks now format their
+numbers without iostreams (csrc/qgru_check.h).
 
     python scripts/cuda_triage.py                 # every case, twice (TORCH_SHOW_CPP_STACKTRACES 0, 1)
     python scripts/cuda_triage.py --case NAME     # one case in this process (what the children run)
@@ -45,6 +49,11 @@ def run_case(name: str) -> None:
     from qgru import native
     expected = (RuntimeError, ValueError)
     ext = native.load("cpu" if name == "cpu_stack_bad" else "cuda")  # unavailable: an error, not a case's outcome
+    # the C++ runtimes this process has loaded (two libstdc++ copies would explain a crash that
+    # only messages formatting a number show: 2026-11-28, H200 image with /opt/gcc)
+    with open("/proc/self/maps") as f:
+        libs = sorted({line.split()[-1] for line in f if "libstdc++" in line or "libgcc_s" in line})
+    print("loaded:", ", ".join(libs), flush=True)
     try:
         if name == "cuda_quantize_bad_bits":
             ext.quantize(torch.zeros(4, device="cuda"), 0.1, 0, 40, "x")

@@ -200,6 +200,14 @@ class TestConfigErrors:
         with pytest.raises(ValueError, match=r"config\.tensors\.h: unknown key\(s\) 'bitz'"):
             load({"tensors": {"h": {"bitz": 8}}})
 
+    def test_override_adding_a_tensor_without_bits(self):
+        """An override of h_gemm on a config without one (w16a16) names the tensor and the missing
+        bits (it said "bits must be an integer, got None"); with bits it adds the tensor."""
+        with pytest.raises(ValueError, match=r"config\.tensors\.h_gemm: config 'w16a16' has no h_gemm.*must give its bits"):
+            load({"tensors": {"h_gemm": {"dynamic": False}}}, config="w16a16")
+        assert load({"tensors": {"h_gemm": {"bits": 8}}}, config="w16a16").tensors["h_gemm"].bits == 8
+        assert load({"tensors": {"h_gemm": {"dynamic": False}}}).tensors["h_gemm"].bits == 8  # w8a8 has one
+
     def test_unknown_top_level_key(self):
         with pytest.raises(ValueError, match=r"config: unknown key\(s\) 'tensorz'"):
             load({"tensorz": {}})
