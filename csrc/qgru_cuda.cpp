@@ -37,16 +37,17 @@
 #include "qgru_cuda_backend.h"
 #include "qgru_cuda_launch.h"
 #include "qgru_layer.h"
+#include "qgru_check.h"
 
 namespace qgru {
 namespace {
 
 void check_cuda(cudaError_t e, const char* what) {
-  TORCH_CHECK(e == cudaSuccess, "qgru cuda: ", what, ": ", cudaGetErrorString(e));
+  QGRU_CHECK(e == cudaSuccess, "qgru cuda: ", what, ": ", cudaGetErrorString(e));
 }
 
 void check_cublas(cublasStatus_t s, const char* what) {
-  TORCH_CHECK(s == CUBLAS_STATUS_SUCCESS, "qgru cuda: ", what, " failed with cuBLAS status ", (int)s);
+  QGRU_CHECK(s == CUBLAS_STATUS_SUCCESS, "qgru cuda: ", what, " failed with cuBLAS status ", (int)s);
 }
 
 // The cuBLAS loaded at run time (qgru/native/build.py links the one torch runs) must have the major
@@ -56,7 +57,7 @@ void check_cublas_version() {
   check_cublas(cublasGetProperty(MAJOR_VERSION, &major), "cublasGetProperty");
   check_cublas(cublasGetProperty(MINOR_VERSION, &minor), "cublasGetProperty");
   check_cublas(cublasGetProperty(PATCH_LEVEL, &patch), "cublasGetProperty");
-  TORCH_CHECK(major == CUBLAS_VER_MAJOR, "qgru cuda: compiled against the cuBLAS ", CUBLAS_VER_MAJOR, ".",
+  QGRU_CHECK(major == CUBLAS_VER_MAJOR, "qgru cuda: compiled against the cuBLAS ", CUBLAS_VER_MAJOR, ".",
               CUBLAS_VER_MINOR, " headers, but the loaded libcublas is ", major, ".", minor, ".", patch,
               ": rebuild with the CUDA toolkit of torch's CUDA version (python -m qgru build --kind cuda)");
 }
@@ -82,7 +83,7 @@ int32_t* device_nan_flag(c10::DeviceIndex device) {
     cudaStream_t cur = at::cuda::getCurrentCUDAStream().stream();
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     check_cuda(cudaStreamIsCapturing(cur, &capture), "cudaStreamIsCapturing");
-    TORCH_CHECK(capture == cudaStreamCaptureStatusNone, "qgru cuda: the first qgru call on a device must run ",
+    QGRU_CHECK(capture == cudaStreamCaptureStatusNone, "qgru cuda: the first qgru call on a device must run ",
                 "outside a CUDA graph capture (it sets up the device's NaN flag): call the model once before ",
                 "capturing, as torch.cuda.graph's warm-up advice says");
     int32_t* made = nullptr;
@@ -99,7 +100,7 @@ int32_t* device_nan_flag(c10::DeviceIndex device) {
 bool nan_check_enabled() {
   const char* env = std::getenv("QGRU_CUDA_NAN_CHECK");
   if (env == nullptr || *env == '\0' || std::string(env) == "0") return false;
-  TORCH_CHECK_VALUE(std::string(env) == "1", "qgru cuda: QGRU_CUDA_NAN_CHECK='", env, "' must be 0 or 1");
+  QGRU_CHECK_VALUE(std::string(env) == "1", "qgru cuda: QGRU_CUDA_NAN_CHECK='", env, "' must be 0 or 1");
   return true;
 }
 
@@ -108,7 +109,7 @@ bool nan_check_enabled() {
 at::Tensor checked_nan_flag(const at::TensorOptions& opts) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   check_cuda(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream().stream(), &capture), "cudaStreamIsCapturing");
-  TORCH_CHECK(capture == cudaStreamCaptureStatusNone, "qgru cuda: QGRU_CUDA_NAN_CHECK=1 reads each call's NaN ",
+  QGRU_CHECK(capture == cudaStreamCaptureStatusNone, "qgru cuda: QGRU_CUDA_NAN_CHECK=1 reads each call's NaN ",
               "flag on the host, which a CUDA graph capture forbids: unset it to capture (NaN then quantizes as ",
               "0.0 and is reported by qgru.cuda_nan_seen())");
   return at::zeros({1}, opts.dtype(at::kInt));
@@ -118,14 +119,14 @@ at::Tensor checked_nan_flag(const at::TensorOptions& opts) {
 void raise_on_nan(const at::Tensor& flag) {
   const int32_t v = flag.item<int32_t>();
   const char* what = (v & kNanInput) ? "input" : "h0";
-  TORCH_CHECK_VALUE(v == 0, "QuantGRU ", what, " contains NaN, which has no quantized value ",
+  QGRU_CHECK_VALUE(v == 0, "QuantGRU ", what, " contains NaN, which has no quantized value ",
                     "(out-of-range and infinite values saturate)");
 }
 
 // qgru.cuda_nan_seen(): the device's flag (kNanInput | kNanH0 bits) after the work enqueued on the
 // current stream so far, cleared when `clear`. Waits for that work.
 int64_t nan_flags(int64_t device, bool clear) {
-  TORCH_CHECK(device >= 0 && device < at::cuda::device_count(), "qgru cuda: no CUDA device ", device);
+  QGRU_CHECK(device >= 0 && device < at::cuda::device_count(), "qgru cuda: no CUDA device ", device);
   c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
   int32_t* f = device_nan_flag((c10::DeviceIndex)device);
   cudaStream_t cur = at::cuda::getCurrentCUDAStream().stream();
@@ -138,18 +139,18 @@ int64_t nan_flags(int64_t device, bool clear) {
 
 cuda::GemmDesc gemm_desc(const LayerTensors& lt, const std::string& k) {
   const at::Tensor& w = lt.tensor(k + "_weight_limbs");
-  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 3 && w.is_contiguous(), "qgru cuda: bad ", k, "_weight_limbs");
+  QGRU_CHECK(w.scalar_type() == at::kChar && w.dim() == 3 && w.is_contiguous(), "qgru cuda: bad ", k, "_weight_limbs");
   cuda::GemmDesc g{};
   g.weight_limbs = w.data_ptr<int8_t>();
   g.M_pad = w.size(1);
   g.K_pad = w.size(2);
-  TORCH_CHECK(g.M_pad % cuda::kPad == 0 && g.K_pad % cuda::kPad == 0 && g.M_pad >= cuda::kMinGemmDim &&
+  QGRU_CHECK(g.M_pad % cuda::kPad == 0 && g.K_pad % cuda::kPad == 0 && g.M_pad >= cuda::kMinGemmDim &&
                   g.K_pad >= cuda::kMinGemmDim,
               "qgru cuda: ", k, "_weight_limbs [", g.M_pad, ", ", g.K_pad, "] must be padded to multiples of ", cuda::kPad,
               ", at least ", cuda::kMinGemmDim, " (prepare_layer(gemm_min=CUDA_GEMM_MIN))");
   at::Tensor pr = lt.pairs(k);
   g.P = (int)pr.size(0);
-  TORCH_CHECK(g.P == 1 || g.P == 2 || g.P == 4, "qgru cuda: unsupported number of limb pairs ", g.P);
+  QGRU_CHECK(g.P == 1 || g.P == 2 || g.P == 4, "qgru cuda: unsupported number of limb pairs ", g.P);
   auto a = pr.accessor<int64_t, 2>();
   for (int p = 0; p < g.P; ++p) {
     g.act_limb[p] = (int)a[p][0];
@@ -234,7 +235,7 @@ int64_t plan_max_bytes_from_env() {
   char* end = nullptr;
   errno = 0;
   const long long v = std::strtoll(env, &end, 10);
-  TORCH_CHECK_VALUE(errno == 0 && end != env && *end == '\0' && v >= 0, "qgru cuda: QGRU_CUDA_PLAN_MAX_BYTES='",
+  QGRU_CHECK_VALUE(errno == 0 && end != env && *end == '\0' && v >= 0, "qgru cuda: QGRU_CUDA_PLAN_MAX_BYTES='",
                     env, "' is not a non-negative integer (bytes)");
   return (int64_t)v;
 }
@@ -245,7 +246,7 @@ int64_t plan_max_bytes_from_env() {
 bool persistent_from_env() {
   const char* env = std::getenv("QGRU_CUDA_PERSISTENT");
   if (env == nullptr || *env == '\0' || std::string(env) == "0") return false;
-  TORCH_CHECK_VALUE(std::string(env) == "1", "qgru cuda: QGRU_CUDA_PERSISTENT='", env, "' must be 0 or 1");
+  QGRU_CHECK_VALUE(std::string(env) == "1", "qgru cuda: QGRU_CUDA_PERSISTENT='", env, "' must be 0 or 1");
   return true;
 }
 
@@ -323,9 +324,9 @@ class CudaLayer {
  public:
   CudaLayer(TensorMap tensors, IntMap values) : lt_{std::move(tensors), std::move(values)} {
     for (auto& kv : lt_.t)
-      TORCH_CHECK(kv.second.is_cuda(), "qgru cuda backend: '", kv.first, "' is not on a CUDA device");
+      QGRU_CHECK(kv.second.is_cuda(), "qgru cuda backend: '", kv.first, "' is not on a CUDA device");
     // the kernels split every activation of more than 8 bits into two limbs: none is taken whole
-    TORCH_CHECK(lt_.value("x_direct16") == 0 && lt_.value("h_direct16") == 0,
+    QGRU_CHECK(lt_.value("x_direct16") == 0 && lt_.value("h_direct16") == 0,
                 "qgru cuda backend: 16-bit activations taken whole (x_direct16, h_direct16) are a CPU path's");
     d_.H = lt_.value("H");
     d_.I = lt_.value("I");
@@ -356,21 +357,21 @@ class CudaLayer {
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx, const at::Tensor& qh0,
                                              const c10::optional<at::Tensor>& lengths,
                                              const c10::optional<at::Tensor>& level = c10::nullopt) {
-    TORCH_CHECK(qx.is_cuda() && qh0.is_cuda(), "qgru cuda: inputs must be CUDA tensors");
-    TORCH_CHECK(qx.device() == device_ && qh0.device() == device_, "qgru cuda: inputs on ", qx.device(), " and ",
+    QGRU_CHECK(qx.is_cuda() && qh0.is_cuda(), "qgru cuda: inputs must be CUDA tensors");
+    QGRU_CHECK(qx.device() == device_ && qh0.device() == device_, "qgru cuda: inputs on ", qx.device(), " and ",
                 qh0.device(), ", parameters on ", device_);
-    TORCH_CHECK(qx.dim() == 3 && qx.size(2) == d_.I, "qgru cuda: qx must be [T, N, ", d_.I, "]");
-    TORCH_CHECK(qh0.dim() == 2 && qh0.size(0) == qx.size(1) && qh0.size(1) == d_.H, "qgru cuda: qh0 must be [N, ",
+    QGRU_CHECK(qx.dim() == 3 && qx.size(2) == d_.I, "qgru cuda: qx must be [T, N, ", d_.I, "]");
+    QGRU_CHECK(qh0.dim() == 2 && qh0.size(0) == qx.size(1) && qh0.size(1) == d_.H, "qgru cuda: qh0 must be [N, ",
                 d_.H, "]");
     const bool has_lengths = lengths.has_value();
     if (has_lengths)
-      TORCH_CHECK(lengths->device() == device_ && lengths->dim() == 1 && lengths->size(0) == qx.size(1),
+      QGRU_CHECK(lengths->device() == device_ && lengths->dim() == 1 && lengths->size(0) == qx.size(1),
                   "qgru cuda: lengths must be [N] on ", device_);
-    TORCH_CHECK(!level.has_value() || d_.x_levels > 0, "qgru cuda: this layer has no x levels, yet a level per token ",
+    QGRU_CHECK(!level.has_value() || d_.x_levels > 0, "qgru cuda: this layer has no x levels, yet a level per token ",
                 "was given");
     // a layer with x levels given no level: every token on level 0, the static grid (golden.gru_direction)
     if (level.has_value())
-      TORCH_CHECK(level->device() == device_ && !level->is_floating_point() && level->dim() == 2 &&
+      QGRU_CHECK(level->device() == device_ && !level->is_floating_point() && level->dim() == 2 &&
                       level->size(0) == qx.size(0) && level->size(1) == qx.size(1),
                   "qgru cuda: level must be an integer tensor [T, N] = [", qx.size(0), ", ", qx.size(1), "] on ",
                   device_);
@@ -414,7 +415,7 @@ class CudaLayer {
     cudaStream_t cur = at::cuda::getCurrentCUDAStream().stream();
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     check_cuda(cudaStreamIsCapturing(cur, &capture), "cudaStreamIsCapturing");
-    TORCH_CHECK(capture != cudaStreamCaptureStatusInvalidated,
+    QGRU_CHECK(capture != cudaStreamCaptureStatusInvalidated,
                 "qgru cuda: the current stream's graph capture was invalidated (by an earlier error in it)");
     if (capture == cudaStreamCaptureStatusActive) return run_unplanned(T, N, lengths, opts, cur, true, fill, drain);
 
@@ -511,7 +512,7 @@ class CudaLayer {
 
   // Layer.persistent_plan(N): the plan's fields ({} where there is none).
   std::map<std::string, int64_t> persistent_info(int64_t N) const {
-    TORCH_CHECK(N >= 1, "qgru cuda: N must be at least 1");
+    QGRU_CHECK(N >= 1, "qgru cuda: N must be at least 1");
     const cuda::PkPlan p = persistent_plan(N);
     if (p.blocks == 0) return {};
     return {{"blocks", p.blocks},       {"units", p.units},   {"channels", p.channels},
@@ -660,7 +661,7 @@ class CudaLayer {
     p->N = N;
     p->has_lengths = has_lengths;
     p->b = make_buffers(d_, T, N, has_lengths, persistent_plan(N), opts);
-    TORCH_CHECK(buffer_bytes(p->b) == buffer_bytes(d_, T, N, has_lengths, persistent_plan(N)),
+    QGRU_CHECK(buffer_bytes(p->b) == buffer_bytes(d_, T, N, has_lengths, persistent_plan(N)),
                 "qgru cuda: internal error: a plan's buffer size differs from its estimate");
     if (use_graph_) p->cublas_ws = at::empty({cublas_workspace_bytes(device_.index())}, opts.dtype(at::kByte));
     check_cuda(cudaEventCreateWithFlags(&p->last_use, cudaEventDisableTiming), "cudaEventCreate");
@@ -712,7 +713,7 @@ void levels_into(const at::Tensor& x, Q* q, int32_t* level, int64_t tokens, int6
 }
 
 at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bits, const std::string& what) {
-  TORCH_CHECK(x_in.is_cuda() && x_in.is_floating_point(), "qgru cuda quantize: a floating-point CUDA tensor expected");
+  QGRU_CHECK(x_in.is_cuda() && x_in.is_floating_point(), "qgru cuda quantize: a floating-point CUDA tensor expected");
   check_quantize_args("qgru cuda quantize", scale, zp, bits);  // qgru_layer.h
   c10::cuda::CUDAGuard guard(x_in.device());
   const bool check = nan_check_enabled();
@@ -730,9 +731,9 @@ at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bi
 // quantize).
 std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x_in, const XLevelGrid& g, int64_t zp,
                                                    int64_t bits, const std::string& what) {
-  TORCH_CHECK(x_in.is_cuda() && x_in.is_floating_point(),
+  QGRU_CHECK(x_in.is_cuda() && x_in.is_floating_point(),
               "qgru cuda quantize_levels: a floating-point CUDA tensor expected");
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) >= 1, "qgru cuda quantize_levels: ", what,
+  QGRU_CHECK(x_in.dim() >= 1 && x_in.size(-1) >= 1, "qgru cuda quantize_levels: ", what,
               " must have at least one value per token (its last axis)");
   for (int j = 0; j < g.count; ++j) check_quantize_args("qgru cuda quantize_levels", g.scale[j], zp, bits);
   c10::cuda::CUDAGuard guard(x_in.device());
@@ -750,7 +751,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x_in, const
 }
 
 at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
-  TORCH_CHECK(q_in.is_cuda() && !q_in.is_floating_point(), "qgru cuda dequantize: an integer CUDA tensor expected");
+  QGRU_CHECK(q_in.is_cuda() && !q_in.is_floating_point(), "qgru cuda dequantize: an integer CUDA tensor expected");
   c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = q_in.to(at::kInt).resolve_neg().contiguous();  // values of at most 16 bits
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
@@ -790,13 +791,13 @@ class CudaStack {
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x_in, const at::Tensor& h0_in) const {
     const int64_t L = (int64_t)layers_.size(), H = layers_[0]->hidden_size(), I = layers_[0]->input_size();
     const at::Device device = layers_[0]->device();
-    TORCH_CHECK(x_in.is_cuda() && h0_in.is_cuda() && x_in.device() == device && h0_in.device() == device &&
+    QGRU_CHECK(x_in.is_cuda() && h0_in.is_cuda() && x_in.device() == device && h0_in.device() == device &&
                     x_in.is_floating_point() && h0_in.is_floating_point(),
                 "qgru cuda Stack: x and h0 must be floating-point tensors on ", device);
-    TORCH_CHECK(x_in.dim() == 3 && x_in.size(2) == I && x_in.size(0) > 0, "qgru cuda Stack: x must be [T >= 1, N, ", I,
+    QGRU_CHECK(x_in.dim() == 3 && x_in.size(2) == I && x_in.size(0) > 0, "qgru cuda Stack: x must be [T >= 1, N, ", I,
                 "]");
     const int64_t T = x_in.size(0), N = x_in.size(1);
-    TORCH_CHECK(h0_in.dim() == 3 && h0_in.size(0) == L && h0_in.size(1) == N && h0_in.size(2) == H,
+    QGRU_CHECK(h0_in.dim() == 3 && h0_in.size(0) == L && h0_in.size(1) == N && h0_in.size(2) == H,
                 "qgru cuda Stack: h0 must be [", L, ", ", N, ", ", H, "]");
     // what the layers keep across calls (plans) is made outside inference mode: a plan made as
     // inference tensors could not be written by a later call outside it

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "qgru_cell.h"
+#include "qgru_check.h"
 
 namespace qgru {
 
@@ -32,7 +33,7 @@ using IntMap = std::map<std::string, int64_t>;
 // (a NaN or non-positive scale would turn every element into NaN or an infinity). The bounds keep
 // every intermediate of quantize_value and its vector forms within +-2^17.
 inline void check_quantize_args(const char* who, double scale, int64_t zp, int64_t bits) {
-  TORCH_CHECK(bits >= 2 && bits <= 16 && zp >= -(int64_t(1) << 16) && zp <= (int64_t(1) << 16) && scale > 0,
+  QGRU_CHECK(bits >= 2 && bits <= 16 && zp >= -(int64_t(1) << 16) && zp <= (int64_t(1) << 16) && scale > 0,
               who, ": bits ", bits, ", zero point ", zp, ", scale ", scale, " out of range");
 }
 
@@ -40,7 +41,7 @@ inline void check_quantize_args(const char* who, double scale, int64_t zp, int64
 // and a shift in [1, 62], and a target grid of 2 to 16 bits (both backends' requantize and Stacks).
 inline void check_requantize_args(const char* who, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
                                   int64_t to_bits) {
-  TORCH_CHECK(to_bits >= 2 && to_bits <= 16 && std::abs(from_zp) <= (int64_t(1) << 16) &&
+  QGRU_CHECK(to_bits >= 2 && to_bits <= 16 && std::abs(from_zp) <= (int64_t(1) << 16) &&
                   std::abs(to_zp) <= (int64_t(1) << 16) && mult >= 0 && mult < (int64_t(1) << 31) && shift >= 1 &&
                   shift <= 62,
               who, ": to_bits ", to_bits, ", zero points ", from_zp, " and ", to_zp, ", multiplier ", mult, ", shift ",
@@ -56,26 +57,26 @@ inline void check_requantize_args(const char* who, int64_t from_zp, int64_t mult
 template <class Layer, class SamePlace>
 void check_stack_values(const char* who, const std::vector<std::shared_ptr<Layer>>& layers,
                         const std::vector<std::vector<double>>& q, SamePlace same_place) {
-  TORCH_CHECK(!layers.empty() && layers.size() == q.size(), who, ": one parameter row per Layer");
+  QGRU_CHECK(!layers.empty() && layers.size() == q.size(), who, ": one parameter row per Layer");
   const std::string name(who);
   for (size_t l = 0; l < layers.size(); ++l) {
     const Layer* layer = layers[l].get();
-    TORCH_CHECK(layer != nullptr, who, ": a Layer is None");
+    QGRU_CHECK(layer != nullptr, who, ": a Layer is None");
     const int64_t H = layers[0]->hidden_size();
-    TORCH_CHECK(l == 0 || (layer->hidden_size() == H && layer->input_size() == H && same_place(*layers[0], *layer)),
+    QGRU_CHECK(l == 0 || (layer->hidden_size() == H && layer->input_size() == H && same_place(*layers[0], *layer)),
                 who, ": layer ", l, " does not take layer ", l - 1, "'s output");
     const std::vector<double>& v = q[l];
-    TORCH_CHECK(v.size() == 8, who, ": 8 values per layer");
+    QGRU_CHECK(v.size() == 8, who, ": 8 values per layer");
     // integer values must be integers (they are passed as doubles) before any cast
     for (int i : {1, 2, 4, 5, 6, 7})
-      TORCH_CHECK(std::abs(v[i]) < 9.0e15 && v[i] == std::floor(v[i]), who, ": layer ", l, " value ", i, " (", v[i],
+      QGRU_CHECK(std::abs(v[i]) < 9.0e15 && v[i] == std::floor(v[i]), who, ": layer ", l, " value ", i, " (", v[i],
                   ") is not an integer");
     check_quantize_args((name + " (x)").c_str(), v[0], (int64_t)v[1], (int64_t)v[2]);
     check_quantize_args((name + " (h)").c_str(), v[3], (int64_t)v[4], (int64_t)v[5]);
     if (l > 0)  // layer l - 1's output onto layer l's x grid
       check_requantize_args(who, (int64_t)q[l - 1][4], (int64_t)v[6], (int64_t)v[7], (int64_t)v[1], (int64_t)v[2]);
     const Range h = signed_range((int32_t)v[5]), state = layer->state_range();
-    TORCH_CHECK((int64_t)v[2] == layer->x_bits() && h.lo == state.lo && h.hi == state.hi &&
+    QGRU_CHECK((int64_t)v[2] == layer->x_bits() && h.lo == state.lo && h.hi == state.hi &&
                     (int64_t)v[4] == layer->state_zp(),
                 who, ": layer ", l, " values name ", (int64_t)v[2], "-bit x and ", (int64_t)v[5], "-bit h with zero point ",
                 (int64_t)v[4], "; its Layer takes ", layer->x_bits(), "-bit x and h in [", state.lo, ", ", state.hi,
@@ -88,12 +89,12 @@ void check_stack_values(const char* who, const std::vector<std::shared_ptr<Layer
 inline XLevelGrid level_grid(const std::vector<double>& scale, const std::vector<double>& lo, const std::vector<double>& hi,
                       const char* who) {
   const size_t J = scale.size();
-  TORCH_CHECK(J >= 1 && J <= (size_t)kMaxXLevels && lo.size() == J && hi.size() == J, who, ": 1 to ", kMaxXLevels,
+  QGRU_CHECK(J >= 1 && J <= (size_t)kMaxXLevels && lo.size() == J && hi.size() == J, who, ": 1 to ", kMaxXLevels,
               " x levels with a scale, lo and hi each, got ", scale.size(), ", ", lo.size(), " and ", hi.size());
   XLevelGrid g{};
   g.count = (int32_t)J;
   for (size_t j = 0; j < J; ++j) {
-    TORCH_CHECK(std::isfinite(scale[j]) && scale[j] > 0 && !std::isnan(lo[j]) && !std::isnan(hi[j]), who,
+    QGRU_CHECK(std::isfinite(scale[j]) && scale[j] > 0 && !std::isnan(lo[j]) && !std::isnan(hi[j]), who,
                 ": x level ", j, " has scale ", scale[j], ", lo ", lo[j], " and hi ", hi[j]);
     g.scale[j] = scale[j], g.lo[j] = lo[j], g.hi[j] = hi[j];
   }
@@ -108,12 +109,12 @@ template <class Layer>
 XLevelGrid check_stack_levels(const char* who, const std::vector<std::shared_ptr<Layer>>& layers,
                               const std::vector<std::vector<double>>& levels) {
   for (size_t l = 1; l < layers.size(); ++l)
-    TORCH_CHECK(layers[l]->x_levels() == 0, who, ": layer ", l, " has x levels; only the first layer takes a float x");
+    QGRU_CHECK(layers[l]->x_levels() == 0, who, ": layer ", l, " has x levels; only the first layer takes a float x");
   const int64_t J = layers[0]->x_levels();
   if (levels.empty()) return XLevelGrid{};  // none given: layer 0's x on its static grid (level 0)
-  TORCH_CHECK(levels.size() == 3, who, ": x levels as [scale, lo, hi]");
+  QGRU_CHECK(levels.size() == 3, who, ": x levels as [scale, lo, hi]");
   const XLevelGrid g = level_grid(levels[0], levels[1], levels[2], who);
-  TORCH_CHECK(g.count == J, who, ": ", g.count, " x levels given, layer 0 has ", J);
+  QGRU_CHECK(g.count == J, who, ": ", g.count, " x levels given, layer 0 has ", J);
   return g;
 }
 
@@ -138,12 +139,12 @@ struct LayerTensors {
   // pre-activation can give) and entries, and the int32 path's shift fields.
   void validate() const {
     const int64_t H = value("H"), I = value("I");
-    TORCH_CHECK(1 <= H && H < kMaxK && 1 <= I && I < kMaxK, "qgru native layer: H = ", H, " and I = ", I,
+    QGRU_CHECK(1 <= H && H < kMaxK && 1 <= I && I < kMaxK, "qgru native layer: H = ", H, " and I = ", I,
                 " must lie in [1, ", kMaxK - 1, "]");
     check_value("x_bits", 2, 16);
     check_value("h_bits", 2, 16);
     const int64_t H3 = 3 * H, M_pad = value("M_pad");
-    TORCH_CHECK(M_pad >= H3 && M_pad <= H3 + 64, "qgru native layer: M_pad = ", M_pad, " must lie in [3H, 3H + 64]");
+    QGRU_CHECK(M_pad >= H3 && M_pad <= H3 + 64, "qgru native layer: M_pad = ", M_pad, " must lie in [3H, 3H + 64]");
     check_value("ones_col", 0, M_pad - 1);
     check_value("x_direct16", 0, 1);
     check_value("h_direct16", 0, 1);
@@ -152,7 +153,7 @@ struct LayerTensors {
     for (const char* r : {"Wx", "Rh", "r_pre", "z_pre", "g_pre", "r", "z", "g", "h"}) {
       const std::string k = r;
       const int64_t lo = value(k + "_lo"), hi = value(k + "_hi");
-      TORCH_CHECK(-32768 <= lo && lo <= hi && hi <= 32767, "qgru native layer: range of ", k, " [", lo, ", ", hi,
+      QGRU_CHECK(-32768 <= lo && lo <= hi && hi <= 32767, "qgru native layer: range of ", k, " [", lo, ", ", hi,
                   "] is not a range of at most 16 bits");
     }
     for (const char* g : {"r", "z", "g"}) {
@@ -163,12 +164,12 @@ struct LayerTensors {
     check_value("h_zp", value("h_lo"), value("h_hi"));
     if (value("hg") != 0) {  // the R.h operand h_gemm: its range is the GEMM's activation bits
       const int64_t lo = value("hg_lo"), hi = value("hg_hi"), b = value("h_bits");
-      TORCH_CHECK(lo == -(int64_t(1) << (b - 1)) && hi == (int64_t(1) << (b - 1)) - 1, "qgru native layer: range of "
+      QGRU_CHECK(lo == -(int64_t(1) << (b - 1)) && hi == (int64_t(1) << (b - 1)) - 1, "qgru native layer: range of "
                   "hg [", lo, ", ", hi, "] is not that of the R.h GEMM's ", b, "-bit operand");
       check_value("hg_zp", lo, hi);
       check_rescale("hg", 1, false);
     } else {  // the GEMM reads the state itself
-      TORCH_CHECK(value("h_hi") - value("h_lo") + 1 == (int64_t(1) << value("h_bits")), "qgru native layer: the "
+      QGRU_CHECK(value("h_hi") - value("h_lo") + 1 == (int64_t(1) << value("h_bits")), "qgru native layer: the "
                   "state's range [", value("h_lo"), ", ", value("h_hi"), "] is not that of the R.h GEMM's ",
                   value("h_bits"), "-bit operand");
     }
@@ -187,7 +188,7 @@ struct LayerTensors {
     for (const char* g : {"r", "z", "g"}) check_table(g);
     // x levels (first layer, config x.dynamic): W.x's bias and rescale per level, [J, 3H] flat
     const int64_t J = x_levels();
-    TORCH_CHECK(0 <= J && J <= kMaxXLevels, "qgru native layer: 'x_levels' = ", J, " is outside [0, ", kMaxXLevels, "]");
+    QGRU_CHECK(0 <= J && J <= kMaxXLevels, "qgru native layer: 'x_levels' = ", J, " is outside [0, ", kMaxXLevels, "]");
     if (J > 0) {
       host("Wxl_bias", at::kLong, J * H3);
       check_rescale("Wxl", J * H3, pow2);
@@ -203,12 +204,12 @@ struct LayerTensors {
 
   void check_value(const std::string& k, int64_t lo, int64_t hi) const {
     const int64_t x = value(k);
-    TORCH_CHECK(lo <= x && x <= hi, "qgru native layer: '", k, "' = ", x, " is outside [", lo, ", ", hi, "]");
+    QGRU_CHECK(lo <= x && x <= hi, "qgru native layer: '", k, "' = ", x, " is outside [", lo, ", ", hi, "]");
   }
   // A host copy of a parameter tensor after checking its dtype, contiguity and element count.
   at::Tensor host(const std::string& k, at::ScalarType type, int64_t numel) const {
     const at::Tensor& x = tensor(k);
-    TORCH_CHECK(x.scalar_type() == type && x.is_contiguous() && x.numel() == numel, "qgru native layer: '", k,
+    QGRU_CHECK(x.scalar_type() == type && x.is_contiguous() && x.numel() == numel, "qgru native layer: '", k,
                 "' must be a contiguous ", type, " tensor of ", numel, " elements, got ", x.scalar_type(), " ",
                 x.sizes());
     return x.cpu();
@@ -216,7 +217,7 @@ struct LayerTensors {
   void check_values(const std::string& k, const at::Tensor& x, int64_t lo, int64_t hi) const {
     if (x.numel() == 0) return;
     const int64_t mn = x.min().item<int64_t>(), mx = x.max().item<int64_t>();
-    TORCH_CHECK(lo <= mn && mx <= hi, "qgru native layer: '", k, "' holds values in [", mn, ", ", mx,
+    QGRU_CHECK(lo <= mn && mx <= hi, "qgru native layer: '", k, "' holds values in [", mn, ", ", mx,
                 "], outside [", lo, ", ", hi, "]");
   }
   // The weight limbs [L, M_pad, K_pad] (K_pad >= K: rows of K activations are written at that
@@ -227,26 +228,26 @@ struct LayerTensors {
   // activation limb. Returns P.
   int64_t check_gemm(const std::string& k, int64_t K, int64_t bits, bool direct, int64_t M_pad) const {
     const at::Tensor& w = tensor(k + "_weight_limbs");
-    TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 3 && w.is_contiguous() && (w.size(0) == 1 || w.size(0) == 2) &&
+    QGRU_CHECK(w.scalar_type() == at::kChar && w.dim() == 3 && w.is_contiguous() && (w.size(0) == 1 || w.size(0) == 2) &&
                     w.size(1) == M_pad && w.size(2) >= K && w.size(2) <= K + 64,
                 "qgru native layer: '", k, "_weight_limbs' must be contiguous int8 [1 or 2, ", M_pad, ", ", K,
                 " .. ", K + 64, "], got ", w.scalar_type(), " ", w.sizes());
     const at::Tensor& p = tensor(k + "_pairs");
-    TORCH_CHECK(p.scalar_type() == at::kLong && p.dim() == 2 && p.size(1) == 4 &&
+    QGRU_CHECK(p.scalar_type() == at::kLong && p.dim() == 2 && p.size(1) == 4 &&
                     (p.size(0) == 1 || p.size(0) == 2 || p.size(0) == 4),
                 "qgru native layer: '", k, "_pairs' must be int64 [1, 2 or 4, 4], got ", p.scalar_type(), " ", p.sizes());
     const at::Tensor hp = p.cpu().contiguous();
     const int64_t* a = hp.data_ptr<int64_t>();
     const int64_t n_act = bits > 8 && !direct ? 2 : 1;
     for (int64_t i = 0; i < p.size(0); ++i) {
-      TORCH_CHECK(0 <= a[4 * i] && a[4 * i] < n_act && 0 <= a[4 * i + 1] && a[4 * i + 1] < w.size(0),
+      QGRU_CHECK(0 <= a[4 * i] && a[4 * i] < n_act && 0 <= a[4 * i + 1] && a[4 * i + 1] < w.size(0),
                   "qgru native layer: '", k, "_pairs' row ", i, " names limbs (", a[4 * i], ", ", a[4 * i + 1],
                   ") of ", n_act, " activation and ", w.size(0), " weight limb(s)");
-      TORCH_CHECK(1 <= a[4 * i + 2] && a[4 * i + 2] <= 65536 && 0 <= a[4 * i + 3] && a[4 * i + 3] <= 128,
+      QGRU_CHECK(1 <= a[4 * i + 2] && a[4 * i + 2] <= 65536 && 0 <= a[4 * i + 3] && a[4 * i + 3] <= 128,
                   "qgru native layer: '", k, "_pairs' row ", i, " has scale ", a[4 * i + 2], " and weight offset ",
                   a[4 * i + 3], ", outside [1, 65536] and [0, 128]");
     }
-    TORCH_CHECK(p.size(0) > 1 || (n_act == 1 && a[0] == 0 && a[1] == 0 && a[2] == 1 && a[3] == 0),
+    QGRU_CHECK(p.size(0) > 1 || (n_act == 1 && a[0] == 0 && a[1] == 0 && a[2] == 1 && a[3] == 0),
                 "qgru native layer: one limb pair must be (0, 0, 1, 0) on a one-limb activation (", bits,
                 " bits", direct ? ", taken whole" : "", "), got (", a[0], ", ", a[1], ", ", a[2], ", ", a[3], ")");
     return p.size(0);
@@ -270,7 +271,7 @@ struct LayerTensors {
     const int64_t* p = e.data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i) {
       const int64_t lo = (int64_t)(int32_t)(uint32_t)(uint64_t)p[i], diff = p[i] >> 32;
-      TORCH_CHECK(-(int64_t(1) << 21) <= lo && lo <= (int64_t(1) << 21) && -(int64_t(1) << 22) <= diff &&
+      QGRU_CHECK(-(int64_t(1) << 21) <= lo && lo <= (int64_t(1) << 21) && -(int64_t(1) << 22) <= diff &&
                       diff <= (int64_t(1) << 22),
                   "qgru native layer: table '", g, "' entry ", i, " (", lo, ", difference ", diff, ") is out of range");
     }
@@ -280,7 +281,7 @@ struct LayerTensors {
   // every shift and multiplier where the C++ is defined; the bounds that make the int32 results
   // equal the int64 ones are _add_acc32's, derived from the same parameters.
   void check_acc32(int64_t H, int64_t I, int64_t px, int64_t ph, bool pow2) const {
-    TORCH_CHECK(px == 1 && ph == 1 && value("x_bits") <= 8 && value("h_bits") <= 8 && I < (1 << 16) && H < (1 << 16),
+    QGRU_CHECK(px == 1 && ph == 1 && value("x_bits") <= 8 && value("h_bits") <= 8 && I < (1 << 16) && H < (1 << 16),
                 "qgru native layer: the int32 path needs 8-bit GEMM operands, one limb pair and sizes below 2^16");
     host("Wx_zp32", at::kInt, 3 * H);
     const int64_t i32max = INT32_MAX;
@@ -332,22 +333,22 @@ struct LayerTensors {
 
   const at::Tensor& tensor(const std::string& k) const {
     auto it = t.find(k);
-    TORCH_CHECK(it != t.end(), "qgru native layer: missing tensor '", k, "'");
+    QGRU_CHECK(it != t.end(), "qgru native layer: missing tensor '", k, "'");
     return it->second;
   }
   int64_t value(const std::string& k) const {
     auto it = v.find(k);
-    TORCH_CHECK(it != v.end(), "qgru native layer: missing value '", k, "'");
+    QGRU_CHECK(it != v.end(), "qgru native layer: missing value '", k, "'");
     return it->second;
   }
   const int64_t* i64(const std::string& k) const {
     const at::Tensor& x = tensor(k);
-    TORCH_CHECK(x.scalar_type() == at::kLong && x.is_contiguous(), "qgru native layer: '", k, "' must be contiguous int64");
+    QGRU_CHECK(x.scalar_type() == at::kLong && x.is_contiguous(), "qgru native layer: '", k, "' must be contiguous int64");
     return x.data_ptr<int64_t>();
   }
   const int32_t* i32(const std::string& k) const {
     const at::Tensor& x = tensor(k);
-    TORCH_CHECK(x.scalar_type() == at::kInt && x.is_contiguous(), "qgru native layer: '", k, "' must be contiguous int32");
+    QGRU_CHECK(x.scalar_type() == at::kInt && x.is_contiguous(), "qgru native layer: '", k, "' must be contiguous int32");
     return x.data_ptr<int32_t>();
   }
   Range range(const std::string& k) const { return Range{value(k + "_lo"), value(k + "_hi")}; }
@@ -394,7 +395,7 @@ struct LayerTensors {
     Cell32 c{};
     if (value("acc32") == 0) return c;
     const at::Tensor& ch = tensor("c32_channels");
-    TORCH_CHECK(ch.dim() == 3 && ch.size(0) == (value("H") + kCell32Block - 1) / kCell32Block &&
+    QGRU_CHECK(ch.dim() == 3 && ch.size(0) == (value("H") + kCell32Block - 1) / kCell32Block &&
                     ch.size(1) == kCell32Fields && ch.size(2) == kCell32Block,
                 "qgru native layer: c32_channels must be [ceil(H/", kCell32Block, "), ", kCell32Fields, ", ",
                 kCell32Block, "], got ", ch.sizes());

@@ -1774,6 +1774,30 @@ def test_build_key_covers_every_csrc_file():
     assert on_disk == listed, (sorted(on_disk - listed), sorted(listed - on_disk))
 
 
+def test_native_checks_format_numbers_without_iostreams():
+    """Every argument check in csrc/ goes through qgru_check.h (QGRU_CHECK, QGRU_CHECK_VALUE), whose
+    messages format numbers with snprintf: on an H200 image (2026-11-28) every TORCH_CHECK whose
+    message streamed a number crashed the process, in both extensions (scripts/cuda_triage.py)."""
+    root = native.csrc_dir()
+    offenders = []
+    for f in sorted(root.rglob("*")):
+        if f.suffix in (".h", ".cpp", ".cu") and f.name != "qgru_check.h":
+            for i, line in enumerate(f.read_text().splitlines(), 1):
+                if re.search(r"\bTORCH_CHECK\w*\(|c10::str\(|ostringstream", line) and not line.lstrip().startswith("//"):
+                    offenders.append(f"{f.relative_to(root)}:{i}: {line.strip()[:80]}")
+    assert not offenders, offenders
+
+
+def test_native_check_messages_carry_their_numbers(cpu_backend):
+    """QGRU_CHECK's messages read as TORCH_CHECK's did: integers, negative numbers and doubles (%g,
+    an ostream's default) in place."""
+    ext = native.load("cpu")
+    for bits, zp, scale in ((40, 0, 0.1), (8, -70000, -2.5e-7), (1, 3, 1e300)):
+        with pytest.raises(RuntimeError) as e:
+            ext.quantize(torch.zeros(3), scale, zp, bits, "x")
+        assert str(e.value).splitlines()[0] == f"qgru cpu quantize: bits {bits}, zero point {zp}, scale {scale:g} out of range"
+
+
 def test_cuda_build_key_names_the_gpus_architectures(monkeypatch):
     """The cuda build's cache key changes with the GPU it compiles for (the compute capability of
     every visible GPU where TORCH_CUDA_ARCH_LIST is unset, else that list): a cache shared between

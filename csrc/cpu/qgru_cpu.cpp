@@ -32,6 +32,7 @@
 #include "cpu_backend.h"
 #include "isa.h"
 #include "qgru_layer.h"
+#include "qgru_check.h"
 
 namespace qgru {
 namespace {
@@ -110,7 +111,7 @@ at::Tensor int32_contiguous(const at::Tensor& t) {
 // (A loop over the values, not at::aminmax: two dispatched reductions and four item() calls
 // cost a streaming call several microseconds.)
 void check_operand_values(const at::Tensor& t_in, Range r, const char* what) {
-  TORCH_CHECK(at::isIntegralType(t_in.scalar_type(), /*includeBool=*/false), "qgru cpu: ", what,
+  QGRU_CHECK(at::isIntegralType(t_in.scalar_type(), /*includeBool=*/false), "qgru cpu: ", what,
               " must be an integer tensor, got ", t_in.scalar_type());
   const at::Tensor t = t_in.resolve_neg().contiguous();
   if (t.numel() == 0) return;
@@ -124,7 +125,7 @@ void check_operand_values(const at::Tensor& t_in, Range r, const char* what) {
     }
     lo = (int64_t)mn, hi = (int64_t)mx;
   });
-  TORCH_CHECK(r.lo <= lo && hi <= r.hi, "qgru cpu: ", what, " holds values in [", lo, ", ", hi, "], outside its grid [",
+  QGRU_CHECK(r.lo <= lo && hi <= r.hi, "qgru cpu: ", what, " holds values in [", lo, ", ", hi, "], outside its grid [",
               r.lo, ", ", r.hi, "]");
 }
 
@@ -178,17 +179,17 @@ struct Gemm {
     k = kern;
     bits = act_bits;
     direct = act_direct;
-    TORCH_CHECK(!direct || k->act_bytes == 2, "qgru cpu: 16-bit activations taken whole need a path with int16 operands");
+    QGRU_CHECK(!direct || k->act_bytes == 2, "qgru cpu: 16-bit activations taken whole need a path with int16 operands");
     n_act = (bits > 8 && !direct) ? 2 : 1;
     at::Tensor w = lt.tensor(k_name + "_weight_limbs");  // [L, M_pad, K_pad]
-    TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 3 && w.is_contiguous(), "qgru: ", k_name,
+    QGRU_CHECK(w.scalar_type() == at::kChar && w.dim() == 3 && w.is_contiguous(), "qgru: ", k_name,
                 "_weight_limbs must be contiguous int8 [L, M, K]");
     M_pad = w.size(1);
     const int64_t K_pad = w.size(2);
     if (direct) {  // a whole 16-bit activation: the int32 sums must be exact (native.direct16_fits)
       // (in int32: int8's abs leaves -128 at -128)
       const int64_t max_w = w.numel() ? w.to(at::kInt).abs().max().item<int64_t>() : 0;
-      TORCH_CHECK(w.size(0) == 1 && K_real * 32768 * max_w < (int64_t(1) << 31), "qgru: ", k_name,
+      QGRU_CHECK(w.size(0) == 1 && K_real * 32768 * max_w < (int64_t(1) << 31), "qgru: ", k_name,
                   "_direct16 needs one weight limb with K 2^15 max|w| < 2^31");
     }
     K = K_pad;
@@ -199,10 +200,10 @@ struct Gemm {
 
     at::Tensor pr = lt.pairs(k_name);
     P = pr.size(0);
-    TORCH_CHECK(P == 1 || P == 2 || P == 4, "qgru: unsupported number of limb pairs ", P);
+    QGRU_CHECK(P == 1 || P == 2 || P == 4, "qgru: unsupported number of limb pairs ", P);
     auto a = pr.accessor<int64_t, 2>();
     for (int64_t p = 0; p < P; ++p) {
-      TORCH_CHECK(a[p][0] >= 0 && a[p][0] < n_act && a[p][1] >= 0 && a[p][1] < w.size(0),
+      QGRU_CHECK(a[p][0] >= 0 && a[p][0] < n_act && a[p][1] >= 0 && a[p][1] < w.size(0),
                   "qgru: ", k_name, "_pairs names a limb that does not exist");
       act_limb.push_back(a[p][0]);
       weight_limb.push_back(a[p][1]);
@@ -267,11 +268,11 @@ struct Gemm {
 class CpuLayer {
  public:
   CpuLayer(TensorMap tensors, IntMap values, const std::string& isa) : lt_{std::move(tensors), std::move(values)} {
-    for (auto& kv : lt_.t) TORCH_CHECK(kv.second.device().is_cpu(), "qgru cpu backend: '", kv.first, "' is not on the CPU");
+    for (auto& kv : lt_.t) QGRU_CHECK(kv.second.device().is_cpu(), "qgru cpu backend: '", kv.first, "' is not on the CPU");
     try {
       k_ = cpu::select_isa(isa);
     } catch (const std::runtime_error& e) {
-      TORCH_CHECK_VALUE(false, e.what());
+      QGRU_CHECK_VALUE(false, e.what());
     }
     H_ = lt_.value("H");
     I_ = lt_.value("I");
@@ -300,17 +301,17 @@ class CpuLayer {
   // widths); what the path itself requires (Gemm::init) is checked when the Layer is made.
   void set_one_row(TensorMap tensors, IntMap values, const std::string& isa) {
     for (auto& kv : tensors)
-      TORCH_CHECK(kv.second.device().is_cpu(), "qgru cpu backend: '", kv.first, "' is not on the CPU");
+      QGRU_CHECK(kv.second.device().is_cpu(), "qgru cpu backend: '", kv.first, "' is not on the CPU");
     const LayerTensors spec{tensors, values};
-    TORCH_CHECK(spec.x_levels() == lt_.x_levels(), "qgru cpu: the one-row Layer has ", spec.x_levels(),
+    QGRU_CHECK(spec.x_levels() == lt_.x_levels(), "qgru cpu: the one-row Layer has ", spec.x_levels(),
                 " x levels, this layer ", lt_.x_levels());
     for (const char* v : {"H", "I", "x_bits", "h_bits"})
-      TORCH_CHECK(spec.value(v) == lt_.value(v), "qgru cpu: the one-row Layer's ", v, " (", spec.value(v),
+      QGRU_CHECK(spec.value(v) == lt_.value(v), "qgru cpu: the one-row Layer's ", v, " (", spec.value(v),
                   ") is not this layer's (", lt_.value(v), ")");
     try {
       (void)cpu::select_isa(isa);
     } catch (const std::runtime_error& e) {
-      TORCH_CHECK_VALUE(false, e.what());
+      QGRU_CHECK_VALUE(false, e.what());
     }
     std::lock_guard<std::mutex> lock(mu_);
     one_row_spec_ = OneRowSpec{std::move(tensors), std::move(values), isa};
@@ -337,24 +338,24 @@ class CpuLayer {
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx_in, const at::Tensor& qh0_in,
                                              const c10::optional<at::Tensor>& lengths_in,
                                              const c10::optional<at::Tensor>& level_in = c10::nullopt) {
-    TORCH_CHECK(qx_in.device().is_cpu() && qh0_in.device().is_cpu() &&
+    QGRU_CHECK(qx_in.device().is_cpu() && qh0_in.device().is_cpu() &&
                     (!lengths_in.has_value() || lengths_in->device().is_cpu()),
                 "qgru cpu: qx, qh0 and lengths must be CPU tensors");
-    TORCH_CHECK(qx_in.dim() == 3 && qx_in.size(2) == I_, "qgru cpu: qx must be [T, N, ", I_, "]");
-    TORCH_CHECK(qh0_in.dim() == 2 && qh0_in.size(0) == qx_in.size(1) && qh0_in.size(1) == H_,
+    QGRU_CHECK(qx_in.dim() == 3 && qx_in.size(2) == I_, "qgru cpu: qx must be [T, N, ", I_, "]");
+    QGRU_CHECK(qh0_in.dim() == 2 && qh0_in.size(0) == qx_in.size(1) && qh0_in.size(1) == H_,
                 "qgru cpu: qh0 must be [N, ", H_, "]");
     check_operand_values(qx_in, signed_range(x_bits_), "qx");
     check_operand_values(qh0_in, lt_.range("h"), "qh0");
     at::Tensor lengths;
     if (lengths_in.has_value()) {
       lengths = lengths_in->resolve_neg().to(at::kLong).contiguous();
-      TORCH_CHECK(lengths.numel() == qx_in.size(1), "qgru cpu: lengths must have N entries");
+      QGRU_CHECK(lengths.numel() == qx_in.size(1), "qgru cpu: lengths must have N entries");
     }
     at::Tensor level;
     // a layer with x levels given no level: every token on level 0, the static grid (golden.gru_direction)
     if (level_in.has_value()) {
-      TORCH_CHECK(levels_ > 0, "qgru cpu: this layer has no x levels, yet a level per token was given");
-      TORCH_CHECK(level_in->device().is_cpu() && level_in->dim() == 2 && level_in->size(0) == qx_in.size(0) &&
+      QGRU_CHECK(levels_ > 0, "qgru cpu: this layer has no x levels, yet a level per token was given");
+      QGRU_CHECK(level_in->device().is_cpu() && level_in->dim() == 2 && level_in->size(0) == qx_in.size(0) &&
                       level_in->size(1) == qx_in.size(1),
                   "qgru cpu: level must be a CPU tensor [T, N] = [", qx_in.size(0), ", ", qx_in.size(1), "], got ",
                   level_in->sizes());
@@ -625,7 +626,7 @@ const Kernels* kernels_for(const std::string& isa) {
   try {
     return cpu::select_isa(isa);
   } catch (const std::runtime_error& e) {
-    TORCH_CHECK_VALUE(false, e.what());
+    QGRU_CHECK_VALUE(false, e.what());
   }
   return nullptr;
 }
@@ -633,7 +634,7 @@ const Kernels* kernels_for(const std::string& isa) {
 // x as float64 if it is, else float32, contiguous and with any negative view resolved (what
 // quantize reads)
 at::Tensor float_contiguous(const at::Tensor& x, const char* what) {
-  TORCH_CHECK(x.is_floating_point() && x.device().is_cpu(), "qgru cpu: ", what, " must be a float CPU tensor, got ",
+  QGRU_CHECK(x.is_floating_point() && x.device().is_cpu(), "qgru cpu: ", what, " must be a float CPU tensor, got ",
               x.scalar_type(), " on ", x.device());
   const bool f32_or_f64 = x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble;
   if (f32_or_f64 && x.is_contiguous() && !x.is_neg()) return x;
@@ -650,7 +651,7 @@ void quantize_into(const at::Tensor& xc, int64_t first, int64_t n, double scale,
   const bool ok = xc.scalar_type() == at::kDouble
                       ? quantize_loop(k, xc.data_ptr<double>() + first, q, n, scale, zp, r)
                       : quantize_loop(k, xc.data_ptr<float>() + first, q, n, scale, zp, r);
-  TORCH_CHECK_VALUE(ok, "QuantGRU ", what, " contains NaN, which has no quantized value ",
+  QGRU_CHECK_VALUE(ok, "QuantGRU ", what, " contains NaN, which has no quantized value ",
                     "(out-of-range and infinite values saturate)");
 }
 
@@ -709,7 +710,7 @@ bool quantize_levels_loop(const Kernels* k, const scalar_t* x, int32_t* q, int32
 std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x_in, const XLevelGrid& g, int64_t zp,
                                                    int64_t bits, const char* what, const Kernels* k) {
   for (int j = 0; j < g.count; ++j) check_quantize_args("qgru cpu quantize_levels", g.scale[j], zp, bits);
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) >= 1, "qgru cpu quantize_levels: ", what,
+  QGRU_CHECK(x_in.dim() >= 1 && x_in.size(-1) >= 1, "qgru cpu quantize_levels: ", what,
               " must have at least one value per token (its last axis)");
   const at::Tensor x = float_contiguous(x_in, what);
   const int64_t I = x.size(-1), tokens = x.numel() / I;
@@ -723,7 +724,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x_in, const
                                              tokens, I, g, zp, r)
                       : quantize_levels_loop(k, x.data_ptr<float>(), q.data_ptr<int32_t>(), level.data_ptr<int32_t>(),
                                              tokens, I, g, zp, r);
-  TORCH_CHECK_VALUE(ok, "QuantGRU ", what, " contains NaN, which has no quantized value ",
+  QGRU_CHECK_VALUE(ok, "QuantGRU ", what, " contains NaN, which has no quantized value ",
                     "(out-of-range and infinite values saturate)");
   return {q, level};
 }
@@ -740,7 +741,7 @@ void dequantize_into(const int32_t* src, int64_t n, double scale, int64_t zp, fl
 }
 
 at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
-  TORCH_CHECK(q_in.device().is_cpu(), "qgru cpu dequantize: a CPU tensor expected");
+  QGRU_CHECK(q_in.device().is_cpu(), "qgru cpu dequantize: a CPU tensor expected");
   const at::Tensor q = int32_contiguous(q_in);
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   dequantize_into(q.data_ptr<int32_t>(), q.numel(), scale, zp, out.data_ptr<float>());
@@ -750,9 +751,9 @@ at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
 // golden.requantize_input: sat(rescale(q - from_zp) + to_zp, to_bits), per-tensor factor.
 at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
                       int64_t to_bits) {
-  TORCH_CHECK(q_in.device().is_cpu(), "qgru cpu requantize: a CPU tensor expected");
+  QGRU_CHECK(q_in.device().is_cpu(), "qgru cpu requantize: a CPU tensor expected");
   check_requantize_args("qgru cpu requantize", from_zp, mult, shift, to_zp, to_bits);
-  TORCH_CHECK(!q_in.is_floating_point(), "qgru cpu requantize: an integer tensor expected");
+  QGRU_CHECK(!q_in.is_floating_point(), "qgru cpu requantize: an integer tensor expected");
   const at::Tensor q = int32_contiguous(q_in);
   at::Tensor out = at::empty(q.sizes(), q.options());
   const int32_t* src = q.data_ptr<int32_t>();
@@ -778,13 +779,13 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<std::shared_p
                                                  const at::Tensor& x, const at::Tensor& h0,
                                                  const std::vector<std::vector<double>>& q, const XLevelGrid& levels) {
   const int64_t L = (int64_t)layers.size();
-  TORCH_CHECK(L > 0 && (int64_t)q.size() == L && h0.dim() == 3 && h0.size(0) == L,
+  QGRU_CHECK(L > 0 && (int64_t)q.size() == L && h0.dim() == 3 && h0.size(0) == L,
               "qgru cpu stack_forward: one Layer, one parameter row and one h0 per layer");
   const int64_t H = layers[0]->hidden_size();
-  TORCH_CHECK(x.dim() == 3 && x.size(2) == layers[0]->input_size(), "qgru cpu stack_forward: x must be [T, N, ",
+  QGRU_CHECK(x.dim() == 3 && x.size(2) == layers[0]->input_size(), "qgru cpu stack_forward: x must be [T, N, ",
               layers[0]->input_size(), "]");
   const int64_t N = x.size(1);
-  TORCH_CHECK(h0.size(1) == N && h0.size(2) == H, "qgru cpu stack_forward: h0 must be [", L, ", ", N, ", ", H, "]");
+  QGRU_CHECK(h0.size(1) == N && h0.size(2) == H, "qgru cpu stack_forward: h0 must be [", L, ", ", N, ", ", H, "]");
   const Kernels* k = layers[0]->kernels();
   at::Tensor qx, level;
   if (levels.count > 0)
@@ -842,11 +843,11 @@ class Stack {
 // with an exact product where that fits int32.
 at::Tensor kernel_gemm(const std::string& isa, const at::Tensor& a_in, const at::Tensor& w_in, bool gates) {
   const Kernels* k = kernels_for(isa);
-  TORCH_CHECK(a_in.device().is_cpu() && w_in.device().is_cpu(), "kernel_gemm: CPU tensors expected");
-  TORCH_CHECK(a_in.dim() == 2 && w_in.dim() == 2 && a_in.size(1) == w_in.size(1), "kernel_gemm: A [rows, K], W [M, K]");
+  QGRU_CHECK(a_in.device().is_cpu() && w_in.device().is_cpu(), "kernel_gemm: CPU tensors expected");
+  QGRU_CHECK(a_in.dim() == 2 && w_in.dim() == 2 && a_in.size(1) == w_in.size(1), "kernel_gemm: A [rows, K], W [M, K]");
   const at::Tensor w = w_in.resolve_neg().to(at::kChar).contiguous();
   const int64_t rows = a_in.size(0), K = a_in.size(1), M = w.size(0);
-  TORCH_CHECK(!gates || M % 3 == 0, "kernel_gemm: gates need M = 3 H");
+  QGRU_CHECK(!gates || M % 3 == 0, "kernel_gemm: gates need M = 3 H");
   const int64_t lda = cpu::k_padded(std::max<int64_t>(K, 1)), G = k->group;
   at::Tensor a = at::zeros({round_up(rows, kTileRows), lda}, at::TensorOptions().dtype(k->act_bytes == 2 ? at::kShort : at::kChar));
   a.narrow(0, 0, rows).narrow(1, 0, K).copy_(a_in);
@@ -907,7 +908,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x, const st
 at::Tensor token_levels(const at::Tensor& x_in, const std::vector<double>& scale, const std::vector<double>& lo,
                         const std::vector<double>& hi) {
   const XLevelGrid g = qgru::level_grid(scale, lo, hi, "qgru cpu token_levels");
-  TORCH_CHECK(x_in.device().is_cpu() && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kDouble) &&
+  QGRU_CHECK(x_in.device().is_cpu() && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kDouble) &&
                   x_in.dim() >= 1 && x_in.size(-1) >= 1,
               "qgru cpu token_levels: a CPU float32 or float64 x with at least one value per token");
   const at::Tensor x = x_in.resolve_conj().resolve_neg().contiguous();
