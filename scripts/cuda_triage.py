@@ -5,7 +5,7 @@ error message formats a number crashed (the CUDA quantize, check_stack and Stack
 too), and those whose message holds only text raised cleanly; the native checks now format their
 numbers without iostreams (csrc/qgru_check.h).
 
-    python scripts/cuda_triage.py                 # every case, twice (TORCH_SHOW_CPP_STACKTRACES 0, 1)
+    python scripts/cuda_triage.py                 # every case; those that crash again with TORCH_SHOW_CPP_STACKTRACES=1
     python scripts/cuda_triage.py --case NAME     # one case in this process (what the children run)
 
 Cases: a plain function that raises (the CUDA quantize with a bad bit width; check_stack with a bad
@@ -102,15 +102,15 @@ def _outcome(rc: int) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", choices=CASES)
-    ap.add_argument("--timeout", type=float, default=120)
+    ap.add_argument("--timeout", type=float, default=60)
     ap.add_argument("--no-gdb", action="store_true")
     a = ap.parse_args()
     if a.case:
         run_case(a.case)
         return 0
     rows, crashed = [], []
-    for show in ("0", "1"):
-        for name in CASES:
+    for show in ("0", "1"):  # the second round (C++ stack traces on) only for the cases that crashed
+        for name in (CASES if show == "0" else list(dict.fromkeys(crashed))):
             env = dict(os.environ, TORCH_SHOW_CPP_STACKTRACES=show)
             t0 = time.time()
             try:
