@@ -24,13 +24,14 @@ float32 product, exact in float64, so every consumer that dequantizes sees the s
 from __future__ import annotations
 
 import json
-import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+
+from .export import ParamsFileError, check_stored_tensors, checksum, read_archive
 
 WO_BITS = (2, 4, 8)
 WO_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -46,9 +47,10 @@ class WeightOnlyError(ValueError):
     """A weight-only config, module argument or file that is not what qgru writes or accepts."""
 
 
-class WeightOnlyFileError(WeightOnlyError):
-    """A weight-only file that is unreadable, corrupted or has a field outside the format; the
-    message names the file and the field."""
+class WeightOnlyFileError(WeightOnlyError, ParamsFileError):
+    """A weight-only file (or state_dict) that is unreadable, corrupted or has a field outside the
+    format; the message names the file or key and the field. A qgru.ParamsFileError too: both file
+    kinds are read by the one loader (qgru.export.read_archive) and refused alike."""
 
 
 @dataclass(frozen=True)
@@ -488,7 +490,6 @@ _MAX_LAYERS = 1024
 def to_dict(meta: Dict[str, Any], layers: Sequence[Sequence[WOLayer]]) -> Dict[str, Any]:
     """The flat dict a weight-only file holds: ``meta`` (JSON), ``l{i}.{fwd|rev}.{W|R}.{codes|scale|zp}``,
     ``l{i}.{dir}.b_ih`` / ``b_hh`` and a ``checksum`` (qgru.export.checksum)."""
-    from .export import checksum
     out: Dict[str, Any] = {"meta": json.dumps({**meta, "format": FORMAT, "format_version": FORMAT_VERSION},
                                               sort_keys=True)}
     for li, row in enumerate(layers):
@@ -543,18 +544,16 @@ def _check_meta(meta: Any) -> Tuple[Dict[str, Any], WeightOnlyConfig]:
 def from_dict(d: Any) -> Tuple[Dict[str, Any], WeightOnlyConfig, List[List[WOLayer]]]:
     """(meta, config, layers) of a dict to_dict() wrote, checked as untrusted input: the set of entries,
     the checksum, every dtype and shape against the meta data, code words (padding bits 0, symmetric
-    codes in range), zero points, scales (finite, > 0) and biases (finite). WeightOnlyFileError else."""
-    from .export import checksum
+    codes in range), zero points, scales (finite, > 0) and biases (finite). WeightOnlyFileError else.
+    Every tensor's storage is checked (qgru.export.check_stored_tensors) before the checksum reads it."""
     if not isinstance(d, dict):
         _fail(f"expected a dict of entries, got {type(d).__name__}")
     for k, v in d.items():
         if not isinstance(k, str):
             _fail(f"entry names are strings, got {k!r}")
-        if isinstance(v, torch.Tensor):
-            if v.layout != torch.strided or v.is_quantized or v.dtype not in (torch.int32, torch.uint8, torch.float32):
-                _fail(f"{k}: a {v.dtype} {v.layout} tensor; weight-only files hold dense int32, uint8, float32 only")
-        elif type(v) is not str:
+        if not isinstance(v, torch.Tensor) and type(v) is not str:
             _fail(f"{k}: a {type(v).__name__}; weight-only files hold tensors and strings only")
+    check_stored_tensors(d, (torch.int32, torch.uint8, torch.float32), WeightOnlyFileError, "weight-only files")
     if not isinstance(d.get("meta"), str) or not isinstance(d.get("checksum"), str):
         _fail("missing entry 'meta' or 'checksum': not a qgru weight-only file")
     if len(d["meta"]) > 1 << 16:
@@ -590,62 +589,65 @@ def from_dict(d: Any) -> Tuple[Dict[str, Any], WeightOnlyConfig, List[List[WOLay
             b = [None, None]
             if meta["bias"]:
                 for i, name in enumerate(("b_ih", "b_hh")):
-                    t = d[pre + name]
-                    if t.dtype != torch.float32 or tuple(t.shape) != (3 * H,):
-                        _fail(f"{pre}{name}: expected float32 [{3 * H}], got {t.dtype} {list(t.shape)}")
-                    if not bool(torch.isfinite(t).all()):
-                        _fail(f"{pre}{name}: not finite")
-                    b[i] = t
+                    b[i] = check_bias(d[pre + name], H, pre + name)
             row.append(WOLayer(W, R, b[0], b[1]))
         layers.append(row)
     return meta, cfg, layers
 
 
 def _read_weight(d: Dict[str, Any], key: str, cfg: WeightOnlyConfig, N: int, K: int) -> PackedWeight:
+    return check_weight(d[key + ".codes"], d[key + ".scale"], d[key + ".zp"], cfg, N, K, lambda f: f"{key}.{f}")
+
+
+def check_weight(codes: Any, scale: Any, zp: Any, cfg: WeightOnlyConfig, N: int, K: int, name) -> PackedWeight:
+    """One stored matrix [N, K] (codes, scale, zp) against the format (module docstring) under
+    ``cfg``: dtypes and shapes, scales finite and > 0, zero points in range (symmetric: 2^(b-1)),
+    padding codes 0, symmetric codes nonzero. ``name(field)`` names a field in the error (a
+    file's key, or a state_dict's). The file loader and WeightOnlyGRU.load_state_dict call it."""
     bits = cfg.bits
     per = 32 // bits
     g, G = groups_of(K, cfg.group_size)
     J = -(-K // per)
-    codes, scale, zp = d[key + ".codes"], d[key + ".scale"], d[key + ".zp"]
-    for name, t, dt, shape in (("codes", codes, torch.int32, (J, N)), ("scale", scale, torch.float32, (G, N)),
-                               ("zp", zp, torch.uint8, (G, N))):
-        if t.dtype != dt or tuple(t.shape) != shape:
-            _fail(f"{key}.{name}: expected {dt} {list(shape)}, got {t.dtype} {list(t.shape)}")
+    for field, t, dt, shape in (("codes", codes, torch.int32, (J, N)), ("scale", scale, torch.float32, (G, N)),
+                                ("zp", zp, torch.uint8, (G, N))):
+        if not isinstance(t, torch.Tensor) or t.dtype != dt or tuple(t.shape) != shape:
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            _fail(f"{name(field)}: expected {dt} {list(shape)}, got {got}")
     if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
-        _fail(f"{key}.scale: scales must be finite and > 0")
+        _fail(f"{name('scale')}: scales must be finite and > 0")
     if cfg.symmetric:
         if not bool((zp == (1 << (bits - 1))).all()):
-            _fail(f"{key}.zp: a symmetric config's zero points are {1 << (bits - 1)}")
-    elif int(zp.max()) > (1 << bits) - 1:
-        _fail(f"{key}.zp: zero points must be in [0, {(1 << bits) - 1}] at {bits} bits")
+            _fail(f"{name('zp')}: a symmetric config's zero points are {1 << (bits - 1)}")
+    elif zp.numel() and int(zp.max()) > (1 << bits) - 1:
+        _fail(f"{name('zp')}: zero points must be in [0, {(1 << bits) - 1}] at {bits} bits")
     tail = J * per - K
     if tail:  # the codes past K in the last word row are 0
         mask = -(1 << (bits * (per - tail)))  # the high bits, as a signed 64-bit value
         if bool(((codes[-1].to(torch.int64) & (mask & 0xFFFFFFFF)) != 0).any()):
-            _fail(f"{key}.codes: the padding codes past the input size {K} must be 0")
+            _fail(f"{name('codes')}: the padding codes past the input size {K} must be 0")
     if cfg.symmetric and bits > 1 and K:
         q = unpack_codes(codes, bits, K)
         if bool((q == 0).any()):
-            _fail(f"{key}.codes: a symmetric config's codes are in [1, {(1 << bits) - 1}]")
+            _fail(f"{name('codes')}: a symmetric config's codes are in [1, {(1 << bits) - 1}]")
     return PackedWeight(codes, scale, zp, bits, g, K)
 
 
+def check_bias(t: Any, H: int, name: str) -> torch.Tensor:
+    """A stored bias (b_ih or b_hh): float32 [3H], finite."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (3 * H,):
+        got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        _fail(f"{name}: expected float32 [{3 * H}], got {got}")
+    if not bool(torch.isfinite(t).all()):
+        _fail(f"{name}: not finite")
+    return t
+
+
 def load_file(path: Union[str, Path]) -> Tuple[Dict[str, Any], WeightOnlyConfig, List[List[WOLayer]]]:
-    """Read a weight-only file as untrusted input: zip CRCs (qgru.export's check), ``weights_only``
-    unpickling, then from_dict(). WeightOnlyFileError names the file and the field."""
-    from .export import ParamsFileError, _check_archive
+    """Read a weight-only file as untrusted input with the parameter files' loader
+    (qgru.export.read_archive: stored records within the file's size, CRCs, ``weights_only``
+    unpickling), then from_dict(). WeightOnlyFileError names the file and the field."""
     path = Path(path)
-    with open(path, "rb") as f:
-        try:
-            _check_archive(f, path)
-        except ParamsFileError as e:
-            raise WeightOnlyFileError(str(e)) from None
-    try:
-        d = torch.load(str(path), weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError:
-        raise
-    except Exception as e:  # noqa: BLE001 - whatever torch's reader trips over, the file is bad
-        raise WeightOnlyFileError(f"{path}: not a readable qgru weight-only file ({type(e).__name__}: {e})") from None
+    d = read_archive(path, str(path), WeightOnlyFileError, "qgru weight-only file")
     try:
         return from_dict(d)
     except WeightOnlyFileError as e:
