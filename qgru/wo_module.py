@@ -22,6 +22,10 @@ nn.GRU does. Which path runs a call (``last_path`` says which ran last):
 dequant that applies), or one of "native", "triton", "dequant", "golden" (a call that the forced
 path cannot run raises WeightOnlyError instead of running another); ``last_path`` names the
 Triton kernel too ("triton-fused" or "triton-step").
+
+Gradients: the native and Triton kernels have none, so a call whose input or h0 requires grad
+runs ``dequant`` at every batch size under "auto" (a forced native / triton backend raises): one
+behaviour whatever the batch. load_state_dict checks what it loads as load() checks a file.
 """
 from __future__ import annotations
 
@@ -36,9 +40,23 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from tqdm.auto import tqdm
 
 from . import weight_only as wo
-from .weight_only import PackedWeight, WeightOnlyConfig, WeightOnlyError, WOLayer
+from .errors import QGRUInputError
+from .weight_only import PackedWeight, WeightOnlyConfig, WeightOnlyError, WeightOnlyFileError, WOLayer
 
 NATIVE_MAX_BATCH = 8
+# README "Limits and known open defects": what torch.compile(fullgraph=True) and torch.export say
+NO_COMPILE = ("qgru.WeightOnlyGRU has no torch.compile or torch.export operator (README, \"Limits and known "
+              "open defects\": weight-only modules have no C export, QAT or torch.compile operator); compile "
+              "without fullgraph=True (the module then runs eagerly between graphs) or export a QuantGRU")
+
+
+def _disable_compile(fn):
+    """fn, run eagerly under torch.compile: dynamo breaks the graph there, and with fullgraph=True
+    its error gives NO_COMPILE as the reason (torch >= 2.8; older torch: no reason)."""
+    try:
+        return torch.compiler.disable(fn, reason=NO_COMPILE)
+    except TypeError:
+        return torch.compiler.disable(fn)
 BACKENDS = ("auto", "native", "triton", "dequant", "golden")
 TRITON_KERNELS = ("auto", "fused", "step")  # qgru.wo_triton.KERNELS
 _DIRS = ("fwd", "rev")
@@ -118,10 +136,57 @@ class WeightOnlyGRU(nn.Module):
             self.__dict__["_graphed"] = None
         super().__setattr__(name, value)
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._check_state(state_dict, prefix)  # before any buffer is written
         self.__dict__.pop("_layers_cache", None)
         self.__dict__["_graphed"] = None
-        super()._load_from_state_dict(*args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _check_state(self, state_dict, prefix: str) -> None:
+        """The entries of a state_dict (torch.save, safetensors: untrusted) that load_state_dict
+        would copy into this module, checked as the file loader checks a file's, before anything is
+        copied: dense tensors within their storage (qgru.export.check_stored_tensors), each of its
+        buffer's dtype (copy_ would cast a float scale into codes silently), and each matrix and
+        bias against the format under this module's config (qgru.weight_only.check_weight). A
+        matrix partly in the state is checked with this module's other fields. WeightOnlyFileError
+        names the key and the field."""
+        from .export import check_stored_tensors
+        mine = {prefix + k: k for k in self._buffers}
+        given = {k: state_dict[k] for k in mine if k in state_dict}
+        if not given:
+            return
+        where = f"{type(self).__name__} state_dict"
+        for k, v in given.items():
+            if not isinstance(v, torch.Tensor):
+                raise WeightOnlyFileError(f"{where} '{k}': expected a tensor, got {type(v).__name__}")
+        check_stored_tensors({f"{where} '{k}'": v for k, v in given.items()},
+                             (torch.int32, torch.uint8, torch.float32), WeightOnlyFileError, "weight-only states")
+        for k, v in given.items():
+            own = self._buffers[mine[k]]
+            if v.dtype != own.dtype:
+                raise WeightOnlyFileError(f"{where} '{k}': expected {own.dtype} {list(own.shape)} (config "
+                                          f"{self.config.name}), got {v.dtype} {list(v.shape)}")
+        # a shape that differs is torch's "size mismatch" (RuntimeError, nothing copied): left to it
+        given = {k: v for k, v in given.items() if tuple(v.shape) == tuple(self._buffers[mine[k]].shape)}
+        D = 2 if self.bidirectional else 1
+        H = self.hidden_size
+        for li in range(self.num_layers):
+            K = self.input_size if li == 0 else H * D
+            for d in range(D):
+                for name, k in (("W", K), ("R", H)):
+                    keys = [self._key(li, d, name, f) for f in ("codes", "scale", "zp")]
+                    if not any(prefix + b in given for b in keys):
+                        continue
+                    t = [given.get(prefix + b, self._buffers[b]) for b in keys]
+                    if any(x.is_meta for x in t):  # this module's own field has no values to check with
+                        continue
+                    wo.check_weight(*t, self.config, 3 * H, k,
+                                    lambda f, li=li, d=d, name=name: f"{where} '{prefix}{self._key(li, d, name, f)}'")
+                if self.bias:
+                    for b in ("b_ih", "b_hh"):
+                        key = prefix + self._key(li, d, b)
+                        if key in given:
+                            wo.check_bias(given[key], H, f"{where} '{key}'")
 
     def _make_layers(self) -> List[List[WOLayer]]:
         D = 2 if self.bidirectional else 1
@@ -239,6 +304,12 @@ class WeightOnlyGRU(nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, input, hx: Optional[torch.Tensor] = None):
+        return self._forward(input, hx)
+
+    @_disable_compile
+    def _forward(self, input, hx: Optional[torch.Tensor] = None):
+        if torch.compiler.is_compiling():  # torch.export traces this in Python, with fake tensors
+            raise WeightOnlyError(NO_COMPILE)
         D = 2 if self.bidirectional else 1
         H = self.hidden_size
         packed = isinstance(input, PackedSequence)
@@ -261,6 +332,9 @@ class WeightOnlyGRU(nn.Module):
             B = x.shape[1]
         if x.shape[-1] != self.input_size:
             raise WeightOnlyError(f"WeightOnlyGRU: input has {x.shape[-1]} features, expected {self.input_size}")
+        if not packed and x.shape[0] == 0:  # every path: nn.GRU's RuntimeError (a QGRUInputError is one)
+            raise QGRUInputError(f"WeightOnlyGRU expects a sequence of at least one step, got an input of shape "
+                                 f"{tuple(input.shape)} (sequence length 0; torch.nn.GRU refuses it too)")
         if x.device != dev:
             raise WeightOnlyError(f"WeightOnlyGRU: input on {x.device}, module on {dev}")
         if not x.is_floating_point():
@@ -273,8 +347,14 @@ class WeightOnlyGRU(nn.Module):
                 raise WeightOnlyError(f"WeightOnlyGRU: h0 on {hx.device}, module on {dev}")
             if unbatched:
                 hx = hx.unsqueeze(1)
+        # a lazy negative view (torch._neg_view) is a flag over the positive values' buffer: the
+        # kernels read buffers, so the values are made real first (every path then reads -x)
+        x = x.resolve_conj().resolve_neg()
+        if hx is not None:
+            hx = hx.resolve_conj().resolve_neg()
+        grad = torch.is_grad_enabled() and (x.requires_grad or (hx is not None and hx.requires_grad))
         out_dtype = self.dtype
-        path = self._path(dev, packed, B)
+        path = self._path(dev, packed, B, grad)
         self.last_path = path
         if path == "dequant":
             out, h_n = self._dequant_forward(input if packed else x, hx, packed)
@@ -285,6 +365,8 @@ class WeightOnlyGRU(nn.Module):
                 lengths = lengths.to(dev)
             else:
                 xt, lengths = x, None
+            if packed:
+                xt = xt.resolve_conj().resolve_neg()
             if path == "golden":
                 out, h_n = wo.golden_forward(self.layers(), xt, hx, lengths, self.dtype)
             elif path == "native":
@@ -310,10 +392,20 @@ class WeightOnlyGRU(nn.Module):
             out, h_n = out.squeeze(0 if self.batch_first else 1), h_n.squeeze(1)
         return out, h_n
 
-    def _path(self, dev: torch.device, packed: bool, B: int) -> str:
+    def _path(self, dev: torch.device, packed: bool, B: int, grad: bool = False) -> str:
+        """The path of a call (module docstring). ``grad``: the input or h0 requires grad (with grad
+        mode on): gradients flow back to them on the golden and dequant paths (torch's GRU on the
+        dequantized weights), so "auto" runs dequant at every batch size and device, and a forced
+        native or triton backend raises instead of returning outputs without a grad_fn."""
         b = self.backend
         if b == "golden" or b == "dequant":
             return b
+        if grad:
+            if b != "auto":
+                raise WeightOnlyError(f"WeightOnlyGRU: backend {b!r} computes no gradients, and this call's input or "
+                                      "h0 requires grad: use backend 'auto' or 'dequant' (gradients flow to the input "
+                                      "and h0 there), or call it under torch.no_grad()")
+            return "dequant"
         native_ok = dev.type == "cpu" and self.dtype == torch.float32 and B <= NATIVE_MAX_BATCH
         if b == "native":
             if not native_ok:
