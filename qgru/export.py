@@ -11,8 +11,10 @@ where floats enter and leave the model), the weight scales (for dequantized floa
 an h_gemm (the R.h GEMM's operand, qgru/config.py), its scale (that of the R.h bias).
 ``save()`` writes it with torch.save (a zip archive) and ``load_params()`` reads it back.
 
-A file is untrusted input. ``load_params()`` verifies the zip records' CRCs, reads the archive with
-``torch.load(weights_only=True)`` (which refuses anything but tensors and plain containers),
+A file is untrusted input. ``load_params()`` reads it with ``read_archive()`` (the reader of every
+qgru archive: compressed records refused before anything is inflated, record sizes bounded by the
+archive's, CRCs verified, ``torch.load(weights_only=True)``, which refuses anything but tensors
+and plain containers; a refused global is a ParamsFileError naming it),
 verifies the checksum, and checks every field against docs/spec.md before anything runs: the set
 of entries, dtypes and shapes, bit widths (those of the config in ``meta``), integer ranges,
 zero points on their grids, multipliers and shifts within the bounds that keep the arithmetic exact,

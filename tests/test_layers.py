@@ -39,7 +39,7 @@ LAYERS = {
     # L4 the modules: QuantGRU, WeightOnlyGRU
     "module": 4, "wo_module": 4,
     # L5 workflows: calibrate / quantize_model, QAT, compare
-    "calibrate": 5, "qat": 5, "compare": 5,
+    "calibrate": 5, "qat": 5, "compare": 5, "summary": 5,
     # L6 apps and the public namespace
     "demo": 6, "__main__": 6, "__init__": 6,
 }
