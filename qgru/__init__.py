@@ -11,8 +11,8 @@ from . import ops as _ops  # registers torch.ops.qgru.integer_gru (torch.compile
 from .observers import NonFiniteCalibrationError, NonFiniteWeightError
 from .qat import convert_qat, prepare_qat
 from .summary import GRUSummary, Summary, summary
-from .weight_only import WeightOnlyConfig, WeightOnlyError, WeightOnlyFileError
-from .wo_module import WeightOnlyGRU
+from .weight_only.format import WeightOnlyConfig, WeightOnlyError, WeightOnlyFileError
+from .weight_only.module import WeightOnlyGRU
 
 __version__ = "0.1.0"
 __all__ = ["QuantGRU", "QuantConfig", "TensorSpec", "QuantParams", "calibrate", "quantize_model", "prepare_model",

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .module import QuantGRU
-from .wo_module import WeightOnlyGRU
+from .weight_only.module import WeightOnlyGRU
 
 
 @dataclass(frozen=True)

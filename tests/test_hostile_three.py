@@ -21,7 +21,7 @@ from torch import nn
 import qgru
 from qgru import export
 from qgru import weight_only as wo
-from qgru.wo_module import WeightOnlyGRU
+from qgru.weight_only import WeightOnlyGRU
 
 I, H = 3, 4
 _ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ def _wo_model(config="w4g32", **kw) -> WeightOnlyGRU:
 
 
 def _native_ok() -> bool:
-    from qgru import wo_cpu
+    from qgru.weight_only import cpu as wo_cpu
     return not wo_cpu.why_unavailable()
 
 
@@ -159,7 +159,7 @@ def test_weight_only_negative_view(backend):
 def test_weight_only_cpu_binding_resolves_views():
     if not _native_ok():
         pytest.skip("the weight-only CPU kernel is unavailable")
-    from qgru import wo_cpu
+    from qgru.weight_only import cpu as wo_cpu
     p = _wo_model().layers()[0][0]
     x = torch.randn(5, 20)
     assert torch.equal(wo_cpu.wo_mm(torch._neg_view(x), p.W), wo_cpu.wo_mm(-x, p.W))
@@ -396,7 +396,7 @@ def test_meta_extra_state():
 
 
 def test_weight_only_compile_fullgraph_and_export_name_the_limit():
-    from qgru.wo_module import NO_COMPILE
+    from qgru.weight_only import NO_COMPILE
     m = _wo_model()
     x = torch.randn(4, 2, 20)
     torch._dynamo.reset()

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .native.build import csrc_dir
+from ..native.build import csrc_dir
 
 SOURCE_FILE = "cpu/wo_kernel.cpp"  # the C++ source, under csrc/ (qgru.native.build.csrc_dir)
 
@@ -111,7 +111,7 @@ def wo_mm(x: torch.Tensor, p) -> torch.Tensor:
 
 
 def gru_layer(x: torch.Tensor, h0: torch.Tensor, p, reverse: bool, lengths: Optional[torch.Tensor] = None):
-    """One layer direction (a qgru.weight_only.WOLayer ``p``) on x [T, B, K] float32 from h0 [B, H]:
+    """One layer direction (a qgru.weight_only.format.WOLayer ``p``) on x [T, B, K] float32 from h0 [B, H]:
     (out [T, B, H], h_T), W.x and the time loop in one call."""
     mod = load()
     if mod is None:
