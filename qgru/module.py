@@ -324,6 +324,10 @@ class QuantGRU(nn.GRU):
         if t.is_meta:
             raise ParamsFileError(f"{name}: a tensor on the meta device, which holds no values (load a state_dict "
                                   "saved from a converted qgru.QuantGRU, not one made on the meta device)")
+        if t.numel() * t.element_size() > t.untyped_storage().nbytes():  # before .contiguous() copies it
+            raise ParamsFileError(f"{name}: shape {tuple(t.shape)} ({t.numel()} elements) over a storage of "
+                                  f"{t.untyped_storage().nbytes()} bytes (elements repeated by zero or overlapping "
+                                  "strides); get_extra_state writes every byte")
         if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() == 0:
             raise ParamsFileError(f"{name} must be a non-empty 1-D uint8 tensor (the bytes get_extra_state "
                                   f"writes), got {t.dtype} of shape {tuple(t.shape)}; was this state_dict saved "

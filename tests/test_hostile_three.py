@@ -388,6 +388,15 @@ def test_meta_params_in_validate():
         p.validate()
 
 
+def test_extra_state_stride0_is_refused_before_copying():
+    """A state_dict file (torch.load, weights_only) may hold an _extra_state of 10^9 bytes that are
+    one stored byte repeated: it was made contiguous (1 GB) before its archive was read."""
+    sd = _converted().state_dict()
+    sd["_extra_state"] = torch.zeros(1, dtype=torch.uint8).expand(10 ** 9)
+    with pytest.raises(qgru.ParamsFileError, match=r"'_extra_state': shape \(1000000000,\) .* over a storage of 1 bytes"):
+        qgru.QuantGRU(I, H).load_state_dict(sd)
+
+
 def test_meta_extra_state():
     sd = _converted().state_dict()
     sd["_extra_state"] = sd["_extra_state"].to("meta")
