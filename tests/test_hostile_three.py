@@ -97,6 +97,26 @@ class TestCompressedRecords:
             qgru.QuantGRU(I, H).load_state_dict(sd)
 
 
+def test_records_overlapping_in_the_archive(tmp_path):
+    """Stored records can overlap: many directory entries pointing at one record's bytes each read
+    it whole (a quadratic bomb without compression). Their sizes may add up to no more than the
+    archive's."""
+    import copy
+    path = tmp_path / "overlap.qgru"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("overlap/data.pkl", b"\0" * 100_000)
+    with zipfile.ZipFile(path, "a") as z:  # 20 more directory entries for the same bytes
+        first = z.filelist[0]
+        for k in range(20):
+            dup = copy.copy(first)
+            dup.filename = dup.orig_filename = f"overlap/data{k}"
+            z.filelist.append(dup)
+        z._didModify = True
+    with pytest.raises(qgru.ParamsFileError, match=r"overlap\.qgru: its records claim 2100000 bytes in all, more "
+                                                   r"than the archive's"):
+        qgru.load_params(path)
+
+
 # =============================================================================================
 # 2. a weight-only file's stride-0 entry is refused before it is made contiguous
 # =============================================================================================
