@@ -10,13 +10,14 @@ from .module import CalibrationWarning, QGRUDtypeError, QGRUInputError, QuantGRU
 from . import ops as _ops  # registers torch.ops.qgru.integer_gru (torch.compile / torch.export)
 from .observers import NonFiniteCalibrationError, NonFiniteWeightError
 from .qat import convert_qat, prepare_qat
-from .weight_only import WeightOnlyConfig, WeightOnlyError, WeightOnlyFileError
-from .wo_module import WeightOnlyGRU
+from .summary import GRUSummary, Summary, summary
+from .weight_only.format import WeightOnlyConfig, WeightOnlyError, WeightOnlyFileError
+from .weight_only.module import WeightOnlyGRU
 
 __version__ = "0.1.0"
 __all__ = ["QuantGRU", "QuantConfig", "TensorSpec", "QuantParams", "calibrate", "quantize_model", "prepare_model",
            "prepare_qat", "convert_qat",
            "load_params", "backends", "backend", "compare", "CompareReport", "NonFiniteCalibrationError",
            "NonFiniteWeightError", "CalibrationWarning", "ParamsFileError", "QGRUInputError", "QGRUDtypeError",
-           "cuda_nan_seen", "RescaleError",
+           "cuda_nan_seen", "RescaleError", "summary", "Summary", "GRUSummary",
            "WeightOnlyGRU", "WeightOnlyConfig", "WeightOnlyError", "WeightOnlyFileError", "__version__"]

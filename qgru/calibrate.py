@@ -12,8 +12,8 @@ from tqdm.auto import tqdm
 from .config import QuantConfig
 from .module import QGRUDtypeError, QGRUInputError, QuantGRU
 from .observers import NonFiniteCalibrationError, NonFiniteWeightError
-from .weight_only import is_weight_only
-from .wo_module import quantize_model_weight_only
+from .weight_only.format import is_weight_only
+from .weight_only.module import quantize_model_weight_only
 
 
 def _quant_grus(model: nn.Module) -> List[QuantGRU]:
@@ -87,7 +87,7 @@ def quantize_model(model: nn.Module, batches: Iterable, config: Union[str, dict,
     others calibrate). A subclass of nn.GRU keeps its own forward and methods (see prepare_model);
     its forward must call ``super().forward(...)``, else this raises a TypeError naming the class.
 
-    A weight-only config (``"w4g128"``, ``"w8pc"``, ... or a qgru.WeightOnlyConfig; qgru/weight_only.py)
+    A weight-only config (``"w4g128"``, ``"w8pc"``, ... or a qgru.WeightOnlyConfig; qgru/weight_only/format.py)
     makes every nn.GRU a qgru.WeightOnlyGRU instead: packed weights, float activations; ``batches``
     then feed only gptq rounding (docs/weight_only.md).
     """

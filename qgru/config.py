@@ -69,7 +69,7 @@ SCALE_MODES = ("pow2", "multiplier")
 OBSERVER_KINDS = ("mse", "percentile", "minmax", "ema", "ema_step")
 WEIGHT_ROUNDINGS = ("gptq", "nearest")
 BUILTIN_CONFIGS = ("w8a8", "w8a16", "w16a16")
-# the weight-only configs' names (qgru/weight_only.py: w4g128, w8pc, w4g128s ...), named in errors
+# the weight-only configs' names (qgru/weight_only/format.py: w4g128, w8pc, w4g128s ...), named in errors
 _WEIGHT_ONLY_NAME = re.compile(r"w(2|4|8)(g[0-9]+|pc)s?\Z")
 
 

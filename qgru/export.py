@@ -11,8 +11,10 @@ where floats enter and leave the model), the weight scales (for dequantized floa
 an h_gemm (the R.h GEMM's operand, qgru/config.py), its scale (that of the R.h bias).
 ``save()`` writes it with torch.save (a zip archive) and ``load_params()`` reads it back.
 
-A file is untrusted input. ``load_params()`` verifies the zip records' CRCs, reads the archive with
-``torch.load(weights_only=True)`` (which refuses anything but tensors and plain containers),
+A file is untrusted input. ``load_params()`` reads it with ``read_archive()`` (the reader of every
+qgru archive: compressed records refused before anything is inflated, record sizes bounded by the
+archive's, CRCs verified, ``torch.load(weights_only=True)``, which refuses anything but tensors
+and plain containers; a refused global is a ParamsFileError naming it),
 verifies the checksum, and checks every field against docs/spec.md before anything runs: the set
 of entries, dtypes and shapes, bit widths (those of the config in ``meta``), integer ranges,
 zero points on their grids, multipliers and shifts within the bounds that keep the arithmetic exact,
@@ -31,7 +33,6 @@ import hashlib
 import json
 import pickle
 import re
-import zipfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple, Union
@@ -170,20 +171,14 @@ def _narrow(v):
 
 
 def load_params(path: Union[str, Path]) -> QuantParams:
-    """Read a file written by QuantParams.save(), as untrusted input: the zip records' CRCs are
-    verified, nothing but tensors and plain containers is unpickled (``weights_only=True``), the
-    checksum is verified and every field is checked (QuantParams.from_dict). A file that fails any
-    of these raises ParamsFileError (a ValueError) naming the file and what is wrong; one that
-    would unpickle anything else raises pickle.UnpicklingError; a missing file, FileNotFoundError."""
+    """Read a file written by QuantParams.save(), as untrusted input (read_archive: the zip records
+    stored, their sizes within the file's and their CRCs verified, nothing but tensors and plain
+    containers unpickled), then the checksum and every field (QuantParams.from_dict). A file that
+    fails any of these raises ParamsFileError (a ValueError) naming the file and what is wrong (a
+    pickle that names any other global too: it must not be loaded unsafely); a missing file,
+    FileNotFoundError."""
     path = Path(path)
-    with open(path, "rb") as f:  # OSError as usual for a missing or unreadable file
-        _check_archive(f, path)
-    try:
-        d = torch.load(str(path), weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError:
-        raise  # torch's message names what the file tried to unpickle
-    except Exception as e:  # noqa: BLE001 - whatever torch's reader trips over, the file is bad
-        raise ParamsFileError(f"{path}: not a readable qgru parameter file ({type(e).__name__}: {e})") from None
+    d = read_archive(path, str(path))
     try:
         return QuantParams.from_dict(d)
     except ParamsFileError as e:
@@ -192,30 +187,116 @@ def load_params(path: Union[str, Path]) -> QuantParams:
 
 def read_archive_bytes(data: bytes, name: str) -> Any:
     """The contents of a torch.save archive held in memory (a converted QuantGRU's state_dict entry,
-    see QuantGRU.get_extra_state), read as untrusted input the way load_params reads a file: the zip
-    records' CRCs verified, nothing but tensors and plain containers unpickled. Raises
-    ParamsFileError naming ``name``; the caller checks what it holds (QuantParams.from_dict)."""
+    see QuantGRU.get_extra_state), read as untrusted input the way load_params reads a file
+    (read_archive). Raises ParamsFileError naming ``name``; the caller checks what it holds."""
+    return read_archive(bytes(data), name, kind="qgru archive")
+
+
+def read_archive(source: Union[str, Path, bytes], name: str, error: type = ParamsFileError,
+                 kind: str = "qgru parameter file") -> Any:
+    """The one reader of qgru's archives (parameter files, weight-only files, a converted module's
+    _extra_state bytes), as untrusted input: check_archive first (nothing is inflated or read
+    into memory beyond the stored bytes), then torch.load(weights_only=True) on the CPU. Every
+    failure is ``error`` (ParamsFileError or a subclass) naming ``name``; a pickle naming a global
+    that weights_only refuses (os.system, eval, any class) says which, and that the file must
+    not be loaded with weights_only=False: for a hostile file that runs the attacker's code."""
     import io
-    _check_archive(io.BytesIO(data), name)
+    if isinstance(source, (bytes, bytearray)):
+        f = io.BytesIO(source)
+        check_archive(f, name, error)
+        f.seek(0)
+        target: Any = f
+    else:
+        with open(source, "rb") as fh:  # OSError as usual for a missing or unreadable file
+            check_archive(fh, name, error)
+        target = str(source)
     try:
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError:
-        raise
-    except Exception as e:  # noqa: BLE001 - whatever torch's reader trips over, the data is bad
-        raise ParamsFileError(f"{name}: not a readable qgru archive ({type(e).__name__}: {e})") from None
+        return torch.load(target, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        raise error(refused_pickle_message(name, e)) from None
+    except Exception as e:  # noqa: BLE001 - whatever torch's reader trips over, the file is bad
+        raise error(f"{name}: not a readable {kind} ({type(e).__name__}: "
+                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
 
 
-def _check_archive(f, path: Path) -> None:
-    """torch.save writes a zip archive; its reader does not check the records' CRC-32s, this does."""
+_GLOBAL = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)")
+
+
+def refused_pickle_message(name: str, e: BaseException) -> str:
+    """What read_archive says for a pickle that torch.load(weights_only=True) refused. torch's own
+    message advises weights_only=False and allow-listing the global: for a hostile file both run
+    its code, so that advice is not passed on; only the global (or torch's first line) is."""
+    text = str(e)
+    m = _GLOBAL.search(text)
+    if m:
+        what = f"global {m[1]}"
+    else:
+        first = next((ln.strip() for ln in text.splitlines() if ln.strip() and "weights_only" not in ln
+                      and "Weights only" not in ln and "torch.load" not in ln), "")
+        what = f"content ({first[:200]})" if first else "content"
+    return (f"{name}: refused: its pickle holds the {what}, which no qgru file holds (tensors, ints and strings "
+            "only). This file must not be loaded unsafely: torch.load(weights_only=False), or allow-listing "
+            "that global, would run whatever code the file names")
+
+
+def check_archive(f, name: str, error: type = ParamsFileError) -> None:
+    """torch.save writes a zip archive of stored (uncompressed) records, and its reader inflates a
+    compressed record whole and does not check CRC-32s. This refuses, before any record is read:
+    a compressed record (a few hundred KB can inflate to gigabytes), a record whose stored size
+    differs from its size, and records whose sizes add up to more than the archive (records
+    overlapping in the file); then it checks every record's CRC, reading in chunks."""
+    import zipfile
     try:
+        f.seek(0, 2)
+        total = f.tell()
+        f.seek(0)
         with zipfile.ZipFile(f) as z:
+            infos = z.infolist()
+            for i in infos:
+                if i.compress_type != zipfile.ZIP_STORED:
+                    raise error(f"{name}: record {i.filename!r} is compressed (zip method {i.compress_type}); "
+                                "torch.save writes stored records only, and a compressed record is not inflated "
+                                "(it may be a decompression bomb)")
+                if i.file_size != i.compress_size:
+                    raise error(f"{name}: record {i.filename!r} claims {i.file_size} bytes but stores "
+                                f"{i.compress_size}")
+            claimed = sum(i.file_size for i in infos)
+            if claimed > total:
+                raise error(f"{name}: its records claim {claimed} bytes in all, more than the archive's {total} "
+                            "(records overlapping in the file)")
             bad = z.testzip()
+    except error:
+        raise
     except Exception as e:  # noqa: BLE001 - BadZipFile, EOFError, OSError, zlib.error, ...
-        raise ParamsFileError(f"{path}: not a qgru parameter file: not a readable zip archive ({e}); the file "
-                              "is truncated or damaged, or was not written by QuantParams.save()") from None
+        raise error(f"{name}: not a qgru parameter file: not a readable zip archive ({e}); the file "
+                    "is truncated or damaged, or was not written by QuantParams.save()") from None
     if bad is not None:
-        raise ParamsFileError(f"{path}: corrupted: record {bad!r} fails its CRC check (the file was damaged "
-                              "after it was written)")
+        raise error(f"{name}: corrupted: record {bad!r} fails its CRC check (the file was damaged "
+                    "after it was written)")
+
+
+_check_archive = check_archive  # the name before issue 39
+
+
+def check_stored_tensors(d: Dict[str, Any], dtypes: Sequence[torch.dtype], error: type = ParamsFileError,
+                         what: str = "qgru files") -> None:
+    """Each tensor of an untrusted dict of entries (a file's, a state_dict's) before anything reads
+    its values: a dense tensor of one of ``dtypes``, not on the meta device, and with no more
+    elements than its storage holds. A tensor's shape is a claim: torch.load accepts any shape
+    whose strides stay inside the stored bytes, stride 0 included (one stored byte read as 10^9
+    elements), and a checksum or dtype check makes a contiguous copy of it."""
+    for k, v in d.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        if v.layout != torch.strided or v.is_quantized or v.dtype not in dtypes:
+            raise error(f"{k}: a {v.dtype} tensor ({v.layout}); {what} hold dense "
+                        f"{', '.join(str(t).replace('torch.', '') for t in dtypes)} tensors only")
+        if v.is_meta:
+            raise error(f"{k}: a tensor on the meta device, which holds no values")
+        if v.numel() * v.element_size() > v.untyped_storage().nbytes():
+            raise error(f"{k}: shape {tuple(v.shape)} ({v.numel()} elements) over a storage of "
+                        f"{v.untyped_storage().nbytes()} bytes (elements repeated by zero or "
+                        "overlapping strides); qgru writes every element")
 
 
 def checksum(d: Dict[str, Any]) -> str:
@@ -264,21 +345,9 @@ def _read_header(d) -> Tuple[Dict[str, Any], QuantConfig]:
     for k, v in d.items():
         if not isinstance(k, str):
             raise ParamsFileError(f"entry names are strings, got {k!r}")
-        if isinstance(v, torch.Tensor):
-            if v.layout != torch.strided or v.is_quantized or v.dtype not in _STORED_DTYPES:
-                raise ParamsFileError(f"{k}: a {v.dtype} tensor ({v.layout}); qgru files hold dense int8, int16, "
-                                      "int32, int64 and float64 tensors only")
-            if v.is_meta:
-                raise ParamsFileError(f"{k}: a tensor on the meta device, which holds no values")
-            # a tensor's shape is a claim: torch.load accepts any shape whose strides stay inside
-            # the stored bytes, stride 0 included (a 1-element storage read as 10^9 elements). The
-            # checks below make copies (checksum, dtypes): the elements must be ones the file holds
-            if v.numel() * v.element_size() > v.untyped_storage().nbytes():
-                raise ParamsFileError(f"{k}: shape {tuple(v.shape)} ({v.numel()} elements) over a storage of "
-                                      f"{v.untyped_storage().nbytes()} bytes (elements repeated by zero or "
-                                      "overlapping strides); qgru writes every element")
-        elif type(v) not in (int, str):
+        if not isinstance(v, torch.Tensor) and type(v) not in (int, str):
             raise ParamsFileError(f"{k}: a {type(v).__name__}; qgru files hold tensors, ints and strings only")
+    check_stored_tensors(d, _STORED_DTYPES)
     if "meta" not in d:
         raise ParamsFileError("missing entry 'meta': not a qgru parameter file")
     if not isinstance(d["meta"], str):
@@ -448,6 +517,8 @@ def _check_layer(p: LayerParams, where: str, cfg: QuantConfig, meta: Dict[str, A
     def tensor(field: str, v, shapes: Sequence[Tuple[int, ...]], dtype=torch.int64) -> torch.Tensor:
         if not isinstance(v, torch.Tensor) or v.dtype != dtype:
             fail(field, f"expected a {dtype} tensor, got {v.dtype if isinstance(v, torch.Tensor) else type(v).__name__}")
+        if v.is_meta:
+            fail(field, "a tensor on the meta device, which holds no values")
         if tuple(v.shape) not in [tuple(s) for s in shapes]:
             fail(field, f"expected shape {' or '.join(str(tuple(s)) for s in shapes)}, got {tuple(v.shape)}")
         return v
@@ -585,6 +656,11 @@ def _check_x_levels(p: LayerParams, fail, tensor, in_range, cfg: QuantConfig, me
     e = lv.exponent
     if not isinstance(e, torch.Tensor) or e.dtype != torch.int64 or e.dim() != 1:
         fail("x_levels.exponent", "expected a 1-D torch.int64 tensor")
+    for k in ("scale", "lo", "hi", "b_x"):  # before any is read (the exponents are, next)
+        if isinstance(getattr(lv, k), torch.Tensor) and getattr(lv, k).is_meta:
+            fail(f"x_levels.{k}", "a tensor on the meta device, which holds no values")
+    if e.is_meta:
+        fail("x_levels.exponent", "a tensor on the meta device, which holds no values")
     J = e.numel()
     if not 1 <= J <= len(X_LEVEL_EXPONENTS):
         fail("x_levels.exponent", f"{J} levels; a layer has 1 to {len(X_LEVEL_EXPONENTS)}")

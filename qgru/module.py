@@ -108,6 +108,14 @@ def quantized_class(cls: type) -> type:
 _CALIB_KEY = re.compile(r"l(0|[1-9][0-9]{0,8})\.(fwd|rev)\.[A-Za-z_]+\.[a-z_0-9]+\Z")
 
 
+def _described(v) -> str:
+    """A short description of what an untrusted _extra_state archive held (for an error)."""
+    if isinstance(v, dict):
+        keys = sorted(map(repr, list(v)[:5]))
+        return "an empty dict" if not v else f"a dict of {len(v)} entr{'y' if len(v) == 1 else 'ies'} ({', '.join(keys)})"
+    return f"a {type(v).__name__}"
+
+
 def _checked_calibration(calib, who: str) -> Dict[str, torch.Tensor]:
     """A loaded calibration record (what _calibration_record wrote), checked: names of its form,
     each value a real tensor of at most one dimension (qgru.compare reads them)."""
@@ -264,6 +272,12 @@ class QuantGRU(nn.GRU):
         bias, batch_first and bidirectional as the module that was saved."""
         if isinstance(state, torch.Tensor):  # get_extra_state's form: untrusted bytes
             state = self._extra_state_from_tensor(state)
+            if not isinstance(state, dict) or state.get("format") != "qgru.QuantGRU":
+                # qgru writes this tensor only for a converted module, always with its parameters: an
+                # archive of anything else ({} included) would leave the module float without a word
+                raise ParamsFileError(f"{type(self).__name__} state_dict '_extra_state': the archive holds "
+                                      f"{_described(state)}, not a converted qgru.QuantGRU's state (format "
+                                      "'qgru.QuantGRU' with its parameters); qgru never writes such a state")
         # else a dict: the form qgru saved before (a state_dict saved with torch.save), still loaded
         if isinstance(state, dict) and not state:  # what a float QuantGRU had before
             if self.is_converted:
@@ -307,6 +321,13 @@ class QuantGRU(nn.GRU):
         torch.load(weights_only=True); set_extra_state checks the parameters with
         QuantParams.from_dict)."""
         name = f"{type(self).__name__}: '_extra_state'"
+        if t.is_meta:
+            raise ParamsFileError(f"{name}: a tensor on the meta device, which holds no values (load a state_dict "
+                                  "saved from a converted qgru.QuantGRU, not one made on the meta device)")
+        if t.numel() * t.element_size() > t.untyped_storage().nbytes():  # before .contiguous() copies it
+            raise ParamsFileError(f"{name}: shape {tuple(t.shape)} ({t.numel()} elements) over a storage of "
+                                  f"{t.untyped_storage().nbytes()} bytes (elements repeated by zero or overlapping "
+                                  "strides); get_extra_state writes every byte")
         if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() == 0:
             raise ParamsFileError(f"{name} must be a non-empty 1-D uint8 tensor (the bytes get_extra_state "
                                   f"writes), got {t.dtype} of shape {tuple(t.shape)}; was this state_dict saved "

@@ -44,7 +44,7 @@ import qgru  # noqa: E402
 from qgru import demo  # noqa: E402
 from qgru import weight_only as wo
 from qgru.compare import sqnr_db
-from qgru.wo_module import WeightOnlyGRU
+from qgru.weight_only import WeightOnlyGRU
 
 WO_CONFIGS = ("w8g128", "w4g128", "w4g64", "w4pc", "w2g64", "w2g32")
 INT_CONFIGS = ("w8a8", "w8a16")
@@ -205,7 +205,7 @@ def gpu_speed_rows(repeats, shapes=None):
     |w4g128 - cuDNN fp16| over the variants' outputs (the 4-bit weights' error, about 0.1)."""
     if not torch.cuda.is_available():
         return []
-    from qgru import wo_triton
+    from qgru.weight_only import triton_kernels as wo_triton
     if wo_triton.why_unavailable():
         return [("(skipped)", wo_triton.why_unavailable()) + ("",) * (2 * len(GPU_VARIANTS) + 1)]
     rows = []
@@ -242,7 +242,7 @@ def gpu_speed_rows(repeats, shapes=None):
 GPU_HEADERS = ["shape", "cuDNN fp16 ms", "step ms", "vs cuDNN", "step graph ms", "vs cuDNN", "fused ms", "vs cuDNN",
                "fused graph ms", "vs cuDNN", "max diff", "auto path"]
 
-# fused kernel launch shapes tried by --gpu-sweep (qgru.wo_triton.fused_blocks gives the default)
+# fused kernel launch shapes tried by --gpu-sweep (qgru.weight_only.triton_kernels.fused_blocks gives the default)
 SWEEP_BLOCKS = ({"BLOCK_H": 256, "BLOCK_K": 32, "num_warps": 8}, {"BLOCK_H": 512, "BLOCK_K": 16, "num_warps": 16},
                 {"BLOCK_H": 128, "BLOCK_K": 32, "num_warps": 4}, {"BLOCK_H": 128, "BLOCK_K": 64, "num_warps": 8},
                 {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 4})
@@ -253,7 +253,7 @@ def gpu_sweep_rows(repeats):
     against cuDNN fp16: which launch shape to make the default."""
     if not torch.cuda.is_available():
         return []
-    from qgru import wo_triton
+    from qgru.weight_only import triton_kernels as wo_triton
     rows = []
     sync = torch.cuda.synchronize
     for H in (512, 1024):

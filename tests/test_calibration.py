@@ -207,9 +207,10 @@ def _percentile_reference(v: torch.Tensor, p: float):
 
 class TestPercentileObserver:
     def test_default_config_uses_its_histogram(self):
-        for name in ("w8a8", "w8a16", "w16a16"):  # mse (the default) searches percentile's histogram
+        # mse (w8a8's and w8a16's default) searches percentile's histogram; w16a16 keeps percentile
+        for name, kind in (("w8a8", "mse"), ("w8a16", "mse"), ("w16a16", "percentile")):
             spec = qgru.QuantConfig.load(name).observer
-            assert (spec.kind, spec.percentile) == ("mse", 99.99)
+            assert (spec.kind, spec.percentile) == (kind, 99.99)
 
     @pytest.mark.parametrize("p", [99.99, 99.0, 90.0])
     def test_range_against_sorted_values(self, p):
@@ -832,3 +833,18 @@ class TestWeightObserver:
             o.range()
         with pytest.raises(qgru.NonFiniteCalibrationError, match="NaN or Inf"):
             o.observe(torch.tensor([[1.0, float("nan")]]))
+
+
+def test_w16a16_synthetic_floor():
+    """Issue 39: w16a16 on the synthetic GRU (one layer, I=256, H=512, T=100, batch 64, randn inputs,
+    three calibration batches, evaluated on a fourth) has a 70 dB output SQNR floor against float
+    nn.GRU. The mse observer made the default on 2026-11-23 gave 69.73 dB here; percentile 73.86."""
+    torch.manual_seed(0)
+    gru = torch.nn.GRU(256, 512).eval()
+    calib = [torch.randn(100, 64, 256) for _ in range(3)]
+    x = torch.randn(100, 64, 256)
+    q = qgru.quantize_model(gru, calib, config="w16a16", progress=False)
+    with torch.no_grad():
+        ref, out = gru(x)[0].double(), q(x)[0].double()
+    sqnr = float(10 * torch.log10(ref.pow(2).sum() / (out - ref).pow(2).sum()))
+    assert sqnr >= 70.0, sqnr

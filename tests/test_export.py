@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import pickle
 import zlib
 
 import pytest
@@ -264,8 +263,11 @@ def test_load_params_refuses_arbitrary_pickles(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save(d, path)
     UNPICKLED.clear()
-    with pytest.raises(pickle.UnpicklingError):
+    # issue 39: a ParamsFileError naming the file and the global, without torch's weights_only=False advice
+    with pytest.raises(qgru.ParamsFileError, match=r"evil\.pt: refused: its pickle holds the global .*must not be "
+                                                   r"loaded unsafely") as e:
         qgru.load_params(path)
+    assert "will likely succeed" not in str(e.value)
     assert UNPICKLED == []
     # the payload is real: an unrestricted load would have run it
     torch.load(path, weights_only=False)
@@ -273,7 +275,7 @@ def test_load_params_refuses_arbitrary_pickles(tmp_path):
     UNPICKLED.clear()
     path2 = tmp_path / "evil2.pt"
     torch.save({"meta": Payload()}, path2)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(qgru.ParamsFileError, match=r"evil2\.pt: refused"):
         qgru.load_params(path2)
     assert UNPICKLED == []
 

@@ -30,16 +30,20 @@ LAYERS = {
     # L1 convert: float weights and calibrated ranges -> integer parameters; the float reference step
     "convert": 1, "float_gru": 1,
     # L2 parameters and files: QuantParams and the .qgru format, C export, weight-only packing
-    "export": 2, "export_c": 2, "weight_only": 2,
+    "export": 2, "export_c": 2,
+    # the weight-only package (qgru/weight_only/): format -> quantize, golden (L2) -> cpu, triton_kernels (L3)
+    # -> module (L4); its __init__ re-exports all of them, so it sits with the module
+    "weight_only.format": 2, "weight_only.quantize": 2, "weight_only.golden": 2,
+    "weight_only.cpu": 3, "weight_only.triton_kernels": 3, "weight_only.module": 4, "weight_only": 4,
     # L3 runtime: backends and native kernels, the integer forward, the custom op, QAT's forward step
-    "backends": 3, "native": 3, "runtime": 3, "ops": 3, "qat_step": 3, "wo_cpu": 3, "wo_triton": 3,
+    "backends": 3, "native": 3, "runtime": 3, "ops": 3, "qat_step": 3,
     # the native package (qgru/native/): build -> prepare -> cpu, cuda -> layer -> stacks, all runtime
     "native.build": 3, "native.prepare": 3, "native.cpu": 3, "native.cuda": 3, "native.layer": 3,
     "native.stacks": 3,
     # L4 the modules: QuantGRU, WeightOnlyGRU
-    "module": 4, "wo_module": 4,
+    "module": 4,
     # L5 workflows: calibrate / quantize_model, QAT, compare
-    "calibrate": 5, "qat": 5, "compare": 5,
+    "calibrate": 5, "qat": 5, "compare": 5, "summary": 5,
     # L6 apps and the public namespace
     "demo": 6, "__main__": 6, "__init__": 6,
 }

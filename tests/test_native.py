@@ -1767,7 +1767,7 @@ def test_build_key_covers_every_csrc_file():
     """The build's cache key hashes _SOURCES and _HEADERS: a file in csrc/ missing from both would
     be compiled (included) but not hashed, and an edit to it would load the stale binary. (A new
     lanes header once did exactly that.)"""
-    from qgru import wo_cpu  # the weight-only CPU kernel: its own build, whose key hashes its one file
+    from qgru.weight_only import cpu as wo_cpu  # the weight-only CPU kernel: its own build, whose key hashes its one file
     root = native.csrc_dir()
     on_disk = {str(f.relative_to(root)) for f in root.rglob("*") if f.suffix in (".h", ".cpp", ".cu")}
     listed = set(native._HEADERS) | {f for files in native._SOURCES.values() for f in files} | {wo_cpu.SOURCE_FILE}

@@ -229,7 +229,8 @@ def test_gradients_are_taken_at_the_recurrent_operand():
     gru = nn.GRU(4, 8, num_layers=2, bidirectional=True)
     batches = [torch.randn(7, 5, 4) for _ in range(3)]
     bits = 4
-    cfg = qgru.QuantConfig.load("w16a16", overrides={"tensors": {"h_gemm": {"bits": bits}}})
+    # the mse observer (w16a16's default is percentile since issue 39): its 4-bit grid clips some h
+    cfg = qgru.QuantConfig.load("w16a16", overrides={"observer": {"kind": "mse"}, "tensors": {"h_gemm": {"bits": bits}}})
     model = qgru.prepare_qat(gru, batches, cfg, progress=False)
     params = qgru.convert_qat(copy.deepcopy(model))._qparams  # the operand's frozen grids
     clipped = []

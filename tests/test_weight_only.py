@@ -16,7 +16,7 @@ from torch.nn.utils.rnn import pack_sequence, pad_packed_sequence
 
 import qgru
 from qgru import weight_only as wo
-from qgru.wo_module import WeightOnlyGRU
+from qgru.weight_only import WeightOnlyGRU
 
 # the tolerances the docs state: max |backend - golden| / max |golden| (the output scale)
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -275,7 +275,7 @@ def _layerwise(ref: nn.GRU, x, h0, dtype):
 # backends against the golden
 # ---------------------------------------------------------------------------------------------
 def _native_ok():
-    from qgru import wo_cpu
+    from qgru.weight_only import cpu as wo_cpu
     return wo_cpu.why_unavailable() == ""
 
 
@@ -305,7 +305,7 @@ def test_backends_match_golden(backend, dtype, name):
 def test_cpu_kernel_source_and_build_key(monkeypatch):
     """The CPU kernel's C++ source is csrc/cpu/wo_kernel.cpp, and its build folder's name hashes
     that file's text: an edit to the file builds anew instead of loading the old binary."""
-    from qgru import wo_cpu
+    from qgru.weight_only import cpu as wo_cpu
     from qgru.native.build import csrc_dir
     text = (csrc_dir() / "cpu" / "wo_kernel.cpp").read_text()
     assert wo_cpu.source() == text and "PYBIND11_MODULE" in text and "wo_gru_layer" in text
@@ -425,8 +425,9 @@ import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 import test_weight_only as t
-from qgru import weight_only as wo, wo_triton
-from qgru.wo_module import WeightOnlyGRU
+from qgru import weight_only as wo
+from qgru.weight_only import triton_kernels as wo_triton
+from qgru.weight_only import WeightOnlyGRU
 assert wo_triton.INTERPRET and wo_triton.why_unavailable() == "", wo_triton.why_unavailable()
 res = {}
 torch.manual_seed(8)
@@ -487,8 +488,9 @@ import json, sys, time
 import torch
 sys.path.insert(0, sys.argv[1])
 import test_weight_only as t
-from qgru import weight_only as wo, wo_triton
-from qgru.wo_module import WeightOnlyGRU
+from qgru import weight_only as wo
+from qgru.weight_only import triton_kernels as wo_triton
+from qgru.weight_only import WeightOnlyGRU
 assert wo_triton.INTERPRET and wo_triton.why_unavailable() == "", wo_triton.why_unavailable()
 res = {}
 T = 3
@@ -524,7 +526,7 @@ print("RESULT " + json.dumps(res))
 
 
 def test_triton_fused_kernel_interpreted():
-    """The fused-sequence kernel (qgru.wo_triton.fused_gru_direction) against the golden forward,
+    """The fused-sequence kernel (qgru.weight_only.triton_kernels.fused_gru_direction) against the golden forward,
     under TRITON_INTERPRET=1: B in {1, 3, 17}, H in {16, 40}, 2 layers, both directions, lengths
     and h0, float32 / float16 / bfloat16, the default block sizes and smaller ones (several hidden
     and input tiles, a partial last tile, a partial batch block)."""
@@ -560,7 +562,7 @@ def test_triton_fused_kernel_compiles_for_sm90():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install qgru[triton])")
     import triton
-    from qgru import wo_triton
+    from qgru.weight_only import triton_kernels as wo_triton
     if wo_triton.INTERPRET:
         pytest.skip("TRITON_INTERPRET=1: the kernels are not compiled")
     try:
@@ -600,7 +602,7 @@ def test_triton_fused_kernel_compiles_for_sm90():
 
 def test_triton_kernel_choice(monkeypatch):
     """choose_kernel's rule and the module's triton_kernel attribute (no GPU needed)."""
-    from qgru import wo_triton
+    from qgru.weight_only import triton_kernels as wo_triton
     assert not wo_triton.FUSED_BY_DEFAULT  # until a GPU has run the fused kernel
     assert wo_triton.choose_kernel(512, 1) == "step" and wo_triton.choose_kernel(1024, 64) == "step"
     monkeypatch.setattr(wo_triton, "FUSED_BY_DEFAULT", True)
@@ -702,7 +704,7 @@ def test_hostile_files(tmp_path):
     with pytest.raises(wo.WeightOnlyFileError, match="cut.qgru"):
         WeightOnlyGRU.load(tmp_path / "cut.qgru")
     torch.save({"meta": "x", "evil": pickle.dumps(1), "obj": _Evil()}, str(tmp_path / "evil.qgru"))
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(wo.WeightOnlyFileError, match=r"evil\.qgru: refused: .*_Evil.*must not be loaded unsafely"):
         WeightOnlyGRU.load(tmp_path / "evil.qgru")
     # a QuantParams file is not a weight-only file
     torch.save({"meta": json.dumps({"format_version": 2}), "checksum": "x"}, str(tmp_path / "other.qgru"))
@@ -766,7 +768,7 @@ def test_triton_on_cuda_matches_golden(dtype, kernel):
     1e-5 then). The fused kernel has NOT yet run on a GPU."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from qgru import wo_triton
+    from qgru.weight_only import triton_kernels as wo_triton
     if wo_triton.why_unavailable():
         pytest.fail(f"torch sees a GPU but the Triton path is unavailable: {wo_triton.why_unavailable()}",
                     pytrace=False)

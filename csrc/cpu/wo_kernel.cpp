@@ -1,4 +1,4 @@
-// The weight-only CPU kernel (qgru/wo_cpu.py builds it with torch.utils.cpp_extension.load_inline,
+// The weight-only CPU kernel (qgru/weight_only/cpu.py builds it with torch.utils.cpp_extension.load_inline,
 // -O3 -march=native -fopenmp, into ~/.cache/qgru/wo-<hash>; the hash covers this file's text).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

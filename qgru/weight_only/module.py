@@ -1,27 +1,31 @@
 """WeightOnlyGRU: a drop-in for torch.nn.GRU whose weights are stored packed at 2, 4 or 8 bits
-(qgru/weight_only.py) and whose activations and gates stay in float32, float16 or bfloat16.
+(qgru/weight_only/format.py) and whose activations and gates stay in float32, float16 or bfloat16.
 
 The module holds only the packed weights, scales, zero points and float32 biases (buffers), no
 float copy of the weights. Its forward takes what nn.GRU's takes: [T, B, I] (or batch_first
 [B, T, I]) tensors, unbatched [T, I] tensors, PackedSequence, and h0; it returns (output, h_n) as
 nn.GRU does. Which path runs a call (``last_path`` says which ran last):
 
-* ``native`` (CPU, float32, batch <= NATIVE_MAX_BATCH): qgru/wo_cpu.py's kernel
+* ``native`` (CPU, float32, batch <= NATIVE_MAX_BATCH): qgru/weight_only/cpu.py's kernel
   multiplies the packed weights directly, unpacking them in registers; the time loop is in C++.
-* ``triton-fused`` / ``triton-step`` (CUDA, float16/bfloat16/float32): qgru/wo_triton.py's
+* ``triton-fused`` / ``triton-step`` (CUDA, float16/bfloat16/float32): qgru/weight_only/triton_kernels.py's
   dequant-GEMM for W.x over the whole sequence, then the recurrence (R.h fused with the gates):
   ``fused``, one launch per layer direction running the whole time loop, or ``step``, one launch
   per time step. ``triton_kernel`` ("auto", "fused", "step") picks; "auto" is
-  qgru.wo_triton.choose_kernel.
+  qgru.weight_only.triton_kernels.choose_kernel.
 * ``dequant`` (any other call): the weights are dequantized once for the call into the module's
   dtype and torch's own GRU runs (the batched and PackedSequence calls, where a float GEMM over
   many rows outweighs reading the weights).
-* ``golden`` (``backend="golden"``): qgru.weight_only.golden_forward, float64, the definition.
+* ``golden`` (``backend="golden"``): qgru.weight_only.golden.golden_forward, float64, the definition.
 
 ``backend`` (constructor argument or attribute) is "auto" (the first of native / triton /
 dequant that applies), or one of "native", "triton", "dequant", "golden" (a call that the forced
 path cannot run raises WeightOnlyError instead of running another); ``last_path`` names the
 Triton kernel too ("triton-fused" or "triton-step").
+
+Gradients: the native and Triton kernels have none, so a call whose input or h0 requires grad
+runs ``dequant`` at every batch size under "auto" (a forced native / triton backend raises): one
+behaviour whatever the batch. load_state_dict checks what it loads as load() checks a file.
 """
 from __future__ import annotations
 
@@ -35,12 +39,29 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from tqdm.auto import tqdm
 
-from . import weight_only as wo
-from .weight_only import PackedWeight, WeightOnlyConfig, WeightOnlyError, WOLayer
+from ..errors import QGRUInputError
+from ..export import check_stored_tensors
+from .format import (WO_DTYPES, PackedWeight, WeightOnlyConfig, WeightOnlyError, WeightOnlyFileError, WOLayer,
+                     check_bias, check_weight, dequantize, groups_of, load_file, save, weight_bytes)
+from .golden import golden_forward
+from .quantize import quantize_weight
 
 NATIVE_MAX_BATCH = 8
+# README "Limits and known open defects": what torch.compile(fullgraph=True) and torch.export say
+NO_COMPILE = ("qgru.WeightOnlyGRU has no torch.compile or torch.export operator (README, \"Limits and known "
+              "open defects\": weight-only modules have no C export, QAT or torch.compile operator); compile "
+              "without fullgraph=True (the module then runs eagerly between graphs) or export a QuantGRU")
+
+
+def _disable_compile(fn):
+    """fn, run eagerly under torch.compile: dynamo breaks the graph there, and with fullgraph=True
+    its error gives NO_COMPILE as the reason (torch >= 2.8; older torch: no reason)."""
+    try:
+        return torch.compiler.disable(fn, reason=NO_COMPILE)
+    except TypeError:
+        return torch.compiler.disable(fn)
 BACKENDS = ("auto", "native", "triton", "dequant", "golden")
-TRITON_KERNELS = ("auto", "fused", "step")  # qgru.wo_triton.KERNELS
+TRITON_KERNELS = ("auto", "fused", "step")  # qgru.weight_only.triton_kernels.KERNELS
 _DIRS = ("fwd", "rev")
 _warned: set = set()
 
@@ -60,7 +81,7 @@ class WeightOnlyGRU(nn.Module):
         self.triton_kernel = "auto"  # the Triton path's recurrence: "auto", "fused" or "step"
         self.dtype = self.config.torch_dtype
         self.last_path: Optional[str] = None
-        # CUDA only, opt-in: the Triton path replayed as a CUDA graph per input shape (qgru.wo_triton.
+        # CUDA only, opt-in: the Triton path replayed as a CUDA graph per input shape (qgru.weight_only.triton_kernels.
         # GraphedForward; not yet run on a GPU). Dropped with the layers cache when buffers change.
         self.cuda_graph = False
         self._graphed = None
@@ -70,7 +91,7 @@ class WeightOnlyGRU(nn.Module):
             K = input_size if li == 0 else H * D
             for d in range(D):
                 for name, k in (("W", K), ("R", H)):
-                    g, G = wo.groups_of(k, self.config.group_size)
+                    g, G = groups_of(k, self.config.group_size)
                     per = 32 // self.config.bits
                     self.register_buffer(self._key(li, d, name, "codes"), torch.zeros(-(-k // per), 3 * H, dtype=torch.int32, device=device))
                     self.register_buffer(self._key(li, d, name, "scale"), torch.ones(G, 3 * H, dtype=torch.float32, device=device))
@@ -105,7 +126,7 @@ class WeightOnlyGRU(nn.Module):
         self._triton_kernel = k
 
     def layers(self) -> List[List[WOLayer]]:
-        """The stored parameters as qgru.weight_only.WOLayer rows (the buffers themselves). Cached;
+        """The stored parameters as qgru.weight_only.format.WOLayer rows (the buffers themselves). Cached;
         the cache is dropped whenever a buffer is assigned, moved or loaded."""
         cached = self.__dict__.get("_layers_cache")
         if cached is None:
@@ -118,10 +139,56 @@ class WeightOnlyGRU(nn.Module):
             self.__dict__["_graphed"] = None
         super().__setattr__(name, value)
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._check_state(state_dict, prefix)  # before any buffer is written
         self.__dict__.pop("_layers_cache", None)
         self.__dict__["_graphed"] = None
-        super()._load_from_state_dict(*args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _check_state(self, state_dict, prefix: str) -> None:
+        """The entries of a state_dict (torch.save, safetensors: untrusted) that load_state_dict
+        would copy into this module, checked as the file loader checks a file's, before anything is
+        copied: dense tensors within their storage (qgru.export.check_stored_tensors), each of its
+        buffer's dtype (copy_ would cast a float scale into codes silently), and each matrix and
+        bias against the format under this module's config (qgru.weight_only.format.check_weight). A
+        matrix partly in the state is checked with this module's other fields. WeightOnlyFileError
+        names the key and the field."""
+        mine = {prefix + k: k for k in self._buffers}
+        given = {k: state_dict[k] for k in mine if k in state_dict}
+        if not given:
+            return
+        where = f"{type(self).__name__} state_dict"
+        for k, v in given.items():
+            if not isinstance(v, torch.Tensor):
+                raise WeightOnlyFileError(f"{where} '{k}': expected a tensor, got {type(v).__name__}")
+        check_stored_tensors({f"{where} '{k}'": v for k, v in given.items()},
+                             (torch.int32, torch.uint8, torch.float32), WeightOnlyFileError, "weight-only states")
+        for k, v in given.items():
+            own = self._buffers[mine[k]]
+            if v.dtype != own.dtype:
+                raise WeightOnlyFileError(f"{where} '{k}': expected {own.dtype} {list(own.shape)} (config "
+                                          f"{self.config.name}), got {v.dtype} {list(v.shape)}")
+        # a shape that differs is torch's "size mismatch" (RuntimeError, nothing copied): left to it
+        given = {k: v for k, v in given.items() if tuple(v.shape) == tuple(self._buffers[mine[k]].shape)}
+        D = 2 if self.bidirectional else 1
+        H = self.hidden_size
+        for li in range(self.num_layers):
+            K = self.input_size if li == 0 else H * D
+            for d in range(D):
+                for name, k in (("W", K), ("R", H)):
+                    keys = [self._key(li, d, name, f) for f in ("codes", "scale", "zp")]
+                    if not any(prefix + b in given for b in keys):
+                        continue
+                    t = [given.get(prefix + b, self._buffers[b]) for b in keys]
+                    if any(x.is_meta for x in t):  # this module's own field has no values to check with
+                        continue
+                    check_weight(*t, self.config, 3 * H, k,
+                                    lambda f, li=li, d=d, name=name: f"{where} '{prefix}{self._key(li, d, name, f)}'")
+                if self.bias:
+                    for b in ("b_ih", "b_hh"):
+                        key = prefix + self._key(li, d, b)
+                        if key in given:
+                            check_bias(given[key], H, f"{where} '{key}'")
 
     def _make_layers(self) -> List[List[WOLayer]]:
         D = 2 if self.bidirectional else 1
@@ -131,7 +198,7 @@ class WeightOnlyGRU(nn.Module):
             row = []
             for d in range(D):
                 def pw(name, k):
-                    g, _ = wo.groups_of(k, self.config.group_size)
+                    g, _ = groups_of(k, self.config.group_size)
                     return PackedWeight(getattr(self, self._key(li, d, name, "codes")),
                                         getattr(self, self._key(li, d, name, "scale")),
                                         getattr(self, self._key(li, d, name, "zp")), self.config.bits, g, k)
@@ -156,7 +223,7 @@ class WeightOnlyGRU(nn.Module):
         # dtype only: codes, scales, zero points and biases keep the types they are stored in
         probe = fn(torch.zeros(1, dtype=self.dtype, device="cpu"))
         if probe.dtype != self.dtype:
-            if probe.dtype not in wo.WO_DTYPES.values():
+            if probe.dtype not in WO_DTYPES.values():
                 raise WeightOnlyError(f"WeightOnlyGRU: activations are float32, float16 or bfloat16, not {probe.dtype}")
             self.dtype = probe.dtype
             self.config = dataclasses.replace(self.config, dtype=_dtype_name(probe.dtype))
@@ -166,7 +233,7 @@ class WeightOnlyGRU(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of the stored weights (codes, scales, zero points), biases excluded."""
-        return wo.weight_bytes(self.layers())
+        return weight_bytes(self.layers())
 
     def extra_repr(self) -> str:
         return (f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, bias={self.bias}, "
@@ -205,9 +272,9 @@ class WeightOnlyGRU(nn.Module):
                 sfx = f"_l{li}" + ("_reverse" if d else "")
                 w_ih, w_hh = getattr(gru, "weight_ih" + sfx), getattr(gru, "weight_hh" + sfx)
                 mx, mh = (None, None) if moments is None else moments[li][d]
-                W = wo.quantize_weight(w_ih.detach().float().cpu(), config, mx)
+                W = quantize_weight(w_ih.detach().float().cpu(), config, mx)
                 bar.update()
-                R = wo.quantize_weight(w_hh.detach().float().cpu(), config, mh)
+                R = quantize_weight(w_hh.detach().float().cpu(), config, mh)
                 bar.update()
                 b = [getattr(gru, n + sfx).detach().float().cpu() if gru.bias else None for n in ("bias_ih", "bias_hh")]
                 row.append(WOLayer(W, R, b[0], b[1]))
@@ -224,14 +291,14 @@ class WeightOnlyGRU(nn.Module):
                 "config": self.config.to_dict()}
 
     def save(self, path: Union[str, Path]) -> None:
-        """Write the packed weights, scales, zero points and biases bit for bit (qgru.weight_only.save)."""
-        wo.save(path, self.meta(), [[WOLayer(p.W.to("cpu"), p.R.to("cpu"), p.b_ih, p.b_hh) for p in row]
+        """Write the packed weights, scales, zero points and biases bit for bit (qgru.weight_only.format.save)."""
+        save(path, self.meta(), [[WOLayer(p.W.to("cpu"), p.R.to("cpu"), p.b_ih, p.b_hh) for p in row]
                                     for row in self.layers()])
 
     @classmethod
     def load(cls, path: Union[str, Path], backend: str = "auto") -> "WeightOnlyGRU":
         """A WeightOnlyGRU from a file save() wrote, checked as untrusted input (WeightOnlyFileError)."""
-        meta, cfg, layers = wo.load_file(path)
+        meta, cfg, layers = load_file(path)
         m = cls(meta["input_size"], meta["hidden_size"], meta["num_layers"], meta["bias"], meta["batch_first"],
                 meta["bidirectional"], cfg, backend, device="cpu")
         m._set_layers(layers)
@@ -239,6 +306,12 @@ class WeightOnlyGRU(nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, input, hx: Optional[torch.Tensor] = None):
+        return self._forward(input, hx)
+
+    @_disable_compile
+    def _forward(self, input, hx: Optional[torch.Tensor] = None):
+        if torch.compiler.is_compiling():  # torch.export traces this in Python, with fake tensors
+            raise WeightOnlyError(NO_COMPILE)
         D = 2 if self.bidirectional else 1
         H = self.hidden_size
         packed = isinstance(input, PackedSequence)
@@ -261,6 +334,9 @@ class WeightOnlyGRU(nn.Module):
             B = x.shape[1]
         if x.shape[-1] != self.input_size:
             raise WeightOnlyError(f"WeightOnlyGRU: input has {x.shape[-1]} features, expected {self.input_size}")
+        if not packed and x.shape[0] == 0:  # every path: nn.GRU's RuntimeError (a QGRUInputError is one)
+            raise QGRUInputError(f"WeightOnlyGRU expects a sequence of at least one step, got an input of shape "
+                                 f"{tuple(input.shape)} (sequence length 0; torch.nn.GRU refuses it too)")
         if x.device != dev:
             raise WeightOnlyError(f"WeightOnlyGRU: input on {x.device}, module on {dev}")
         if not x.is_floating_point():
@@ -273,8 +349,14 @@ class WeightOnlyGRU(nn.Module):
                 raise WeightOnlyError(f"WeightOnlyGRU: h0 on {hx.device}, module on {dev}")
             if unbatched:
                 hx = hx.unsqueeze(1)
+        # a lazy negative view (torch._neg_view) is a flag over the positive values' buffer: the
+        # kernels read buffers, so the values are made real first (every path then reads -x)
+        x = x.resolve_conj().resolve_neg()
+        if hx is not None:
+            hx = hx.resolve_conj().resolve_neg()
+        grad = torch.is_grad_enabled() and (x.requires_grad or (hx is not None and hx.requires_grad))
         out_dtype = self.dtype
-        path = self._path(dev, packed, B)
+        path = self._path(dev, packed, B, grad)
         self.last_path = path
         if path == "dequant":
             out, h_n = self._dequant_forward(input if packed else x, hx, packed)
@@ -285,12 +367,14 @@ class WeightOnlyGRU(nn.Module):
                 lengths = lengths.to(dev)
             else:
                 xt, lengths = x, None
+            if packed:
+                xt = xt.resolve_conj().resolve_neg()
             if path == "golden":
-                out, h_n = wo.golden_forward(self.layers(), xt, hx, lengths, self.dtype)
+                out, h_n = golden_forward(self.layers(), xt, hx, lengths, self.dtype)
             elif path == "native":
                 out, h_n = self._native_forward(xt, hx, lengths)
             else:
-                from . import wo_triton
+                from . import triton_kernels as wo_triton
                 kernel = wo_triton.choose_kernel(H, xt.shape[1], self.triton_kernel)
                 self.last_path = f"triton-{kernel}"
                 if self.cuda_graph:
@@ -310,16 +394,26 @@ class WeightOnlyGRU(nn.Module):
             out, h_n = out.squeeze(0 if self.batch_first else 1), h_n.squeeze(1)
         return out, h_n
 
-    def _path(self, dev: torch.device, packed: bool, B: int) -> str:
+    def _path(self, dev: torch.device, packed: bool, B: int, grad: bool = False) -> str:
+        """The path of a call (module docstring). ``grad``: the input or h0 requires grad (with grad
+        mode on): gradients flow back to them on the golden and dequant paths (torch's GRU on the
+        dequantized weights), so "auto" runs dequant at every batch size and device, and a forced
+        native or triton backend raises instead of returning outputs without a grad_fn."""
         b = self.backend
         if b == "golden" or b == "dequant":
             return b
+        if grad:
+            if b != "auto":
+                raise WeightOnlyError(f"WeightOnlyGRU: backend {b!r} computes no gradients, and this call's input or "
+                                      "h0 requires grad: use backend 'auto' or 'dequant' (gradients flow to the input "
+                                      "and h0 there), or call it under torch.no_grad()")
+            return "dequant"
         native_ok = dev.type == "cpu" and self.dtype == torch.float32 and B <= NATIVE_MAX_BATCH
         if b == "native":
             if not native_ok:
                 raise WeightOnlyError("WeightOnlyGRU: backend 'native' runs float32 modules on the CPU with tensor "
                                       f"batch <= {NATIVE_MAX_BATCH}; this call is not one")
-            from . import wo_cpu
+            from . import cpu as wo_cpu
             why = wo_cpu.why_unavailable()
             if why:
                 raise WeightOnlyError(f"WeightOnlyGRU: backend 'native' is unavailable: {why}")
@@ -327,11 +421,11 @@ class WeightOnlyGRU(nn.Module):
         if b == "triton":
             if dev.type != "cuda":
                 raise WeightOnlyError("WeightOnlyGRU: backend 'triton' runs CUDA modules (tests use TRITON_INTERPRET=1 "
-                                      "through qgru.wo_triton directly)")
+                                      "through qgru.weight_only.triton_kernels directly)")
             return "triton"
         # auto
         if dev.type == "cuda":
-            from . import wo_triton
+            from . import triton_kernels as wo_triton
             why = wo_triton.why_unavailable()
             if not why:
                 return "triton"
@@ -339,7 +433,7 @@ class WeightOnlyGRU(nn.Module):
                                  "weights and run cuDNN's GRU (pip install qgru[triton])")
             return "dequant"
         if native_ok:
-            from . import wo_cpu
+            from . import cpu as wo_cpu
             why = wo_cpu.why_unavailable()
             if not why:
                 return "native"
@@ -353,7 +447,7 @@ class WeightOnlyGRU(nn.Module):
         flat = []
         for row in self.layers():
             for p in row:
-                flat += [wo.dequantize(p.W).to(self.dtype), wo.dequantize(p.R).to(self.dtype)]
+                flat += [dequantize(p.W).to(self.dtype), dequantize(p.R).to(self.dtype)]
                 if self.bias:
                     flat += [p.b_ih.to(self.dtype), p.b_hh.to(self.dtype)]
         return flat
@@ -382,7 +476,7 @@ class WeightOnlyGRU(nn.Module):
         return out, h_n
 
     def _native_forward(self, x: torch.Tensor, hx: Optional[torch.Tensor], lengths: Optional[torch.Tensor]):
-        from . import wo_cpu
+        from . import cpu as wo_cpu
         T, B, _ = x.shape
         H = self.hidden_size
         D = 2 if self.bidirectional else 1
@@ -401,7 +495,7 @@ class WeightOnlyGRU(nn.Module):
 
 
 def _dtype_name(dt: torch.dtype) -> str:
-    return {v: k for k, v in wo.WO_DTYPES.items()}[dt]
+    return {v: k for k, v in WO_DTYPES.items()}[dt]
 
 
 def _warn_once(key: str, msg: str) -> None:

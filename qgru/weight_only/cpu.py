@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .native.build import csrc_dir
+from ..native.build import csrc_dir
 
 SOURCE_FILE = "cpu/wo_kernel.cpp"  # the C++ source, under csrc/ (qgru.native.build.csrc_dir)
 
@@ -95,26 +95,33 @@ def why_unavailable() -> str:
     return _state["error"] or ""
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """What the kernel reads: the tensor's values in a contiguous buffer. A lazy negative (or
+    conjugate) view, torch._neg_view(x), keeps x's buffer and a flag that .contiguous() keeps too;
+    the C++ reads the buffer, so the flag is resolved first (else it computes with +x)."""
+    return t.resolve_conj().resolve_neg().contiguous()
+
+
 def wo_mm(x: torch.Tensor, p) -> torch.Tensor:
     """x [M, K] float32 (CPU) times the PackedWeight ``p`` transposed: [M, N]."""
     mod = load()
     if mod is None:
         raise RuntimeError(f"the weight-only CPU kernel is unavailable: {why_unavailable()}")
-    return mod.wo_mm(x.contiguous(), p.codes, p.scale, p.zp, p.bits, p.group, p.K)
+    return mod.wo_mm(_dense(x), _dense(p.codes), _dense(p.scale), _dense(p.zp), p.bits, p.group, p.K)
 
 
 def gru_layer(x: torch.Tensor, h0: torch.Tensor, p, reverse: bool, lengths: Optional[torch.Tensor] = None):
-    """One layer direction (a qgru.weight_only.WOLayer ``p``) on x [T, B, K] float32 from h0 [B, H]:
+    """One layer direction (a qgru.weight_only.format.WOLayer ``p``) on x [T, B, K] float32 from h0 [B, H]:
     (out [T, B, H], h_T), W.x and the time loop in one call."""
     mod = load()
     if mod is None:
         raise RuntimeError(f"the weight-only CPU kernel is unavailable: {why_unavailable()}")
     f = torch.empty(0, dtype=torch.float32, device=x.device)
     i = torch.empty(0, dtype=torch.int64, device=x.device)
-    return mod.wo_gru_layer(x.contiguous(), p.W.codes, p.W.scale, p.W.zp, p.W.group,
-                            f if p.b_ih is None else p.b_ih, h0.contiguous(), p.R.codes, p.R.scale, p.R.zp,
-                            p.R.group, f if p.b_hh is None else p.b_hh,
-                            i if lengths is None else lengths.to(torch.int64).contiguous(), p.W.bits, reverse)
+    return mod.wo_gru_layer(_dense(x), _dense(p.W.codes), _dense(p.W.scale), _dense(p.W.zp), p.W.group,
+                            f if p.b_ih is None else _dense(p.b_ih), _dense(h0), _dense(p.R.codes),
+                            _dense(p.R.scale), _dense(p.R.zp), p.R.group, f if p.b_hh is None else _dense(p.b_hh),
+                            i if lengths is None else _dense(lengths.to(torch.int64)), p.W.bits, reverse)
 
 
 def gru_direction(gi: torch.Tensor, h0: torch.Tensor, R, b_hh: Optional[torch.Tensor], reverse: bool,
@@ -125,6 +132,6 @@ def gru_direction(gi: torch.Tensor, h0: torch.Tensor, R, b_hh: Optional[torch.Te
     empty = torch.empty(0, dtype=torch.float32, device=gi.device)
     b = b_hh if b_hh is not None else empty
     empty = torch.empty(0, dtype=torch.int64, device=gi.device)
-    return mod.wo_gru_direction(gi.contiguous(), h0.contiguous(), R.codes, R.scale, R.zp, R.bits, R.group,
-                                b.contiguous(), empty if lengths is None else lengths.to(torch.int64).contiguous(),
+    return mod.wo_gru_direction(_dense(gi), _dense(h0), _dense(R.codes), _dense(R.scale), _dense(R.zp), R.bits,
+                                R.group, _dense(b), empty if lengths is None else _dense(lengths.to(torch.int64)),
                                 reverse)

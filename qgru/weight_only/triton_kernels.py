@@ -5,7 +5,7 @@ float32 activations into float32 accumulators.
 * ``wo_matmul(x [M, K], p)``: x . dequantize(p)^T with tl.dot, for W.x over a whole sequence
   (M = T * B rows at once). Tiles of BLOCK_K inputs: each input k reads word row k // per, shifts
   by (k % per) * bits, and subtracts / scales by its group's zero point and scale, as stored
-  (qgru/weight_only.py); the float32 weight is rounded to the activations' dtype before the dot,
+  (qgru/weight_only/format.py); the float32 weight is rounded to the activations' dtype before the dot,
   as the golden forward rounds it.
 * ``gru_step``: one time step of one layer direction, R.h fused with the gates: each program
   owns BLOCK_H hidden units of one batch row, computes their three rows of R.h (dequantizing R
@@ -41,7 +41,7 @@ except Exception as e:  # noqa: BLE001 - ImportError, or a broken installation
     triton = tl = None
     _IMPORT_ERROR = f"triton is not importable ({type(e).__name__}: {e})"
 
-from .weight_only import PackedWeight, WOLayer, WeightOnlyError
+from .format import PackedWeight, WOLayer, WeightOnlyError
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -318,7 +318,7 @@ if triton is not None:
 def _need():
     why = why_unavailable()
     if why:
-        raise WeightOnlyError(f"qgru.wo_triton: {why}")
+        raise WeightOnlyError(f"qgru.weight_only.triton_kernels: {why}")
 
 
 def wo_matmul(x: torch.Tensor, p: PackedWeight, BLOCK_M: int = 16, BLOCK_N: int = 64, BLOCK_K: int = 32) -> torch.Tensor:
@@ -384,7 +384,7 @@ def choose_kernel(H: int, B: int, kernel: str = "auto") -> str:
     """Which recurrent kernel gru_forward runs for hidden size H and batch B: "fused" (one launch
     per layer direction, fused_gru_direction) or "step" (one launch per time step, gru_direction)."""
     if kernel not in KERNELS:
-        raise WeightOnlyError(f"qgru.wo_triton: kernel must be one of {KERNELS}, got {kernel!r}")
+        raise WeightOnlyError(f"qgru.weight_only.triton_kernels: kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel != "auto":
         return kernel
     if not FUSED_BY_DEFAULT:

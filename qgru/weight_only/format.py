@@ -1,10 +1,12 @@
 """Weight-only quantization (seed 003, issue 33): 2/4/8-bit packed, group-quantized GRU weights;
 activations, biases and the gate arithmetic stay in floating point (float32, float16 or bfloat16).
 
-This file is the floor of the weight-only mode: configs, quantization of one weight matrix
-(nearest or GPTQ rounding), packing along the input dimension, dequantization, the golden forward
-and the file format. The module (qgru/wo_module.py) and the kernels (qgru/wo_cpu.py,
-qgru/wo_triton.py) sit on top of it; docs/weight_only.md describes the whole mode.
+This file is the floor of the weight-only mode (the package qgru/weight_only/): configs, the
+storage of one matrix (packing along the input dimension, dequantization) and the file format,
+read with qgru.export's loader and checks shared with the parameter files. Beside it:
+quantize.py (grids and codes of one matrix), golden.py (the golden forward); above it cpu.py and
+triton_kernels.py (the kernels) and module.py (WeightOnlyGRU). docs/weight_only.md describes the
+whole mode.
 
 Storage of one matrix w [N, K] (N = 3H output rows in torch's [r | z | n] order, K the input
 dimension) with ``bits`` b, ``group_size`` g (0: per channel, one group of all K inputs):
@@ -24,13 +26,14 @@ float32 product, exact in float64, so every consumer that dequantizes sees the s
 from __future__ import annotations
 
 import json
-import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+
+from ..export import ParamsFileError, check_stored_tensors, checksum, read_archive
 
 WO_BITS = (2, 4, 8)
 WO_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -46,9 +49,10 @@ class WeightOnlyError(ValueError):
     """A weight-only config, module argument or file that is not what qgru writes or accepts."""
 
 
-class WeightOnlyFileError(WeightOnlyError):
-    """A weight-only file that is unreadable, corrupted or has a field outside the format; the
-    message names the file and the field."""
+class WeightOnlyFileError(WeightOnlyError, ParamsFileError):
+    """A weight-only file (or state_dict) that is unreadable, corrupted or has a field outside the
+    format; the message names the file or key and the field. A qgru.ParamsFileError too: both file
+    kinds are read by the one loader (qgru.export.read_archive) and refused alike."""
 
 
 @dataclass(frozen=True)
@@ -207,216 +211,8 @@ def dequantize(p: PackedWeight) -> torch.Tensor:
     return ((q - zp).to(torch.float32) * scale).t().contiguous()
 
 
-SEARCH_SHRINK = tuple(1.0 - 0.04 * i for i in range(13))  # range factors tried per group: 1.0 ... 0.52
-SEARCH_RUNS = 4  # grids (per group: the best SEARCH_RUNS ranges by the group's own error) rounded in full
-CD_SWEEPS = 4  # coordinate-descent passes over the codes after rounding (each only lowers the error)
-DAMP = 0.001  # dampening: M + DAMP * mean(diag M) * I, the objective the rounding and search minimize
-# (0.01, GPTQ's usual value, gave 38.4 dB instead of 39.8 on the demo's w4g128; docs/weight_only.md)
-
-
-def _grid(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(scale float32, zp int64) of ranges [lo, hi] (lo <= 0 <= hi), any shape (module docstring)."""
-    if symmetric:
-        scale = torch.maximum(hi, -lo) / ((1 << (bits - 1)) - 1)
-    else:
-        scale = (hi - lo) / ((1 << bits) - 1)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(torch.float32)
-    if symmetric:
-        zp = torch.full_like(scale, 1 << (bits - 1), dtype=torch.int64)
-    else:
-        zp = torch.round(-lo / scale.double()).clamp(0, (1 << bits) - 1).to(torch.int64)
-    return scale, zp
-
-
-def _ranges(w: torch.Tensor, group_size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(w padded to [N, G, g] float64, lo [N, G], hi [N, G]): each group's range widened to include 0."""
-    N, K = w.shape
-    g, G = groups_of(K, group_size)
-    wp = torch.nn.functional.pad(w.detach().to(torch.float64), (0, G * g - K)).reshape(N, G, g)
-    return wp, wp.amin(-1).clamp(max=0), wp.amax(-1).clamp(min=0)  # padded zeros lie inside any range with 0
-
-
-def _shrinks(symmetric: bool) -> List[Tuple[float, float]]:
-    """(factor of lo, factor of hi) pairs searched; (1, 1) first. Symmetric grids have one range."""
-    if symmetric:
-        return [(a, a) for a in SEARCH_SHRINK]
-    return [(a, b) for a in SEARCH_SHRINK for b in SEARCH_SHRINK]
-
-
-def group_params(w: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(scale float32 [G, N], zp int64 [G, N]) of w [N, K] (float): each group's min/max grid.
-
-    Asymmetric: the group's range widened to include 0, scale = (hi - lo) / (2^b - 1), zp =
-    round(-lo / scale) (so 0 is exact). Symmetric: scale = max |w| / (2^(b-1) - 1), zp = 2^(b-1).
-    An all-zero group gets scale 1."""
-    _, lo, hi = _ranges(w, group_size)
-    scale, zp = _grid(lo, hi, bits, symmetric)
-    return scale.t().contiguous(), zp.t().contiguous()
-
-
-def _code_range(bits: int, symmetric: bool) -> Tuple[int, int]:
-    if symmetric:
-        return 1 if bits > 1 else 0, (1 << bits) - 1
-    return 0, (1 << bits) - 1
-
-
-def damped(second_moment: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """M + DAMP * mean(diag M) * I in float64: what gptq rounding and the range search minimize
-    (e M e^T per row, e the row's weight error); None where ``second_moment`` is None, not finite
-    or has no positive diagonal."""
-    if second_moment is None or not bool(torch.isfinite(second_moment).all()):
-        return None
-    M = second_moment.detach().double().clone()
-    K = M.shape[0]
-    mean_diag = float(M.diagonal().mean()) if K else 0.0
-    if not mean_diag > 0:
-        return None
-    return M + DAMP * mean_diag * torch.eye(K, dtype=torch.float64, device=M.device)
-
-
-def product_error(w: torch.Tensor, deq: torch.Tensor, M: Optional[torch.Tensor]) -> torch.Tensor:
-    """Per row, e M e^T with e = deq - w (float64 [N]); M None: the identity (squared error)."""
-    e = deq.double() - w.double()
-    if M is None:
-        return (e * e).sum(1)
-    return ((e @ M.double()) * e).sum(1)
-
-
-def _gptq(W: torch.Tensor, s_cols: torch.Tensor, z_cols: torch.Tensor, U: torch.Tensor, order: torch.Tensor,
-          lo: int, hi: int) -> torch.Tensor:
-    """GPTQ (OPTQ) codes of W [N, K] float64 on fixed grids (scale, zp per column, [N, K]): columns
-    in ``order``; U the upper Cholesky factor of the inverse of the damped, permuted M."""
-    W = W[:, order].clone()
-    S, Z = s_cols[:, order], z_cols[:, order]
-    Q = torch.empty_like(W)
-    for j in range(W.shape[1]):
-        Q[:, j] = torch.round(W[:, j] / S[:, j] + Z[:, j]).clamp(lo, hi)
-        e = (W[:, j] - (Q[:, j] - Z[:, j]) * S[:, j]) / U[j, j]
-        W[:, j + 1:] -= e.unsqueeze(1) * U[j, j + 1:].unsqueeze(0)
-    q = torch.empty_like(Q)
-    q[:, order] = Q
-    return q
-
-
-def _descend(w: torch.Tensor, q: torch.Tensor, s_cols: torch.Tensor, z_cols: torch.Tensor, M: torch.Tensor,
-             lo: int, hi: int, sweeps: Optional[int] = None) -> torch.Tensor:
-    """Coordinate descent on e M e^T (e = (q - z) s - w, per row) over the integer codes: each
-    column in turn moves to its best code with the others fixed (the rounded minimum of a 1-D
-    quadratic, clamped to the code range: never a higher error); ``sweeps`` passes at most."""
-    q = q.clone()
-    eM = (((q - z_cols) * s_cols - w) @ M)
-    sweeps = CD_SWEEPS if sweeps is None else sweeps
-    d = M.diagonal()
-    for _ in range(sweeps):
-        moved = False
-        for j in range(w.shape[1]):
-            s = s_cols[:, j]
-            new = (q[:, j] + torch.round(-eM[:, j] / (s * d[j]))).clamp(lo, hi)
-            delta = new - q[:, j]
-            if bool((delta != 0).any()):
-                moved = True
-                q[:, j] = new
-                eM += (delta * s).unsqueeze(1) * M[j].unsqueeze(0)
-        if not moved:
-            break
-    return q
-
-
-def quantize_weight(w: torch.Tensor, config: WeightOnlyConfig,
-                    second_moment: Optional[torch.Tensor] = None) -> PackedWeight:
-    """w [N, K] -> PackedWeight.
-
-    Rounding: with ``second_moment`` M (E[v v^T] [K, K] of the operand the matrix multiplies) and
-    ``config.weight_rounding == "gptq"``, GPTQ's column-by-column rounding (columns by decreasing
-    M_jj, the grids fixed beforehand), then coordinate descent on the codes; both lower e M_d e^T,
-    the expected squared error of the row's product w.v (M_d = M damped, ``damped``). Else nearest.
-
-    Grids (``config.search``, the default): each group's range [lo, hi] shrunk by every pair of
-    SEARCH_SHRINK factors (one factor for symmetric grids); per group the SEARCH_RUNS ranges with
-    the least nearest-rounding error on the group's own block of M_d are kept; the matrix is
-    rounded on each of those SEARCH_RUNS grids (the r-th best range of every group), on the
-    min/max grid, and (to nearest) on the min/max grid again; each row keeps the grid and codes
-    with the least e M_d e^T (float64). So a row's error is never above nearest rounding's on the
-    min/max grid. Without search: the min/max grid (group_params)."""
-    if w.dim() != 2 or not bool(torch.isfinite(w).all()):
-        raise WeightOnlyError("quantize_weight: a finite 2-D weight matrix is needed")
-    N, K = w.shape
-    bits = config.bits
-    g, G = groups_of(K, config.group_size)
-    dev = w.device
-    M = damped(second_moment.to(dev)) if second_moment is not None and config.weight_rounding == "gptq" else None
-    lo, hi = _code_range(bits, config.symmetric)
-    W = w.detach().double()
-    idx = torch.arange(K, device=dev) // g
-    wp, lo0, hi0 = _ranges(W, config.group_size)
-
-    U = order = None
-    if M is not None:
-        order = torch.argsort(M.diagonal(), descending=True, stable=True)
-        try:
-            U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(M[order][:, order])), upper=True)
-        except RuntimeError:
-            U = None
-
-    def cols(scale, zp):  # [N, G] -> per column [N, K], float64
-        return scale.double()[:, idx], zp.double()[:, idx]
-
-    def nearest(scale, zp):
-        s, z = cols(scale, zp)
-        return torch.round(W / s + z).clamp(lo, hi)
-
-    def rounded(scale, zp):  # the config's rounding on one grid
-        if U is None:
-            return nearest(scale, zp)
-        s, z = cols(scale, zp)
-        return _descend(W, _gptq(W, s, z, U, order, lo, hi), s, z, M, lo, hi)
-
-    scale0, zp0 = _grid(lo0, hi0, bits, config.symmetric)  # [N, G]
-    grids = [(scale0, zp0)]
-    if config.search:
-        # per group, every shrunk range's nearest-rounding error on the group's block of M_d
-        blocks = None
-        if M is not None:
-            Mp = torch.nn.functional.pad(M, (0, G * g - K, 0, G * g - K))
-            blocks = torch.stack([Mp[i * g:(i + 1) * g, i * g:(i + 1) * g] for i in range(G)])  # [G, g, g]
-        mask = torch.ones(G * g, dtype=torch.float64, device=dev)
-        mask[K:] = 0
-        mask = mask.reshape(G, g)
-        cand_s, cand_z, cand_e = [], [], []
-        for a, b in _shrinks(config.symmetric):
-            s, z = _grid(lo0 * a, hi0 * b, bits, config.symmetric)
-            sd, zd = s.double().unsqueeze(-1), z.double().unsqueeze(-1)
-            e = ((torch.round(wp / sd + zd).clamp(lo, hi) - zd) * sd - wp) * mask  # [N, G, g]
-            err = (e * e).sum(-1) if blocks is None else torch.einsum("ngi,gij,ngj->ng", e, blocks, e)
-            cand_s.append(s)
-            cand_z.append(z)
-            cand_e.append(err)
-        best = torch.argsort(torch.stack(cand_e), dim=0, stable=True)[:SEARCH_RUNS]  # [R, N, G]
-        S, Z = torch.stack(cand_s), torch.stack(cand_z)
-        for r in range(best.shape[0]):
-            grids.append((S.gather(0, best[r:r + 1])[0], Z.gather(0, best[r:r + 1])[0]))
-    out_s, out_z, out_q, out_e = None, None, None, None
-    tries = [(s, z, rounded) for s, z in grids]
-    if U is not None:
-        tries.append((scale0, zp0, nearest))  # the bound the search promises
-    for s, z, how in tries:
-        q = how(s, z)
-        sc, zc = cols(s, z)
-        deq = (q - zc) * sc.float().double()
-        err = product_error(W, deq, M)
-        if out_e is None:
-            out_s, out_z, out_q, out_e = s, z, q, err
-        else:
-            better = err < out_e
-            out_e = torch.where(better, err, out_e)
-            b1 = better.unsqueeze(1)
-            out_s, out_z, out_q = torch.where(b1, s, out_s), torch.where(b1, z, out_z), torch.where(b1, q, out_q)
-    return PackedWeight(pack_codes(out_q.to(torch.int64), bits), out_s.t().contiguous(), out_z.t().contiguous().to(torch.uint8),
-                        bits, g, K)
-
-
 # ---------------------------------------------------------------------------------------------
-# the golden forward
+# one layer's stored parameters
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class WOLayer:
@@ -425,54 +221,6 @@ class WOLayer:
     R: PackedWeight
     b_ih: Optional[torch.Tensor]
     b_hh: Optional[torch.Tensor]
-
-
-def golden_forward(layers: Sequence[Sequence[WOLayer]], x: torch.Tensor, h0: Optional[torch.Tensor] = None,
-                   lengths: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32
-                   ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The definition of a weight-only GRU's forward, in float64: dequantize the stored weights
-    (``dequantize``), round them, the biases and the input to the module's ``dtype`` (what its
-    kernels read; each layer's input too), then the float GRU of torch.nn.GRU in float64 (the state
-    between steps is not rounded).
-
-    x [T, B, I] time-major, h0 [L * D, B, H] or None, lengths [B] (steps t >= lengths[b] of
-    sequence b are padding: its state is not updated and its output is 0, as for a PackedSequence).
-    Returns (output [T, B, D * H], h_n [L * D, B, H]), float64."""
-    T, B, _ = x.shape
-    D = len(layers[0])
-    H = layers[0][0].R.K
-    f64 = torch.float64
-    dev = x.device
-
-    def as_module(t):  # what the module's kernels read: the value in the module's dtype
-        return t.to(dtype).to(f64)
-
-    inp = x
-    valid = torch.ones(T, B, 1, dtype=torch.bool, device=dev) if lengths is None else \
-        (torch.arange(T, device=dev).unsqueeze(1) < lengths.to(dev).unsqueeze(0)).unsqueeze(-1)
-    h_n = []
-    for li, row in enumerate(layers):
-        inp = as_module(inp)  # each layer reads its input in the module's dtype
-        outs = []
-        for d, p in enumerate(row):
-            W, R = as_module(dequantize(p.W)), as_module(dequantize(p.R))
-            b_ih = as_module(p.b_ih) if p.b_ih is not None else torch.zeros(3 * H, dtype=f64, device=dev)
-            b_hh = as_module(p.b_hh) if p.b_hh is not None else torch.zeros(3 * H, dtype=f64, device=dev)
-            h = torch.zeros(B, H, dtype=f64, device=dev) if h0 is None else as_module(h0[li * D + d])
-            out = torch.zeros(T, B, H, dtype=f64, device=dev)
-            for t in (range(T) if d == 0 else reversed(range(T))):
-                gi = inp[t] @ W.t() + b_ih
-                gh = h @ R.t() + b_hh
-                r = torch.sigmoid(gi[:, :H] + gh[:, :H])
-                z = torch.sigmoid(gi[:, H:2 * H] + gh[:, H:2 * H])
-                n = torch.tanh(gi[:, 2 * H:] + r * gh[:, 2 * H:])
-                h_new = (1 - z) * n + z * h
-                h = torch.where(valid[t], h_new, h)
-                out[t] = torch.where(valid[t], h_new, torch.zeros_like(h_new))
-            outs.append(out)
-            h_n.append(h)
-        inp = torch.cat(outs, -1)
-    return inp, torch.stack(h_n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,7 +236,6 @@ _MAX_LAYERS = 1024
 def to_dict(meta: Dict[str, Any], layers: Sequence[Sequence[WOLayer]]) -> Dict[str, Any]:
     """The flat dict a weight-only file holds: ``meta`` (JSON), ``l{i}.{fwd|rev}.{W|R}.{codes|scale|zp}``,
     ``l{i}.{dir}.b_ih`` / ``b_hh`` and a ``checksum`` (qgru.export.checksum)."""
-    from .export import checksum
     out: Dict[str, Any] = {"meta": json.dumps({**meta, "format": FORMAT, "format_version": FORMAT_VERSION},
                                               sort_keys=True)}
     for li, row in enumerate(layers):
@@ -543,18 +290,16 @@ def _check_meta(meta: Any) -> Tuple[Dict[str, Any], WeightOnlyConfig]:
 def from_dict(d: Any) -> Tuple[Dict[str, Any], WeightOnlyConfig, List[List[WOLayer]]]:
     """(meta, config, layers) of a dict to_dict() wrote, checked as untrusted input: the set of entries,
     the checksum, every dtype and shape against the meta data, code words (padding bits 0, symmetric
-    codes in range), zero points, scales (finite, > 0) and biases (finite). WeightOnlyFileError else."""
-    from .export import checksum
+    codes in range), zero points, scales (finite, > 0) and biases (finite). WeightOnlyFileError else.
+    Every tensor's storage is checked (qgru.export.check_stored_tensors) before the checksum reads it."""
     if not isinstance(d, dict):
         _fail(f"expected a dict of entries, got {type(d).__name__}")
     for k, v in d.items():
         if not isinstance(k, str):
             _fail(f"entry names are strings, got {k!r}")
-        if isinstance(v, torch.Tensor):
-            if v.layout != torch.strided or v.is_quantized or v.dtype not in (torch.int32, torch.uint8, torch.float32):
-                _fail(f"{k}: a {v.dtype} {v.layout} tensor; weight-only files hold dense int32, uint8, float32 only")
-        elif type(v) is not str:
+        if not isinstance(v, torch.Tensor) and type(v) is not str:
             _fail(f"{k}: a {type(v).__name__}; weight-only files hold tensors and strings only")
+    check_stored_tensors(d, (torch.int32, torch.uint8, torch.float32), WeightOnlyFileError, "weight-only files")
     if not isinstance(d.get("meta"), str) or not isinstance(d.get("checksum"), str):
         _fail("missing entry 'meta' or 'checksum': not a qgru weight-only file")
     if len(d["meta"]) > 1 << 16:
@@ -590,62 +335,65 @@ def from_dict(d: Any) -> Tuple[Dict[str, Any], WeightOnlyConfig, List[List[WOLay
             b = [None, None]
             if meta["bias"]:
                 for i, name in enumerate(("b_ih", "b_hh")):
-                    t = d[pre + name]
-                    if t.dtype != torch.float32 or tuple(t.shape) != (3 * H,):
-                        _fail(f"{pre}{name}: expected float32 [{3 * H}], got {t.dtype} {list(t.shape)}")
-                    if not bool(torch.isfinite(t).all()):
-                        _fail(f"{pre}{name}: not finite")
-                    b[i] = t
+                    b[i] = check_bias(d[pre + name], H, pre + name)
             row.append(WOLayer(W, R, b[0], b[1]))
         layers.append(row)
     return meta, cfg, layers
 
 
 def _read_weight(d: Dict[str, Any], key: str, cfg: WeightOnlyConfig, N: int, K: int) -> PackedWeight:
+    return check_weight(d[key + ".codes"], d[key + ".scale"], d[key + ".zp"], cfg, N, K, lambda f: f"{key}.{f}")
+
+
+def check_weight(codes: Any, scale: Any, zp: Any, cfg: WeightOnlyConfig, N: int, K: int, name) -> PackedWeight:
+    """One stored matrix [N, K] (codes, scale, zp) against the format (module docstring) under
+    ``cfg``: dtypes and shapes, scales finite and > 0, zero points in range (symmetric: 2^(b-1)),
+    padding codes 0, symmetric codes nonzero. ``name(field)`` names a field in the error (a
+    file's key, or a state_dict's). The file loader and WeightOnlyGRU.load_state_dict call it."""
     bits = cfg.bits
     per = 32 // bits
     g, G = groups_of(K, cfg.group_size)
     J = -(-K // per)
-    codes, scale, zp = d[key + ".codes"], d[key + ".scale"], d[key + ".zp"]
-    for name, t, dt, shape in (("codes", codes, torch.int32, (J, N)), ("scale", scale, torch.float32, (G, N)),
-                               ("zp", zp, torch.uint8, (G, N))):
-        if t.dtype != dt or tuple(t.shape) != shape:
-            _fail(f"{key}.{name}: expected {dt} {list(shape)}, got {t.dtype} {list(t.shape)}")
+    for field, t, dt, shape in (("codes", codes, torch.int32, (J, N)), ("scale", scale, torch.float32, (G, N)),
+                                ("zp", zp, torch.uint8, (G, N))):
+        if not isinstance(t, torch.Tensor) or t.dtype != dt or tuple(t.shape) != shape:
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            _fail(f"{name(field)}: expected {dt} {list(shape)}, got {got}")
     if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
-        _fail(f"{key}.scale: scales must be finite and > 0")
+        _fail(f"{name('scale')}: scales must be finite and > 0")
     if cfg.symmetric:
         if not bool((zp == (1 << (bits - 1))).all()):
-            _fail(f"{key}.zp: a symmetric config's zero points are {1 << (bits - 1)}")
-    elif int(zp.max()) > (1 << bits) - 1:
-        _fail(f"{key}.zp: zero points must be in [0, {(1 << bits) - 1}] at {bits} bits")
+            _fail(f"{name('zp')}: a symmetric config's zero points are {1 << (bits - 1)}")
+    elif zp.numel() and int(zp.max()) > (1 << bits) - 1:
+        _fail(f"{name('zp')}: zero points must be in [0, {(1 << bits) - 1}] at {bits} bits")
     tail = J * per - K
     if tail:  # the codes past K in the last word row are 0
         mask = -(1 << (bits * (per - tail)))  # the high bits, as a signed 64-bit value
         if bool(((codes[-1].to(torch.int64) & (mask & 0xFFFFFFFF)) != 0).any()):
-            _fail(f"{key}.codes: the padding codes past the input size {K} must be 0")
+            _fail(f"{name('codes')}: the padding codes past the input size {K} must be 0")
     if cfg.symmetric and bits > 1 and K:
         q = unpack_codes(codes, bits, K)
         if bool((q == 0).any()):
-            _fail(f"{key}.codes: a symmetric config's codes are in [1, {(1 << bits) - 1}]")
+            _fail(f"{name('codes')}: a symmetric config's codes are in [1, {(1 << bits) - 1}]")
     return PackedWeight(codes, scale, zp, bits, g, K)
 
 
+def check_bias(t: Any, H: int, name: str) -> torch.Tensor:
+    """A stored bias (b_ih or b_hh): float32 [3H], finite."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (3 * H,):
+        got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        _fail(f"{name}: expected float32 [{3 * H}], got {got}")
+    if not bool(torch.isfinite(t).all()):
+        _fail(f"{name}: not finite")
+    return t
+
+
 def load_file(path: Union[str, Path]) -> Tuple[Dict[str, Any], WeightOnlyConfig, List[List[WOLayer]]]:
-    """Read a weight-only file as untrusted input: zip CRCs (qgru.export's check), ``weights_only``
-    unpickling, then from_dict(). WeightOnlyFileError names the file and the field."""
-    from .export import ParamsFileError, _check_archive
+    """Read a weight-only file as untrusted input with the parameter files' loader
+    (qgru.export.read_archive: stored records within the file's size, CRCs, ``weights_only``
+    unpickling), then from_dict(). WeightOnlyFileError names the file and the field."""
     path = Path(path)
-    with open(path, "rb") as f:
-        try:
-            _check_archive(f, path)
-        except ParamsFileError as e:
-            raise WeightOnlyFileError(str(e)) from None
-    try:
-        d = torch.load(str(path), weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError:
-        raise
-    except Exception as e:  # noqa: BLE001 - whatever torch's reader trips over, the file is bad
-        raise WeightOnlyFileError(f"{path}: not a readable qgru weight-only file ({type(e).__name__}: {e})") from None
+    d = read_archive(path, str(path), WeightOnlyFileError, "qgru weight-only file")
     try:
         return from_dict(d)
     except WeightOnlyFileError as e:
