@@ -6,6 +6,8 @@
 #include <cmath>
 #include <vector>
 
+#include "qgru_check.h"  // QGRU_CHECK: messages whose numbers are formatted without iostreams
+
 namespace {
 
 // y[m, n] = sum_g scale[g, n] * (sum_{k in g} code[n, k] * x[m, k] - zp[g, n] * xsum[m, g]), n in [n0, n0 + NB).
@@ -200,19 +202,19 @@ void mm_dispatch(const float* x, int64_t M, int64_t K, const uint32_t* codes, co
 
 void check(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
            const torch::Tensor& zp, int64_t bits, int64_t group, int64_t K) {
-  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "wo_mm: bits must be 2, 4 or 8");
+  QGRU_CHECK(bits == 2 || bits == 4 || bits == 8, "wo_mm: bits must be 2, 4 or 8");
   const int64_t per = 32 / bits;
-  TORCH_CHECK(group > 0 && group % per == 0, "wo_mm: group must be a positive multiple of ", per);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+  QGRU_CHECK(group > 0 && group % per == 0, "wo_mm: group must be a positive multiple of ", per);
+  QGRU_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "wo_mm: x must be a contiguous float32 CPU matrix");
-  TORCH_CHECK(x.size(1) == K, "wo_mm: x has ", x.size(1), " columns, the weight ", K, " inputs");
+  QGRU_CHECK(x.size(1) == K, "wo_mm: x has ", x.size(1), " columns, the weight ", K, " inputs");
   const int64_t N = codes.size(1);
-  TORCH_CHECK(codes.scalar_type() == torch::kInt32 && codes.dim() == 2 && codes.is_contiguous() &&
+  QGRU_CHECK(codes.scalar_type() == torch::kInt32 && codes.dim() == 2 && codes.is_contiguous() &&
               codes.size(0) == (K + per - 1) / per, "wo_mm: codes must be contiguous int32 [ceil(K/per), N]");
   const int64_t G = (K + group - 1) / group;
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.dim() == 2 &&
+  QGRU_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.dim() == 2 &&
               scale.size(0) == G && scale.size(1) == N, "wo_mm: scale must be contiguous float32 [G, N]");
-  TORCH_CHECK(zp.scalar_type() == torch::kUInt8 && zp.is_contiguous() && zp.dim() == 2 &&
+  QGRU_CHECK(zp.scalar_type() == torch::kUInt8 && zp.is_contiguous() && zp.dim() == 2 &&
               zp.size(0) == G && zp.size(1) == N, "wo_mm: zp must be contiguous uint8 [G, N]");
 }
 
@@ -232,18 +234,18 @@ std::vector<torch::Tensor> wo_gru_direction(torch::Tensor gi, torch::Tensor h0, 
                                             torch::Tensor scale, torch::Tensor zp, int64_t bits,
                                             int64_t group, torch::Tensor b_hh, torch::Tensor lengths,
                                             bool reverse) {
-  TORCH_CHECK(gi.dim() == 3 && gi.is_contiguous() && gi.scalar_type() == torch::kFloat32 && gi.device().is_cpu(),
+  QGRU_CHECK(gi.dim() == 3 && gi.is_contiguous() && gi.scalar_type() == torch::kFloat32 && gi.device().is_cpu(),
               "wo_gru_direction: gi must be contiguous float32 [T, B, 3H] on the CPU");
   const int64_t T = gi.size(0), B = gi.size(1), H = h0.size(1);
-  TORCH_CHECK(gi.size(2) == 3 * H && h0.dim() == 2 && h0.size(0) == B && h0.is_contiguous() &&
+  QGRU_CHECK(gi.size(2) == 3 * H && h0.dim() == 2 && h0.size(0) == B && h0.is_contiguous() &&
               h0.scalar_type() == torch::kFloat32, "wo_gru_direction: h0 must be contiguous float32 [B, H]");
   check(h0, codes, scale, zp, bits, group, H);
-  TORCH_CHECK(codes.size(1) == 3 * H, "wo_gru_direction: R has ", codes.size(1), " rows, expected 3H");
+  QGRU_CHECK(codes.size(1) == 3 * H, "wo_gru_direction: R has ", codes.size(1), " rows, expected 3H");
   const bool has_b = b_hh.numel() > 0;
-  TORCH_CHECK(!has_b || (b_hh.scalar_type() == torch::kFloat32 && b_hh.is_contiguous() && b_hh.numel() == 3 * H),
+  QGRU_CHECK(!has_b || (b_hh.scalar_type() == torch::kFloat32 && b_hh.is_contiguous() && b_hh.numel() == 3 * H),
               "wo_gru_direction: b_hh must be contiguous float32 [3H] or empty");
   const bool has_len = lengths.numel() > 0;
-  TORCH_CHECK(!has_len || (lengths.scalar_type() == torch::kInt64 && lengths.numel() == B && lengths.is_contiguous()),
+  QGRU_CHECK(!has_len || (lengths.scalar_type() == torch::kInt64 && lengths.numel() == B && lengths.is_contiguous()),
               "wo_gru_direction: lengths must be contiguous int64 [B] or empty");
   const int64_t* len = has_len ? lengths.data_ptr<int64_t>() : nullptr;
   auto out = torch::empty({T, B, H}, gi.options());
@@ -286,11 +288,11 @@ std::vector<torch::Tensor> wo_gru_layer(torch::Tensor x, torch::Tensor w_codes, 
                                         torch::Tensor r_codes, torch::Tensor r_scale, torch::Tensor r_zp,
                                         int64_t r_group, torch::Tensor b_hh, torch::Tensor lengths, int64_t bits,
                                         bool reverse) {
-  TORCH_CHECK(x.dim() == 3, "wo_gru_layer: x must be [T, B, K]");
+  QGRU_CHECK(x.dim() == 3, "wo_gru_layer: x must be [T, B, K]");
   const int64_t T = x.size(0), B = x.size(1), K = x.size(2), N = w_codes.size(1);
   auto gi = wo_mm(x.reshape({T * B, K}), w_codes, w_scale, w_zp, bits, w_group, K);
   if (b_ih.numel() > 0) {
-    TORCH_CHECK(b_ih.scalar_type() == torch::kFloat32 && b_ih.is_contiguous() && b_ih.numel() == N,
+    QGRU_CHECK(b_ih.scalar_type() == torch::kFloat32 && b_ih.is_contiguous() && b_ih.numel() == N,
                 "wo_gru_layer: b_ih must be contiguous float32 [3H] or empty");
     float* g = gi.data_ptr<float>();
     const float* b = b_ih.data_ptr<float>();

@@ -3,7 +3,7 @@ registers (never a float copy of the weights), and the GRU's time loop around it
 
 A small C++ extension (csrc/cpu/wo_kernel.cpp), compiled on first use with
 torch.utils.cpp_extension.load_inline into ~/.cache/qgru/wo-<hash> (the hash covers the source
-file's text, the compiler flags and the CPU model, since
+file's text, the csrc headers it includes, the compiler flags and the CPU model, since
 it is built with -march=native: correct on the machine that builds it, vectorized for its
 instruction set). Two functions:
 
@@ -32,6 +32,7 @@ import torch
 from ..native.build import csrc_dir
 
 SOURCE_FILE = "cpu/wo_kernel.cpp"  # the C++ source, under csrc/ (qgru.native.build.csrc_dir)
+HEADERS = ["qgru_check.h"]  # what it includes from csrc/ (hashed into the build folder's name)
 
 
 def source() -> str:
@@ -56,9 +57,10 @@ def _cpu_model() -> str:
 
 def build_dir(src: Optional[str] = None) -> Path:
     """The build folder: its name hashes the source (``src``, else source()), the flags, the CPU
-    model and torch's version."""
+    model and torch's version, and the csrc/ headers it includes (HEADERS)."""
     src = source() if src is None else src
-    key = hashlib.sha256((src + " ".join(_FLAGS) + _cpu_model() + torch.__version__).encode()).hexdigest()[:16]
+    headers = "".join((csrc_dir() / h).read_text() for h in HEADERS)
+    key = hashlib.sha256((src + headers + " ".join(_FLAGS) + _cpu_model() + torch.__version__).encode()).hexdigest()[:16]
     root = Path(os.environ.get("QGRU_CACHE", Path.home() / ".cache" / "qgru"))
     return root / f"wo-{key}"
 
@@ -82,6 +84,7 @@ def load(build: bool = True):
             d.mkdir(parents=True, exist_ok=True)
             _state["module"] = cpp_extension.load_inline(
                 name="qgru_wo_cpu", cpp_sources=[src], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(csrc_dir())],
                 build_directory=str(d),
                 verbose=False)
         except Exception as e:  # noqa: BLE001 - any build failure: reported by why_unavailable()
