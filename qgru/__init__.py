@@ -8,6 +8,7 @@ from .export import ParamsFileError, QuantParams, load_params
 from .native import cuda_nan_seen
 from .module import CalibrationWarning, QGRUDtypeError, QGRUInputError, QuantGRU
 from . import ops as _ops  # registers torch.ops.qgru.integer_gru (torch.compile / torch.export)
+from .onnx_export import export_onnx
 from .observers import NonFiniteCalibrationError, NonFiniteWeightError
 from .qat import convert_qat, prepare_qat
 from .weight_only import WeightOnlyConfig, WeightOnlyError, WeightOnlyFileError
@@ -19,4 +20,4 @@ __all__ = ["QuantGRU", "QuantConfig", "TensorSpec", "QuantParams", "calibrate", 
            "load_params", "backends", "backend", "compare", "CompareReport", "NonFiniteCalibrationError",
            "NonFiniteWeightError", "CalibrationWarning", "ParamsFileError", "QGRUInputError", "QGRUDtypeError",
            "cuda_nan_seen", "RescaleError",
-           "WeightOnlyGRU", "WeightOnlyConfig", "WeightOnlyError", "WeightOnlyFileError", "__version__"]
+           "export_onnx", "WeightOnlyGRU", "WeightOnlyConfig", "WeightOnlyError", "WeightOnlyFileError", "__version__"]

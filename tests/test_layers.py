@@ -30,7 +30,7 @@ LAYERS = {
     # L1 convert: float weights and calibrated ranges -> integer parameters; the float reference step
     "convert": 1, "float_gru": 1,
     # L2 parameters and files: QuantParams and the .qgru format, C export, weight-only packing
-    "export": 2, "export_c": 2, "weight_only": 2,
+    "export": 2, "export_c": 2, "weight_only": 2, "onnx_graph": 2,
     # L3 runtime: backends and native kernels, the integer forward, the custom op, QAT's forward step
     "backends": 3, "native": 3, "runtime": 3, "ops": 3, "qat_step": 3, "wo_cpu": 3, "wo_triton": 3,
     # the native package (qgru/native/): build -> prepare -> cpu, cuda -> layer -> stacks, all runtime
@@ -39,7 +39,7 @@ LAYERS = {
     # L4 the modules: QuantGRU, WeightOnlyGRU
     "module": 4, "wo_module": 4,
     # L5 workflows: calibrate / quantize_model, QAT, compare
-    "calibrate": 5, "qat": 5, "compare": 5,
+    "calibrate": 5, "qat": 5, "compare": 5, "onnx_export": 5,
     # L6 apps and the public namespace
     "demo": 6, "__main__": 6, "__init__": 6,
 }
