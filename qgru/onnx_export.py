@@ -143,7 +143,7 @@ def export_onnx(model: nn.Module, args, path: Union[str, os.PathLike], *,
         import onnx
     except ImportError as e:  # the optional extra
         raise ImportError("qgru.export_onnx needs the onnx package: pip install 'qgru[onnx]'") from e
-    from . import __version__
+    __version__ = _qgru_version()
     from .onnx_graph import OPSET, Graph, ONNXExportError, gru_nodes
 
     if opset is not None and opset != OPSET:
@@ -206,6 +206,17 @@ def export_onnx(model: nn.Module, args, path: Union[str, os.PathLike], *,
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(proto, str(path))
     return path
+
+
+def _qgru_version() -> str:
+    """qgru.__version__ without importing the package namespace (layer 6) from here: the package is
+    loaded whenever this module is (it is its parent)."""
+    import sys
+    v = getattr(sys.modules.get(__package__), "__version__", None)
+    if v is None:
+        from importlib.metadata import version
+        v = version("qgru")
+    return str(v)
 
 
 _DTYPES = {torch.float32: 1, torch.float64: 11, torch.float16: 10, torch.bfloat16: 16}
