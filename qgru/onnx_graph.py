@@ -126,75 +126,99 @@ def _normalized(m: np.ndarray, s: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         s = np.where(red, s - 1, s)
 
 
-def _pow2f(e: np.ndarray) -> np.ndarray:
+def _pow2f(e) -> np.ndarray:
     return np.ldexp(np.ones(np.shape(e)), np.asarray(e, np.int64))
 
 
-def rescale_form(m, s, vmax: int):
-    """The exact float64 form of round_half_up(v m / 2^s) for every integer |v| <= vmax, or None.
+def _ints(a) -> List[int]:
+    return [int(v) for v in np.asarray(a).reshape(-1)]
 
-    Returns ("f1", c) or ("f2", k, mh, ml_scaled, half, inv):
 
-    * f1: floor(v c + 1/2), c = m 2^-s. When vmax m + 2^(s-1) <= 2^53: v m is an integer below
+class Form:
+    """The exact float64 form of round_half_up(v m / 2^s) for every integer |v| <= vmax.
+
+    * "f1": floor(v c + 1/2), c = m 2^-s. When vmax m + 2^(s-1) <= 2^53, v m is an integer below
       2^53, so v c = v m 2^-s exactly (a power-of-two scaling), and v c + 1/2 = (v m + 2^(s-1)) 2^-s
       has an integer numerator of magnitude <= 2^53: exact; floor is exact. When s >= 54 and
       vmax m < 2^52: |v c| < 1/4, the computed sum lies in [1/4, 3/4], floor 0, which is the
       true result ((v m + 2^(s-1)) / 2^s in (1/4, 3/4)).
-    * f2: with m = mh 2^k + ml (0 <= ml < 2^k, 1 <= k <= s - 1):
+    * "f2": with m = mh 2^k + ml (0 <= ml < 2^k, 1 <= k <= s - 1),
         floor((v m + 2^(s-1)) / 2^s) = floor((v mh + floor(v ml / 2^k) + 2^(s-1-k)) / 2^(s-k))
       (divide by 2^k first: the integers v mh and 2^(s-1-k) leave the inner floor; nested floors
       of divisions by powers of two compose). v ml 2^-k is exact when vmax 2^k <= 2^53, and the
-      outer sum when vmax mh + vmax + 1 + 2^(s-1-k) < 2^53.
+      outer sum S when vmax mh + vmax + 1 + 2^(s-1-k) < 2^53; S 2^-(s-k) is a power-of-two scaling.
+
+    An integer ``add`` (a constant or a tensor, |add| <= B) joins the sum before the last floor
+    (``fold_ok(B)``): for f1 when the numerator vm + 2^(s-1) + add 2^s stays within 2^53 (s <= 53),
+    for f2 when S + add 2^(s-k) does: then floor(y + add) = floor(y) + add exactly, and a caller
+    that clamps to a range with integer ends >= 0 may leave the floor to a truncating Cast.
     """
-    m = np.asarray(m, np.int64)
-    s = np.asarray(s, np.int64)
-    m, s = _normalized(m, s)
-    mm = [int(v) for v in m.reshape(-1)]
-    ss = [int(v) for v in s.reshape(-1)]
-    ok1 = all(vmax * a + (1 << (b - 1)) <= F64_EXACT or (b >= 54 and vmax * a < (1 << 52)) for a, b in zip(mm, ss))
-    if ok1:
-        return ("f1", np.ldexp(m.astype(np.float64), -s))
-    k = min(min(ss) - 1, 53 - max(int(vmax).bit_length(), 1))
-    if k < 1:
-        return None
-    mh = m >> k
-    ml = m & ((1 << k) - 1)
-    if any(vmax * (a >> k) + vmax + 1 + (1 << max(b - 1 - k, 0)) >= F64_EXACT for a, b in zip(mm, ss)):
-        return None
-    return ("f2", k, mh.astype(np.float64), np.ldexp(ml.astype(np.float64), -k),
-            _pow2f(s - 1 - k), _pow2f(-(s - k)))
+
+    def __init__(self, m, s, vmax: int, normalize: bool = True):
+        m, s = np.broadcast_arrays(np.asarray(m, np.int64), np.asarray(s, np.int64))
+        if normalize:
+            m, s = _normalized(m, s)
+        self.m, self.s, self.vmax = m, s, int(vmax)
+        mm, ss = _ints(m), _ints(s)
+        if all(vmax * a + (1 << (b - 1)) <= F64_EXACT or (b >= 54 and vmax * a < (1 << 52)) for a, b in zip(mm, ss)):
+            self.kind, self.c = "f1", np.ldexp(m.astype(np.float64), -s)
+            return
+        self.kind = None
+        k = min(min(ss) - 1, 53 - max(int(vmax).bit_length(), 1))
+        if k < 1:
+            return
+        if any(vmax * (a >> k) + vmax + 1 + (1 << (b - 1 - k)) >= F64_EXACT for a, b in zip(mm, ss)):
+            return
+        self.kind, self.k = "f2", k
+        self.mh = (m >> k).astype(np.float64)
+        self.mls = np.ldexp((m & ((1 << k) - 1)).astype(np.float64), -k)
+        self.half = _pow2f(s - 1 - k)
+        self.inv = _pow2f(-(s - k))
+
+    def fold_ok(self, bound) -> bool:
+        b = np.broadcast_to(np.asarray(bound, np.float64), np.broadcast_shapes(self.m.shape, np.shape(bound)))
+        m = np.broadcast_to(self.m, b.shape)
+        s = np.broadcast_to(self.s, b.shape)
+        for a, e, o in zip(_ints(m), _ints(s), [int(np.ceil(v)) for v in b.reshape(-1)]):
+            if self.kind == "f1":
+                if e > 53 or self.vmax * a + (1 << (e - 1)) + o * (1 << e) > F64_EXACT:
+                    return False
+            elif (self.vmax * (a >> self.k) + self.vmax + 1 + (1 << (e - 1 - self.k)) + o * (1 << (e - self.k))
+                  >= F64_EXACT):
+                return False
+        return True
+
+    def result_bound(self) -> int:
+        """max |round_half_up(v m / 2^s)| over |v| <= vmax."""
+        return max((self.vmax * a >> b) + 1 for a, b in zip(_ints(self.m), _ints(self.s)))
 
 
-def _fold_ok(m, s, vmax: int, offset) -> bool:
-    """Whether floor(v c + 1/2 + offset) is exact for the f1 form: the numerator
-    v m + 2^(s-1) + offset 2^s (normalized m, s) is an integer of magnitude <= 2^53."""
-    m, s = _normalized(np.asarray(m, np.int64), np.asarray(s, np.int64))
-    off = np.broadcast_to(np.abs(np.asarray(offset, np.float64)), np.broadcast_shapes(m.shape, np.shape(offset)))
-    m = np.broadcast_to(m, off.shape).reshape(-1)
-    s = np.broadcast_to(s, off.shape).reshape(-1)
-    return all(vmax * int(a) + (1 << (int(b) - 1)) + int(o) * (1 << int(b)) <= F64_EXACT
-               for a, b, o in zip(m, s, off.reshape(-1)))
-
-
-def apply_rescale(g: Graph, v: str, form, offset=None) -> str:
-    """The nodes of a form from rescale_form on tensor v (constants broadcast on the last axis).
-    ``offset`` (f1 only, an array or None): an integer added before the floor, when the caller
-    proved the sum exact (it is then round_half_up(...) + offset)."""
-    if form[0] == "f1":
-        half = 0.5 if offset is None else np.asarray(offset, np.float64) + 0.5
-        return g.floor(g.add(g.mul(v, g.const(form[1])), g.const(half)))
-    _, k, mh, mls, half, inv = form
-    a = g.mul(v, g.const(mh))
-    b = g.floor(g.mul(v, g.const(mls)))
-    return g.floor(g.mul(g.add(g.add(a, b), g.const(half)), g.const(inv)))
-
-
-def rescale(g: Graph, v: str, m, s, vmax: int, what: str) -> str:
-    form = rescale_form(_np(m), _np(s), vmax)
-    if form is None:
-        raise ONNXExportError(f"{what}: no exact float64 form of this rescale for operands up to {vmax} "
-                              f"(multipliers up to {int(_np(m).max())}, shifts {int(_np(s).min())}..{int(_np(s).max())})")
-    return apply_rescale(g, v, form)
+def apply_rescale(g: Graph, v: str, form: Form, add_const=None, add_tensor: Optional[str] = None,
+                  add_bound=0.0, floor: bool = True) -> str:
+    """round_half_up(v m / 2^s) + add_const + add_tensor on tensor v (constants broadcast on the last
+    axis). With floor=False the result may be a float y whose floor is that integer (when the adds
+    fold, see Form), else the integer itself."""
+    has_add = add_const is not None or add_tensor is not None
+    fold = form.fold_ok(add_bound) if has_add or not floor else False
+    cst = np.zeros(()) if add_const is None else np.asarray(add_const, np.float64)
+    if form.kind == "f1":
+        y = g.mul(v, g.const(form.c))
+        y = g.add(y, g.const(0.5 + (cst if fold else 0.0)))
+    else:
+        a = g.mul(v, g.const(form.mh))
+        b = g.floor(g.mul(v, g.const(form.mls)))
+        half = form.half + (cst * _pow2f(form.s - form.k) if fold else 0.0)
+        y = g.mul(g.add(g.add(a, b), g.const(half)), g.const(form.inv))
+    if fold:
+        if add_tensor is not None:
+            y = g.add(y, add_tensor)
+        return g.floor(y) if floor else y
+    y = g.floor(y)
+    if add_const is not None:
+        y = g.add(y, g.const(cst))
+    if add_tensor is not None:
+        y = g.add(y, add_tensor)
+    return y
 
 
 def quantize(g: Graph, x64: str, scale: str, zp: int, bits: int) -> str:
@@ -219,6 +243,30 @@ def _table(p: LayerParams, name: str) -> np.ndarray:
     return (lookup(q, p.tables[name], b, zp, p.bits[name]) - zp).double().numpy()
 
 
+def _span(bits: int, zp) -> int:
+    """max |q - Z| over a grid of ``bits`` bits with zero point(s) Z."""
+    lo, hi = qrange(bits)
+    z = _ints(zp)
+    return max(max(hi - v, v - lo) for v in z)
+
+
+def _acc_clip(m, s, bias, top: int) -> int:
+    """A bound V such that clamping the raw product G (acc = G + bias) to [-V, V] changes no
+    saturated result sat(round_half_up(acc m / 2^s) + Z) whose range before + Z lies within
+    [-top, top]: with V = max_c(floor((top + 2) 2^s / m) + 1 + |bias_c|), a G beyond V gives
+    |acc m / 2^s| > top + 1 before and after the clamp (the rescale is monotone), which saturates
+    to the same end."""
+    top = top + 2
+    return max(((top << int(e)) // int(a)) + 1 + abs(int(b)) for a, e, b in
+               zip(_ints(np.broadcast_to(m, np.shape(bias))), _ints(np.broadcast_to(s, np.shape(bias))), _ints(bias)))
+
+
+def _cols(p: LayerParams, names, H: int):
+    m = np.concatenate([np.broadcast_to(_np(p.rescale[n].multiplier), (H,)) for n in names])
+    s = np.concatenate([np.broadcast_to(_np(p.rescale[n].shift), (H,)) for n in names])
+    return m, s
+
+
 class _Layer:
     """One layer and direction: its constants and the nodes of W.x, the Scan and its body."""
 
@@ -227,152 +275,217 @@ class _Layer:
         self.H, self.I = p.hidden_size, p.input_size
         self.bounds = operand_bounds(p.bits, p.input_size, p.hidden_size)
 
-    def _fail(self, what):
-        raise ONNXExportError(f"{self.where}: {what}")
+    def form(self, what: str, m, s, vmax: int, normalize: bool = True) -> Form:
+        f = Form(_np(m), _np(s), vmax, normalize)
+        if f.kind is None:
+            raise ONNXExportError(f"{self.where}: the rescale {what} has no exact float64 form for operands up "
+                                  f"to {vmax} (multipliers up to {int(_np(m).max())}, shifts "
+                                  f"{int(_np(s).min())}..{int(_np(s).max())})")
+        return f
 
-    def rescale(self, v, name: str, vmax: int, m=None, s=None, offset=None):
-        p = self.p
-        if m is None:
-            m, s = p.rescale[name].multiplier, p.rescale[name].shift
-        form = rescale_form(_np(m), _np(s), vmax)
-        if form is None:
-            self._fail(f"the rescale {name} has no exact float64 form for operands up to {vmax}")
-        if offset is not None and not (form[0] == "f1" and _fold_ok(_np(m), _np(s), vmax, offset)):
-            return self.g.add(apply_rescale(self.g, v, form), self.g.const(offset))
-        return apply_rescale(self.g, v, form, offset)
+    def rescale(self, v, name: str, vmax: int, **kw) -> str:
+        r = self.p.rescale[name]
+        return apply_rescale(self.g, v, self.form(name, r.multiplier, r.shift, vmax), **kw)
 
     # -- GEMM ---------------------------------------------------------------------------------
-    def gemm(self, q: str, q_bits: int, w: torch.Tensor, w_bits: int) -> str:
-        """q [.., K] (float64 integers of q_bits bits) times w^T (w [C, K]) -> float64 [.., C]."""
+    def gemm(self, q: str, q_bits: int, w: torch.Tensor, w_bits: int, u8: Optional[str] = None) -> str:
+        """q [.., K] (float64 integers of q_bits bits) times w^T (w [C, K]) -> [.., C]: int32 from
+        MatMulInteger (uint8 activation q + 128 with zero point 128, int8 weights) when both have at
+        most 8 bits, else float64 (MatMul; every partial sum an integer below 2^47). ``u8``: the
+        uint8 activation, when the caller made it."""
         g = self.g
         wt = _np(w).T.copy()
-        if q_bits <= 8 and w_bits <= 8 and wt.size and wt.min() >= -128 and wt.max() <= 127:
-            a = g.cast(g.add(q, g.const(128.0)), 2)  # uint8, zero point 128
-            prod = g.op("MatMulInteger", [a, g.const(wt, np.int8, "w"), g.const(np.uint8(128), np.uint8)])
-            return g.cast(prod, 11)
+        if q_bits <= 8 and w_bits <= 8:
+            a = u8 if u8 is not None else g.cast(g.add(q, g.const(128.0)), 2)
+            return g.op("MatMulInteger", [a, g.const(wt, np.int8, "w"), g.const(np.uint8(128), np.uint8)])
         return g.op("MatMul", [q, g.const(wt.astype(np.float64), np.float64, "w")])
+
+    def requant(self, prod: str, bits_in: Tuple[int, int], w: torch.Tensor, span_in: int, bias, m, s, zp,
+                out_bits: int, what: str, per_token=None) -> str:
+        """sat(round_half_up((prod + bias) m / 2^s) + Z) (golden's Wx / Rh, not minus Z) as float64.
+        ``per_token(array [J, C]) -> tensor`` (x levels): bias, m, s are per level, gathered per token.
+        The raw product is first clamped to +-V (_acc_clip: no result changes), which bounds the
+        operand of the rescale far below the static bound, so that the short form usually applies."""
+        g = self.g
+        lo, hi = qrange(out_bits)
+        zpa = np.broadcast_to(_np(zp).astype(np.int64), np.shape(bias)[-1:])
+        bias_i = np.asarray(bias, np.int64)
+        V = _acc_clip(m, s, bias_i, max(abs(lo), abs(hi)) + int(np.abs(zpa).max()))
+        rowsum = np.abs(_np(w).astype(np.int64)).sum(1)  # |G| <= max|q| rowsum(|w|)
+        V = min(V, int(rowsum.max()) * span_in)
+        vmax = V + int(np.abs(bias_i).max())
+        x = g.cast(prod, 11) if bits_in[0] <= 8 and bits_in[1] <= 8 else prod
+        x = g.clip(x, -float(V), float(V))
+        if per_token is None:
+            f = self.form(what, m, s, vmax)
+            y = apply_rescale(g, g.add(x, g.const(bias_i.astype(np.float64))), f, add_const=zpa.astype(np.float64),
+                              add_bound=np.abs(zpa).astype(np.float64))
+            return g.clip(y, lo, hi)
+        # x levels: one shift for every level and channel (m 2^(S - s), S = max s), so that the
+        # form's scalar constants are shared and only bias, mh, ml (or c) are gathered per token
+        S = int(np.max(s))
+        mm = np.array([[int(a) << (S - int(e)) for a, e in zip(ra, rs)] for ra, rs in zip(m.tolist(), s.tolist())],
+                      dtype=object)
+        if max(int(v) for v in mm.reshape(-1)) >= (1 << 62):
+            raise ONNXExportError(f"{self.where}: the x levels' W.x rescales span too many octaves for the ONNX form")
+        f = Form(mm.astype(np.int64), np.full(np.shape(s), S), vmax, normalize=False)
+        if f.kind is None:
+            raise ONNXExportError(f"{self.where}: the x levels' W.x rescale has no exact float64 form")
+        acc = g.add(x, per_token(bias_i.astype(np.float64)))
+        if f.kind == "f1":
+            y = g.floor(g.add(g.mul(acc, per_token(f.c)), g.const(0.5)))
+        else:
+            a = g.mul(acc, per_token(f.mh))
+            b = g.floor(g.mul(acc, per_token(f.mls)))
+            y = g.floor(g.mul(g.add(g.add(a, b), g.const(float(f.half.reshape(-1)[0]))),
+                              g.const(float(f.inv.reshape(-1)[0]))))
+        return g.clip(g.add(y, g.const(zpa.astype(np.float64))), lo, hi)
 
     # -- W.x ------------------------------------------------------------------------------------
     def input_terms(self, qx: str, level: Optional[str]) -> str:
         """golden.input_gemm then each gate's Wx rescale onto its pre-activation grid, for the whole
-        sequence: [T, N, 3H] float64, gate q's channels holding rescale(d_Wx) + Z_pre - qmin_pre
-        (+ the offset of its table, see _tables)."""
+        sequence: [T, N, 3H] float64, gate q's channels holding rescale(q_Wx - Z_Wx) + Z_pre - qmin_pre
+        (+ its table's offset, + 1/2 where the step folds its rounding constant into this term)."""
         g, p, H = self.g, self.p, self.H
-        acc = self.gemm(qx, p.bits["x"], p.W, p.bits["W"])
-        zp_wx = _np(p.zp["Wx"]).astype(np.float64) * np.ones(3 * H)
-        lo, hi = qrange(p.bits["Wx"])
-        vmax = self.bounds["Wx"]
+        bx, bw = p.bits["x"], p.bits["W"]
+        prod = self.gemm(qx, bx, p.W, bw)
+        span_x = 1 << (bx - 1)  # max |q_x|: G = q_x . w (MatMulInteger's zero point removes the 128)
+        wzp = _np(p.W_zp_comp).astype(np.int64)
         if level is None:
-            bias = _np(p.b_x).astype(np.float64) - _np(p.W_zp_comp).astype(np.float64)
-            acc = g.add(acc, g.const(bias))
-            q = self.rescale(acc, "Wx", vmax)
+            r = p.rescale["Wx"]
+            q_wx = self.requant(prod, (bx, bw), p.W, span_x, _np(p.b_x).astype(np.int64) - wzp,
+                                _np(r.multiplier), _np(r.shift), p.zp["Wx"], p.bits["Wx"], "Wx")
         else:
             lv = p.x_levels
-            m, s = _np(lv.rescale.multiplier), _np(lv.rescale.shift)  # [J, 3H]
-            form = rescale_form(m, s, vmax)
-            if form is None:
-                self._fail(f"the x levels' W.x rescale has no exact float64 form for operands up to {vmax}")
-            bias = _np(lv.b_x).astype(np.float64) - _np(p.W_zp_comp).astype(np.float64)[None, :]
 
             def per_token(arr):
-                arr = np.broadcast_to(np.asarray(arr, np.float64), m.shape)
+                arr = np.broadcast_to(np.asarray(arr, np.float64), lv.b_x.shape)
                 return g.op("Gather", [g.const(arr), level], axis=0)  # [T, N, 3H]
 
-            acc = g.add(acc, per_token(bias))
-            if form[0] == "f1":
-                q = g.floor(g.add(g.mul(acc, per_token(form[1])), g.const(0.5)))
-            else:
-                _, k, mh, mls, half, inv = form
-                a = g.mul(acc, per_token(mh))
-                b = g.floor(g.mul(acc, per_token(mls)))
-                q = g.floor(g.mul(g.add(g.add(a, b), per_token(half)), per_token(inv)))
-        d_wx = g.clip(q, lo - zp_wx, hi - zp_wx)  # sat(q + Z) - Z
-        # the three gates' Wx rescales at once: per channel of [r | z | g]
-        ms = [p.rescale[n] for n in ("Wx_r", "Wx_z", "Wx_g")]
-        m = np.concatenate([np.broadcast_to(_np(r.multiplier), (H,)) for r in ms])
-        s = np.concatenate([np.broadcast_to(_np(r.shift), (H,)) for r in ms])
-        wmax = (1 << p.bits["Wx"]) - 1
-        return self.rescale(d_wx, "Wx_gates", wmax, m, s, offset=self.gate_offset)
+            q_wx = self.requant(prod, (bx, bw), p.W, span_x, _np(lv.b_x).astype(np.int64) - wzp[None, :],
+                                _np(lv.rescale.multiplier), _np(lv.rescale.shift), p.zp["Wx"], p.bits["Wx"],
+                                "Wx (x levels)", per_token=per_token)
+        # the three gates' Wx rescales at once, per channel of [r | z | g], on q_Wx - Z_Wx: the
+        # zero point folds into the rounding constant (f1) or is subtracted
+        m, s = _cols(p, ("Wx_r", "Wx_z", "Wx_g"), H)
+        zwx = np.broadcast_to(_np(p.zp["Wx"]).astype(np.float64), (3 * H,))
+        d = g.sub(q_wx, g.const(zwx))
+        f = self.form("Wx_gates", m, s, (1 << p.bits["Wx"]) - 1)
+        off = self.gate_offset
+        return apply_rescale(g, d, f, add_const=off, add_bound=np.abs(off))
 
     # -- the step -----------------------------------------------------------------------------
-    def setup_tables(self):
-        p, H = self.p, self.H
+    def setup(self):
+        """Tables, the step's rescale forms, and the constants the Wx terms carry for the step."""
+        p, H, b = self.p, self.H, self.p.bits
         t_r, t_z, t_g = _table(p, "r"), _table(p, "z"), _table(p, "g")
-        self.t_rz = np.concatenate([t_r, t_z])
-        self.t_g = t_g
+        self.t_rz, self.t_g = np.concatenate([t_r, t_z]), t_g
         off = []
         for name, base in (("r", 0), ("z", len(t_r)), ("g", 0)):
-            b = p.bits[f"{name}_pre"]
-            lo, _ = qrange(b)
+            lo, _ = qrange(b[f"{name}_pre"])
             off.append(np.full(H, float(int(p.zp[f"{name}_pre"]) - lo + base)))
         self.gate_offset = np.concatenate(off)  # Z_pre - qmin (+ r's table length for z)
-        self.pre_range = {n: (len(t_r) if n == "z" else 0, (1 << p.bits[f"{n}_pre"]) - 1) for n in "rzg"}
+        self.rz_lo = np.concatenate([np.zeros(H), np.full(H, float(len(t_r)))])
+        self.rz_hi = np.concatenate([np.full(H, float(len(t_r) - 1)), np.full(H, float(len(t_r) + len(t_z) - 1))])
+        self.g_top = float(len(t_g) - 1)
+        # bounds of the Wx terms (for folding them into the step's rescales)
+        m, s = _cols(p, ("Wx_r", "Wx_z", "Wx_g"), H)
+        wx_f = Form(m, s, (1 << b["Wx"]) - 1)
+        wx_bound = wx_f.result_bound() + int(np.abs(self.gate_offset).max()) + 1
+        span_rh = (1 << b["Rh"]) - 1
+        zrh = np.broadcast_to(_np(p.zp["Rh"]).astype(np.int64), (3 * H,))
+        # r, z: rescale of q_Rh - Z_Rh, with -Z folded into the constant when exact
+        m, s = _cols(p, ("Rh_r", "Rh_z"), H)
+        self.f_rz = self.form("Rh_r/Rh_z", m, s, span_rh)
+        self.rz_fold = self.f_rz.kind == "f1" and self.f_rz.fold_ok(wx_bound + span_rh)
+        # the step's r * Rh_g, z * h and (1 - z) * g
+        span_r = (1 << b["r"]) - 1
+        self.f_rrh = self.form("rRh_g", p.rescale["rRh_g"].multiplier, p.rescale["rRh_g"].shift, span_r * span_rh)
+        self.g_fold = self.f_rrh.fold_ok(wx_bound)
+        self.wx_bound = wx_bound
+        self.zrh = zrh
 
     def body(self, state: str, wx: str) -> Tuple[str, str]:
         """gru_step on the state q_h [N, H] (float64) and this step's input terms [N, 3H]."""
         g, p, H = self.g, self.p, self.H
         b, zp = p.bits, p.zp
-        z_h = float(int(zp["h"]))
+        z_h = int(zp["h"])
         h_lo, h_hi = qrange(b["h"])
-        d_h = g.sub(state, g.const(z_h))
-        # the recurrent operand (golden.recurrent_operand)
+        span_h = _span(b["h"], z_h)
+        d_h = g.sub(state, g.const(float(z_h)))
+        # the recurrent operand (golden.recurrent_operand), straight into MatMulInteger's uint8
+        u8 = None
         if "h_gemm" in b:
             lo, hi = qrange(b["h_gemm"])
-            op = self.rescale(d_h, "h_gemm", self.bounds["h_gemm"])
-            op = g.clip(g.add(op, g.const(float(int(zp["h_gemm"])))), lo, hi)
+            zo = int(zp["h_gemm"])
             op_bits = b["h_gemm"]
+            f = self.form("h_gemm", p.rescale["h_gemm"].multiplier, p.rescale["h_gemm"].shift, span_h)
+            if op_bits <= 8 and b["R"] <= 8:
+                y = apply_rescale(g, d_h, f, add_const=float(zo + 128), add_bound=abs(zo) + 128, floor=False)
+                u8 = g.cast(g.clip(y, float(lo + 128), float(hi + 128)), 2)
+                op = None
+            else:
+                op = g.clip(apply_rescale(g, d_h, f, add_const=float(zo), add_bound=abs(zo)), lo, hi)
         else:
             op, op_bits = state, b["h"]
-        acc = self.gemm(op, op_bits, p.R, b["R"])
-        bias = _np(p.b_h).astype(np.float64) - _np(p.R_zp_comp).astype(np.float64)
-        acc = g.add(acc, g.const(bias))
-        lo, hi = qrange(b["Rh"])
-        zp_rh = _np(zp["Rh"]).astype(np.float64) * np.ones(3 * H)
-        d_rh = g.clip(self.rescale(acc, "Rh", self.bounds["Rh"]), lo - zp_rh, hi - zp_rh)
-        d_rh_rz, d_rh_g = g.op("Split", [d_rh, g.const(np.array([2 * H, H]), np.int64)], n_out=2, axis=-1)
+        span_op = 1 << (op_bits - 1)
+        prod = self.gemm(op, op_bits, p.R, b["R"], u8=u8)
+        r = p.rescale["Rh"]
+        bias = _np(p.b_h).astype(np.int64) - _np(p.R_zp_comp).astype(np.int64)
+        q_rh = self.requant(prod, (op_bits, b["R"]), p.R, span_op, bias, _np(r.multiplier), _np(r.shift),
+                            zp["Rh"], b["Rh"], "Rh")
+        q_rh_rz, q_rh_g = g.op("Split", [q_rh, g.const(np.array([2 * H, H]), np.int64)], n_out=2, axis=-1)
         wx_rz, wx_g = g.op("Split", [wx, g.const(np.array([2 * H, H]), np.int64)], n_out=2, axis=-1)
-        # r and z: pre-activation index (Wx term + Rh term, saturated), one lookup in [T_r | T_z]
-        rmax = (1 << b["Rh"]) - 1
-        m = np.concatenate([np.broadcast_to(_np(p.rescale[n].multiplier), (H,)) for n in ("Rh_r", "Rh_z")])
-        s = np.concatenate([np.broadcast_to(_np(p.rescale[n].shift), (H,)) for n in ("Rh_r", "Rh_z")])
-        pre = g.add(self.rescale(d_rh_rz, "Rh_rz", rmax, m, s), wx_rz)
-        (r_off, r_top), (z_off, z_top) = self.pre_range["r"], self.pre_range["z"]
-        pre = g.clip(pre, np.concatenate([np.zeros(H), np.full(H, float(z_off))]),
-                     np.concatenate([np.full(H, float(r_top)), np.full(H, float(z_off + z_top))]))
-        d_rz = g.op("Gather", [g.const(self.t_rz), g.cast(pre, 7)], axis=0)
+        # r and z: index = Wx term + rescale(q_Rh - Z_Rh), saturated; one lookup in [T_r | T_z]
+        zrz = self.zrh[:2 * H].astype(np.float64)
+        if self.rz_fold:  # floor(q c + (1/2 - Z c) + wx) = rescale(q - Z) + wx, exact (setup)
+            y = g.add(g.add(g.mul(q_rh_rz, g.const(self.f_rz.c)), g.const(0.5 - zrz * self.f_rz.c)), wx_rz)
+        else:
+            y = apply_rescale(g, g.sub(q_rh_rz, g.const(zrz)), self.f_rz, add_tensor=wx_rz, add_bound=1 << 60)
+        idx = g.cast(g.clip(y, self.rz_lo, self.rz_hi), 7)
+        d_rz = self.lookup(self.t_rz, idx, 2 * H)
         d_r, d_z = g.op("Split", [d_rz, g.const(np.array([H, H]), np.int64)], n_out=2, axis=-1)
-        # g: Wx_g + rescale(r * Rh_g), saturated, tanh table
-        rr_max = ((1 << b["r"]) - 1) * rmax
-        pre_g = g.add(self.rescale(g.mul(d_r, d_rh_g), "rRh_g", rr_max), wx_g)
-        pre_g = g.clip(pre_g, 0.0, float(self.pre_range["g"][1]))
-        d_g = g.op("Gather", [g.const(self.t_g), g.cast(pre_g, 7)], axis=0)
+        # g: Wx_g term + rescale(r * (q_Rh_g - Z)), saturated, tanh table
+        d_rh_g = g.sub(q_rh_g, g.const(self.zrh[2 * H:].astype(np.float64)))
+        y = apply_rescale(g, g.mul(d_r, d_rh_g), self.f_rrh, add_tensor=wx_g, add_bound=self.wx_bound,
+                          floor=False)
+        idx = g.cast(g.clip(y, 0.0, self.g_top), 7)
+        d_g = self.lookup(self.t_g, idx, H)
         # h' = sat(rescale(z (h - Z_h)) + rescale((1 - z) g) + Z_h)
-        zh_max = ((1 << b["z"]) - 1) * ((1 << b["h"]) - 1)
-        zh = self.rescale(g.mul(d_z, d_h), "zh", zh_max)
-        zg_max = (1 << b["z"]) * (1 << (b["g"] - 1))
+        zh = self.rescale(g.mul(d_z, d_h), "zh", ((1 << b["z"]) - 1) * span_h)
         one_minus_z = g.sub(g.const(float(p.one_z)), d_z)
-        zg = self.rescale(g.mul(one_minus_z, d_g), "zg", zg_max)
-        h_new = g.clip(g.add(g.add(zh, zg), g.const(z_h)), h_lo, h_hi)
-        return h_new, h_new
+        zg_max = (1 << b["z"]) * (1 << (b["g"] - 1))
+        zh_bound = Form(_np(p.rescale["zh"].multiplier), _np(p.rescale["zh"].shift),
+                        ((1 << b["z"]) - 1) * span_h).result_bound()
+        h_new = self.rescale(g.mul(one_minus_z, d_g), "zg", zg_max, add_const=float(z_h), add_tensor=zh,
+                             add_bound=zh_bound + abs(z_h))
+        h_new = g.clip(h_new, h_lo, h_hi)
+        return h_new, g.op("Identity", [h_new])
+
+    def lookup(self, table: np.ndarray, idx: str, width: int) -> str:
+        """table[idx] for int64 idx [N, width]: GatherElements on the flattened indices (ONNX
+        Runtime's Gather copies one element per index through a generic block copy, ~10x slower)."""
+        g = self.g
+        flat = g.op("Reshape", [idx, g.const(np.array([-1]), np.int64)])
+        v = g.op("GatherElements", [g.const(table), flat], axis=0)
+        return g.op("Reshape", [v, g.const(np.array([-1, width]), np.int64)])
 
     def run(self, qx: str, qh0: str, level: Optional[str], reverse: bool) -> Tuple[str, str]:
         """(q outputs [T, N, H], q h_n [N, H]) as float64 integer tensors."""
         onnx = _onnx()
         g = self.g
-        self.setup_tables()
+        self.setup()
         wx = self.input_terms(qx, level)
         outer_nodes = g.nodes
         g.nodes = []
         st_in, wx_in = g.name("h_in"), g.name("wx_in")
-        h_new, h_out = self.body(st_in, wx_in)
-        h_keep = g.op("Identity", [h_new])
-        y_out = g.op("Identity", [h_out])
+        h_new, y_out = self.body(st_in, wx_in)
         body_nodes, g.nodes = g.nodes, outer_nodes
         D = onnx.TensorProto.DOUBLE
         body = onnx.helper.make_graph(
             body_nodes, g.name("step"),
             [onnx.helper.make_tensor_value_info(st_in, D, None), onnx.helper.make_tensor_value_info(wx_in, D, None)],
-            [onnx.helper.make_tensor_value_info(h_keep, D, None), onnx.helper.make_tensor_value_info(y_out, D, None)])
+            [onnx.helper.make_tensor_value_info(h_new, D, None), onnx.helper.make_tensor_value_info(y_out, D, None)])
         hn, out = g.op("Scan", [qh0, wx], n_out=2, body=body, num_scan_inputs=1,
                        scan_input_directions=[1 if reverse else 0], scan_output_directions=[1 if reverse else 0])
         return out, hn
@@ -416,8 +529,10 @@ def gru_nodes(params: QuantParams, g: Graph, x: str, h0: str, out: str, h_n: str
                 for e, q in enumerate(q_prev):
                     pe = layers[li - 1][e]
                     dq = g.sub(q, g.const(float(int(pe.zp["h"]))))
-                    v = lay.rescale(dq, f"in_{e}", (1 << pe.bits["h"]) - 1)
-                    parts.append(g.clip(g.add(v, g.const(float(int(p.zp["x"])))), lo, hi))
+                    zx = int(p.zp["x"])
+                    v = lay.rescale(dq, f"in_{e}", _span(pe.bits["h"], pe.zp["h"]), add_const=float(zx),
+                                    add_bound=abs(zx))
+                    parts.append(g.clip(v, lo, hi))
                 qx = parts[0] if len(parts) == 1 else g.op("Concat", parts, axis=-1)
             h0_i = g.op("Gather", [h064, g.const(np.int64(li * D + d), np.int64)], axis=0)
             qh0 = quantize(g, h0_i, g.const(float(p.scale["h"])), int(p.zp["h"]), p.bits["h"])
