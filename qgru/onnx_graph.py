@@ -300,35 +300,35 @@ class _Layer:
             return g.op("MatMulInteger", [a, g.const(wt, np.int8, "w"), g.const(np.uint8(128), np.uint8)])
         return g.op("MatMul", [q, g.const(wt.astype(np.float64), np.float64, "w")])
 
-    def requant(self, prod: str, bits_in: Tuple[int, int], w: torch.Tensor, span_in: int, bias, m, s, zp,
-                out_bits: int, what: str, per_token=None) -> str:
-        """sat(round_half_up((prod + bias) m / 2^s) + Z) (golden's Wx / Rh, not minus Z) as float64.
-        ``per_token(array [J, C]) -> tensor`` (x levels): bias, m, s are per level, gathered per token.
-        The raw product is first clamped to +-V (_acc_clip: no result changes), which bounds the
-        operand of the rescale far below the static bound, so that the short form usually applies."""
+    def requant(self, prod: str, bits_in: Tuple[int, int], w: np.ndarray, bias, m, s, zp, out_bits: int,
+                what: str, per_token=None) -> str:
+        """golden's Wx / Rh of one gate minus its zero point, sat(round_half_up((prod + bias) m / 2^s)
+        + Z) - Z, as float64 (prod: the raw GEMM output q . w^T). ``per_token(array [J, C]) -> tensor``
+        (x levels): bias, m, s are per level, gathered per token. The raw product is first clamped to
+        +-V (_acc_clip: no result changes), which bounds the rescale's operand far below the static
+        bound, so that the short form usually applies."""
         g = self.g
         lo, hi = qrange(out_bits)
         zpa = np.broadcast_to(_np(zp).astype(np.int64), np.shape(bias)[-1:])
         bias_i = np.asarray(bias, np.int64)
         V = _acc_clip(m, s, bias_i, max(abs(lo), abs(hi)) + int(np.abs(zpa).max()))
-        rowsum = np.abs(_np(w).astype(np.int64)).sum(1)  # |G| <= max|q| rowsum(|w|)
-        V = min(V, int(rowsum.max()) * span_in)
+        rowsum = np.abs(w.astype(np.int64)).sum(1)  # |G| <= max|q| rowsum(|w|)
+        V = min(V, int(rowsum.max()) * (1 << (bits_in[0] - 1)))
         vmax = V + int(np.abs(bias_i).max())
         x = g.cast(prod, 11) if bits_in[0] <= 8 and bits_in[1] <= 8 else prod
         x = g.clip(x, -float(V), float(V))
+        zf = zpa.astype(np.float64)
         if per_token is None:
             f = self.form(what, m, s, vmax)
-            y = apply_rescale(g, g.add(x, g.const(bias_i.astype(np.float64))), f, add_const=zpa.astype(np.float64),
-                              add_bound=np.abs(zpa).astype(np.float64))
-            return g.clip(y, lo, hi)
+            y = apply_rescale(g, g.add(x, g.const(bias_i.astype(np.float64))), f)
+            return g.clip(y, lo - zf, hi - zf)
         # x levels: one shift for every level and channel (m 2^(S - s), S = max s), so that the
         # form's scalar constants are shared and only bias, mh, ml (or c) are gathered per token
         S = int(np.max(s))
-        mm = np.array([[int(a) << (S - int(e)) for a, e in zip(ra, rs)] for ra, rs in zip(m.tolist(), s.tolist())],
-                      dtype=object)
-        if max(int(v) for v in mm.reshape(-1)) >= (1 << 62):
+        mm = [[int(a) << (S - int(e)) for a, e in zip(ra, rs)] for ra, rs in zip(m.tolist(), s.tolist())]
+        if max(max(r) for r in mm) >= (1 << 62):
             raise ONNXExportError(f"{self.where}: the x levels' W.x rescales span too many octaves for the ONNX form")
-        f = Form(mm.astype(np.int64), np.full(np.shape(s), S), vmax, normalize=False)
+        f = Form(np.array(mm, np.int64), np.full(np.shape(s), S), vmax, normalize=False)
         if f.kind is None:
             raise ONNXExportError(f"{self.where}: the x levels' W.x rescale has no exact float64 form")
         acc = g.add(x, per_token(bias_i.astype(np.float64)))
@@ -339,80 +339,71 @@ class _Layer:
             b = g.floor(g.mul(acc, per_token(f.mls)))
             y = g.floor(g.mul(g.add(g.add(a, b), g.const(float(f.half.reshape(-1)[0]))),
                               g.const(float(f.inv.reshape(-1)[0]))))
-        return g.clip(g.add(y, g.const(zpa.astype(np.float64))), lo, hi)
+        return g.clip(y, lo - zf, hi - zf)
 
     # -- W.x ------------------------------------------------------------------------------------
-    def input_terms(self, qx: str, level: Optional[str]) -> str:
+    def input_terms(self, qx: str, level: Optional[str]) -> List[str]:
         """golden.input_gemm then each gate's Wx rescale onto its pre-activation grid, for the whole
-        sequence: [T, N, 3H] float64, gate q's channels holding rescale(q_Wx - Z_Wx) + Z_pre - qmin_pre
-        (+ its table's offset, + 1/2 where the step folds its rounding constant into this term)."""
+        sequence: per gate [T, N, H] float64, rescale(q_Wx - Z_Wx) + Z_pre - qmin_pre (the table
+        index's offset)."""
         g, p, H = self.g, self.p, self.H
         bx, bw = p.bits["x"], p.bits["W"]
-        prod = self.gemm(qx, bx, p.W, bw)
-        span_x = 1 << (bx - 1)  # max |q_x|: G = q_x . w (MatMulInteger's zero point removes the 128)
+        W = _np(p.W)
+        u8 = g.cast(g.add(qx, g.const(128.0)), 2) if bx <= 8 and bw <= 8 else None
         wzp = _np(p.W_zp_comp).astype(np.int64)
-        if level is None:
-            r = p.rescale["Wx"]
-            q_wx = self.requant(prod, (bx, bw), p.W, span_x, _np(p.b_x).astype(np.int64) - wzp,
-                                _np(r.multiplier), _np(r.shift), p.zp["Wx"], p.bits["Wx"], "Wx")
-        else:
-            lv = p.x_levels
+        terms = []
+        for q, name in enumerate(("r", "z", "g")):
+            cols = slice(q * H, (q + 1) * H)
+            prod = self.gemm(qx, bx, W[cols], bw, u8=u8)
+            if level is None:
+                r = p.rescale["Wx"]
+                d_wx = self.requant(prod, (bx, bw), W[cols], _np(p.b_x).astype(np.int64)[cols] - wzp[cols],
+                                    _gate_cols(r.multiplier, cols), _gate_cols(r.shift, cols),
+                                    _gate_cols(p.zp["Wx"], cols), p.bits["Wx"], f"Wx ({name})")
+            else:
+                lv = p.x_levels
 
-            def per_token(arr):
-                arr = np.broadcast_to(np.asarray(arr, np.float64), lv.b_x.shape)
-                return g.op("Gather", [g.const(arr), level], axis=0)  # [T, N, 3H]
+                def per_token(arr):
+                    arr = np.ascontiguousarray(np.broadcast_to(np.asarray(arr, np.float64), (lv.b_x.shape[0], H)))
+                    return g.op("Gather", [g.const(arr), level], axis=0)  # [T, N, H]
 
-            q_wx = self.requant(prod, (bx, bw), p.W, span_x, _np(lv.b_x).astype(np.int64) - wzp[None, :],
-                                _np(lv.rescale.multiplier), _np(lv.rescale.shift), p.zp["Wx"], p.bits["Wx"],
-                                "Wx (x levels)", per_token=per_token)
-        # the three gates' Wx rescales at once, per channel of [r | z | g], on q_Wx - Z_Wx: the
-        # zero point folds into the rounding constant (f1) or is subtracted
-        m, s = _cols(p, ("Wx_r", "Wx_z", "Wx_g"), H)
-        zwx = np.broadcast_to(_np(p.zp["Wx"]).astype(np.float64), (3 * H,))
-        d = g.sub(q_wx, g.const(zwx))
-        f = self.form("Wx_gates", m, s, (1 << p.bits["Wx"]) - 1)
-        off = self.gate_offset
-        return apply_rescale(g, d, f, add_const=off, add_bound=np.abs(off))
+                d_wx = self.requant(prod, (bx, bw), W[cols], _np(lv.b_x).astype(np.int64)[:, cols] - wzp[None, cols],
+                                    _np(lv.rescale.multiplier)[:, cols], _np(lv.rescale.shift)[:, cols],
+                                    _gate_cols(p.zp["Wx"], cols), p.bits["Wx"], f"Wx ({name}, x levels)",
+                                    per_token=per_token)
+            r = p.rescale[f"Wx_{name}"]
+            f = self.form(f"Wx_{name}", r.multiplier, r.shift, (1 << p.bits["Wx"]) - 1)
+            off = self.offset[name]
+            terms.append(apply_rescale(g, d_wx, f, add_const=off, add_bound=abs(off)))
+        return terms
 
     # -- the step -----------------------------------------------------------------------------
     def setup(self):
-        """Tables, the step's rescale forms, and the constants the Wx terms carry for the step."""
+        """Tables, the step's rescale forms, and which additions fold into them."""
         p, H, b = self.p, self.H, self.p.bits
-        t_r, t_z, t_g = _table(p, "r"), _table(p, "z"), _table(p, "g")
-        self.t_rz, self.t_g = np.concatenate([t_r, t_z]), t_g
-        off = []
-        for name, base in (("r", 0), ("z", len(t_r)), ("g", 0)):
-            lo, _ = qrange(b[f"{name}_pre"])
-            off.append(np.full(H, float(int(p.zp[f"{name}_pre"]) - lo + base)))
-        self.gate_offset = np.concatenate(off)  # Z_pre - qmin (+ r's table length for z)
-        self.rz_lo = np.concatenate([np.zeros(H), np.full(H, float(len(t_r)))])
-        self.rz_hi = np.concatenate([np.full(H, float(len(t_r) - 1)), np.full(H, float(len(t_r) + len(t_z) - 1))])
-        self.g_top = float(len(t_g) - 1)
-        # bounds of the Wx terms (for folding them into the step's rescales)
-        m, s = _cols(p, ("Wx_r", "Wx_z", "Wx_g"), H)
-        wx_f = Form(m, s, (1 << b["Wx"]) - 1)
-        wx_bound = wx_f.result_bound() + int(np.abs(self.gate_offset).max()) + 1
+        self.tables = {n: _table(p, n) for n in "rzg"}
+        self.offset = {n: float(int(p.zp[f"{n}_pre"]) - qrange(b[f"{n}_pre"])[0]) for n in "rzg"}  # Z_pre - qmin
+        self.top = {n: float(len(self.tables[n]) - 1) for n in "rzg"}
         span_rh = (1 << b["Rh"]) - 1
-        zrh = np.broadcast_to(_np(p.zp["Rh"]).astype(np.int64), (3 * H,))
-        # r, z: rescale of q_Rh - Z_Rh, with -Z folded into the constant when exact
-        m, s = _cols(p, ("Rh_r", "Rh_z"), H)
-        self.f_rz = self.form("Rh_r/Rh_z", m, s, span_rh)
-        self.rz_fold = self.f_rz.kind == "f1" and self.f_rz.fold_ok(wx_bound + span_rh)
-        # the step's r * Rh_g, z * h and (1 - z) * g
-        span_r = (1 << b["r"]) - 1
-        self.f_rrh = self.form("rRh_g", p.rescale["rRh_g"].multiplier, p.rescale["rRh_g"].shift, span_r * span_rh)
-        self.g_fold = self.f_rrh.fold_ok(wx_bound)
-        self.wx_bound = wx_bound
-        self.zrh = zrh
+        self.forms, self.fold = {}, {}
+        for n in "rzg":
+            r = p.rescale[f"Wx_{n}"]
+            wx_bound = Form(_np(r.multiplier), _np(r.shift), (1 << b["Wx"]) - 1).result_bound() + int(self.offset[n]) + 1
+            if n == "g":  # r * Rh_g
+                f = self.form("rRh_g", p.rescale["rRh_g"].multiplier, p.rescale["rRh_g"].shift,
+                              ((1 << b["r"]) - 1) * span_rh)
+            else:
+                f = self.form(f"Rh_{n}", p.rescale[f"Rh_{n}"].multiplier, p.rescale[f"Rh_{n}"].shift, span_rh)
+            self.forms[n], self.fold[n] = f, wx_bound
 
-    def body(self, state: str, wx: str) -> Tuple[str, str]:
-        """gru_step on the state q_h [N, H] (float64) and this step's input terms [N, 3H]."""
+    def body(self, d_h: str, wx: Sequence[str]) -> str:
+        """gru_step on the state d_h = q_h - Z_h [N, H] (float64) and this step's Wx terms."""
         g, p, H = self.g, self.p, self.H
         b, zp = p.bits, p.zp
         z_h = int(zp["h"])
         h_lo, h_hi = qrange(b["h"])
         span_h = _span(b["h"], z_h)
-        d_h = g.sub(state, g.const(float(z_h)))
+        R = _np(p.R)
         # the recurrent operand (golden.recurrent_operand), straight into MatMulInteger's uint8
         u8 = None
         if "h_gemm" in b:
@@ -427,68 +418,74 @@ class _Layer:
             else:
                 op = g.clip(apply_rescale(g, d_h, f, add_const=float(zo), add_bound=abs(zo)), lo, hi)
         else:
-            op, op_bits = state, b["h"]
-        span_op = 1 << (op_bits - 1)
-        prod = self.gemm(op, op_bits, p.R, b["R"], u8=u8)
+            op_bits = b["h"]
+            op = g.add(d_h, g.const(float(z_h)))
+            if op_bits <= 8 and b["R"] <= 8:
+                u8 = g.cast(g.add(d_h, g.const(float(z_h + 128))), 2)
         r = p.rescale["Rh"]
         bias = _np(p.b_h).astype(np.int64) - _np(p.R_zp_comp).astype(np.int64)
-        q_rh = self.requant(prod, (op_bits, b["R"]), p.R, span_op, bias, _np(r.multiplier), _np(r.shift),
-                            zp["Rh"], b["Rh"], "Rh")
-        q_rh_rz, q_rh_g = g.op("Split", [q_rh, g.const(np.array([2 * H, H]), np.int64)], n_out=2, axis=-1)
-        wx_rz, wx_g = g.op("Split", [wx, g.const(np.array([2 * H, H]), np.int64)], n_out=2, axis=-1)
-        # r and z: index = Wx term + rescale(q_Rh - Z_Rh), saturated; one lookup in [T_r | T_z]
-        zrz = self.zrh[:2 * H].astype(np.float64)
-        if self.rz_fold:  # floor(q c + (1/2 - Z c) + wx) = rescale(q - Z) + wx, exact (setup)
-            y = g.add(g.add(g.mul(q_rh_rz, g.const(self.f_rz.c)), g.const(0.5 - zrz * self.f_rz.c)), wx_rz)
-        else:
-            y = apply_rescale(g, g.sub(q_rh_rz, g.const(zrz)), self.f_rz, add_tensor=wx_rz, add_bound=1 << 60)
-        idx = g.cast(g.clip(y, self.rz_lo, self.rz_hi), 7)
-        d_rz = self.lookup(self.t_rz, idx, 2 * H)
-        d_r, d_z = g.op("Split", [d_rz, g.const(np.array([H, H]), np.int64)], n_out=2, axis=-1)
-        # g: Wx_g term + rescale(r * (q_Rh_g - Z)), saturated, tanh table
-        d_rh_g = g.sub(q_rh_g, g.const(self.zrh[2 * H:].astype(np.float64)))
-        y = apply_rescale(g, g.mul(d_r, d_rh_g), self.f_rrh, add_tensor=wx_g, add_bound=self.wx_bound,
+        d_rh = {}
+        for q, name in enumerate("rzg"):
+            cols = slice(q * H, (q + 1) * H)
+            prod = self.gemm(op, op_bits, R[cols], b["R"], u8=u8)
+            d_rh[name] = self.requant(prod, (op_bits, b["R"]), R[cols], bias[cols], _gate_cols(r.multiplier, cols),
+                                      _gate_cols(r.shift, cols), _gate_cols(zp["Rh"], cols), b["Rh"], f"Rh ({name})")
+        # r, z: index = Wx term + rescale(d_Rh), saturated to the table; the floor is the Cast's
+        d = {}
+        for q, name in enumerate("rz"):
+            y = apply_rescale(g, d_rh[name], self.forms[name], add_tensor=wx[q], add_bound=self.fold[name],
+                              floor=False)
+            d[name] = self.lookup(name, y)
+        # g: Wx_g term + rescale(r * Rh_g), saturated, tanh table
+        y = apply_rescale(g, g.mul(d["r"], d_rh["g"]), self.forms["g"], add_tensor=wx[2], add_bound=self.fold["g"],
                           floor=False)
-        idx = g.cast(g.clip(y, 0.0, self.g_top), 7)
-        d_g = self.lookup(self.t_g, idx, H)
-        # h' = sat(rescale(z (h - Z_h)) + rescale((1 - z) g) + Z_h)
-        zh = self.rescale(g.mul(d_z, d_h), "zh", ((1 << b["z"]) - 1) * span_h)
-        one_minus_z = g.sub(g.const(float(p.one_z)), d_z)
+        d_g = self.lookup("g", y)
+        # h' - Z_h = sat(rescale(z (h - Z_h)) + rescale((1 - z) g) + Z_h) - Z_h
+        zh = self.rescale(g.mul(d["z"], d_h), "zh", ((1 << b["z"]) - 1) * span_h)
+        one_minus_z = g.sub(g.const(float(p.one_z)), d["z"])
         zg_max = (1 << b["z"]) * (1 << (b["g"] - 1))
         zh_bound = Form(_np(p.rescale["zh"].multiplier), _np(p.rescale["zh"].shift),
                         ((1 << b["z"]) - 1) * span_h).result_bound()
-        h_new = self.rescale(g.mul(one_minus_z, d_g), "zg", zg_max, add_const=float(z_h), add_tensor=zh,
-                             add_bound=zh_bound + abs(z_h))
-        h_new = g.clip(h_new, h_lo, h_hi)
-        return h_new, g.op("Identity", [h_new])
+        h_new = self.rescale(g.mul(one_minus_z, d_g), "zg", zg_max, add_tensor=zh, add_bound=zh_bound)
+        return g.clip(h_new, float(h_lo - z_h), float(h_hi - z_h))
 
-    def lookup(self, table: np.ndarray, idx: str, width: int) -> str:
-        """table[idx] for int64 idx [N, width]: GatherElements on the flattened indices (ONNX
+    def lookup(self, name: str, y: str) -> str:
+        """The gate's table at floor(y), y clamped to the table (a float whose floor is the index:
+        Cast truncates, and the clamp keeps it >= 0): GatherElements on the flattened indices (ONNX
         Runtime's Gather copies one element per index through a generic block copy, ~10x slower)."""
         g = self.g
+        idx = g.cast(g.clip(y, 0.0, self.top[name]), 7)
         flat = g.op("Reshape", [idx, g.const(np.array([-1]), np.int64)])
-        v = g.op("GatherElements", [g.const(table), flat], axis=0)
-        return g.op("Reshape", [v, g.const(np.array([-1, width]), np.int64)])
+        v = g.op("GatherElements", [g.const(self.tables[name]), flat], axis=0)
+        return g.op("Reshape", [v, g.const(np.array([-1, self.H]), np.int64)])
 
-    def run(self, qx: str, qh0: str, level: Optional[str], reverse: bool) -> Tuple[str, str]:
-        """(q outputs [T, N, H], q h_n [N, H]) as float64 integer tensors."""
+    def run(self, qx: str, d_h0: str, level: Optional[str], reverse: bool) -> Tuple[str, str]:
+        """(outputs - Z_h [T, N, H], h_n - Z_h [N, H]) as float64 integer tensors."""
         onnx = _onnx()
         g = self.g
         self.setup()
         wx = self.input_terms(qx, level)
         outer_nodes = g.nodes
         g.nodes = []
-        st_in, wx_in = g.name("h_in"), g.name("wx_in")
-        h_new, y_out = self.body(st_in, wx_in)
+        st_in = g.name("h_in")
+        wx_in = [g.name(f"wx{n}_in") for n in "rzg"]
+        h_new = self.body(st_in, wx_in)
+        y_out = g.op("Identity", [h_new])
         body_nodes, g.nodes = g.nodes, outer_nodes
         D = onnx.TensorProto.DOUBLE
-        body = onnx.helper.make_graph(
-            body_nodes, g.name("step"),
-            [onnx.helper.make_tensor_value_info(st_in, D, None), onnx.helper.make_tensor_value_info(wx_in, D, None)],
-            [onnx.helper.make_tensor_value_info(h_new, D, None), onnx.helper.make_tensor_value_info(y_out, D, None)])
-        hn, out = g.op("Scan", [qh0, wx], n_out=2, body=body, num_scan_inputs=1,
-                       scan_input_directions=[1 if reverse else 0], scan_output_directions=[1 if reverse else 0])
+        vi = onnx.helper.make_tensor_value_info
+        body = onnx.helper.make_graph(body_nodes, g.name("step"), [vi(n, D, None) for n in [st_in] + wx_in],
+                                      [vi(h_new, D, None), vi(y_out, D, None)])
+        direction = [1 if reverse else 0]
+        hn, out = g.op("Scan", [d_h0] + wx, n_out=2, body=body, num_scan_inputs=3,
+                       scan_input_directions=direction * 3, scan_output_directions=direction)
         return out, hn
+
+
+def _gate_cols(v, cols: slice) -> np.ndarray:
+    """A per-channel (or per-tensor) [3H] parameter's entries for one gate's channels."""
+    a = _np(v)
+    return a[cols] if a.ndim else a
 
 
 def gru_nodes(params: QuantParams, g: Graph, x: str, h0: str, out: str, h_n: str, out_dtype: int,
@@ -526,9 +523,8 @@ def gru_nodes(params: QuantParams, g: Graph, x: str, h0: str, out: str, h_n: str
             else:
                 lo, hi = qrange(p.bits["x"])
                 parts = []
-                for e, q in enumerate(q_prev):
+                for e, dq in enumerate(q_prev):  # (q - Z_h) of the previous layer
                     pe = layers[li - 1][e]
-                    dq = g.sub(q, g.const(float(int(pe.zp["h"]))))
                     zx = int(p.zp["x"])
                     v = lay.rescale(dq, f"in_{e}", _span(pe.bits["h"], pe.zp["h"]), add_const=float(zx),
                                     add_bound=abs(zx))
@@ -536,13 +532,14 @@ def gru_nodes(params: QuantParams, g: Graph, x: str, h0: str, out: str, h_n: str
                 qx = parts[0] if len(parts) == 1 else g.op("Concat", parts, axis=-1)
             h0_i = g.op("Gather", [h064, g.const(np.int64(li * D + d), np.int64)], axis=0)
             qh0 = quantize(g, h0_i, g.const(float(p.scale["h"])), int(p.zp["h"]), p.bits["h"])
-            o, hn = lay.run(qx, qh0, level, reverse=d == 1)
+            d_h0 = g.sub(qh0, g.const(float(int(p.zp["h"]))))
+            o, hn = lay.run(qx, d_h0, level, reverse=d == 1)
             outs.append(o)
             h_ns.append(hn)
         q_prev = outs
 
     def dequant(q, p):
-        v = g.mul(g.sub(q, g.const(float(int(p.zp["h"])))), g.const(float(p.scale["h"])))
+        v = g.mul(q, g.const(float(p.scale["h"])))  # (q - Z) S: q holds q - Z
         return g.cast(g.cast(v, 1), out_dtype) if out_dtype != 1 else g.cast(v, 1)
 
     last = [dequant(q, p) for q, p in zip(q_prev, layers[-1])]
