@@ -315,12 +315,17 @@ class _Layer:
         rowsum = np.abs(w.astype(np.int64)).sum(1)  # |G| <= max|q| rowsum(|w|)
         V = min(V, int(rowsum.max()) * (1 << (bits_in[0] - 1)))
         vmax = V + int(np.abs(bias_i).max())
+        # No clamp is applied: every operation below is monotone in the product (positive constants,
+        # Add, Mul, Floor, all correctly rounded), exact for |G| <= V, and for |G| > V gives a value at
+        # least as far out as G = +-V does, beyond the range: the clamp to it gives the true result.
         x = g.cast(prod, 11) if bits_in[0] <= 8 and bits_in[1] <= 8 else prod
-        x = g.clip(x, -float(V), float(V))
         zf = zpa.astype(np.float64)
         if per_token is None:
             f = self.form(what, m, s, vmax)
-            y = apply_rescale(g, g.add(x, g.const(bias_i.astype(np.float64))), f)
+            if f.kind == "f1":  # floor((G + b) c + 1/2) = floor(G c + (b c + 1/2)): b c + 1/2 exact (|b| <= vmax)
+                y = g.floor(g.add(g.mul(x, g.const(f.c)), g.const(bias_i.astype(np.float64) * f.c + 0.5)))
+            else:
+                y = apply_rescale(g, g.add(x, g.const(bias_i.astype(np.float64))), f)
             return g.clip(y, lo - zf, hi - zf)
         # x levels: one shift for every level and channel (m 2^(S - s), S = max s), so that the
         # form's scalar constants are shared and only bias, mh, ml (or c) are gathered per token
