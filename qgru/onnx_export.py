@@ -127,7 +127,7 @@ def _flat_args(args) -> List[Any]:
 def export_onnx(model: nn.Module, args, path: Union[str, os.PathLike], *,
                 input_names: Optional[Sequence[str]] = None, output_names: Optional[Sequence[str]] = None,
                 dynamic_axes: Optional[Dict[str, Any]] = None, opset: Optional[int] = None,
-                check: bool = True) -> Path:
+                integer_gemm: bool = True, check: bool = True) -> Path:
     """Write ``model`` (its GRUs converted QuantGRUs) as an ONNX file at ``path``, traced with the
     example ``args`` (a tensor or a tuple of positional arguments); returns the path.
 
@@ -136,7 +136,9 @@ def export_onnx(model: nn.Module, args, path: Union[str, os.PathLike], *,
     as torch.onnx.export exports them. ``input_names`` / ``output_names`` default to input0, ... and
     output0, ...; ``dynamic_axes`` (torch.onnx.export's) defaults to every axis of every tensor
     input and output except the last (sequence length and batch, whatever the layout). ``opset``:
-    qgru.onnx_graph.OPSET (17), the only one tested. ``check``: run
+    qgru.onnx_graph.OPSET (17), the only one tested. ``integer_gemm``: 8-bit GEMMs as MatMulInteger
+    (uint8 x int8, fast); False writes float64 MatMuls instead (exact in any runtime: for runtimes
+    whose uint8 x int8 GEMM saturates, see docs/onnx.md, "Limits"). ``check``: run
     onnx.checker.check_model(full_check=True) before writing.
     """
     try:
@@ -192,7 +194,7 @@ def export_onnx(model: nn.Module, args, path: Union[str, os.PathLike], *,
         for m in patched:
             m.__dict__.pop("_forward_integer", None)
     proto = onnx.load_from_string(buf.getvalue())
-    _splice(proto, slots, Graph, gru_nodes, ONNXExportError)
+    _splice(proto, slots, Graph, gru_nodes, ONNXExportError, integer_gemm)
     meta = {"qgru_version": __version__, "qgru_opset": str(OPSET),
             "qgru_grus": json.dumps([{"module": s.name, "meta": s.params.meta} for s in slots], sort_keys=True)}
     for k, v in meta.items():
@@ -222,7 +224,7 @@ def _qgru_version() -> str:
 _DTYPES = {torch.float32: 1, torch.float64: 11, torch.float16: 10, torch.bfloat16: 16}
 
 
-def _splice(proto, slots: List[_Slot], Graph, gru_nodes, ONNXExportError) -> None:
+def _splice(proto, slots: List[_Slot], Graph, gru_nodes, ONNXExportError, integer_gemm: bool = True) -> None:
     """Replace each placeholder node by its GRU's nodes and initializers, in place."""
     graph = proto.graph
     nodes = list(graph.node)
@@ -239,7 +241,7 @@ def _splice(proto, slots: List[_Slot], Graph, gru_nodes, ONNXExportError) -> Non
         g = Graph(f"qgru{index}_{len(seen)}_")
         seen.add(index)
         gru_nodes(slot.params, g, node.input[0], node.input[1], node.output[0], node.output[1],
-                  _DTYPES[slot.dtype], where=slot.name)
+                  _DTYPES[slot.dtype], where=slot.name, integer_gemm=integer_gemm)
         new_nodes.extend(g.nodes)
         graph.initializer.extend(g.inits)
     if not seen:

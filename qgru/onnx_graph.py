@@ -270,8 +270,8 @@ def _cols(p: LayerParams, names, H: int):
 class _Layer:
     """One layer and direction: its constants and the nodes of W.x, the Scan and its body."""
 
-    def __init__(self, g: Graph, p: LayerParams, where: str):
-        self.g, self.p, self.where = g, p, where
+    def __init__(self, g: Graph, p: LayerParams, where: str, integer_gemm: bool = True):
+        self.g, self.p, self.where, self.integer_gemm = g, p, where, integer_gemm
         self.H, self.I = p.hidden_size, p.input_size
         self.bounds = operand_bounds(p.bits, p.input_size, p.hidden_size)
 
@@ -295,10 +295,14 @@ class _Layer:
         uint8 activation, when the caller made it."""
         g = self.g
         wt = _np(w).T.copy()
-        if q_bits <= 8 and w_bits <= 8:
+        if self.int8(q_bits, w_bits):
             a = u8 if u8 is not None else g.cast(g.add(q, g.const(128.0)), 2)
             return g.op("MatMulInteger", [a, g.const(wt, np.int8, "w"), g.const(np.uint8(128), np.uint8)])
         return g.op("MatMul", [q, g.const(wt.astype(np.float64), np.float64, "w")])
+
+    def int8(self, q_bits: int, w_bits: int) -> bool:
+        """Whether a GEMM of these operands is a MatMulInteger (else float64 MatMul)."""
+        return self.integer_gemm and q_bits <= 8 and w_bits <= 8
 
     def requant(self, prod: str, bits_in: Tuple[int, int], w: np.ndarray, bias, m, s, zp, out_bits: int,
                 what: str, per_token=None) -> str:
@@ -318,7 +322,7 @@ class _Layer:
         # No clamp is applied: every operation below is monotone in the product (positive constants,
         # Add, Mul, Floor, all correctly rounded), exact for |G| <= V, and for |G| > V gives a value at
         # least as far out as G = +-V does, beyond the range: the clamp to it gives the true result.
-        x = g.cast(prod, 11) if bits_in[0] <= 8 and bits_in[1] <= 8 else prod
+        x = g.cast(prod, 11) if self.int8(*bits_in) else prod
         zf = zpa.astype(np.float64)
         if per_token is None:
             f = self.form(what, m, s, vmax)
@@ -354,7 +358,7 @@ class _Layer:
         g, p, H = self.g, self.p, self.H
         bx, bw = p.bits["x"], p.bits["W"]
         W = _np(p.W)
-        u8 = g.cast(g.add(qx, g.const(128.0)), 2) if bx <= 8 and bw <= 8 else None
+        u8 = g.cast(g.add(qx, g.const(128.0)), 2) if self.int8(bx, bw) else None
         wzp = _np(p.W_zp_comp).astype(np.int64)
         terms = []
         for q, name in enumerate(("r", "z", "g")):
@@ -416,7 +420,7 @@ class _Layer:
             zo = int(zp["h_gemm"])
             op_bits = b["h_gemm"]
             f = self.form("h_gemm", p.rescale["h_gemm"].multiplier, p.rescale["h_gemm"].shift, span_h)
-            if op_bits <= 8 and b["R"] <= 8:
+            if self.int8(op_bits, b["R"]):
                 y = apply_rescale(g, d_h, f, add_const=float(zo + 128), add_bound=abs(zo) + 128, floor=False)
                 u8 = g.cast(g.clip(y, float(lo + 128), float(hi + 128)), 2)
                 op = None
@@ -425,7 +429,7 @@ class _Layer:
         else:
             op_bits = b["h"]
             op = g.add(d_h, g.const(float(z_h)))
-            if op_bits <= 8 and b["R"] <= 8:
+            if self.int8(op_bits, b["R"]):
                 u8 = g.cast(g.add(d_h, g.const(float(z_h + 128))), 2)
         r = p.rescale["Rh"]
         bias = _np(p.b_h).astype(np.int64) - _np(p.R_zp_comp).astype(np.int64)
@@ -494,10 +498,11 @@ def _gate_cols(v, cols: slice) -> np.ndarray:
 
 
 def gru_nodes(params: QuantParams, g: Graph, x: str, h0: str, out: str, h_n: str, out_dtype: int,
-              where: str = "QuantGRU") -> None:
+              where: str = "QuantGRU", integer_gemm: bool = True) -> None:
     """Append to ``g`` the nodes computing integer_forward: x [T, N, I] and h0 [L*D, N, H] (float
     tensors of any float dtype, time-major) -> ``out`` [T, N, D*H] and ``h_n`` [L*D, N, H] of ONNX
-    dtype ``out_dtype``. ``where`` names the module in errors."""
+    dtype ``out_dtype``. ``where`` names the module in errors. ``integer_gemm=False``: every GEMM a
+    float64 MatMul (exact in any runtime, slower) instead of MatMulInteger for 8-bit operands."""
     layers = params.layers
     L, D = len(layers), len(layers[0])
     x64 = g.cast(x, 11)
@@ -507,7 +512,7 @@ def gru_nodes(params: QuantParams, g: Graph, x: str, h0: str, out: str, h_n: str
     for li, row in enumerate(layers):
         outs = []
         for d, p in enumerate(row):
-            lay = _Layer(g, p, f"{where} (layer {li}, {'reverse' if d else 'forward'})")
+            lay = _Layer(g, p, f"{where} (layer {li}, {'reverse' if d else 'forward'})", integer_gemm)
             level = None
             if li == 0 and p.x_levels is not None:
                 lv = p.x_levels
@@ -556,14 +561,14 @@ def gru_nodes(params: QuantParams, g: Graph, x: str, h0: str, out: str, h_n: str
                                             [g.op("Concat", hns, axis=0)], [h_n]))
 
 
-def build_model(params: QuantParams, batch_first: bool = False):
+def build_model(params: QuantParams, integer_gemm: bool = True):
     """A standalone ModelProto of a QuantParams' integer forward: inputs x [T, N, I] float32 and h0
     [L*D, N, H] float32 (time-major), outputs out and h_n (float32), dynamic T and N."""
     onnx = _onnx()
     g = Graph("qgru_")
     meta = params.meta
     L, D, I, H = meta["num_layers"], 2 if meta["bidirectional"] else 1, meta["input_size"], meta["hidden_size"]
-    gru_nodes(params, g, "x", "h0", "out", "h_n", onnx.TensorProto.FLOAT)
+    gru_nodes(params, g, "x", "h0", "out", "h_n", onnx.TensorProto.FLOAT, integer_gemm=integer_gemm)
     F = onnx.TensorProto.FLOAT
     graph = onnx.helper.make_graph(
         g.nodes, "qgru", [onnx.helper.make_tensor_value_info("x", F, ["T", "N", I]),

@@ -85,6 +85,18 @@ def test_bit_exact_every_config(tmp_path, config, mode, layers, bidirectional):
         _assert_exact(sess, m, {"input0": x.numpy(), "input1": h0.numpy()}, x, h0)
 
 
+def test_float64_gemms(tmp_path):
+    """integer_gemm=False: every GEMM a float64 MatMul (no MatMulInteger), the same integers."""
+    m = _quant_gru("w8a8", "multiplier", 7, 10, 2, True)
+    x, h0 = _inputs(m, 6, 3, 2.0, seed=1)
+    path = qgru.export_onnx(m, (x, h0), tmp_path / "f64.onnx", integer_gemm=False)
+    model = onnx.load(str(path))
+    ops = {n.op_type for n in model.graph.node} | {n.op_type for n in model.graph.node if n.op_type == "Scan"
+                                                   for a in n.attribute for n in a.g.node}
+    assert "MatMulInteger" not in ops and "MatMul" in ops
+    _assert_exact(_session(str(path)), m, {"input0": x.numpy(), "input1": h0.numpy()}, x, h0)
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_h0_missing_batch_first_unbatched(tmp_path, config):
     m = _quant_gru(config, "multiplier", 6, 8, 2, True, batch_first=True)
