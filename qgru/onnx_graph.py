@@ -490,6 +490,8 @@ class _Layer:
         lv_in = g.name("level_in") if level is not None else None
         wx = [self.input_term(q, p_in[q], lv_in) for q in range(3)]
         h_new = self.body(st_in, wx)
+        # (one value listed as both body outputs passes onnx's checker but ONNX Runtime 1.32 then
+        # returns garbage: the output buffer is reused as the next step's state)
         y_out = g.op("Identity", [h_new])
         body_nodes, g.nodes = g.nodes, outer_nodes
         vi = onnx.helper.make_tensor_value_info
