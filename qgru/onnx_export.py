@@ -45,6 +45,7 @@ class _Slot:
     def __init__(self, name: str, params: QuantParams):
         self.name, self.params = name, params
         self.dtype: Optional[torch.dtype] = None
+        self.traced = 0  # calls seen while torch.onnx.export traces
 
 
 class _IntegerGRU(torch.autograd.Function):
@@ -53,7 +54,7 @@ class _IntegerGRU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, hx, index: int, L: int, D: int, H: int, fn):
-        return fn(x, hx)
+        return _run_untraced(fn, x, hx)
 
     @staticmethod
     def symbolic(g, x, hx, index, L, D, H, fn):
@@ -74,9 +75,15 @@ def _placeholder_forward(module: QuantGRU, index: int, slot: _Slot):
         if lengths is not None:
             raise _onnx_error()(f"qgru.export_onnx: {slot.name}: {_PACKED}")
         slot.dtype = x.dtype
+        if torch.jit.is_tracing():
+            slot.traced += 1
+            if slot.traced > 1:
+                # the TorchScript tracer fails inside autograd.Function.apply on a second call
+                # ("unordered_map::at", torch 2.13): say what is not supported instead
+                raise _onnx_error()(f"qgru.export_onnx: {slot.name} is called more than once in one forward; "
+                                    "the export supports one call per QuantGRU (use one module per call site)")
         D = 2 if module.bidirectional else 1
-        return _IntegerGRU.apply(x, hx, index, module.num_layers, D, module.hidden_size,
-                                 lambda a, b: _run_untraced(original, a, b))
+        return _IntegerGRU.apply(x, hx, index, module.num_layers, D, module.hidden_size, original)
 
     return forward_integer
 
@@ -86,7 +93,10 @@ def _run_untraced(original, x, hx):
     records only the placeholder node)."""
     from .runtime import integer_forward
     module = original.__self__
-    return integer_forward(module._params_on(x.device), x.detach(), hx.detach(), None)
+    out, h_n = integer_forward(module._params_on(x.device), x.detach(), hx.detach(), None)
+    # copies: the cpu backend hands out aliases of buffers it reuses on its next call, and the
+    # tracer keys values by tensor (a module called twice failed with "unordered_map::at")
+    return out.clone(), h_n.clone()
 
 
 def _check_model(model: nn.Module) -> List[tuple]:
@@ -229,7 +239,7 @@ def _splice(proto, slots: List[_Slot], Graph, gru_nodes, ONNXExportError, intege
     graph = proto.graph
     nodes = list(graph.node)
     new_nodes = []
-    seen = set()
+    seen: List[int] = []
     for node in nodes:
         if node.domain != PLACEHOLDER_DOMAIN:
             new_nodes.append(node)
@@ -238,8 +248,8 @@ def _splice(proto, slots: List[_Slot], Graph, gru_nodes, ONNXExportError, intege
         slot = slots[index]
         if slot.dtype not in _DTYPES:
             raise ONNXExportError(f"qgru.export_onnx: {slot.name}: input dtype {slot.dtype} has no ONNX form here")
-        g = Graph(f"qgru{index}_{len(seen)}_")
-        seen.add(index)
+        g = Graph(f"qgru{index}_{len(seen)}_")  # a module called twice gets two subgraphs
+        seen.append(index)
         gru_nodes(slot.params, g, node.input[0], node.input[1], node.output[0], node.output[1],
                   _DTYPES[slot.dtype], where=slot.name, integer_gemm=integer_gemm)
         new_nodes.extend(g.nodes)

@@ -33,10 +33,15 @@ def _session(path_or_model):
     return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
 
 
-def _quant_gru(config, mode, I, H, layers, bidirectional, batch_first=False, seed=0):
+def _quant_gru(config, mode, I, H, layers, bidirectional, batch_first=False, seed=0, bias=True):
     torch.manual_seed(seed)
-    cfg = qgru.QuantConfig.load(config, overrides={"scale_mode": mode})
-    m = qgru.QuantGRU(I, H, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first, config=cfg)
+    overrides = {"scale_mode": mode}
+    if config.endswith("-static"):  # one static x grid (no x levels)
+        config = config[:-len("-static")]
+        overrides["tensors"] = {"x": {"dynamic": False}}
+    cfg = qgru.QuantConfig.load(config, overrides=overrides)
+    m = qgru.QuantGRU(I, H, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first, config=cfg,
+                      bias=bias)
     shape = (3, 9, I) if batch_first else (9, 3, I)
     qgru.calibrate(m, [torch.randn(*shape), torch.randn(*shape) * 0.5])
     return m.convert().eval()
@@ -117,11 +122,12 @@ def test_h0_missing_batch_first_unbatched(tmp_path, config):
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(config=st.sampled_from(CONFIGS), mode=st.sampled_from(MODES), I=st.integers(1, 12), H=st.integers(1, 12),
-       layers=st.integers(1, 3), bidirectional=st.booleans(), seed=st.integers(0, 2 ** 16),
-       T=st.integers(1, 12), N=st.integers(1, 4), scale=st.sampled_from([0.1, 1.0, 5.0, 30.0]))
-def test_random_models_bit_exact(tmp_path, config, mode, I, H, layers, bidirectional, seed, T, N, scale):
-    m = _quant_gru(config, mode, I, H, layers, bidirectional, seed=seed)
+@given(config=st.sampled_from(CONFIGS + ("w8a8-static",)), mode=st.sampled_from(MODES), I=st.integers(1, 12),
+       H=st.integers(1, 12), layers=st.integers(1, 3), bidirectional=st.booleans(), bias=st.booleans(),
+       seed=st.integers(0, 2 ** 16), T=st.integers(1, 12), N=st.integers(1, 4),
+       scale=st.sampled_from([0.1, 1.0, 5.0, 30.0]))
+def test_random_models_bit_exact(tmp_path, config, mode, I, H, layers, bidirectional, bias, seed, T, N, scale):
+    m = _quant_gru(config, mode, I, H, layers, bidirectional, seed=seed, bias=bias)
     x, h0 = _inputs(m, 5, 2, 1.0, seed=seed)
     sess = _session(qgru.export_onnx(m, (x, h0), tmp_path / "r.onnx").as_posix())
     x, h0 = _inputs(m, T, N, scale, seed=seed + 1)
@@ -167,6 +173,25 @@ def test_whole_model(tmp_path):
             rl, ry, rh = net(x)
         assert np.array_equal(y, ry.numpy()) and np.array_equal(h, rh.numpy())
         np.testing.assert_allclose(logits, rl.numpy(), rtol=1e-5, atol=1e-6)  # ORT's float Gemm
+
+
+def test_module_called_twice(tmp_path):
+    m = _quant_gru("w8a8", "multiplier", 6, 5, 1, False)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gru = m
+
+        def forward(self, x):
+            y, h = self.gru(x)
+            return self.gru(x * 0.5, h)
+
+    net = Twice().eval()
+    x = torch.randn(4, 2, 6)
+    with pytest.raises(ONNXExportError, match="gru is called more than once in one forward"):
+        qgru.export_onnx(net, (x,), tmp_path / "twice.onnx")
+    assert torch.equal(net(x)[0], net(x)[0])  # the module itself is unchanged
 
 
 # ---------------------------------------------------------------------------------------------
