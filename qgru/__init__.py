@@ -9,6 +9,7 @@ from .native import cuda_nan_seen
 from .module import CalibrationWarning, QGRUDtypeError, QGRUInputError, QuantGRU
 from . import ops as _ops  # registers torch.ops.qgru.integer_gru (torch.compile / torch.export)
 from .onnx_export import export_onnx
+from .onnx_graph import ONNXExportError
 from .observers import NonFiniteCalibrationError, NonFiniteWeightError
 from .qat import convert_qat, prepare_qat
 from .weight_only import WeightOnlyConfig, WeightOnlyError, WeightOnlyFileError
@@ -20,4 +21,4 @@ __all__ = ["QuantGRU", "QuantConfig", "TensorSpec", "QuantParams", "calibrate", 
            "load_params", "backends", "backend", "compare", "CompareReport", "NonFiniteCalibrationError",
            "NonFiniteWeightError", "CalibrationWarning", "ParamsFileError", "QGRUInputError", "QGRUDtypeError",
            "cuda_nan_seen", "RescaleError",
-           "export_onnx", "WeightOnlyGRU", "WeightOnlyConfig", "WeightOnlyError", "WeightOnlyFileError", "__version__"]
+           "export_onnx", "ONNXExportError", "WeightOnlyGRU", "WeightOnlyConfig", "WeightOnlyError", "WeightOnlyFileError", "__version__"]

@@ -27,16 +27,12 @@ from torch.nn.utils.rnn import PackedSequence
 
 from .export import QuantParams
 from .module import QuantGRU
+from .onnx_graph import ONNXExportError  # (onnx_graph imports onnx only when it builds a graph)
 
 PLACEHOLDER_DOMAIN = "qgru.placeholder"
 _PACKED = ("a PackedSequence cannot be an ONNX input (ONNX has no packed sequences, and the exported "
            "integer GRU has no lengths input): export the model with padded tensors (its GRUs then run "
            "every step of every row; pad_packed_sequence's padding is not masked)")
-
-
-def _onnx_error():
-    from .onnx_graph import ONNXExportError
-    return ONNXExportError
 
 
 class _Slot:
@@ -73,14 +69,14 @@ def _placeholder_forward(module: QuantGRU, index: int, slot: _Slot):
 
     def forward_integer(x, hx, lengths):
         if lengths is not None:
-            raise _onnx_error()(f"qgru.export_onnx: {slot.name}: {_PACKED}")
+            raise ONNXExportError(f"qgru.export_onnx: {slot.name}: {_PACKED}")
         slot.dtype = x.dtype
         if torch.jit.is_tracing():
             slot.traced += 1
             if slot.traced > 1:
                 # the TorchScript tracer fails inside autograd.Function.apply on a second call
                 # ("unordered_map::at", torch 2.13): say what is not supported instead
-                raise _onnx_error()(f"qgru.export_onnx: {slot.name} is called more than once in one forward; "
+                raise ONNXExportError(f"qgru.export_onnx: {slot.name} is called more than once in one forward; "
                                     "the export supports one call per QuantGRU (use one module per call site)")
         D = 2 if module.bidirectional else 1
         return _IntegerGRU.apply(x, hx, index, module.num_layers, D, module.hidden_size, original)
@@ -94,14 +90,12 @@ def _run_untraced(original, x, hx):
     from .runtime import integer_forward
     module = original.__self__
     out, h_n = integer_forward(module._params_on(x.device), x.detach(), hx.detach(), None)
-    # copies: the cpu backend hands out aliases of buffers it reuses on its next call, and the
-    # tracer keys values by tensor (a module called twice failed with "unordered_map::at")
+    # copies: the cpu backend hands out aliases of buffers it reuses on its next call
     return out.clone(), h_n.clone()
 
 
 def _check_model(model: nn.Module) -> List[tuple]:
     """(name, module) of every converted QuantGRU; an error naming any GRU the export cannot take."""
-    ONNXExportError = _onnx_error()
     found = []
     for name, m in model.named_modules():
         label = name or type(model).__name__
@@ -113,7 +107,7 @@ def _check_model(model: nn.Module) -> List[tuple]:
                 raise ONNXExportError(f"qgru.export_onnx: {label} ({type(m).__name__}) is not converted: calibrate "
                                       "and convert it first (qgru.quantize_model, or qgru.calibrate then convert())")
             found.append((label, m))
-        elif isinstance(m, nn.RNNBase) and isinstance(m, nn.GRU):
+        elif isinstance(m, nn.GRU):
             raise ONNXExportError(f"qgru.export_onnx: {label} is a float {type(m).__name__}, not a converted "
                                   "qgru.QuantGRU: quantize the model first (qgru.quantize_model(model, batches))")
     if not found:
@@ -156,7 +150,7 @@ def export_onnx(model: nn.Module, args, path: Union[str, os.PathLike], *,
     except ImportError as e:  # the optional extra
         raise ImportError("qgru.export_onnx needs the onnx package: pip install 'qgru[onnx]'") from e
     __version__ = _qgru_version()
-    from .onnx_graph import OPSET, Graph, ONNXExportError, gru_nodes
+    from .onnx_graph import OPSET, Graph, gru_nodes
 
     if opset is not None and opset != OPSET:
         raise ONNXExportError(f"qgru.export_onnx: opset {opset} is not supported; the export writes opset {OPSET}")
