@@ -90,6 +90,18 @@ def test_bit_exact_every_config(tmp_path, config, mode, layers, bidirectional):
         _assert_exact(sess, m, {"input0": x.numpy(), "input1": h0.numpy()}, x, h0)
 
 
+def test_float64_input(tmp_path):
+    """A model traced with float64 input returns float64, the module's values (float32 cast up)."""
+    m = _quant_gru("w8a16", "multiplier", 5, 6, 1, True)
+    x, h0 = _inputs(m, 6, 2, 1.0, seed=3)
+    x, h0 = x.double(), h0.double()
+    sess = _session(str(qgru.export_onnx(m, (x, h0), tmp_path / "f64in.onnx")))
+    got = sess.run(None, {"input0": x.numpy(), "input1": h0.numpy()})
+    want = m(x, h0)
+    for a, w in zip(got, want):
+        assert a.dtype == np.float64 and np.array_equal(a, w.numpy())
+
+
 def test_float64_gemms(tmp_path):
     """integer_gemm=False: every GEMM a float64 MatMul (no MatMulInteger), the same integers."""
     m = _quant_gru("w8a8", "multiplier", 7, 10, 2, True)
