@@ -257,7 +257,8 @@ def _acc_clip(m, s, bias, top: int) -> int:
     |acc m / 2^s| > top + 1 before and after the clamp (the rescale is monotone), which saturates
     to the same end."""
     top = top + 2
-    return max(((top << int(e)) // int(a)) + 1 + abs(int(b)) for a, e, b in
+    # (a multiplier 0, which the spec allows for a vanishing factor, maps every acc to 0: no bound)
+    return max(((top << int(e)) // int(a) if int(a) else 0) + 1 + abs(int(b)) for a, e, b in
                zip(_ints(np.broadcast_to(m, np.shape(bias))), _ints(np.broadcast_to(s, np.shape(bias))), _ints(bias)))
 
 
