@@ -1,6 +1,6 @@
 """A converted GRU's integer forward as standard ONNX operators (layer 2: parameters -> a graph).
 
-``gru_nodes(params, x, h0, out, h_n, prefix)`` builds, from a QuantParams (every layer and
+``gru_nodes(params, g, x, h0, out, h_n, out_dtype)`` builds, from a QuantParams (every layer and
 direction), the nodes and initializers of one ONNX subgraph that computes exactly what
 ``runtime.integer_forward`` computes: time-major float x [T, N, I] and h0 [L*D, N, H] in, the
 float32 outputs [T, N, D*H] and h_n [L*D, N, H] out (then cast to x's dtype). qgru.export_onnx
@@ -14,13 +14,19 @@ operation is golden.py's, written with the default ONNX domain only:
 * the GEMMs: MatMulInteger (uint8 activation with zero point 128, int8 weights: (a - 128) . w,
   the exact int32 dot product) where x / the R.h operand and the weights have at most 8 bits; a
   float64 MatMul otherwise (exact: every partial sum is an integer below 2^47, docs/spec.md
-  section 6, as golden's own CPU GEMM). W.x for the whole sequence is one GEMM before the loop;
+  section 6, as golden's own CPU GEMM). W.x for the whole sequence is one GEMM per gate before
+  the loop;
 * the cell: a Scan over time (scan_input_directions = 1 for a reverse direction), whose body is
-  gru_step. Integers are held in float64 tensors (every stored value and every product formed is
-  an integer below 2^53, so float64 Add / Mul / Floor are exact on them). Each rescale
-  round_half_up(v m / 2^s) is one of two forms chosen per rescale from the static bound of |v|
-  (``_rescale``: each form's proof is in its docstring, and an export whose bounds fit neither
-  raises); the tables are golden's lookup over every input integer (``Gather``).
+  W.x's requantization and gru_step. Integers are held in float64 tensors (every stored value and
+  every product formed is an integer below 2^53, so float64 Add / Mul / Floor are exact on them).
+  Each rescale round_half_up(v m / 2^s) is one of two forms chosen per rescale from the static
+  bound of |v| (``Form``: each form's proof is in its docstring, and an export whose bounds fit
+  neither raises); the tables are golden's lookup over every input integer (``GatherElements``).
+
+Parts: Graph (names, constants, nodes); Form / apply_rescale (the exact rescales); quantize (the
+float boundary); _Layer (one layer and direction: GEMMs, requantization, the step, the Scan);
+gru_nodes (every layer and direction between the float boundaries); build_model (a standalone
+model of one QuantParams, for tests and benchmarks).
 
 The graph never reads a NaN check (ONNX has no exceptions): a NaN in x or h0 gives unspecified
 integers where the module raises. Everything here is plain numpy + onnx.helper.
@@ -32,7 +38,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .convert import _bits_of, operand_bounds, recurrent_operand
+from .convert import operand_bounds
 from .export import QuantParams
 from .golden import LayerParams
 from .primitives import qrange

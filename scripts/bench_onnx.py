@@ -7,7 +7,6 @@ Prints the median of --reps calls of each (calls interleaved, so load on a share
 all alike), then batch-1 streaming (T = 1 calls carrying h) per step, and the lscpu model name.
 """
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -21,7 +20,6 @@ import torch
 
 def float_gru_model(gru: torch.nn.GRU):
     """ONNX GRU operator (linear_before_reset = 1: torch's formula) with gru's float weights."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
     H = gru.hidden_size
 
