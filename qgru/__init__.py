@@ -8,6 +8,8 @@ from .export import ParamsFileError, QuantParams, load_params
 from .native import cuda_nan_seen
 from .module import CalibrationWarning, QGRUDtypeError, QGRUInputError, QuantGRU
 from . import ops as _ops  # registers torch.ops.qgru.integer_gru (torch.compile / torch.export)
+from .onnx_export import export_onnx
+from .onnx_graph import ONNXExportError
 from .observers import NonFiniteCalibrationError, NonFiniteWeightError
 from .qat import convert_qat, prepare_qat
 from .summary import GRUSummary, Summary, summary
@@ -19,5 +21,5 @@ __all__ = ["QuantGRU", "QuantConfig", "TensorSpec", "QuantParams", "calibrate", 
            "prepare_qat", "convert_qat",
            "load_params", "backends", "backend", "compare", "CompareReport", "NonFiniteCalibrationError",
            "NonFiniteWeightError", "CalibrationWarning", "ParamsFileError", "QGRUInputError", "QGRUDtypeError",
-           "cuda_nan_seen", "RescaleError", "summary", "Summary", "GRUSummary",
+           "cuda_nan_seen", "RescaleError", "summary", "Summary", "GRUSummary", "export_onnx", "ONNXExportError",
            "WeightOnlyGRU", "WeightOnlyConfig", "WeightOnlyError", "WeightOnlyFileError", "__version__"]

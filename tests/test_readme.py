@@ -1,5 +1,6 @@
 """The README's Python examples run as written (docs that match the code)."""
 import contextlib
+import importlib.util
 import io
 import re
 from pathlib import Path
@@ -28,6 +29,8 @@ def test_readme_examples_run(tmp_path, monkeypatch):
     namespace = {"my_model": my_model}
     printed = {}
     for i, block in enumerate(blocks):
+        if "qgru.export_onnx" in block and not all(importlib.util.find_spec(m) for m in ("onnx", "onnxruntime")):
+            continue  # the optional extra (setup.cfg "onnx"; tests/test_onnx.py skips without it too)
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             exec(compile(block, str(README), "exec"), namespace)

@@ -1,0 +1,283 @@
+"""qgru.export_onnx: the exported integer GRU under ONNX Runtime equals the module bit for bit.
+
+Every test needs the optional packages onnx and onnxruntime (setup.cfg extras "onnx" and "test")
+and skips without them. References are independent of the graph: the module on the reference
+backend (golden.py, int64) and on the default backend, and primitives.rounding_mul_shift for the
+rescale forms. docs/onnx.md says what is proven where.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+import qgru  # noqa: E402
+from qgru.onnx_graph import OPSET, Form, Graph, ONNXExportError, apply_rescale  # noqa: E402
+from qgru.primitives import rounding_mul_shift  # noqa: E402
+
+CONFIGS = ("w8a8", "w8a16", "w16a16")
+MODES = ("multiplier", "pow2")
+
+
+def _session(path_or_model):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    src = path_or_model if isinstance(path_or_model, str) else path_or_model.SerializeToString()
+    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+
+
+def _quant_gru(config, mode, I, H, layers, bidirectional, batch_first=False, seed=0, bias=True):
+    torch.manual_seed(seed)
+    overrides = {"scale_mode": mode}
+    if config.endswith("-static"):  # one static x grid (no x levels)
+        config = config[:-len("-static")]
+        overrides["tensors"] = {"x": {"dynamic": False}}
+    cfg = qgru.QuantConfig.load(config, overrides=overrides)
+    m = qgru.QuantGRU(I, H, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first, config=cfg,
+                      bias=bias)
+    shape = (3, 9, I) if batch_first else (9, 3, I)
+    qgru.calibrate(m, [torch.randn(*shape), torch.randn(*shape) * 0.5])
+    return m.convert().eval()
+
+
+def _inputs(m, T, N, scale, seed, unbatched=False):
+    g = torch.Generator().manual_seed(seed)
+    D = 2 if m.bidirectional else 1
+    if unbatched:
+        x = torch.randn(T, m.input_size, generator=g) * scale
+        h0 = torch.randn(m.num_layers * D, m.hidden_size, generator=g)
+        return x, h0
+    shape = (N, T, m.input_size) if m.batch_first else (T, N, m.input_size)
+    x = torch.randn(*shape, generator=g) * scale
+    x[..., 0, :] *= 4  # tokens far beyond calibration (x levels, saturation)
+    h0 = torch.randn(m.num_layers * D, N, m.hidden_size, generator=g) * 1.5  # beyond [-1, 1]: saturates
+    return x, h0
+
+
+def _assert_exact(sess, m, feeds, x, h0):
+    got = sess.run(None, feeds)
+    with torch.no_grad():
+        want = m(x, h0)
+        with qgru.backend("reference"):  # the golden model, int64
+            gold = m(x, h0)
+    for a, w, gd in zip(got, want, gold):
+        assert a.dtype == np.float32
+        assert np.array_equal(a, w.numpy()), f"differs from the module: max {np.abs(a - w.numpy()).max()}"
+        assert np.array_equal(a, gd.numpy()), "differs from the golden model"
+
+
+# ---------------------------------------------------------------------------------------------
+# every shipped config, both scale modes, 1-3 layers, both directions, h0 given or not
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layers,bidirectional", [(1, False), (2, True), (3, False)])
+def test_bit_exact_every_config(tmp_path, config, mode, layers, bidirectional):
+    m = _quant_gru(config, mode, 7, 10, layers, bidirectional)
+    x, h0 = _inputs(m, 9, 3, 1.0, seed=1)
+    path = qgru.export_onnx(m, (x, h0), tmp_path / "m.onnx")
+    sess = _session(str(path))
+    # other sequence lengths and batch sizes than the example's (dynamic axes), inputs beyond calibration
+    for T, N, scale, seed in ((9, 3, 1.0, 2), (1, 1, 3.0, 3), (17, 5, 10.0, 4), (4, 2, 0.01, 5)):
+        x, h0 = _inputs(m, T, N, scale, seed)
+        _assert_exact(sess, m, {"input0": x.numpy(), "input1": h0.numpy()}, x, h0)
+
+
+def test_float64_input(tmp_path):
+    """A model traced with float64 input returns float64, the module's values (float32 cast up)."""
+    m = _quant_gru("w8a16", "multiplier", 5, 6, 1, True)
+    x, h0 = _inputs(m, 6, 2, 1.0, seed=3)
+    x, h0 = x.double(), h0.double()
+    sess = _session(str(qgru.export_onnx(m, (x, h0), tmp_path / "f64in.onnx")))
+    got = sess.run(None, {"input0": x.numpy(), "input1": h0.numpy()})
+    want = m(x, h0)
+    for a, w in zip(got, want):
+        assert a.dtype == np.float64 and np.array_equal(a, w.numpy())
+
+
+def test_float64_gemms(tmp_path):
+    """integer_gemm=False: every GEMM a float64 MatMul (no MatMulInteger), the same integers."""
+    m = _quant_gru("w8a8", "multiplier", 7, 10, 2, True)
+    x, h0 = _inputs(m, 6, 3, 2.0, seed=1)
+    path = qgru.export_onnx(m, (x, h0), tmp_path / "f64.onnx", integer_gemm=False)
+    model = onnx.load(str(path))
+    ops = {n.op_type for n in model.graph.node} | {n.op_type for n in model.graph.node if n.op_type == "Scan"
+                                                   for a in n.attribute for n in a.g.node}
+    assert "MatMulInteger" not in ops and "MatMul" in ops
+    _assert_exact(_session(str(path)), m, {"input0": x.numpy(), "input1": h0.numpy()}, x, h0)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_h0_missing_batch_first_unbatched(tmp_path, config):
+    m = _quant_gru(config, "multiplier", 6, 8, 2, True, batch_first=True)
+    x, _ = _inputs(m, 7, 3, 1.0, seed=1)
+    sess = _session(str(qgru.export_onnx(m, (x,), tmp_path / "bf.onnx")))
+    for T, N in ((7, 3), (2, 6)):
+        x, _ = _inputs(m, T, N, 2.0, seed=T)
+        got = sess.run(None, {"input0": x.numpy()})
+        want = m(x)
+        for a, w in zip(got, want):
+            assert np.array_equal(a, w.numpy())
+    # unbatched input: [T, I] and h0 [L*D, H]
+    xu, hu = _inputs(m, 5, 1, 1.0, seed=9, unbatched=True)
+    sess = _session(str(qgru.export_onnx(m, (xu, hu), tmp_path / "unbatched.onnx")))
+    for T in (5, 11):
+        xu, hu = _inputs(m, T, 1, 3.0, seed=T, unbatched=True)
+        _assert_exact(sess, m, {"input0": xu.numpy(), "input1": hu.numpy()}, xu, hu)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(config=st.sampled_from(CONFIGS + ("w8a8-static",)), mode=st.sampled_from(MODES), I=st.integers(1, 12),
+       H=st.integers(1, 12), layers=st.integers(1, 3), bidirectional=st.booleans(), bias=st.booleans(),
+       seed=st.integers(0, 2 ** 16), T=st.integers(1, 12), N=st.integers(1, 4),
+       scale=st.sampled_from([0.1, 1.0, 5.0, 30.0]))
+def test_random_models_bit_exact(tmp_path, config, mode, I, H, layers, bidirectional, bias, seed, T, N, scale):
+    m = _quant_gru(config, mode, I, H, layers, bidirectional, seed=seed, bias=bias)
+    x, h0 = _inputs(m, 5, 2, 1.0, seed=seed)
+    sess = _session(qgru.export_onnx(m, (x, h0), tmp_path / "r.onnx").as_posix())
+    x, h0 = _inputs(m, T, N, scale, seed=seed + 1)
+    _assert_exact(sess, m, {"input0": x.numpy(), "input1": h0.numpy()}, x, h0)
+
+
+# ---------------------------------------------------------------------------------------------
+# a whole model: other layers exported as torch exports them, the GRU's outputs exact
+# ---------------------------------------------------------------------------------------------
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(5, 8)
+        self.gru = qgru.QuantGRU(8, 12, num_layers=2, batch_first=True)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        y, h = self.gru(torch.relu(self.proj(x)))
+        return self.head(y[:, -1]), y, h
+
+
+def test_whole_model(tmp_path):
+    torch.manual_seed(0)
+    net = _Net().eval()
+    qgru.calibrate(net, [torch.randn(4, 10, 5) for _ in range(2)])
+    net.gru.convert()
+    x = torch.randn(4, 10, 5)
+    path = qgru.export_onnx(net, (x,), tmp_path / "net.onnx", input_names=["x"], output_names=["logits", "y", "h"])
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model, full_check=True)
+    assert [(o.domain, o.version) for o in model.opset_import] == [("", OPSET)]
+    ops = {n.op_type for n in model.graph.node}
+    assert {"MatMulInteger", "Scan", "Gemm"} <= ops or {"MatMulInteger", "Scan", "MatMul"} <= ops
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert meta["qgru_version"] == qgru.__version__
+    grus = json.loads(meta["qgru_grus"])
+    assert grus[0]["module"] == "gru" and grus[0]["meta"]["config"]["name"] == "w8a8"
+    sess = _session(str(path))
+    for B, T in ((4, 10), (1, 3), (6, 21)):
+        x = torch.randn(B, T, 5) * 2
+        logits, y, h = sess.run(None, {"x": x.numpy()})
+        with torch.no_grad():
+            rl, ry, rh = net(x)
+        assert np.array_equal(y, ry.numpy()) and np.array_equal(h, rh.numpy())
+        np.testing.assert_allclose(logits, rl.numpy(), rtol=1e-5, atol=1e-6)  # ORT's float Gemm
+
+
+def test_module_called_twice(tmp_path):
+    m = _quant_gru("w8a8", "multiplier", 6, 5, 1, False)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gru = m
+
+        def forward(self, x):
+            y, h = self.gru(x)
+            return self.gru(x * 0.5, h)
+
+    net = Twice().eval()
+    x = torch.randn(4, 2, 6)
+    with pytest.raises(ONNXExportError, match="gru is called more than once in one forward"):
+        qgru.export_onnx(net, (x,), tmp_path / "twice.onnx")
+    assert torch.equal(net(x)[0], net(x)[0])  # the module itself is unchanged
+
+
+# ---------------------------------------------------------------------------------------------
+# the exact rescale forms, against primitives.rounding_mul_shift, at the ends of their bounds
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(6))
+def test_rescale_forms_exact(seed):
+    rng = np.random.default_rng(seed)
+    C = 16
+    vbits = int(rng.integers(8, 40))
+    vmax = (1 << vbits) - 1
+    mbits = int(min(31, 62 - vbits))
+    m = rng.integers(1 << (mbits - 1), 1 << mbits, C)
+    if seed % 3 == 0:
+        m[:] = 1 << (mbits - 1)  # pow2 mode's multipliers
+    # shifts as the spec makes them: results (before saturation) up to 2^30, or rounding to 0
+    s = rng.integers(max(1, vbits + mbits - 30), min(62, mbits + vbits + 2) + 1, C)
+    f = Form(m, s, vmax)
+    assert f.kind in ("f1", "f2")
+    v = np.concatenate([rng.integers(-vmax, vmax + 1, (200, C)), np.full((1, C), vmax), np.full((1, C), -vmax),
+                        np.zeros((1, C), np.int64), np.ones((1, C), np.int64)]).astype(np.int64)
+    off = rng.integers(-1000, 1000, C)
+    g = Graph("t_")
+    y = apply_rescale(g, "v", f)
+    y2 = apply_rescale(g, "v", f, add_const=off.astype(np.float64), add_bound=1000)
+    D = onnx.TensorProto.DOUBLE
+    graph = onnx.helper.make_graph(g.nodes, "t", [onnx.helper.make_tensor_value_info("v", D, None)],
+                                   [onnx.helper.make_tensor_value_info(y, D, None),
+                                    onnx.helper.make_tensor_value_info(y2, D, None)], g.inits)
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", OPSET)])
+    got, got2 = _session(model).run(None, {"v": v.astype(np.float64)})
+    want = rounding_mul_shift(torch.from_numpy(v), torch.from_numpy(m), torch.from_numpy(s)).numpy()
+    assert np.array_equal(got, want.astype(np.float64))
+    assert np.array_equal(got2, (want + off).astype(np.float64))
+
+
+# ---------------------------------------------------------------------------------------------
+# errors name the module
+# ---------------------------------------------------------------------------------------------
+def test_errors(tmp_path):
+    net = _Net().eval()
+    x = torch.randn(2, 4, 5)
+    with pytest.raises(ONNXExportError, match=r"gru \(QuantGRU\) is not converted"):
+        qgru.export_onnx(net, (x,), tmp_path / "a.onnx")
+
+    class Float(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(5, 4)
+
+        def forward(self, x):
+            return self.rnn(x)
+
+    with pytest.raises(ONNXExportError, match="rnn is a float GRU"):
+        qgru.export_onnx(Float(), (x,), tmp_path / "b.onnx")
+    m = _quant_gru("w8a8", "multiplier", 5, 4, 1, False)
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(4, 2, 5), torch.tensor([4, 2]))
+    with pytest.raises(ONNXExportError, match="PackedSequence cannot be an ONNX input"):
+        qgru.export_onnx(m, (packed,), tmp_path / "c.onnx")
+
+    class Packs(nn.Module):
+        def __init__(self, gru):
+            super().__init__()
+            self.gru = gru
+
+        def forward(self, x):
+            p = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([x.shape[0]] * x.shape[1]))
+            return self.gru(p)[1]
+
+    with pytest.raises(ONNXExportError, match=r"gru: a PackedSequence cannot be an ONNX input"):
+        qgru.export_onnx(Packs(m), (torch.randn(4, 2, 5),), tmp_path / "d.onnx")
+    assert not (tmp_path / "d.onnx").exists()
+    # the module runs as before after a failed export (its forward is restored)
+    out, _ = m(torch.randn(3, 2, 5))
+    assert out.shape == (3, 2, 4)
+    with pytest.raises(ONNXExportError, match="opset 13"):
+        qgru.export_onnx(m, (torch.randn(3, 2, 5),), tmp_path / "e.onnx", opset=13)
