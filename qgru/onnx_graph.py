@@ -11,8 +11,9 @@ operation is golden.py's, written with the default ONNX domain only:
   ``floor(v) + (v - floor(v) >= 0.5)``, saturate), golden.select_levels for x levels (ReduceMin /
   ReduceMax per token, compared in float64, the first level that holds the token: ArgMax),
   primitives.dequantize ((q - Z) S in float64, then Cast to float32);
-* the GEMMs: MatMulInteger (uint8 activation with zero point 128, int8 weights: (a - 128) . w,
-  the exact int32 dot product) where x / the R.h operand and the weights have at most 8 bits; a
+* the GEMMs: MatMulInteger (uint8 activation and uint8 weights, each with zero point 128:
+  (a - 128) . (w + 128 - 128), the exact int32 dot product; uint8 weights because ONNX Runtime's
+  uint8 x int8 kernels can saturate on CPUs without VNNI, U8_WEIGHTS) where x / the R.h operand and the weights have at most 8 bits; a
   float64 MatMul otherwise (exact: every partial sum is an integer below 2^47, docs/spec.md
   section 6, as golden's own CPU GEMM). W.x for the whole sequence is one GEMM per gate before
   the loop;
@@ -46,6 +47,13 @@ from .tables import lookup
 
 OPSET = 17
 F64_EXACT = 1 << 53
+
+
+# The 8-bit GEMMs' weight operand: uint8 (w + 128, zero point 128) rather than int8. ONNX Runtime
+# multiplies uint8 x int8 on x86 CPUs without VNNI (AVX2, AVX-512 without VNNI) with vpmaddubsw,
+# whose int16 sum of two products saturates (255 x 127 x 2 > 32767): a silently wrong GEMM on, for
+# example, an AMD Zen 3. Its uint8 x uint8 kernels widen to 16 bits first and are exact everywhere.
+U8_WEIGHTS = True
 
 
 class ONNXExportError(ValueError):
@@ -297,14 +305,18 @@ class _Layer:
     # -- GEMM ---------------------------------------------------------------------------------
     def gemm(self, q: str, q_bits: int, w: torch.Tensor, w_bits: int, u8: Optional[str] = None) -> str:
         """q [.., K] (float64 integers of q_bits bits) times w^T (w [C, K]) -> [.., C]: int32 from
-        MatMulInteger (uint8 activation q + 128 with zero point 128, int8 weights) when both have at
+        MatMulInteger (uint8 activation q + 128 and uint8 weights w + 128, zero points 128) when both have at
         most 8 bits, else float64 (MatMul; every partial sum an integer below 2^47). ``u8``: the
         uint8 activation, when the caller made it."""
         g = self.g
         wt = _np(w).T.copy()
         if self.int8(q_bits, w_bits):
             a = u8 if u8 is not None else g.cast(g.add(q, g.const(128.0)), 2)
-            return g.op("MatMulInteger", [a, g.const(wt, np.int8, "w"), g.const(np.uint8(128), np.uint8)])
+            zp = g.const(np.uint8(128), np.uint8)
+            if U8_WEIGHTS:  # uint8 weights w + 128 with zero point 128: ORT's exact u8 x u8 kernels
+                return g.op("MatMulInteger", [a, g.const((wt.astype(np.int16) + 128).astype(np.uint8), np.uint8, "w"),
+                                              zp, zp])
+            return g.op("MatMulInteger", [a, g.const(wt, np.int8, "w"), zp])
         return g.op("MatMul", [q, g.const(wt.astype(np.float64), np.float64, "w")])
 
     def int8(self, q_bits: int, w_bits: int) -> bool:

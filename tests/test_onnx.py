@@ -102,6 +102,33 @@ def test_float64_input(tmp_path):
         assert a.dtype == np.float64 and np.array_equal(a, w.numpy())
 
 
+def test_integer_gemms_are_uint8_by_uint8(tmp_path):
+    """Every MatMulInteger multiplies uint8 by uint8 with both zero points given (weights w + 128):
+    ONNX Runtime's uint8 x int8 kernel saturates int16 pair sums on x86 CPUs without VNNI, its
+    uint8 x uint8 kernels do not. The weights it holds are the module's plus 128, exactly."""
+    from onnx import numpy_helper
+    m = _quant_gru("w8a8", "multiplier", 7, 10, 2, True)
+    x, h0 = _inputs(m, 6, 3, 2.0, seed=1)
+    model = onnx.load(str(qgru.export_onnx(m, (x, h0), tmp_path / "u8.onnx")))
+    nodes = list(model.graph.node) + [n for scan in model.graph.node if scan.op_type == "Scan"
+                                      for a in scan.attribute for n in a.g.node]
+    consts = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    for n in nodes:
+        if n.op_type == "Constant":
+            consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+    mm = [n for n in nodes if n.op_type == "MatMulInteger"]
+    assert mm, "w8a8 exports its 8-bit GEMMs as MatMulInteger"
+    weights = []
+    for n in mm:
+        assert len(n.input) == 4, n.input
+        b, azp, bzp = consts[n.input[1]], consts[n.input[2]], consts[n.input[3]]
+        assert b.dtype == np.uint8 and azp.dtype == np.uint8 and bzp.dtype == np.uint8 and int(bzp) == 128
+        weights.append(b.astype(np.int64) - 128)
+    W = m._qparams[0][0].W.numpy().astype(np.int64)  # layer 0, forward: its three gates' W.x
+    H = m.hidden_size
+    assert any(np.array_equal(w, W[q * H:(q + 1) * H].T) for w in weights for q in range(3))
+
+
 def test_float64_gemms(tmp_path):
     """integer_gemm=False: every GEMM a float64 MatMul (no MatMulInteger), the same integers."""
     m = _quant_gru("w8a8", "multiplier", 7, 10, 2, True)
