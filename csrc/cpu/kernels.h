@@ -127,6 +127,13 @@ struct Kernels {
   // The float boundary: primitives.quantize of x[0, n) into q (range [lo, hi]); false on NaN.
   bool (*quantize_f32)(const float* x, int32_t* q, int64_t n, double scale, int64_t zp, int64_t lo, int64_t hi);
   bool (*quantize_f64)(const double* x, int32_t* q, int64_t n, double scale, int64_t zp, int64_t lo, int64_t hi);
+  // golden.quantize_levels over tokens [0, tokens) of I values each: per token its minimum and
+  // maximum, its level (select_level) into level[t] and its values on that level's grid into q;
+  // false on NaN (a token holding one gets some level: the call fails anyway).
+  bool (*quantize_levels_f32)(const float* x, int32_t* q, int32_t* level, int64_t tokens, int64_t I,
+                              const XLevelGrid& g, int64_t zp, int64_t lo, int64_t hi);
+  bool (*quantize_levels_f64)(const double* x, int32_t* q, int32_t* level, int64_t tokens, int64_t I,
+                              const XLevelGrid& g, int64_t zp, int64_t lo, int64_t hi);
 };
 
 // The paths compiled into this binary (nullptr where the compiler cannot build one).

@@ -314,6 +314,7 @@ class CpuLayer {
     acc_x_ = lt_.acc_x();  // every x level's (levels_ > 0), else the static grid's
     acc_x32_ = lt_.acc32_x();
     cell_ = lt_.cell();
+    level0_static_ = levels_ > 0 && level0_is_static();
     fused_ = rh_.P == 1 && wx_.P == 1;
     if (fused_) rh_.packed.clear();  // the fused step reads R only in the gates layout
     // nothing reads the weights again but in their packed copies
@@ -454,6 +455,23 @@ class CpuLayer {
     std::string isa;  // "": none
   };
 
+  // Whether x level 0's W.x requantization is the static grid's, integer for integer (prepare.py
+  // builds it so; checked here, since the fused step then runs a tile whose rows are all on level 0
+  // as a layer without levels: W.x's fields from the channel blocks, not from the flat per-level
+  // arrays, whose extra base pointers cost the cell ~3-8% at small shapes, issue 40).
+  bool level0_is_static() const {
+    if (!acc32_) return true;  // the int64 cell reads level 0 from the flat arrays either way
+    const int64_t H3 = 3 * H_;
+    for (const char* f : {"bias_hi", "bias_lo", "rshift", "mult32"}) {
+      const std::string lv = std::string("Wxl_") + f, st = std::string("Wx_") + f;
+      if (pow2_ && std::string(f) == "mult32") continue;
+      if (!lt_.t.count(lv) || !lt_.t.count(st)) return false;
+      const at::Tensor a = lt_.t.at(lv).reshape(-1), b = lt_.t.at(st).reshape(-1);
+      if (a.numel() < H3 || b.numel() != H3 || !at::equal(a.narrow(0, 0, H3), b)) return false;
+    }
+    return true;
+  }
+
   // The one-row Layer (made on first use), or nullptr where set_one_row named none. Shared: a
   // call keeps the one it runs on alive through a set_one_row that replaces it.
   std::shared_ptr<CpuLayer> one_row_layer() {
@@ -581,10 +599,16 @@ class CpuLayer {
             k_->gemm(cpu::GemmArgs{h_in + n0 * lda * ab, lda, rows, rh_.K, gates_h, g0, g1, acc_h, W, T16 * W});
             lap(ns_rh);
             for (int64_t r = 0; r < rows; ++r) active[r] = lengths == nullptr || t < lengths[n0 + r];
+            // rows all on level 0 (the static grid, level0_static_): the cell as without levels
+            const int32_t* lev = level != nullptr ? level + t * N + n0 : nullptr;
+            if (lev != nullptr && level0_static_) {
+              int32_t any = 0;
+              for (int64_t r = 0; r < rows; ++r) any |= lev[r];
+              if (any == 0) lev = nullptr;
+            }
             k_->cell_tile(cpu::CellTileArgs{&cell_, &acc_x_, j0, nj, rows, active, xacc ? acc_x : dwx_t + n0 * 3 * H,
                                            acc_h, state + n0 * H, out_t + n0 * H, h_in + n0 * lda * ab,
-                                           h_out + n0 * lda * ab, lda, pow2_, acc32_, xacc, &acc_x32_,
-                                           level != nullptr ? level + t * N + n0 : nullptr});
+                                           h_out + n0 * lda * ab, lda, pow2_, acc32_, xacc, &acc_x32_, lev});
             lap(ns_cell);
             step.done.fetch_add(1, std::memory_order_release);  // publishes this task's h_out, state, out
           }
@@ -647,6 +671,7 @@ class CpuLayer {
   at::Tensor out_;  // the last output, reused once its caller drops it (reuse_or_empty)
   int64_t H_, I_, ones_col_;
   int64_t levels_ = 0;  // x levels (0: none)
+  bool level0_static_ = false;  // level 0's W.x requantization is the static grid's (level0_is_static)
   int32_t x_bits_, h_bits_;
   bool pow2_, acc32_;
   Gemm wx_, rh_;
@@ -736,21 +761,13 @@ template <typename scalar_t>
 bool quantize_levels_loop(const Kernels* k, const scalar_t* x, int32_t* q, int32_t* level, int64_t tokens, int64_t I,
                           const XLevelGrid& g, int64_t zp, Range r) {
   std::atomic<bool> nan{false};
+  // the path's kernel (quantize_block.h quantize_levels_block): min and max in its float vectors
   parallel_for(0, tokens, std::max<int64_t>(1, 4096 / I), [&](int64_t b, int64_t e) {
-    bool ok = true;
-    for (int64_t t = b; t < e; ++t) {
-      const scalar_t* v = x + t * I;
-      scalar_t mn = v[0], mx = v[0];
-      for (int64_t i = 1; i < I; ++i) {  // a NaN is flagged by the quantize below (the level is then moot)
-        mn = v[i] < mn ? v[i] : mn;
-        mx = v[i] > mx ? v[i] : mx;
-      }
-      const int32_t j = select_level(g, (double)mn, (double)mx, false);
-      level[t] = j;
-      ok = (std::is_same<scalar_t, float>::value
-                ? k->quantize_f32((const float*)v, q + t * I, I, g.scale[j], zp, r.lo, r.hi)
-                : k->quantize_f64((const double*)v, q + t * I, I, g.scale[j], zp, r.lo, r.hi)) && ok;
-    }
+    const bool ok = std::is_same<scalar_t, float>::value
+                        ? k->quantize_levels_f32((const float*)x + b * I, q + b * I, level + b, e - b, I, g, zp,
+                                                 r.lo, r.hi)
+                        : k->quantize_levels_f64((const double*)x + b * I, q + b * I, level + b, e - b, I, g, zp,
+                                                 r.lo, r.hi);
     if (!ok) nan = true;
   });
   return !nan;
