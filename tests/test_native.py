@@ -2227,6 +2227,23 @@ def test_cpu_path_gemm_exact(cpu_backend, rows, K, M, gates, extreme, seed):
         assert torch.equal(got.long(), want), (path, (got.long() != want).nonzero()[:5].tolist())
 
 
+@pytest.mark.parametrize("K", [1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 40, 63, 64, 65, 72])
+def test_cpu_path_gemm_k_around_the_packing_step(cpu_backend, K):
+    """K packed and multiplied in steps of 8 (vpdpbusd paths) and 4 (avx2) instead of 64 (issue 40):
+    exact at and around every step, one row and 1-3 row tiles, plain and gate layouts, extremes."""
+    mod = native.load("cpu")
+    gen = torch.Generator().manual_seed(K)
+    for rows in (1, 3, 8, 17):
+        a = torch.randint(-128, 128, (rows, K), generator=gen)
+        w = torch.randint(-128, 128, (48, K), generator=gen)
+        a[0], w[0] = -128, -128
+        want = a @ w.t()
+        for path in _usable_paths():
+            for gates in (False, True):
+                got = mod.kernel_gemm(path, a, w, gates)
+                assert torch.equal(got.long(), want), (path, K, rows, gates)
+
+
 @pytest.mark.parametrize("K", [4096, 65535, 131071])
 def test_cpu_path_gemm_largest_k(cpu_backend, K):
     """int8 products at the extremes up to the largest K (|sum| = K 2^14 < 2^31): exact on every path

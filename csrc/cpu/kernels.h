@@ -108,6 +108,11 @@ QGRU_ISA_BEGIN
 // K padded with zeros to whole kKAlign slices: every path's packed weights and activation rows.
 // (In each path's namespace like every inline function the kernel files compile.)
 inline int64_t k_padded(int64_t K) { return (K + kKAlign - 1) / kKAlign * kKAlign; }
+// K padded to whole multiples of `step` (a divisor of kKAlign): what a path's GEMM packs and loops
+// over where its micro-kernels need less than kKAlign (the vpdpbusd paths 8, avx2 4). Activation
+// rows keep their kKAlign-padded stride, their columns K .. lda - 1 zero, so every path reads the
+// same buffers; a small K is then not multiplied as 64 (I = 16: a quarter of W.x's work, issue 40).
+inline int64_t k_padded_to(int64_t K, int64_t step) { return (K + step - 1) / step * step; }
 QGRU_ISA_END
 
 struct Kernels {
