@@ -31,6 +31,15 @@ Scenarios (issue targets in brackets):
     python scripts/bench.py --configs w8a8,w8a8:pow2   # a config in the other scale mode too
     python scripts/bench.py --configs w8a8,w8a8+dynamic   # and with x levels (x.dynamic, h_gemm.dynamic)
     python scripts/bench.py --T 50 --N 32 --hidden 256 --threads 4 --out /tmp/b.md
+    python scripts/bench.py --sweep quick             # issue 40's CPU sweep, a subset (a few minutes)
+    python scripts/bench.py --sweep full --sweep-peers   # every size; OpenVINO / ONNX Runtime rows if installed
+
+--sweep (issue 40): H (= I) in 32, 64, 128, 256, 512, 1024 x batch 1, 8, 64 at T=100, 1 and 2 threads
+(--sweep-threads), plus streaming (100 single-step calls at batch 1 carrying h); float nn.GRU, torch
+dynamic quant, qgru w8a8 (the default: x levels), w8a16 and w8a8 with a static x, timed together at
+each point; torch._int_mm's int8 rate (2048^3) measured in the same run, and each w8a8 row's
+multiply-adds per second as a fraction of it. `quick`: H 64 and 512 x batch 1 and 64. Written to
+BENCHMARKS.md in a section of its own (`sweep-cpu-KIND`).
 
 The cpu backend is timed once per instruction-set path the CPU runs (rows `cpu:amx`, `cpu:avx2`,
 ...; `--paths` picks some), so one run shows each path against both peers.
