@@ -78,6 +78,9 @@ struct CellTileArgs {
   // nullptr: level 0; rows of a layer without levels), the row's arrays at level[r] * 3H
   const AccRequant32* wx32;
   const int32_t* level;
+  // level 0's W.x requantization is the static grid's (checked when the layer is made): a row on
+  // level 0 then reads W.x's fields from the channel blocks, as a layer without levels
+  int level0_static;
 };
 
 // W.x requantization of rows [r0, r1): dwx[r][c] = Wx - Z_Wx from the limb products.

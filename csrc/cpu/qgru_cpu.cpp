@@ -599,16 +599,11 @@ class CpuLayer {
             k_->gemm(cpu::GemmArgs{h_in + n0 * lda * ab, lda, rows, rh_.K, gates_h, g0, g1, acc_h, W, T16 * W});
             lap(ns_rh);
             for (int64_t r = 0; r < rows; ++r) active[r] = lengths == nullptr || t < lengths[n0 + r];
-            // rows all on level 0 (the static grid, level0_static_): the cell as without levels
-            const int32_t* lev = level != nullptr ? level + t * N + n0 : nullptr;
-            if (lev != nullptr && level0_static_) {
-              int32_t any = 0;
-              for (int64_t r = 0; r < rows; ++r) any |= lev[r];
-              if (any == 0) lev = nullptr;
-            }
+            // rows on level 0 (the static grid, level0_static_): the cell as without levels
             k_->cell_tile(cpu::CellTileArgs{&cell_, &acc_x_, j0, nj, rows, active, xacc ? acc_x : dwx_t + n0 * 3 * H,
                                            acc_h, state + n0 * H, out_t + n0 * H, h_in + n0 * lda * ab,
-                                           h_out + n0 * lda * ab, lda, pow2_, acc32_, xacc, &acc_x32_, lev});
+                                           h_out + n0 * lda * ab, lda, pow2_, acc32_, xacc, &acc_x32_,
+                                           level != nullptr ? level + t * N + n0 : nullptr, level0_static_ ? 1 : 0});
             lap(ns_cell);
             step.done.fetch_add(1, std::memory_order_release);  // publishes this task's h_out, state, out
           }
