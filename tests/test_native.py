@@ -2274,3 +2274,27 @@ def test_avx2_gemm_takes_16_bit_activations_up_to_the_bound(cpu_backend):
             assert torch.equal(got, want)
         else:  # past the bound the int32 sums wrap: that is why the layer splits into limbs there
             assert torch.equal(got, (want + 2 ** 31) % 2 ** 32 - 2 ** 31) and not torch.equal(got, want)
+
+
+def test_phase_profile_clock(cpu_backend):
+    """scripts/profile_cpu.py's phase clock (issue 40): off by default (a call adds nothing); on, one
+    stack call counts once and times its quantize, W.x, R.h, cell and dequantize phases."""
+    mod = native.load("cpu")
+    torch.manual_seed(0)
+    gru = torch.nn.GRU(8, 16)
+    q = qgru.quantize_model(gru, [torch.randn(5, 20, 8)], progress=False)
+    x = torch.randn(4, 20, 8)
+    with qgru.backend("cpu"), torch.no_grad():
+        want = q(x)
+        mod.profile_read(True)
+        q(x)
+        assert mod.profile_read(True) == [0] * 8
+        mod.profile_enable(True)
+        try:
+            got = q(x)
+        finally:
+            mod.profile_enable(False)
+        v = mod.profile_read(True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    names = ["quantize", "W.x", "R.h", "cell", "wait", "dequantize", "stack"]
+    assert v[7] == 1 and all(v[names.index(k)] > 0 for k in ("quantize", "W.x", "R.h", "cell", "stack")), v
