@@ -93,6 +93,10 @@ def time_once(fn, device: str) -> float:
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end)
+    if device == "cpu-thread":  # the calling thread's CPU time (--sweep, one thread: see sweep_point)
+        t0 = time.thread_time()
+        fn()
+        return (time.thread_time() - t0) * 1e3
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
@@ -561,7 +565,8 @@ def int8_rate(threads: int, size: int = 2048, repeats: int = 7) -> float:
         a = torch.randint(-128, 128, (size, size), dtype=torch.int8)
         b = torch.randint(-128, 128, (size, size), dtype=torch.int8)
         torch._int_mm(a, b)
-        ms = statistics.median(time_once(lambda: torch._int_mm(a, b), "cpu") for _ in range(repeats))
+        clock = "cpu-thread" if threads == 1 else "cpu"  # as sweep_point times one thread
+        ms = statistics.median(time_once(lambda: torch._int_mm(a, b), clock) for _ in range(repeats))
         return size ** 3 / (ms * 1e-3)
     except Exception:  # noqa: BLE001 - no int8 GEMM here: the fraction column stays empty
         return 0.0
@@ -621,10 +626,14 @@ def sweep_point(models: dict, x: torch.Tensor, streaming: bool, extra=None):
     so that each model's timed calls take about SWEEP_TARGET_MS."""
     fns = {k: (step_calls if streaming else full_call)(m, x) for k, m in models.items() if m is not None}
     fns.update(extra or {})
+    # one thread: every model runs on the calling thread, timed in its CPU time, which a shared
+    # machine's other work does not inflate the way it does wall time (descheduled time is not
+    # counted); more threads: wall time
+    clock = "cpu-thread" if torch.get_num_threads() == 1 and not extra else "cpu"
     with torch.inference_mode():
-        first = {k: time_once(f, "cpu") for k, f in fns.items()}  # (also the warm-up's first call)
+        first = {k: time_once(f, clock) for k, f in fns.items()}  # (also the warm-up's first call)
         repeats = int(max(3, min(15, SWEEP_TARGET_MS / max(max(first.values()), 1e-3))))
-        times, _ = timed_together(list(fns.values()), "cpu", 2, repeats)
+        times, _ = timed_together(list(fns.values()), clock, 2, repeats)
     calls = x.shape[0] if streaming else 1
     return {k: ms / calls for k, ms in zip(fns, times)}
 
@@ -716,7 +725,9 @@ def sweep_section(args, rows, stream_rows, rate, notes):
         "",
         *slines,
         "",
-        "- models of a point timed together (interleaved rounds, the same input); ratios are speedups "
+        "- models of a point timed together (interleaved rounds, the same input); 1-thread points in the "
+        "calling thread's CPU time (time.thread_time: robust to a shared machine; the 1-thread int8 rate too), "
+        "2-thread points in wall time; ratios are speedups "
         "(> 1: faster); `x levels cost`: w8a8 (the default, x levels) against w8a8 with "
         "`overrides={\"tensors\": {\"x\": {\"dynamic\": False}}}`; `w8a8 % int8 rate`: the call's multiply-adds "
         "(3 H (I + H) N T) per second over torch._int_mm's rate at the same thread count",
