@@ -310,7 +310,7 @@ QGRU_HD void table_entry(const int64_t* packed, int32_t i, int32_t& lo, int32_t&
 }
 
 template <typename V = int32_t>
-QGRU_HD V lookup32(const Table32& t, V q) {
+QGRU_HD QGRU_INLINE V lookup32(const Table32& t, V q) {
   const V u = q - t.in_min;
   const V i = u >> t.k;
   const V f = u & ((1 << t.k) - 1);

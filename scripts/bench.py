@@ -31,6 +31,15 @@ Scenarios (issue targets in brackets):
     python scripts/bench.py --configs w8a8,w8a8:pow2   # a config in the other scale mode too
     python scripts/bench.py --configs w8a8,w8a8+dynamic   # and with x levels (x.dynamic, h_gemm.dynamic)
     python scripts/bench.py --T 50 --N 32 --hidden 256 --threads 4 --out /tmp/b.md
+    python scripts/bench.py --sweep quick             # issue 40's CPU sweep, a subset (a few minutes)
+    python scripts/bench.py --sweep full --sweep-peers   # every size; OpenVINO / ONNX Runtime rows if installed
+
+--sweep (issue 40): H (= I) in 32, 64, 128, 256, 512, 1024 x batch 1, 8, 64 at T=100, 1 and 2 threads
+(--sweep-threads), plus streaming (100 single-step calls at batch 1 carrying h); float nn.GRU, torch
+dynamic quant, qgru w8a8 (the default: x levels), w8a16 and w8a8 with a static x, timed together at
+each point; torch._int_mm's int8 rate (2048^3) measured in the same run, and each w8a8 row's
+multiply-adds per second as a fraction of it. `quick`: H 64 and 512 x batch 1 and 64. Written to
+BENCHMARKS.md in a section of its own (`sweep-cpu-KIND`).
 
 The cpu backend is timed once per instruction-set path the CPU runs (rows `cpu:amx`, `cpu:avx2`,
 ...; `--paths` picks some), so one run shows each path against both peers.
@@ -84,6 +93,10 @@ def time_once(fn, device: str) -> float:
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end)
+    if device == "cpu-thread":  # the calling thread's CPU time (--sweep, one thread: see sweep_point)
+        t0 = time.thread_time()
+        fn()
+        return (time.thread_time() - t0) * 1e3
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
@@ -527,6 +540,206 @@ def configs_for(args, device: str):
     return ["w8a8", "w8a16"] if device == "cuda" else ["w8a8"]
 
 
+# ---------------------------------------------------------------------------------------------
+# --sweep: issue 40's grid of GRU sizes on the CPU
+# ---------------------------------------------------------------------------------------------
+SWEEP_H = {"full": (32, 64, 128, 256, 512, 1024), "quick": (64, 512)}
+SWEEP_N = {"full": (1, 8, 64), "quick": (1, 64)}
+SWEEP_THREADS = (1, 2)
+SWEEP_T = 100
+SWEEP_TARGET_MS = 400.0  # each model's timed calls at one point take about this long in all (3..15 repeats)
+SWEEP_MODELS = ("float", "dyn", "w8a8", "w8a16", "w8a8 static x")
+SWEEP_CONFIGS = {"w8a8": ("w8a8", None), "w8a16": ("w8a16", None),
+                 "w8a8 static x": ("w8a8", {"tensors": {"x": {"dynamic": False}}})}
+SWEEP_TARGETS = ("benchmark call (T=100 N=64 I=256 H=512, 2 threads) >= 70% of the int8 rate and >= 2x dynamic "
+                 "quant; every point: w8a8 >= 2x dynamic quant and >= 3x float, w8a16 >= 1.5x float and within 1.6x "
+                 "of w8a8; x levels (w8a8 against w8a8 static x) <= 3%; streaming T=1 calls >= 3x dynamic quant")
+
+
+def int8_rate(threads: int, size: int = 2048, repeats: int = 7) -> float:
+    """Multiply-adds per second that torch._int_mm reaches on size^3 int8 with ``threads`` threads
+    (median of ``repeats``); 0.0 where torch._int_mm does not run on this CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randint(-128, 128, (size, size), dtype=torch.int8)
+        b = torch.randint(-128, 128, (size, size), dtype=torch.int8)
+        torch._int_mm(a, b)
+        clock = "cpu-thread" if threads == 1 else "cpu"  # as sweep_point times one thread
+        ms = statistics.median(time_once(lambda: torch._int_mm(a, b), clock) for _ in range(repeats))
+        return size ** 3 / (ms * 1e-3)
+    except Exception:  # noqa: BLE001 - no int8 GEMM here: the fraction column stays empty
+        return 0.0
+    finally:
+        torch.set_num_threads(before)
+
+
+def optional_peers(gru, x):
+    """{name: callable} for OpenVINO's GRU (default settings: bf16 where the CPU has it) and ONNX
+    Runtime's float GRU on an export of ``gru``, each only where its package is installed (an
+    optional benchmark extra, never a qgru dependency); and notes on what was skipped or failed."""
+    peers, notes = {}, []
+    try:
+        import openvino as ov  # noqa: F401
+    except ImportError:
+        notes.append("OpenVINO not installed: no OpenVINO rows")
+    else:
+        try:
+            compiled = ov.compile_model(ov.convert_model(gru, example_input=(x,)), "CPU")
+            peers["openvino"] = lambda: compiled((x.numpy(),))
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"OpenVINO GRU failed: {type(e).__name__}: {e}")
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        notes.append("ONNX Runtime not installed: no ONNX Runtime rows")
+    else:
+        try:
+            import io
+            f = io.BytesIO()
+            torch.onnx.export(gru, (x,), f, dynamo=False)
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = torch.get_num_threads()
+            sess = ort.InferenceSession(f.getvalue(), opts, providers=["CPUExecutionProvider"])
+            name = sess.get_inputs()[0].name
+            peers["onnxruntime"] = lambda: sess.run(None, {name: x.numpy()})
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"ONNX Runtime GRU failed: {type(e).__name__}: {e}")
+    return peers, notes
+
+
+def sweep_models(H: int, I: int, seed: int):
+    """float nn.GRU, torch dynamic quant and the qgru configs of SWEEP_CONFIGS for one size,
+    calibrated on two small random batches (the sweep times speed, not accuracy)."""
+    torch.manual_seed(seed)
+    gru = torch.nn.GRU(I, H).eval()
+    calib = [torch.randn(20, 8, I) for _ in range(2)]
+    models = {"float": gru, "dyn": dynamic_quant_gru(gru)}
+    for name, (cfg, over) in SWEEP_CONFIGS.items():
+        models[name] = qgru.quantize_model(gru, calib, config=qgru.QuantConfig.load(cfg, overrides=over), progress=False)
+    return models
+
+
+def sweep_point(models: dict, x: torch.Tensor, streaming: bool, extra=None):
+    """{model: ms per call} at one point, the models timed together (timed_together): one call of
+    x, or (streaming) x.shape[0] single-step calls carrying h, reported per call. Repeats chosen
+    so that each model's timed calls take about SWEEP_TARGET_MS."""
+    fns = {k: (step_calls if streaming else full_call)(m, x) for k, m in models.items() if m is not None}
+    fns.update(extra or {})
+    # one thread: every model runs on the calling thread, timed in its CPU time, which a shared
+    # machine's other work does not inflate the way it does wall time (descheduled time is not
+    # counted); more threads: wall time
+    clock = "cpu-thread" if torch.get_num_threads() == 1 and not extra else "cpu"
+    with torch.inference_mode():
+        first = {k: time_once(f, clock) for k, f in fns.items()}  # (also the warm-up's first call)
+        repeats = int(max(3, min(15, SWEEP_TARGET_MS / max(max(first.values()), 1e-3))))
+        times, _ = timed_together(list(fns.values()), clock, 2, repeats)
+    calls = x.shape[0] if streaming else 1
+    return {k: ms / calls for k, ms in zip(fns, times)}
+
+
+def bench_sweep(args):
+    """Issue 40's sweep: (markdown section, summary lines)."""
+    size = args.sweep
+    Hs, Ns = SWEEP_H[size], SWEEP_N[size]
+    threads = [int(t) for t in args.sweep_threads.split(",")] if args.sweep_threads else list(SWEEP_THREADS)
+    probe_before = steadiness_probe()
+    rate = {t: int8_rate(t) for t in threads}
+    rows, stream_rows, notes = [], [], []
+    for H in Hs:
+        I = H
+        models = sweep_models(H, I, args.seed)
+        for t in threads:
+            torch.set_num_threads(t)
+            for N in Ns:
+                x = torch.randn(SWEEP_T, N, I)
+                peers, peer_notes = optional_peers(models["float"], x) if args.sweep_peers else ({}, [])
+                notes.extend(n for n in peer_notes if n not in notes)
+                ms = sweep_point(models, x, False, peers)
+                rows.append(dict(H=H, I=I, N=N, threads=t, ms=ms, macs=3 * H * (I + H) * N * SWEEP_T))
+                print(f"  sweep H={H} N={N} threads={t}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items()),
+                      flush=True)
+            xs = torch.randn(SWEEP_T, 1, I)
+            ms = sweep_point(models, xs, True)
+            stream_rows.append(dict(H=H, I=I, N=1, threads=t, ms=ms))
+            print(f"  sweep streaming H={H} threads={t}: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in ms.items()),
+                  flush=True)
+    torch.set_num_threads(args.threads)
+    notes.append(steadiness_note(probe_before, steadiness_probe()))
+    return sweep_section(args, rows, stream_rows, rate, notes)
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a and b else "—"
+
+
+def sweep_section(args, rows, stream_rows, rate, notes):
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    extra = [k for k in ("openvino", "onnxruntime") if any(k in r["ms"] for r in rows)]
+    head = ["H (=I)", "N", "thr", "float ms", "dyn ms", "w8a8 ms", "w8a16 ms", "w8a8 static x ms"] + \
+        [f"{k} ms" for k in extra] + ["w8a8 vs dyn", "w8a8 vs float", "w8a16 vs float", "w8a16 / w8a8",
+                                     "x levels cost", "w8a8 % int8 rate"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
+    summary = []
+    for r in rows:
+        m = r["ms"]
+        g = lambda k: m.get(k)  # noqa: E731
+        frac = (r["macs"] / (g("w8a8") * 1e-3)) / rate[r["threads"]] if rate.get(r["threads"]) else None
+        cells = [str(r["H"]), str(r["N"]), str(r["threads"])] + \
+            [f"{g(k):.3f}" if g(k) else "—" for k in SWEEP_MODELS + tuple(extra)] + \
+            [_ratio(g("dyn"), g("w8a8")), _ratio(g("float"), g("w8a8")), _ratio(g("float"), g("w8a16")),
+             f"{g('w8a16') / g('w8a8'):.2f}" if g("w8a16") and g("w8a8") else "—",
+             f"{g('w8a8') / g('w8a8 static x') - 1:+.1%}" if g("w8a8 static x") else "—",
+             f"{frac:.0%}" if frac else "—"]
+        lines.append("| " + " | ".join(cells) + " |")
+        summary.append(f"H={r['H']:>4} N={r['N']:>2} thr={r['threads']}  w8a8/dyn {cells[-6]:>6}  w8a8/float "
+                       f"{cells[-5]:>6}  w8a16/float {cells[-4]:>6}  xlev {cells[-2]:>6}  int8 {cells[-1]:>4}")
+    sh = ["H (=I)", "thr", "float µs", "dyn µs", "w8a8 µs", "w8a16 µs", "w8a8 static x µs", "w8a8 vs dyn",
+          "w8a8 vs float", "w8a16 vs float"]
+    slines = ["| " + " | ".join(sh) + " |", "|" + "|".join("---:" for _ in sh) + "|"]
+    for r in stream_rows:
+        m = r["ms"]
+        cells = [str(r["H"]), str(r["threads"])] + [f"{m[k] * 1e3:.1f}" if m.get(k) else "—" for k in SWEEP_MODELS] + \
+            [_ratio(m.get("dyn"), m.get("w8a8")), _ratio(m.get("float"), m.get("w8a8")),
+             _ratio(m.get("float"), m.get("w8a16"))]
+        slines.append("| " + " | ".join(cells) + " |")
+        summary.append(f"stream H={r['H']:>4} thr={r['threads']}  w8a8/dyn {cells[-3]:>6}  w8a8/float {cells[-2]:>6}")
+    key = "sweep-" + cpu_kind(args)
+    rate_text = ", ".join(f"{t} thread{'s' if t > 1 else ''} {v / 1e12:.3f} T" for t, v in rate.items())
+    body = "\n".join([
+        f"<!-- bench:{key}:start -->",
+        f"## CPU sweep ({key[10:]} machine, `--sweep {args.sweep}`)",
+        "",
+        f"- date: {now}",
+        f"- machine: {cpu_model_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}, qgru {qgru.__version__}",
+        f"- qgru cpu backend (auto): {qgru.backends()['cpu']['detail']}" if qgru.backends()["cpu"]["available"] else
+        "- qgru cpu backend unavailable",
+        f"- command: `{shlex.join(['python', 'scripts/bench.py', *args.argv])}`",
+        f"- int8 GEMM rate (torch._int_mm 2048^3, median of 7, this run): {rate_text} multiply-adds/s",
+        "",
+        f"T={SWEEP_T}, input size = hidden size, one call per timing (ms per call, median):",
+        "",
+        *lines,
+        "",
+        f"Streaming: {SWEEP_T} single-step calls at batch 1 carrying h (`out, h = m(x_t, h)`), µs per call:",
+        "",
+        *slines,
+        "",
+        "- models of a point timed together (interleaved rounds, the same input); 1-thread points in the "
+        "calling thread's CPU time (time.thread_time: robust to a shared machine; the 1-thread int8 rate too), "
+        "2-thread points in wall time; ratios are speedups "
+        "(> 1: faster); `x levels cost`: w8a8 (the default, x levels) against w8a8 with "
+        "`overrides={\"tensors\": {\"x\": {\"dynamic\": False}}}`; `w8a8 % int8 rate`: the call's multiply-adds "
+        "(3 H (I + H) N T) per second over torch._int_mm's rate at the same thread count",
+        "- calibration: 2 random batches T=20 N=8 per size (the sweep times speed); outputs are not compared "
+        "here (the tests check every path bit for bit against the golden model)",
+        f"- targets (issue 40): {SWEEP_TARGETS}",
+        *[f"- {n}" for n in notes],
+        f"<!-- bench:{key}:end -->",
+    ])
+    return body, summary
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda", "all"], default=None,
@@ -547,6 +760,13 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="small shapes, few repeats (smoke test)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     ap.add_argument("--out", default="BENCHMARKS.md")
+    ap.add_argument("--sweep", choices=["quick", "full"], default=None,
+                    help="issue 40's CPU sweep instead of the scenarios: H (= I) in 32..1024 x batch 1, 8, 64 at "
+                         "T=100, 1 and 2 threads, plus streaming; full: every size (~10-20 min on 2 cores), quick: "
+                         "H 64 and 512 x batch 1 and 64 (a few minutes)")
+    ap.add_argument("--sweep-threads", default="", help="--sweep: thread counts, comma-separated (default 1,2)")
+    ap.add_argument("--sweep-peers", action="store_true",
+                    help="--sweep: also OpenVINO's and ONNX Runtime's GRU where installed (optional extras)")
     args = ap.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.quick:
@@ -562,6 +782,14 @@ def main(argv=None) -> None:
             config_of(c)
         except (ValueError, TypeError) as e:
             sys.exit(f"--configs {c}: {e}")
+
+    if args.sweep:
+        body, summary = bench_sweep(args)
+        print("\n" + body + "\n\nsummary:\n" + "\n".join(summary), flush=True)
+        if not args.no_write:
+            write(args.out, {"sweep": body})
+            print(f"\nwrote {args.out} (sweep section)")
+        return
 
     sections, last = {}, ""
     for d in devices:

@@ -1454,6 +1454,35 @@ def test_x_levels_bit_exact(kind, cfg, mode, I, H):
     assert len(seen) >= 3, seen  # the inputs really used several levels
 
 
+@pytest.mark.parametrize("cfg", ["w8a8", "w8a16"])
+@pytest.mark.parametrize("mode", ["pow2", "multiplier"])
+def test_x_levels_tiles_on_level_0_run_as_static_and_mixed_tiles_per_row(kind, cfg, mode):
+    """Issue 40: a fused step's 16-row tile whose rows are all on level 0 runs the cell as a layer
+    without levels (W.x's fields from the channel blocks); a tile with any other level reads every
+    row's level from the flat arrays. Rows 0-15 on level 0 at every step, rows 16-31 mixed (one of
+    them off level 0 at some steps only), rows 32-39 (a partial tile) on level 0 but at one step:
+    each against golden, bit for bit."""
+    p = _levels_layer(cfg, mode, 40, 130, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    T, N = 6, 40
+    lo, hi = float(p.x_levels.lo[0]), float(p.x_levels.hi[0])
+    lo, hi = (lo if math.isfinite(lo) else -hi), (hi if math.isfinite(hi) else -lo)
+    x = (torch.rand(T, N, p.input_size, generator=gen, dtype=torch.float64) * (hi - lo) + lo) * 0.9
+    x[:, 16:32] *= torch.linspace(0.5, 4.0, 16, dtype=torch.float64).reshape(1, 16, 1)
+    x[3, 20] *= 3.0
+    x[2, 35] *= 4.0
+    x = x.to(torch.float32)
+    qx, level = golden.quantize_levels(p.x_levels, x, p.zp["x"], p.bits["x"])
+    assert (level[:, :16] == 0).all() and (level[:, 16:32] > 0).any() and (level[:, 32:] > 0).sum() == 1
+    qh0 = _random_ints((N, p.hidden_size), p.bits["h"], gen)
+    want_out, want_h = golden.gru_direction(p, qx, qh0, None, level=level)
+    dev = _device(kind)
+    pd = p.to(dev) if dev.type != "cpu" else p
+    got_out, got_h = native.gru_direction(_backend(kind))(pd, qx.to(dev), qh0.to(dev), None, level=level.to(dev))
+    assert torch.equal(got_out.cpu().long(), want_out)
+    assert torch.equal(got_h.cpu().long(), want_h)
+
+
 def test_x_levels_int32_cell_taken(cpu_backend):
     """Calibrated w8a8 layers with x levels take the int32 cell where the same layer without levels
     does: always in multiplier mode (the shipped w8a8's), where a level's wider grid only lowers its
@@ -1515,13 +1544,18 @@ def test_x_levels_quantize_matches_golden(kind, dtype):
     dev = _device(kind)
     with qgru.backend(_backend(kind)) as b:
         ops = b.boundary
-        for shape in ((6, 9, 37), (11, 37), (4, 5, 1)):
+        # token lengths around the kernels' vector widths (min / max in 8- and 16-lane vectors, issue 40)
+        for shape in ((6, 9, 37), (11, 37), (4, 5, 1), (3, 4, 8), (3, 4, 16), (3, 4, 17), (2, 5, 64), (2, 3, 71)):
             if shape[-1] != p.input_size:
                 q1 = _levels_layer("w8a8", "pow2", shape[-1], 16, seed=4)
             else:
                 q1 = p
             x = _level_inputs(q1, shape, gen, dtype)
             x[0, 0] = float("inf")  # a token holding +inf: the last level, saturated
+            if len(shape) == 3 and shape[-1] >= 17:  # extremes in a vector's lanes, not only in the scalar tail
+                x[-1, 0, 15] = -100.0
+                x[-1, 1, 9] = float("-inf")
+                x[-1, 2, 3] = -0.0
             want_q, want_l = golden.quantize_levels(q1.x_levels, x, q1.zp["x"], q1.bits["x"])
             got_q, got_l = ops.quantize_levels(x.to(dev), q1.x_levels, q1.zp["x"], q1.bits["x"], "input")
             assert torch.equal(got_l.cpu().long(), want_l), shape
@@ -2297,6 +2331,23 @@ def test_cpu_path_gemm_exact(cpu_backend, rows, K, M, gates, extreme, seed):
         assert torch.equal(got.long(), want), (path, (got.long() != want).nonzero()[:5].tolist())
 
 
+@pytest.mark.parametrize("K", [1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 40, 63, 64, 65, 72])
+def test_cpu_path_gemm_k_around_the_packing_step(cpu_backend, K):
+    """K packed and multiplied in steps of 8 (vpdpbusd paths) and 4 (avx2) instead of 64 (issue 40):
+    exact at and around every step, one row and 1-3 row tiles, plain and gate layouts, extremes."""
+    mod = native.load("cpu")
+    gen = torch.Generator().manual_seed(K)
+    for rows in (1, 3, 8, 17):
+        a = torch.randint(-128, 128, (rows, K), generator=gen)
+        w = torch.randint(-128, 128, (48, K), generator=gen)
+        a[0], w[0] = -128, -128
+        want = a @ w.t()
+        for path in _usable_paths():
+            for gates in (False, True):
+                got = mod.kernel_gemm(path, a, w, gates)
+                assert torch.equal(got.long(), want), (path, K, rows, gates)
+
+
 @pytest.mark.parametrize("K", [4096, 65535, 131071])
 def test_cpu_path_gemm_largest_k(cpu_backend, K):
     """int8 products at the extremes up to the largest K (|sum| = K 2^14 < 2^31): exact on every path
@@ -2327,3 +2378,27 @@ def test_avx2_gemm_takes_16_bit_activations_up_to_the_bound(cpu_backend):
             assert torch.equal(got, want)
         else:  # past the bound the int32 sums wrap: that is why the layer splits into limbs there
             assert torch.equal(got, (want + 2 ** 31) % 2 ** 32 - 2 ** 31) and not torch.equal(got, want)
+
+
+def test_phase_profile_clock(cpu_backend):
+    """scripts/profile_cpu.py's phase clock (issue 40): off by default (a call adds nothing); on, one
+    stack call counts once and times its quantize, W.x, R.h, cell and dequantize phases."""
+    mod = native.load("cpu")
+    torch.manual_seed(0)
+    gru = torch.nn.GRU(8, 16)
+    q = qgru.quantize_model(gru, [torch.randn(5, 20, 8)], progress=False)
+    x = torch.randn(4, 20, 8)
+    with qgru.backend("cpu"), torch.no_grad():
+        want = q(x)
+        mod.profile_read(True)
+        q(x)
+        assert mod.profile_read(True) == [0] * 8
+        mod.profile_enable(True)
+        try:
+            got = q(x)
+        finally:
+            mod.profile_enable(False)
+        v = mod.profile_read(True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    names = ["quantize", "W.x", "R.h", "cell", "wait", "dequantize", "stack"]
+    assert v[7] == 1 and all(v[names.index(k)] > 0 for k in ("quantize", "W.x", "R.h", "cell", "stack")), v

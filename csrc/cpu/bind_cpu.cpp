@@ -37,6 +37,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return rows;
   }, "(path, usable here, why not, activation bytes (0: not compiled), CPU features it requires) for "
      "every CPU path, fastest first");
+  m.def("profile_enable", &qgru::cpu_api::profile_enable, "phase profile on/off (scripts/profile_cpu.py)");
+  m.def("profile_read", &qgru::cpu_api::profile_read, pybind11::arg("reset") = true,
+        "phase nanoseconds summed over threads: quantize, W.x, R.h, cell, wait, dequantize, stack calls; and the "
+        "count of stack calls");
   m.def("cpu_model", &qgru::cpu::cpu_model, "the CPU's model name (CPUID)");
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("quantize", &qgru::cpu_api::quantize,

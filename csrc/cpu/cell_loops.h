@@ -132,7 +132,8 @@ void cell_rows_t(const CellRowsArgs& a) {
 // moved to that level (at_level).
 template <bool POW2, bool ACC32, bool XACC, typename A>
 QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const AccRequant32& wx32,
-                             const int32_t* __restrict level, int64_t j0, int64_t nj, int64_t rows,
+                             const int32_t* __restrict level, bool level0_static, int64_t j0, int64_t nj,
+                             int64_t rows,
                              const uint8_t* __restrict active, const int32_t* __restrict x,
                              const int32_t* __restrict acc_h, int32_t* __restrict s, int32_t* __restrict o,
                              const A* __restrict h_in, A* __restrict h_out, int64_t lda) {
@@ -209,10 +210,11 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
 #pragma omp simd
       for (int64_t c = nv; c < nj; ++c) body(int32_t{}, lv, wl, rx, rh, rs, c);
     };
+    // (a row on level 0 of a layer whose level 0 is the static grid's: as without levels)
     const auto pass = [&](auto body) {
       for (int64_t r = 0; r < rows; ++r) {
         if (!active[r]) continue;
-        if (XACC && level != nullptr) row_pass(std::true_type{}, body, r);
+        if (XACC && level != nullptr && (level[r] != 0 || !level0_static)) row_pass(std::true_type{}, body, r);
         else row_pass(std::false_type{}, body, r);
       }
     };
@@ -266,7 +268,8 @@ void cell_tile_t(const CellTileArgs& a) {
   const A* h_in = static_cast<const A*>(a.h_in);
   A* h_out = static_cast<A*>(a.h_out);
 #define QGRU_CELL_TILE(P2, A32, XA)                                                                       \
-  cell_tile<P2, A32, XA, A>(*a.p, *a.wx, *a.wx32, a.level, a.j0, a.nj, a.rows, a.active, a.x, a.acc_h, a.s, a.o, \
+  cell_tile<P2, A32, XA, A>(*a.p, *a.wx, *a.wx32, a.level, a.level0_static != 0, a.j0, a.nj, a.rows, a.active, a.x, \
+                            a.acc_h, a.s, a.o,                                                                   \
                             h_in, h_out, a.lda)
   if (a.acc32 && a.pow2) {
     if (a.xacc) QGRU_CELL_TILE(true, true, true);

@@ -19,6 +19,12 @@ namespace cpu_api {
 void mark_forked_child();
 bool forked_child();
 
+// The phase profile (qgru_cpu.cpp): on/off, and the nanoseconds per phase summed over threads
+// (quantize, W.x, R.h, cell, wait between steps, dequantize, whole Stack::forward calls) and the
+// count of Stack calls, optionally reset to zero.
+void profile_enable(bool on);
+std::vector<int64_t> profile_read(bool reset);
+
 at::Tensor quantize(const at::Tensor& x, double scale, int64_t zp, int64_t bits, const std::string& what,
                     const std::string& isa);
 // golden.quantize_levels: (q int32, level int32 per token) on the x levels [scale, lo, hi].

@@ -155,7 +155,8 @@ void gemm(const GemmArgs& a) {
 
 const Kernels kTable{"amx", 1, kTile, packed_bytes, pack, gemm,
                      CellLoops<int8_t>::rows, CellLoops<int8_t>::tile, CellLoops<int8_t>::requant,
-                     CellLoops<int8_t>::act, configure, quantize_f32, quantize_f64};
+                     CellLoops<int8_t>::act, configure, quantize_f32, quantize_f64,
+                     quantize_levels_f32, quantize_levels_f64};
 
 }  // namespace
 QGRU_ISA_END

@@ -47,12 +47,14 @@ QGRU_ISA_BEGIN
 namespace {
 
 constexpr int64_t kGroup = 8;
+constexpr int64_t kKStep = 4;  // K packed and multiplied in pairs of K pairs (micro_1x3's two chains)
+inline int64_t k_pad(int64_t K) { return k_padded_to(K, kKStep); }
 
 // two zero groups past the last: micro_1x3 reads three groups at a time, micro_rx2 two
-int64_t packed_bytes(int64_t groups, int64_t K) { return (groups + 2) * kGroup * k_padded(K); }
+int64_t packed_bytes(int64_t groups, int64_t K) { return (groups + 2) * kGroup * k_pad(K); }
 
 void pack(const int8_t* W, int64_t ldw, int64_t K, const int64_t* channel, int64_t groups, void* out) {
-  const int64_t Kp = k_padded(K);
+  const int64_t Kp = k_pad(K);
   int8_t* o = static_cast<int8_t*>(out);
   memset(o, 0, (size_t)packed_bytes(groups, K));
   for (int64_t g = 0; g < groups; ++g)
@@ -124,7 +126,7 @@ QGRU_NOINLINE void micro_1x3(const GemmArgs& a, const int16_t* A, int64_t r, con
 #undef QGRU_MADD
 
 void gemm(const GemmArgs& a) {
-  const int64_t Kp = k_padded(a.K);  // a multiple of 64: micro_1x3's pairs of K pairs divide it
+  const int64_t Kp = k_pad(a.K);  // a multiple of kKStep: micro_1x3's pairs of K pairs divide it
   const int16_t* A = static_cast<const int16_t*>(a.A);
   const int8_t* B = static_cast<const int8_t*>(a.B);
   if (a.rows == 1) {  // three groups at a time, two chains each
@@ -152,7 +154,8 @@ void no_init() {}
 
 const Kernels kTable{"avx2", 2, kGroup, packed_bytes, pack, gemm,
                      CellLoops<int16_t>::rows, CellLoops<int16_t>::tile, CellLoops<int16_t>::requant,
-                     CellLoops<int16_t>::act, no_init, quantize_f32, quantize_f64};
+                     CellLoops<int16_t>::act, no_init, quantize_f32, quantize_f64,
+                     quantize_levels_f32, quantize_levels_f64};
 
 }  // namespace
 QGRU_ISA_END

@@ -69,7 +69,8 @@ void no_init() {}
 
 const Kernels kTable{"avx512vnni", 1, Zmm::kGroup, Gemm::packed_bytes, Gemm::pack, Gemm::gemm,
                      CellLoops<int8_t>::rows, CellLoops<int8_t>::tile, CellLoops<int8_t>::requant,
-                     CellLoops<int8_t>::act, no_init, quantize_f32, quantize_f64};
+                     CellLoops<int8_t>::act, no_init, quantize_f32, quantize_f64,
+                     quantize_levels_f32, quantize_levels_f64};
 
 }  // namespace
 QGRU_ISA_END

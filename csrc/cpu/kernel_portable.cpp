@@ -96,7 +96,8 @@ void no_init() {}
 
 const Kernels kTable{"portable", 2, kGroup, packed_bytes, pack, gemm,
                      CellLoops<int16_t>::rows, CellLoops<int16_t>::tile, CellLoops<int16_t>::requant,
-                     CellLoops<int16_t>::act, no_init, quantize_f32, quantize_f64};
+                     CellLoops<int16_t>::act, no_init, quantize_f32, quantize_f64,
+                     quantize_levels_f32, quantize_levels_f64};
 
 }  // namespace
 QGRU_ISA_END

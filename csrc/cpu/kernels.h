@@ -78,6 +78,9 @@ struct CellTileArgs {
   // nullptr: level 0; rows of a layer without levels), the row's arrays at level[r] * 3H
   const AccRequant32* wx32;
   const int32_t* level;
+  // level 0's W.x requantization is the static grid's (checked when the layer is made): a row on
+  // level 0 then reads W.x's fields from the channel blocks, as a layer without levels
+  int level0_static;
 };
 
 // W.x requantization of rows [r0, r1): dwx[r][c] = Wx - Z_Wx from the limb products.
@@ -108,6 +111,11 @@ QGRU_ISA_BEGIN
 // K padded with zeros to whole kKAlign slices: every path's packed weights and activation rows.
 // (In each path's namespace like every inline function the kernel files compile.)
 inline int64_t k_padded(int64_t K) { return (K + kKAlign - 1) / kKAlign * kKAlign; }
+// K padded to whole multiples of `step` (a divisor of kKAlign): what a path's GEMM packs and loops
+// over where its micro-kernels need less than kKAlign (the vpdpbusd paths 8, avx2 4). Activation
+// rows keep their kKAlign-padded stride, their columns K .. lda - 1 zero, so every path reads the
+// same buffers; a small K is then not multiplied as 64 (I = 16: a quarter of W.x's work, issue 40).
+inline int64_t k_padded_to(int64_t K, int64_t step) { return (K + step - 1) / step * step; }
 QGRU_ISA_END
 
 struct Kernels {
@@ -127,6 +135,13 @@ struct Kernels {
   // The float boundary: primitives.quantize of x[0, n) into q (range [lo, hi]); false on NaN.
   bool (*quantize_f32)(const float* x, int32_t* q, int64_t n, double scale, int64_t zp, int64_t lo, int64_t hi);
   bool (*quantize_f64)(const double* x, int32_t* q, int64_t n, double scale, int64_t zp, int64_t lo, int64_t hi);
+  // golden.quantize_levels over tokens [0, tokens) of I values each: per token its minimum and
+  // maximum, its level (select_level) into level[t] and its values on that level's grid into q;
+  // false on NaN (a token holding one gets some level: the call fails anyway).
+  bool (*quantize_levels_f32)(const float* x, int32_t* q, int32_t* level, int64_t tokens, int64_t I,
+                              const XLevelGrid& g, int64_t zp, int64_t lo, int64_t hi);
+  bool (*quantize_levels_f64)(const double* x, int32_t* q, int32_t* level, int64_t tokens, int64_t I,
+                              const XLevelGrid& g, int64_t zp, int64_t lo, int64_t hi);
 };
 
 // The paths compiled into this binary (nullptr where the compiler cannot build one).

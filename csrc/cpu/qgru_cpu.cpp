@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <mutex>
@@ -85,6 +86,33 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (!g_forked.load(std::memory_order_relaxed)) return at::parallel_for(begin, end, grain, f);
   if (begin < end) f(begin, end);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Phase profile (scripts/profile_cpu.py, issue 40): where a call's time goes, per phase, summed
+// over threads, in nanoseconds of the steady clock. Off unless profile_enable(true): then each
+// phase costs two clock reads (~20-40 ns) per task, a few % of a small step.
+// ---------------------------------------------------------------------------------------------
+enum Phase { kPhQuantize, kPhWx, kPhRh, kPhCell, kPhWait, kPhDequantize, kPhStack, kPhases };
+std::atomic<bool> g_profile{false};
+std::atomic<int64_t> g_phase_ns[kPhases];
+std::atomic<int64_t> g_profile_calls{0};
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+inline bool profiling() { return g_profile.load(std::memory_order_relaxed); }
+inline void add_phase(Phase p, int64_t ns) { g_phase_ns[p].fetch_add(ns, std::memory_order_relaxed); }
+
+// Times its scope into phase p where profiling is on.
+struct PhaseScope {
+  Phase p;
+  int64_t t0;
+  explicit PhaseScope(Phase ph) : p(ph), t0(profiling() ? now_ns() : -1) {}
+  ~PhaseScope() {
+    if (t0 >= 0) add_phase(p, now_ns() - t0);
+  }
+};
 
 constexpr int64_t kInputChunkRows = 1024;      // rows of W.x per chunk of steps (unfused paths)
 constexpr int64_t kFusedChunkBytes = 1 << 17;  // fused path: x's activation rows per chunk, converted right before use
@@ -287,6 +315,7 @@ class CpuLayer {
     acc_x_ = lt_.acc_x();  // every x level's (levels_ > 0), else the static grid's
     acc_x32_ = lt_.acc32_x();
     cell_ = lt_.cell();
+    level0_static_ = levels_ > 0 && level0_is_static();
     fused_ = rh_.P == 1 && wx_.P == 1;
     if (fused_) rh_.packed.clear();  // the fused step reads R only in the gates layout
     // nothing reads the weights again but in their packed copies
@@ -406,6 +435,7 @@ class CpuLayer {
     for (int64_t t0 = 0; t0 < T; t0 += steps) {
       const int64_t tc = std::min(steps, T - t0);
       if (wx_in_step) {
+        const PhaseScope scope(kPhWx);
         wx_.to_act(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N, I_, ws_.x_act);
       } else {
         input_chunk(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N, lev != nullptr ? lev + t0 * N : nullptr);
@@ -425,6 +455,23 @@ class CpuLayer {
     IntMap values;
     std::string isa;  // "": none
   };
+
+  // Whether x level 0's W.x requantization is the static grid's, integer for integer (prepare.py
+  // builds it so; checked here, since the fused step then runs a tile whose rows are all on level 0
+  // as a layer without levels: W.x's fields from the channel blocks, not from the flat per-level
+  // arrays, whose extra base pointers cost the cell ~3-8% at small shapes, issue 40).
+  bool level0_is_static() const {
+    if (!acc32_) return true;  // the int64 cell reads level 0 from the flat arrays either way
+    const int64_t H3 = 3 * H_;
+    for (const char* f : {"bias_hi", "bias_lo", "rshift", "mult32"}) {
+      const std::string lv = std::string("Wxl_") + f, st = std::string("Wx_") + f;
+      if (pow2_ && std::string(f) == "mult32") continue;
+      if (!lt_.t.count(lv) || !lt_.t.count(st)) return false;
+      const at::Tensor a = lt_.t.at(lv).reshape(-1), b = lt_.t.at(st).reshape(-1);
+      if (a.numel() < H3 || b.numel() != H3 || !at::equal(a.narrow(0, 0, H3), b)) return false;
+    }
+    return true;
+  }
 
   // The one-row Layer (made on first use), or nullptr where set_one_row named none. Shared: a
   // call keeps the one it runs on alive through a set_one_row that replaces it.
@@ -520,10 +567,18 @@ class CpuLayer {
         slots[t * threads + m].end = (m + 1) * n_tasks / threads;
       }
     const char* x_base = xacc ? static_cast<const char*>(ws_.x_act[0].data_ptr()) : nullptr;
+    const bool prof = profiling();
     parallel_for(0, threads, 1, [&](int64_t home, int64_t) {
       k_->thread_init();
       alignas(64) int32_t acc_x[3 * T16 * W], acc_h[3 * T16 * W];  // [gate][row][unit]
       uint8_t active[T16];
+      int64_t ns_wx = 0, ns_rh = 0, ns_cell = 0, ns_wait = 0, tp = prof ? now_ns() : 0;
+      const auto lap = [&](int64_t& into) {
+        if (!prof) return;
+        const int64_t t = now_ns();
+        into += t - tp;
+        tp = t;
+      };
       for (int64_t t = t0; t < t0 + tc; ++t) {
         const int cur = (cur0 + (int)(t - t0)) & 1;  // h is double-buffered: read one, write the other
         const char* h_in = static_cast<const char*>(ws_.h_fused[cur][0].data_ptr());
@@ -538,18 +593,30 @@ class CpuLayer {
             const int64_t b = i / RT, n0 = (i % RT) * T16;
             const int64_t rows = std::min(T16, N - n0), j0 = b * W, nj = std::min(W, H - j0);
             const int64_t g0 = (j0 / G) * 3, g1 = g0 + 3 * ceil_div(nj, G);
+            lap(ns_wait);
             if (xacc)
               k_->gemm(cpu::GemmArgs{x_t + n0 * ldx * ab, ldx, rows, wx_.K, gates_x, g0, g1, acc_x, W, T16 * W});
+            lap(ns_wx);
             k_->gemm(cpu::GemmArgs{h_in + n0 * lda * ab, lda, rows, rh_.K, gates_h, g0, g1, acc_h, W, T16 * W});
+            lap(ns_rh);
             for (int64_t r = 0; r < rows; ++r) active[r] = lengths == nullptr || t < lengths[n0 + r];
+            // rows on level 0 (the static grid, level0_static_): the cell as without levels
             k_->cell_tile(cpu::CellTileArgs{&cell_, &acc_x_, j0, nj, rows, active, xacc ? acc_x : dwx_t + n0 * 3 * H,
                                            acc_h, state + n0 * H, out_t + n0 * H, h_in + n0 * lda * ab,
                                            h_out + n0 * lda * ab, lda, pow2_, acc32_, xacc, &acc_x32_,
-                                           level != nullptr ? level + t * N + n0 : nullptr});
+                                           level != nullptr ? level + t * N + n0 : nullptr, level0_static_ ? 1 : 0});
+            lap(ns_cell);
             step.done.fetch_add(1, std::memory_order_release);  // publishes this task's h_out, state, out
           }
         }
         step.wait_all(n_tasks);
+      }
+      if (prof) {
+        lap(ns_wait);
+        add_phase(kPhWx, ns_wx);
+        add_phase(kPhRh, ns_rh);
+        add_phase(kPhCell, ns_cell);
+        add_phase(kPhWait, ns_wait);
       }
     });
     ws_.cur = (cur0 + (int)tc) & 1;
@@ -558,6 +625,7 @@ class CpuLayer {
   // Wx - Z_Wx of `rows` input rows into ws_.dwx (seed 001 steps 1-2); level: row r's x level at
   // level[r] (a layer with levels), else nullptr.
   void input_chunk(const int32_t* src, int64_t rows, const int32_t* level) {
+    PhaseScope scope(kPhWx);
     wx_.to_act(src, rows, I_, ws_.x_act);
     const LimbProducts lp = wx_.run(ws_.x_act, ws_.Gx, rows, ones_col_);
     int32_t* o = ws_.dwx.data_ptr<int32_t>();
@@ -576,7 +644,10 @@ class CpuLayer {
     // at least kMinParallelWork elements per thread: below that a fork/join costs more than it saves
     const int64_t grain = std::max<int64_t>(1, kMinParallelWork / H_);
     for (int64_t t = t0; t < t0 + tc; ++t) {
+      const int64_t tr = profiling() ? now_ns() : -1;
       const LimbProducts lp = rh_.run(ws_.h_act, ws_.Gh, N, ones_col_);
+      if (tr >= 0) add_phase(kPhRh, now_ns() - tr);
+      PhaseScope cell_scope(kPhCell);
       const int32_t* dwx_t = ws_.dwx.data_ptr<int32_t>() + (t - t0) * N * 3 * H_;
       int32_t* out_t = out.data_ptr<int32_t>() + t * N * H_;
       parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
@@ -596,6 +667,7 @@ class CpuLayer {
   at::Tensor out_;  // the last output, reused once its caller drops it (reuse_or_empty)
   int64_t H_, I_, ones_col_;
   int64_t levels_ = 0;  // x levels (0: none)
+  bool level0_static_ = false;  // level 0's W.x requantization is the static grid's (level0_is_static)
   int32_t x_bits_, h_bits_;
   bool pow2_, acc32_;
   Gemm wx_, rh_;
@@ -685,21 +757,13 @@ template <typename scalar_t>
 bool quantize_levels_loop(const Kernels* k, const scalar_t* x, int32_t* q, int32_t* level, int64_t tokens, int64_t I,
                           const XLevelGrid& g, int64_t zp, Range r) {
   std::atomic<bool> nan{false};
+  // the path's kernel (quantize_block.h quantize_levels_block): min and max in its float vectors
   parallel_for(0, tokens, std::max<int64_t>(1, 4096 / I), [&](int64_t b, int64_t e) {
-    bool ok = true;
-    for (int64_t t = b; t < e; ++t) {
-      const scalar_t* v = x + t * I;
-      scalar_t mn = v[0], mx = v[0];
-      for (int64_t i = 1; i < I; ++i) {  // a NaN is flagged by the quantize below (the level is then moot)
-        mn = v[i] < mn ? v[i] : mn;
-        mx = v[i] > mx ? v[i] : mx;
-      }
-      const int32_t j = select_level(g, TokenRange{(double)mn, (double)mx});
-      level[t] = j;
-      ok = (std::is_same<scalar_t, float>::value
-                ? k->quantize_f32((const float*)v, q + t * I, I, g.scale[j], zp, r.lo, r.hi)
-                : k->quantize_f64((const double*)v, q + t * I, I, g.scale[j], zp, r.lo, r.hi)) && ok;
-    }
+    const bool ok = std::is_same<scalar_t, float>::value
+                        ? k->quantize_levels_f32((const float*)x + b * I, q + b * I, level + b, e - b, I, g, zp,
+                                                 r.lo, r.hi)
+                        : k->quantize_levels_f64((const double*)x + b * I, q + b * I, level + b, e - b, I, g, zp,
+                                                 r.lo, r.hi);
     if (!ok) nan = true;
   });
   return !nan;
@@ -787,7 +851,10 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<std::shared_p
   const int64_t N = x.size(1);
   QGRU_CHECK(h0.size(1) == N && h0.size(2) == H, "qgru cpu stack_forward: h0 must be [", L, ", ", N, ", ", H, "]");
   const Kernels* k = layers[0]->kernels();
+  const PhaseScope whole(kPhStack);
+  if (profiling()) g_profile_calls.fetch_add(1, std::memory_order_relaxed);
   at::Tensor qx, level;
+  int64_t tq = profiling() ? now_ns() : -1;
   if (levels.count > 0)
     std::tie(qx, level) = quantize_levels(x, levels, (int64_t)q[0][1], (int64_t)q[0][2], "input", k);
   else
@@ -797,16 +864,21 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<std::shared_p
   at::Tensor h_n = at::empty({L, N, H}, at::TensorOptions().dtype(at::kFloat));
   at::Tensor out;
   for (int64_t l = 0; l < L; ++l) {
-    if (l > 0)
+    if (l > 0) {
+      tq = profiling() ? now_ns() : -1;
       qx = requantize(out, (int64_t)q[l - 1][4], (int64_t)q[l][6], (int64_t)q[l][7], (int64_t)q[l][1], (int64_t)q[l][2]);
+    }
     at::Tensor state = at::empty({N, H}, at::TensorOptions().dtype(at::kInt));  // the layer's own, updated
     quantize_into(h0c, l * N * H, N * H, q[l][3], (int64_t)q[l][4], (int64_t)q[l][5], "h0", k,
                   state.data_ptr<int32_t>());
+    if (tq >= 0) add_phase(kPhQuantize, now_ns() - tq);
     auto res = layers[l]->run(qx, std::move(state), at::Tensor(), l == 0 ? level : at::Tensor());
     out = std::get<0>(res);
+    const PhaseScope deq(kPhDequantize);
     dequantize_into(std::get<1>(res).data_ptr<int32_t>(), N * H, q[l][3], (int64_t)q[l][4],
                     h_n.data_ptr<float>() + l * N * H);
   }
+  const PhaseScope deq(kPhDequantize);
   return {dequantize(out, q[L - 1][3], (int64_t)q[L - 1][4]), h_n};
 }
 
@@ -889,6 +961,14 @@ at::Tensor kernel_gemm(const std::string& isa, const at::Tensor& a_in, const at:
 namespace cpu_api {
 
 void mark_forked_child() { qgru::mark_forked_child(); }
+
+void profile_enable(bool on) { g_profile.store(on, std::memory_order_relaxed); }
+std::vector<int64_t> profile_read(bool reset) {
+  std::vector<int64_t> v;
+  for (auto& p : g_phase_ns) v.push_back(reset ? p.exchange(0) : p.load());
+  v.push_back(reset ? g_profile_calls.exchange(0) : g_profile_calls.load());
+  return v;
+}
 bool forked_child() { return g_forked.load(std::memory_order_relaxed); }
 
 at::Tensor quantize(const at::Tensor& x, double scale, int64_t zp, int64_t bits, const std::string& what,

@@ -80,6 +80,90 @@ bool quantize_block(const T* x, int32_t* q, int64_t n, double scale, int64_t zp,
   return !nan;
 }
 
+// The minimum and maximum of v[0, n), n >= 1, exactly (min and max of floats are exact, in any
+// order; where v holds a NaN the result is unspecified: the caller's quantize flags the NaN).
+// One pass in the path's widest float vectors: the driver's scalar loop (baseline x86-64, 4 float
+// lanes, two per-token calls) cost the x levels about 5% of a small layer's call (issue 40).
+template <typename T>
+void min_max(const T* v, int64_t n, T& mn_out, T& mx_out) {
+  T mn = v[0], mx = v[0];
+  int64_t i = 1;
+#if defined(QGRU_QUANTIZE_AVX512)
+  if (sizeof(T) == 4 && n >= 16) {
+    __m512 a = _mm512_loadu_ps((const float*)v), b = a;
+    for (i = 16; i + 16 <= n; i += 16) {
+      const __m512 x = _mm512_loadu_ps((const float*)v + i);
+      a = _mm512_min_ps(a, x);
+      b = _mm512_max_ps(b, x);
+    }
+    mn = (T)_mm512_reduce_min_ps(a);
+    mx = (T)_mm512_reduce_max_ps(b);
+  } else if (sizeof(T) == 8 && n >= 8) {
+    __m512d a = _mm512_loadu_pd((const double*)v), b = a;
+    for (i = 8; i + 8 <= n; i += 8) {
+      const __m512d x = _mm512_loadu_pd((const double*)v + i);
+      a = _mm512_min_pd(a, x);
+      b = _mm512_max_pd(b, x);
+    }
+    mn = (T)_mm512_reduce_min_pd(a);
+    mx = (T)_mm512_reduce_max_pd(b);
+  }
+#elif defined(QGRU_QUANTIZE_AVX2)
+  if (sizeof(T) == 4 && n >= 8) {
+    __m256 a = _mm256_loadu_ps((const float*)v), b = a;
+    for (i = 8; i + 8 <= n; i += 8) {
+      const __m256 x = _mm256_loadu_ps((const float*)v + i);
+      a = _mm256_min_ps(a, x);
+      b = _mm256_max_ps(b, x);
+    }
+    alignas(32) float lo[8], hi[8];
+    _mm256_store_ps(lo, a);
+    _mm256_store_ps(hi, b);
+    for (int k = 0; k < 8; ++k) {
+      mn = (T)lo[k] < mn ? (T)lo[k] : mn;
+      mx = (T)hi[k] > mx ? (T)hi[k] : mx;
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    mn = v[i] < mn ? v[i] : mn;
+    mx = v[i] > mx ? v[i] : mx;
+  }
+  mn_out = mn;
+  mx_out = mx;
+}
+
+// Every token's level first, then each run of consecutive tokens on one level quantized in one
+// quantize_block call (the values are contiguous; the same element-wise integers): per-token calls
+// of a few values cost their set-up each (issue 40: I = 16, the x levels' cost).
+template <typename T>
+bool quantize_levels_block(const T* x, int32_t* q, int32_t* level, int64_t tokens, int64_t I, const XLevelGrid& g,
+                           int64_t zp, Range r) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    T mn, mx;
+    min_max(x + t * I, I, mn, mx);
+    level[t] = select_level(g, TokenRange{(double)mn, (double)mx});
+  }
+  bool ok = true;
+  for (int64_t t0 = 0, t1; t0 < tokens; t0 = t1) {
+    const int32_t j = level[t0];
+    for (t1 = t0 + 1; t1 < tokens && level[t1] == j; ++t1) {
+    }
+    ok = quantize_block(x + t0 * I, q + t0 * I, (t1 - t0) * I, g.scale[j], zp, r) && ok;
+  }
+  return ok;
+}
+
+inline bool quantize_levels_f32(const float* x, int32_t* q, int32_t* level, int64_t tokens, int64_t I,
+                                const XLevelGrid& g, int64_t zp, int64_t lo, int64_t hi) {
+  return quantize_levels_block(x, q, level, tokens, I, g, zp, Range{lo, hi});
+}
+
+inline bool quantize_levels_f64(const double* x, int32_t* q, int32_t* level, int64_t tokens, int64_t I,
+                                const XLevelGrid& g, int64_t zp, int64_t lo, int64_t hi) {
+  return quantize_levels_block(x, q, level, tokens, I, g, zp, Range{lo, hi});
+}
+
 inline bool quantize_f32(const float* x, int32_t* q, int64_t n, double scale, int64_t zp, int64_t lo, int64_t hi) {
   return quantize_block(x, q, n, scale, zp, Range{lo, hi});
 }

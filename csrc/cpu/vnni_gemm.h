@@ -17,7 +17,7 @@
 //
 // Packed weights, per group of kGroup columns: for each quad of K values, the group's columns'
 // four int8 values side by side (4 kGroup bytes, one register: what vpdpbusd multiplies with a
-// broadcast activation quad), K padded with zeros to whole kKAlign slices; then the group's
+// broadcast activation quad), K padded with zeros to whole kKStep (8) slices; then the group's
 // kGroup values of 128 colsum(w) as int32 (|colsum| <= K 128 < 2^24: it fits).
 //
 // Include from a kernel file only, after its target pragma (its functions go into the path's
@@ -37,13 +37,16 @@ template <class Regs>
 struct VnniGemm {
   using reg = typename Regs::reg;
   static constexpr int64_t G = Regs::kGroup;
+  // K is packed and multiplied in whole steps of two quads (micro_row's even and odd chains)
+  static constexpr int64_t kKStep = 8;
+  static int64_t k_pad(int64_t K) { return k_padded_to(K, kKStep); }
 
-  static int64_t group_bytes(int64_t K) { return G * k_padded(K) + G * 4; }
+  static int64_t group_bytes(int64_t K) { return G * k_pad(K) + G * 4; }
   static int64_t packed_bytes(int64_t groups, int64_t K) { return groups * group_bytes(K); }
 
   // Kernels::pack: column c of group g reads row channel[g G + c] of W (-1: zeros).
   static void pack(const int8_t* W, int64_t ldw, int64_t K, const int64_t* channel, int64_t groups, void* out) {
-    const int64_t Kp = k_padded(K), gb = group_bytes(K);
+    const int64_t Kp = k_pad(K), gb = group_bytes(K);
     int8_t* o = static_cast<int8_t*>(out);
     memset(o, 0, (size_t)packed_bytes(groups, K));
     for (int64_t g = 0; g < groups; ++g) {
@@ -104,7 +107,7 @@ struct VnniGemm {
     reg even[NB], odd[NB];
     for (int j = 0; j < NB; ++j) even[j] = odd[j] = Regs::zero();
     const int8_t* a0 = A + r * a.lda;
-    for (int64_t kq = 0; kq < Kp / 4; kq += 2) {  // Kp / 4 is even: Kp is a multiple of 64
+    for (int64_t kq = 0; kq < Kp / 4; kq += 2) {  // Kp / 4 is even: Kp is a multiple of kKStep
       const reg av = quad_at(a0, kq), aw = quad_at(a0, kq + 1);
       for (int j = 0; j < NB; ++j) {
         even[j] = Regs::dpbusd(even[j], av, weights_at(B + j * gb, kq));
@@ -134,7 +137,7 @@ struct VnniGemm {
   // Kernels::gemm: three groups at a time (their weights stay in L1 while the rows pass), rows in
   // blocks of kRowBlock, then 4 (where kRowBlock is 8), then the last 1-3 rows exactly.
   static void gemm(const GemmArgs& a) {
-    const int64_t Kp = k_padded(a.K), gb = group_bytes(a.K);
+    const int64_t Kp = k_pad(a.K), gb = group_bytes(a.K);
     const int8_t* A = static_cast<const int8_t*>(a.A);
     const int8_t* B = static_cast<const int8_t*>(a.B);
     constexpr int RB = Regs::kRowBlock;
