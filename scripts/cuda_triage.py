@@ -3,7 +3,8 @@ process on this machine, each in its own child process (a crash then ends only t
 First run (H200, 2026-11-28, both extensions built with the image's /opt/gcc): every call whose
 error message formats a number crashed (the CUDA quantize, check_stack and Stack, and the CPU Stack
 too), and those whose message holds only text raised cleanly; the native checks now format their
-numbers without iostreams (csrc/qgru_check.h).
+numbers without iostreams (csrc/qgru_check.h), and the second run on that machine raised cleanly in
+every case (tests/test_cuda_speed_paths.py, test_cuda_calls_that_raise_do_not_crash).
 
     python scripts/cuda_triage.py                 # every case; those that crash again with TORCH_SHOW_CPP_STACKTRACES=1
     python scripts/cuda_triage.py --case NAME     # one case in this process (what the children run)

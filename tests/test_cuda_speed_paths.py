@@ -271,8 +271,10 @@ def test_cuda_nan_check_mode_inside_a_capture_is_a_clear_error(cuda_backend, mon
 # On an H200 (torch 2.11.0+cu130, 2026-11-27) a CUDA Stack constructor that raised on a bad value
 # crashed the process (segmentation fault); reading found no fault in qgru's constructor path. qgru
 # therefore checks a Stack's values with the plain function check_stack before making it
-# (native.stacks._make_cuda_stack), and this test checks the values through it. Whether a
-# constructor that raises still crashes is the next test's (and scripts/cuda_triage.py's) question.
+# (native.stacks._make_cuda_stack), and this test checks the values through it. The cause turned out
+# to be any native check whose message formatted a number (constructors and plain functions, both
+# extensions); csrc/qgru_check.h formats them without iostreams, and the next test (each call in a
+# child process) passed on the same H200 afterwards (2026-11-28).
 def test_cuda_stack_checks_its_values(cuda_backend):
     """The CUDA Stack checks its per-layer values against its Layers when it is made (as the CPU
     Stack does): a wrong x bit count, an h zero point its Layer does not have, a non-integer
