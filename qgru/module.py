@@ -21,7 +21,7 @@ from torch import _VF, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from . import native
-from .backends import _forced, forced_backend_name
+from .backends import forced_backend_name
 from .config import QuantConfig
 from .convert import (RescaleError, activation_qparams, calibrated_range, derive_layer_params, grid_error,
                       recurrent_operand)
@@ -702,9 +702,7 @@ class QuantGRU(nn.GRU):
                                or hx.shape != (self.num_layers, shape[1], self.hidden_size) or hx.is_neg()):
             return None
         params = self._qparams_on.get("cpu")
-        # (torch.jit.is_tracing() and forced_backend_name() without their Python frames: outside
-        # TorchScript, which never runs this, they read exactly these)
-        if (params is None or _forced.name not in (None, "cpu") or torch._C._is_tracing()
+        if (params is None or forced_backend_name() not in (None, "cpu") or torch.jit.is_tracing()
                 or not self._flat_weights[0].is_cpu):
             return None
         # the cpu backend as current_backend decides it (an unavailable one: the general path falls
