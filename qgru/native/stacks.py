@@ -2,7 +2,7 @@
 cache beside the first layer's Layers, and the forward."""
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -26,18 +26,14 @@ def cpu_stack_plan(params: List[List[LayerParams]], req: str):
     stack on CPU path request ``req``, made once and cached beside the first layer's Layers; None
     where the one-call form does not apply (a bidirectional stack, or a per-channel requantization
     between layers). Made outside inference mode (the Layers keep tensors)."""
-    return _stack_plan(params, ("cpu-stack", req, len(params)), _make_cpu_stack, req)
+    return _stack_plan(params, ("cpu-stack", req, len(params)),
+                       lambda rows: load("cpu").Stack([_cpu_layer(p, req).layer for (p,) in params], rows,
+                                                      stack_levels(params)))
 
 
-def _make_cpu_stack(params: List[List[LayerParams]], req: str, rows: List[List[float]]):
-    return load("cpu").Stack([_cpu_layer(p, req).layer for (p,) in params], rows, stack_levels(params))
-
-
-def _stack_plan(params: List[List[LayerParams]], key: Tuple,
-                make: Callable[[List[List[LayerParams]], Any, List[List[float]]], object], arg: Any):
-    """cpu_stack_plan's and cuda_stack_plan's cache: ``make(params, arg, rows)`` builds the backend's
-    Stack from stack_values' rows (a plain function and its argument, not a closure made on every
-    call: a streaming call asks for its plan each step).
+def _stack_plan(params: List[List[LayerParams]], key: Tuple, make: Callable[[List[List[float]]], object]):
+    """cpu_stack_plan's and cuda_stack_plan's cache: ``make(rows)`` builds the backend's Stack from
+    stack_values' rows.
 
     One plan per key (path request or device, and depth: one LayerParams may head stacks of other
     depths, as qgru.compare runs a model's first layers alone), kept beside the first layer's
@@ -47,10 +43,7 @@ def _stack_plan(params: List[List[LayerParams]], key: Tuple,
     layer but differs below it makes its own plan and replaces the kept one."""
     if len(params[0]) != 1:
         return None
-    first = params[0][0]
-    cache = first.__dict__.get("_native")  # (_native_cache's lookup, inline: the hit of every call)
-    if cache is None:
-        cache = _native_cache(first)
+    cache = _native_cache(params[0][0])
     entry = cache.get(key)
     if entry is not None and (len(params) == 1 or all(a is row[0] for a, row in zip(entry[0], params[1:]))):
         return entry[1]
@@ -58,9 +51,9 @@ def _stack_plan(params: List[List[LayerParams]], key: Tuple,
         return None
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False), torch.no_grad():
-            return _stack_plan(params, key, make, arg)
+            return _stack_plan(params, key, make)
     rows = stack_values(params)
-    plan = None if rows is None else make(params, arg, rows)
+    plan = None if rows is None else make(rows)
     cache[key] = (tuple(row[0] for row in params[1:]), plan)  # None: a per-channel requantization between layers
     return plan
 
@@ -123,7 +116,7 @@ def cuda_stack_plan(params: List[List[LayerParams]], device: torch.device):
     a per-channel requantization between layers). Making it reads the parameters' values on the
     host (a device-to-host copy when they are on the GPU): the first call of a model on a device
     must therefore run outside a CUDA graph capture, as torch.cuda.graph's warm-up asks anyway."""
-    return _stack_plan(params, ("cuda-stack", str(device), len(params)), _make_cuda_stack, device)
+    return _stack_plan(params, ("cuda-stack", str(device), len(params)), lambda rows: _make_cuda_stack(params, device, rows))
 
 
 def _make_cuda_stack(params: List[List[LayerParams]], device: torch.device, rows: List[List[float]]):
