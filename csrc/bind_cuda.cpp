@@ -29,11 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the device's NaN flag (1: an input, 2: an h0 held NaN) after the current stream's work; waits for it");
   m.def("check_cublas", &qgru::cuda_api::check_cublas_version,
         "raise unless the loaded cuBLAS has the major version of the headers the extension was built with");
-  m.def("check_stack", &qgru::cuda_api::check_stack, pybind11::arg("layers"), pybind11::arg("values"),
-        pybind11::arg("levels") = std::vector<std::vector<double>>(),
-        "a Stack's values and levels against its Layers (raises what the Stack would); qgru makes a Stack only after it passed");
-  // made by qgru/native/stacks.py only after check_stack passed, so that no bad value throws out of
-  // its constructor (docs/design.md, "CudaStack crash")
   pybind11::class_<qgru::cuda_api::Stack>(m, "Stack")
       .def(pybind11::init<const std::vector<std::shared_ptr<qgru::cuda_api::Layer>>&, std::vector<std::vector<double>>,
                           const std::vector<std::vector<double>>&>(),

@@ -774,16 +774,10 @@ class CudaStack {
   // levels: layer 0's x levels as [scale, lo, hi] (golden.XLevels), or empty for a stack without.
   CudaStack(std::vector<std::shared_ptr<CudaLayer>> layers, std::vector<std::vector<double>> q,
             const std::vector<std::vector<double>>& levels)
-      : layers_(std::move(layers)), q_(std::move(q)) {
-    levels_ = check(layers_, q_, levels);
-  }
-
-  // qgru_layer.h: the values and levels against the Layers; the levels' grid.
-  static XLevelGrid check(const std::vector<std::shared_ptr<CudaLayer>>& layers, const std::vector<std::vector<double>>& q,
-                          const std::vector<std::vector<double>>& levels) {
-    check_stack_values("qgru cuda Stack", layers, q,
+      : layers_(std::move(layers)), q_(std::move(q)) {  // qgru_layer.h: the values against the Layers
+    check_stack_values("qgru cuda Stack", layers_, q_,
                        [](const CudaLayer& a, const CudaLayer& b) { return a.device() == b.device(); });
-    return check_stack_levels("qgru cuda Stack", layers, levels);
+    levels_ = check_stack_levels("qgru cuda Stack", layers_, levels);
   }
 
   // x float [T, N, I] and h0 [L, N, H] (floating point, on the layers' device) -> float32 output
@@ -899,11 +893,6 @@ std::vector<std::shared_ptr<CudaLayer>> cuda_layers(const std::vector<std::share
   return out;
 }
 }  // namespace
-
-void check_stack(const std::vector<std::shared_ptr<Layer>>& layers, const std::vector<std::vector<double>>& values,
-                 const std::vector<std::vector<double>>& levels) {
-  CudaStack::check(cuda_layers(layers), values, levels);
-}
 
 Stack::Stack(const std::vector<std::shared_ptr<Layer>>& layers, std::vector<std::vector<double>> values,
              const std::vector<std::vector<double>>& levels)

@@ -42,12 +42,6 @@ class Layer {
 
 // A unidirectional stack in one call (qgru_cuda.cpp CudaStack); levels: layer 0's x levels as
 // [scale, lo, hi], or empty.
-// The Stack's checks alone (its values and levels against its Layers), as a plain function: the
-// binding's Stack runs them here first, so a Stack constructor never throws on bad values (on an
-// H200 a constructor that threw crashed the process: docs/design.md, "CudaStack crash").
-void check_stack(const std::vector<std::shared_ptr<Layer>>& layers, const std::vector<std::vector<double>>& values,
-                 const std::vector<std::vector<double>>& levels);
-
 class Stack {
  public:
   Stack(const std::vector<std::shared_ptr<Layer>>& layers, std::vector<std::vector<double>> values,

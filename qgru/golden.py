@@ -114,7 +114,9 @@ def select_levels(lv: XLevels, x: torch.Tensor) -> torch.Tensor:
     """The level index (int64 [...]) of every token of float x [..., I]: the first level j with
     lo[j] <= min(token) and max(token) <= hi[j], else the last level (whose grid then clips, as a
     static grid does). Compared in float64, where every float32/16 value is exact. A token holding
-    a NaN fits no level (the last; the quantizer then rejects or flags the NaN as without levels)."""
+    a NaN fits no level (the last): the CPU and reference backends reject NaN input, and the CUDA
+    backend's contract for NaN is this function on x.nan_to_num(0.0) (docs/spec.md section 11;
+    csrc/qgru_fixedpoint.h token_range_add)."""
     xd = x.double()
     mn, mx = xd.amin(-1, keepdim=True), xd.amax(-1, keepdim=True)  # [..., 1]; NaN propagates
     fits = (mn >= lv.lo) & (mx <= lv.hi)  # [..., J]

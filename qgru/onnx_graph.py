@@ -13,8 +13,8 @@ operation is golden.py's, written with the default ONNX domain only:
   primitives.dequantize ((q - Z) S in float64, then Cast to float32);
 * the GEMMs: MatMulInteger (uint8 activation and uint8 weights, each with zero point 128:
   (a - 128) . (w + 128 - 128), the exact int32 dot product; uint8 weights because ONNX Runtime's
-  uint8 x int8 kernels can saturate on CPUs without VNNI, U8_WEIGHTS) where x / the R.h operand and the weights have at most 8 bits; a
-  float64 MatMul otherwise (exact: every partial sum is an integer below 2^47, docs/spec.md
+  uint8 x int8 kernels can saturate on CPUs without VNNI, _U8_WEIGHTS_WHY) where x / the R.h
+  operand and the weights have at most 8 bits; a float64 MatMul otherwise (exact: every partial sum is an integer below 2^47, docs/spec.md
   section 6, as golden's own CPU GEMM). W.x for the whole sequence is one GEMM per gate before
   the loop;
 * the cell: a Scan over time (scan_input_directions = 1 for a reverse direction), whose body is
@@ -49,11 +49,10 @@ OPSET = 17
 F64_EXACT = 1 << 53
 
 
-# The 8-bit GEMMs' weight operand: uint8 (w + 128, zero point 128) rather than int8. ONNX Runtime
-# multiplies uint8 x int8 on x86 CPUs without VNNI (AVX2, AVX-512 without VNNI) with vpmaddubsw,
-# whose int16 sum of two products saturates (255 x 127 x 2 > 32767): a silently wrong GEMM on, for
-# example, an AMD Zen 3. Its uint8 x uint8 kernels widen to 16 bits first and are exact everywhere.
-U8_WEIGHTS = True
+# _U8_WEIGHTS_WHY: the 8-bit GEMMs' weight operand is uint8 (w + 128, zero point 128), not int8.
+# ONNX Runtime multiplies uint8 x int8 on x86 CPUs without VNNI (AVX2, AVX-512 without VNNI) with
+# vpmaddubsw, whose int16 sum of two products saturates (255 x 127 x 2 > 32767): a silently wrong
+# GEMM on, for example, an AMD Zen 3. Its uint8 x uint8 kernels widen to 16 bits first: exact everywhere.
 
 
 class ONNXExportError(ValueError):
@@ -312,11 +311,9 @@ class _Layer:
         wt = _np(w).T.copy()
         if self.int8(q_bits, w_bits):
             a = u8 if u8 is not None else g.cast(g.add(q, g.const(128.0)), 2)
-            zp = g.const(np.uint8(128), np.uint8)
-            if U8_WEIGHTS:  # uint8 weights w + 128 with zero point 128: ORT's exact u8 x u8 kernels
-                return g.op("MatMulInteger", [a, g.const((wt.astype(np.int16) + 128).astype(np.uint8), np.uint8, "w"),
-                                              zp, zp])
-            return g.op("MatMulInteger", [a, g.const(wt, np.int8, "w"), zp])
+            zp = g.const(np.uint8(128), np.uint8)  # both operands' (see _U8_WEIGHTS_WHY)
+            w_u8 = g.const((wt.astype(np.int16) + 128).astype(np.uint8), np.uint8, "w")
+            return g.op("MatMulInteger", [a, w_u8, zp, zp])
         return g.op("MatMul", [q, g.const(wt.astype(np.float64), np.float64, "w")])
 
     def int8(self, q_bits: int, w_bits: int) -> bool:

@@ -1,7 +1,7 @@
 """Triage of the CudaStack crash (issue 38): which native calls that raise on a bad value crash the
 process on this machine, each in its own child process (a crash then ends only that case).
 First run (H200, 2026-11-28, both extensions built with the image's /opt/gcc): every call whose
-error message formats a number crashed (the CUDA quantize, check_stack and Stack, and the CPU Stack
+error message formats a number crashed (the CUDA quantize and Stack, and the CPU Stack
 too), and those whose message holds only text raised cleanly; the native checks now format their
 numbers without iostreams (csrc/qgru_check.h), and the second run on that machine raised cleanly in
 every case (tests/test_cuda_speed_paths.py, test_cuda_calls_that_raise_do_not_crash).
@@ -9,9 +9,8 @@ every case (tests/test_cuda_speed_paths.py, test_cuda_calls_that_raise_do_not_cr
     python scripts/cuda_triage.py                 # every case; those that crash again with TORCH_SHOW_CPP_STACKTRACES=1
     python scripts/cuda_triage.py --case NAME     # one case in this process (what the children run)
 
-Cases: a plain function that raises (the CUDA quantize with a bad bit width; check_stack with a bad
-value), a constructor that raises (a CUDA Layer with no tensors; a CUDA Stack with a bad value or a
-missing row), and the CPU Stack with a bad value (the same template, another extension). Each child
+Cases: a plain function that raises (the CUDA quantize with a bad bit width), a constructor that
+raises (a CUDA Layer with no tensors; a CUDA Stack with a bad value or a missing row), and the CPU Stack with a bad value (the same template, another extension). Each child
 runs under `python -X faulthandler`; the table says whether it raised the expected error (ok), crashed
 (the signal) or did something else. For the first case that crashes, a native backtrace is taken
 with cuda-gdb (or gdb) when either is installed. Needs a GPU and the cuda backend; prints a table last.
@@ -26,7 +25,7 @@ import subprocess
 import sys
 import time
 
-CASES = ["cuda_quantize_bad_bits", "cuda_check_stack_bad", "cpu_stack_bad", "cuda_layer_empty", "cuda_stack_bad",
+CASES = ["cuda_quantize_bad_bits", "cpu_stack_bad", "cuda_layer_empty", "cuda_stack_bad",
          "cuda_stack_rows_missing"]
 
 
@@ -74,9 +73,7 @@ def run_case(name: str) -> None:
                 ext.Stack(layers, rows, levels)  # the good values first
                 bad = [list(r) for r in rows]
                 bad[0][2] += 1
-                if name == "cuda_check_stack_bad":
-                    ext.check_stack(layers, bad, levels)
-                elif name == "cuda_stack_bad":
+                if name == "cuda_stack_bad":
                     ext.Stack(layers, bad, levels)
                 elif name == "cuda_stack_rows_missing":
                     ext.Stack(layers, rows[:1], levels)

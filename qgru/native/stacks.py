@@ -116,17 +116,9 @@ def cuda_stack_plan(params: List[List[LayerParams]], device: torch.device):
     a per-channel requantization between layers). Making it reads the parameters' values on the
     host (a device-to-host copy when they are on the GPU): the first call of a model on a device
     must therefore run outside a CUDA graph capture, as torch.cuda.graph's warm-up asks anyway."""
-    return _stack_plan(params, ("cuda-stack", str(device), len(params)), lambda rows: _make_cuda_stack(params, device, rows))
-
-
-def _make_cuda_stack(params: List[List[LayerParams]], device: torch.device, rows: List[List[float]]):
-    """The CUDA Stack, its values checked first by a plain function (check_stack raises what the
-    constructor would): a constructor of this extension that threw crashed the process on an H200
-    (docs/design.md, "CudaStack crash"), so none is ever handed a bad value."""
-    ext = load("cuda")
-    layers, levels = [_cuda_layer(p, device).layer for (p,) in params], stack_levels(params)
-    ext.check_stack(layers, rows, levels)
-    return ext.Stack(layers, rows, levels)
+    return _stack_plan(params, ("cuda-stack", str(device), len(params)),
+                       lambda rows: load("cuda").Stack([_cuda_layer(p, device).layer for (p,) in params], rows,
+                                                       stack_levels(params)))
 
 
 def cuda_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torch.Tensor, resolve: bool = True):
