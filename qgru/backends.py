@@ -17,7 +17,7 @@ import contextlib
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -213,22 +213,33 @@ def forced_backend_name() -> Optional[str]:
     return _forced.name
 
 
-def current_backend(device_type: str = "cpu") -> Backend:
-    """The forced backend, else the native backend for ``device_type``, else reference (warned once)."""
+def choose_backend(device_type: str = "cpu") -> Tuple[Backend, bool, str]:
+    """(backend, forced, why_fallback): the backend a call on ``device_type`` tensors runs (the forced
+    one, else that device's native backend, else reference), whether it was forced, and why the
+    native backend is unavailable where reference stands in for it ("" otherwise). current_backend
+    (which warns about the fallback) and qgru.summary both decide through this."""
     name = _forced.name
     if name is not None:
         b = _REGISTRY[name]
         if b.device_type not in (None, device_type):
             raise RuntimeError(f"backend {name!r} runs {b.device_type} tensors, the input is on {device_type}")
-        return b
+        return b, True, ""
     if device_type in _REGISTRY:
         why = _REGISTRY[device_type].why_unavailable
         if not why:
-            return _REGISTRY[device_type]
+            return _REGISTRY[device_type], False, ""
+        return _REGISTRY["reference"], False, why
+    return _REGISTRY["reference"], False, ""
+
+
+def current_backend(device_type: str = "cpu") -> Backend:
+    """The forced backend, else the native backend for ``device_type``, else reference (warned once)."""
+    b, _, why = choose_backend(device_type)
+    if why:
         with _warn_lock:
             if device_type not in _warned:
                 _warned.add(device_type)
                 warnings.warn(f"qgru: the {device_type} backend is unavailable ({why}); falling back to the "
                               "reference backend, which is much slower. qgru.backends() lists the backends.",
                               RuntimeWarning, stacklevel=3)
-    return _REGISTRY["reference"]
+    return b

@@ -78,16 +78,13 @@ def _shape(m) -> str:
 
 
 def _integer_backend(dev: torch.device) -> str:
-    """The backend a converted QuantGRU's call runs on (qgru.backends: forced, else the device's
-    native backend, else reference)."""
-    from .backends import _REGISTRY, forced_backend_name
-    forced = forced_backend_name()
-    if forced is not None:
-        return f"{forced} (forced)"
-    b = _REGISTRY.get(dev.type)
-    if b is not None and not b.why_unavailable:
-        return dev.type
-    return "reference"
+    """The backend a converted QuantGRU's call runs on, as the call decides it (backends.choose_backend)."""
+    from .backends import choose_backend, forced_backend_name
+    try:
+        b, forced, _ = choose_backend(dev.type)
+    except RuntimeError:  # a forced backend that cannot run this device's tensors: the call raises
+        return f"{forced_backend_name()} (forced; a call on {dev.type} raises)"
+    return b.name + (" (forced)" if forced else "")
 
 
 def _row(name: str, m: nn.Module) -> GRUSummary:
