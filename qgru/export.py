@@ -275,9 +275,6 @@ def check_archive(f, name: str, error: type = ParamsFileError) -> None:
                     "after it was written)")
 
 
-_check_archive = check_archive  # the name before issue 39
-
-
 def check_stored_tensors(d: Dict[str, Any], dtypes: Sequence[torch.dtype], error: type = ParamsFileError,
                          what: str = "qgru files") -> None:
     """Each tensor of an untrusted dict of entries (a file's, a state_dict's) before anything reads

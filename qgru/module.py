@@ -26,7 +26,7 @@ from .config import QuantConfig
 from .convert import (RescaleError, activation_qparams, calibrated_range, derive_layer_params, grid_error,
                       recurrent_operand)
 from .errors import CalibrationWarning, QGRUDtypeError, QGRUInputError, empty_sequence_error  # noqa: F401
-from .export import ParamsFileError, QuantParams, read_archive_bytes
+from .export import ParamsFileError, QuantParams, check_stored_tensors, read_archive_bytes
 from .float_gru import float_direction
 from .golden import LayerParams
 from .observers import NonFiniteWeightError, Observer, SecondMoment
@@ -321,17 +321,12 @@ class QuantGRU(nn.GRU):
         torch.load(weights_only=True); set_extra_state checks the parameters with
         QuantParams.from_dict)."""
         name = f"{type(self).__name__}: '_extra_state'"
-        if t.is_meta:
-            raise ParamsFileError(f"{name}: a tensor on the meta device, which holds no values (load a state_dict "
-                                  "saved from a converted qgru.QuantGRU, not one made on the meta device)")
-        if t.numel() * t.element_size() > t.untyped_storage().nbytes():  # before .contiguous() copies it
-            raise ParamsFileError(f"{name}: shape {tuple(t.shape)} ({t.numel()} elements) over a storage of "
-                                  f"{t.untyped_storage().nbytes()} bytes (elements repeated by zero or overlapping "
-                                  "strides); get_extra_state writes every byte")
         if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() == 0:
             raise ParamsFileError(f"{name} must be a non-empty 1-D uint8 tensor (the bytes get_extra_state "
                                   f"writes), got {t.dtype} of shape {tuple(t.shape)}; was this state_dict saved "
                                   "from a converted qgru.QuantGRU?")
+        # no meta tensor, no more elements than its storage holds: before .contiguous() copies it
+        check_stored_tensors({name: t}, (torch.uint8,), what="get_extra_state's bytes")
         return read_archive_bytes(t.detach().cpu().contiguous().numpy().tobytes(), name)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
