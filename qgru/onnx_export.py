@@ -187,7 +187,9 @@ def export_onnx(model: nn.Module, args, path: Union[str, os.PathLike], *,
         model.eval()
         try:
             import warnings
-            with warnings.catch_warnings():
+            # torch.device("cpu"): the exporter makes its shape constants on the default device, and
+            # under a caller's torch.set_default_device("meta") it fails on them (torch 2.13)
+            with warnings.catch_warnings(), torch.device("cpu"):
                 warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
                 torch.onnx.export(model, args, buf, dynamo=False, opset_version=OPSET, input_names=list(input_names),
                                   output_names=list(output_names), dynamic_axes=dynamic_axes,

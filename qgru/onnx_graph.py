@@ -251,9 +251,10 @@ def _table(p: LayerParams, name: str) -> np.ndarray:
     the output zero point (float64, 2^b entries, index q - qmin)."""
     b = p.bits[f"{name}_pre"]
     lo, hi = qrange(b)
-    q = torch.arange(lo, hi + 1, dtype=torch.int64)
+    table = p.tables[name]
+    q = torch.arange(lo, hi + 1, dtype=torch.int64, device=table.device)
     zp = int(p.zp[name])
-    return (lookup(q, p.tables[name], b, zp, p.bits[name]) - zp).double().numpy()
+    return (lookup(q, table, b, zp, p.bits[name]) - zp).double().cpu().numpy()
 
 
 def _span(bits: int, zp) -> int:

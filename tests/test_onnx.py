@@ -129,6 +129,21 @@ def test_integer_gemms_are_uint8_by_uint8(tmp_path):
     assert any(np.array_equal(w, W[q * H:(q + 1) * H].T) for w in weights for q in range(3))
 
 
+def test_export_under_a_meta_default_device(tmp_path):
+    """A caller's torch.set_default_device("meta") changes nothing: the same file, the same integers
+    (torch's exporter makes shape constants on the default device; export_onnx keeps them on the CPU)."""
+    m = _quant_gru("w8a8", "multiplier", 5, 6, 2, False)
+    x, h0 = _inputs(m, 6, 2, 1.0, seed=4)
+    want = qgru.export_onnx(m, (x, h0), tmp_path / "plain.onnx").read_bytes()
+    torch.set_default_device("meta")
+    try:
+        path = qgru.export_onnx(m, (x, h0), tmp_path / "meta.onnx")
+    finally:
+        torch.set_default_device(None)
+    assert path.read_bytes() == want
+    _assert_exact(_session(str(path)), m, {"input0": x.numpy(), "input1": h0.numpy()}, x, h0)
+
+
 def test_float64_gemms(tmp_path):
     """integer_gemm=False: every GEMM a float64 MatMul (no MatMulInteger), the same integers."""
     m = _quant_gru("w8a8", "multiplier", 7, 10, 2, True)
