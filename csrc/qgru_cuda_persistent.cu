@@ -3,7 +3,7 @@
 // barrier between steps. The plan and every phase of a block's step are qgru_persistent.h's (the
 // tests run them on the host against the golden model); this file is their thread-strided loops,
 // the barrier and the launch. Run on an H200 (2026-11-28): bit-exact, and slower than the per-step
-// path at every benchmark shape, so off by default (docs/design.md, "persistent recurrence"). The
+// path at every benchmark shape but one (H=512 T=1000 B=1, across two runs), so off by default (docs/design.md, "persistent recurrence"). The
 // grid barrier needs every block resident at once: the kernel is only launched cooperatively.
 #include <stdexcept>
 #include <string>
