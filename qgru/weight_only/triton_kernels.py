@@ -375,8 +375,8 @@ def gru_direction(gi: torch.Tensor, h0: torch.Tensor, R: PackedWeight, b_hh: Opt
 FUSED_DOT_BATCH = 16  # batch rows per program of the fused kernel's tl.dot form (B >= this)
 FUSED_MAX_HIDDEN_SMALL_BATCH = 512
 # "auto" runs the per-step kernel until a same-run GPU benchmark shows the fused one faster (both
-# match the golden forward on an H200, the fused one since 2026-11-28; its speed is not yet
-# measured); then "auto" takes the rule below (FUSED_BY_DEFAULT = True)
+# match the golden forward on an H200, the fused one since 2026-11-28, when it was also slower at
+# every shape but one: BENCHMARKS.md); then "auto" takes the rule below (FUSED_BY_DEFAULT = True)
 FUSED_BY_DEFAULT = False
 KERNELS = ("auto", "fused", "step")
 
