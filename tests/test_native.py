@@ -2402,3 +2402,18 @@ def test_phase_profile_clock(cpu_backend):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     names = ["quantize", "W.x", "R.h", "cell", "wait", "dequantize", "stack"]
     assert v[7] == 1 and all(v[names.index(k)] > 0 for k in ("quantize", "W.x", "R.h", "cell", "stack")), v
+
+
+def test_cpu_isa_request_follows_the_environment(monkeypatch):
+    """cpu_isa_request reads os.environ's own dict (a streaming call's cost): every way of setting,
+    changing and removing QGRU_CPU_ISA is seen at once, as os.environ.get would see it."""
+    monkeypatch.delenv("QGRU_CPU_ISA", raising=False)
+    assert native.cpu_isa_request() == "auto"
+    for value, expect in ((" AVX2 ", "avx2"), ("", "auto"), ("portable", "portable"), ("  ", "auto"),
+                          ("avx512VNNI", "avx512vnni")):
+        monkeypatch.setenv("QGRU_CPU_ISA", value)
+        assert native.cpu_isa_request() == expect == (os.environ.get("QGRU_CPU_ISA").strip().lower() or "auto")
+    os.environ["QGRU_CPU_ISA"] = "amx"  # a plain write, then a delete
+    assert native.cpu_isa_request() == "amx"
+    del os.environ["QGRU_CPU_ISA"]
+    assert native.cpu_isa_request() == "auto"
