@@ -47,6 +47,11 @@ from .tables import lookup
 
 OPSET = 17
 F64_EXACT = 1 << 53
+# MAGIC = 3 2^51: for a float64 t with |t| <= 2^51, t + MAGIC lies in [2^52, 2^53), where the float64
+# numbers are the integers, so fl(t + MAGIC) = RNE(t) + MAGIC (round to nearest, ties to even; MAGIC
+# is an integer) and subtracting MAGIC again is exact: RNE(t) in two Adds. Form.rne_ok says when an
+# rescale's floor may be taken this way (ONNX Runtime's float64 Floor costs more than two Adds).
+MAGIC = float(3 << 51)
 
 
 # _U8_WEIGHTS_WHY: the 8-bit GEMMs' weight operand is uint8 (w + 128, zero point 128), not int8.
@@ -108,6 +113,10 @@ class Graph:
     def floor(self, a):
         return self.op("Floor", [a])
 
+    def rne(self, t):
+        """RNE(t) for |t| <= 2^51 (MAGIC)."""
+        return self.sub(self.add(t, self.const(MAGIC)), self.const(MAGIC))
+
     def clip(self, a, lo, hi):
         """Clamp to [lo, hi]: scalars (Clip) or per-channel arrays (Max, Min)."""
         lo, hi = np.asarray(lo, np.float64), np.asarray(hi, np.float64)
@@ -165,6 +174,16 @@ class Form:
     (``fold_ok(B)``): for f1 when the numerator vm + 2^(s-1) + add 2^s stays within 2^53 (s <= 53),
     for f2 when S + add 2^(s-k) does: then floor(y + add) = floor(y) + add exactly, and a caller
     that clamps to a range with integer ends >= 0 may leave the floor to a truncating Cast.
+
+    The last floor as a round to nearest (``rne_ok(B)``, Graph.rne: two Adds instead of a Floor):
+    the quantity floored is X / 2^F with X an integer (f1: X = v m + 2^(s-1) + add 2^s, F = s;
+    f2: X = S + add 2^(s-k), F = s - k), F >= 1. Then floor(X / 2^F) = RNE((2X - 2^F + 1) / 2^(F+1)):
+    that argument is X / 2^F - 1/2 + 2^-(F+1), and X / 2^F has at most F fractional bits, so it lies
+    strictly between floor(X / 2^F) - 1/2 and floor(X / 2^F) + 1/2 (never a tie). The constant
+    that held 1/2 (f1) or 2^(s-1-k) (f2) holds 2^-(s+1) or 1/2 instead; the computed sum is exact
+    when its numerator |2 (X - 2^(F-1)) + 1| <= 2 N + 1 <= 2^53 (N = vmax m + B 2^s for f1,
+    vmax mh + vmax + B 2^(s-k) for f2, a bound of |X - 2^(F-1)|), and then |t| <= 2^(52-F) <= 2^51
+    as MAGIC needs.
     """
 
     def __init__(self, m, s, vmax: int, normalize: bool = True):
@@ -201,6 +220,23 @@ class Form:
                 return False
         return True
 
+    def rne_ok(self, bound=0) -> bool:
+        """Whether the last floor (with an add of magnitude <= bound folded) may be Graph.rne (above)."""
+        if self.kind is None:
+            return False
+        b = np.broadcast_to(np.asarray(bound, np.float64), np.broadcast_shapes(self.m.shape, np.shape(bound)))
+        m = np.broadcast_to(self.m, b.shape)
+        s = np.broadcast_to(self.s, b.shape)
+        for a, e, o in zip(_ints(m), _ints(s), [int(np.ceil(v)) for v in b.reshape(-1)]):
+            F = e if self.kind == "f1" else e - self.k
+            if F < 1 or F > 52:
+                return False
+            n = self.vmax * a + o * (1 << e) if self.kind == "f1" else \
+                self.vmax * (a >> self.k) + self.vmax + o * (1 << F)
+            if 2 * n + 1 > F64_EXACT:  # (then |t| <= (2n + 1) / 2^(F+1) <= 2^(52-F) <= 2^51)
+                return False
+        return True
+
     def result_bound(self) -> int:
         """max |round_half_up(v m / 2^s)| over |v| <= vmax."""
         return max((self.vmax * a >> b) + 1 for a, b in zip(_ints(self.m), _ints(self.s)))
@@ -213,20 +249,22 @@ def apply_rescale(g: Graph, v: str, form: Form, add_const=None, add_tensor: Opti
     fold, see Form), else the integer itself."""
     has_add = add_const is not None or add_tensor is not None
     fold = form.fold_ok(add_bound) if has_add or not floor else False
+    rne = floor and form.rne_ok(add_bound if fold else 0)  # the last floor as Graph.rne (Form)
     cst = np.zeros(()) if add_const is None else np.asarray(add_const, np.float64)
     if form.kind == "f1":
         y = g.mul(v, g.const(form.c))
-        y = g.add(y, g.const(0.5 + (cst if fold else 0.0)))
+        y = g.add(y, g.const((_pow2f(-(form.s + 1)) if rne else 0.5) + (cst if fold else 0.0)))
     else:
         a = g.mul(v, g.const(form.mh))
         b = g.floor(g.mul(v, g.const(form.mls)))
-        half = form.half + (cst * _pow2f(form.s - form.k) if fold else 0.0)
+        half = (np.full(np.shape(form.half), 0.5) if rne else form.half) + (cst * _pow2f(form.s - form.k) if fold else 0.0)
         y = g.mul(g.add(g.add(a, b), g.const(half)), g.const(form.inv))
+    last = g.rne if rne else g.floor
     if fold:
         if add_tensor is not None:
             y = g.add(y, add_tensor)
-        return g.floor(y) if floor else y
-    y = g.floor(y)
+        return last(y) if floor else y
+    y = last(y)
     if add_const is not None:
         y = g.add(y, g.const(cst))
     if add_tensor is not None:
@@ -343,7 +381,9 @@ class _Layer:
         zf = zpa.astype(np.float64)
         if per_token is None:
             f = self.form(what, m, s, vmax)
-            if f.kind == "f1":  # floor((G + b) c + 1/2) = floor(G c + (b c + 1/2)): b c + 1/2 exact (|b| <= vmax)
+            if f.kind == "f1" and f.rne_ok():  # floor((G + b) c + 1/2) = RNE(G c + (b c + 2^-(s+1))) (Form)
+                y = g.rne(g.add(g.mul(x, g.const(f.c)), g.const(bias_i.astype(np.float64) * f.c + _pow2f(-(f.s + 1)))))
+            elif f.kind == "f1":  # floor((G + b) c + 1/2) = floor(G c + (b c + 1/2)): b c + 1/2 exact (|b| <= vmax)
                 y = g.floor(g.add(g.mul(x, g.const(f.c)), g.const(bias_i.astype(np.float64) * f.c + 0.5)))
             else:
                 y = apply_rescale(g, g.add(x, g.const(bias_i.astype(np.float64))), f)
@@ -357,80 +397,90 @@ class _Layer:
         f = Form(np.array(mm, np.int64), np.full(np.shape(s), S), vmax, normalize=False)
         if f.kind is None:
             raise ONNXExportError(f"{self.where}: the x levels' W.x rescale has no exact float64 form")
-        acc = g.add(x, per_token(bias_i.astype(np.float64)))
-        if f.kind == "f1":
-            y = g.floor(g.add(g.mul(acc, per_token(f.c)), g.const(0.5)))
+        rne = f.rne_ok()  # the last floor as Graph.rne (Form); every level has the shift S
+        last = g.rne if rne else g.floor
+        if f.kind == "f1":  # floor(G c + (b c + 1/2)), the bias folded as without levels (exact: above)
+            e = _pow2f(-(S + 1)) if rne else 0.5
+            y = last(g.add(g.mul(x, per_token(f.c)), per_token(bias_i.astype(np.float64) * f.c + e)))
         else:
+            acc = g.add(x, per_token(bias_i.astype(np.float64)))
             a = g.mul(acc, per_token(f.mh))
             b = g.floor(g.mul(acc, per_token(f.mls)))
-            y = g.floor(g.mul(g.add(g.add(a, b), g.const(float(f.half.reshape(-1)[0]))),
-                              g.const(float(f.inv.reshape(-1)[0]))))
+            y = last(g.mul(g.add(g.add(a, b), g.const(0.5 if rne else float(f.half.reshape(-1)[0]))),
+                           g.const(float(f.inv.reshape(-1)[0]))))
         return g.clip(y, lo - zf, hi - zf)
 
     # -- W.x ------------------------------------------------------------------------------------
-    def input_products(self, qx: str) -> List[str]:
-        """W.x of the whole sequence, one GEMM per gate (golden.input_gemm's product q_x . W^T):
-        [T, N, H] each, int32 (MatMulInteger) or float64 (MatMul)."""
-        g, p, H = self.g, self.p, self.H
-        bx, bw = p.bits["x"], p.bits["W"]
-        W = _np(p.W)
-        u8 = g.cast(g.add(qx, g.const(128.0)), 2) if self.int8(bx, bw) else None
-        return [self.gemm(qx, bx, W[q * H:(q + 1) * H], bw, u8=u8) for q in range(3)]
+    # The three gates' channels are one tensor of 3H columns (r | z | g, the parameters' order) through
+    # the GEMMs, the requantizations and the Wx rescales: one operator per step where there were three
+    # (ONNX Runtime's per-operator cost is a large part of a step). Every per-channel constant is a
+    # [3H] array (a per-gate rescale repeated over its gate's H channels); Split takes the gates apart
+    # where their arithmetic differs (r and z: one [N, 2H] lookup; g: after r).
+    def input_products(self, qx: str) -> str:
+        """W.x of the whole sequence, all three gates in one GEMM (golden.input_gemm's product
+        q_x . W^T): [T, N, 3H], int32 (MatMulInteger) or float64 (MatMul)."""
+        p = self.p
+        return self.gemm(qx, p.bits["x"], _np(p.W), p.bits["W"])
 
-    def input_term(self, q: int, prod: str, level: Optional[str]) -> str:
-        """One step's (or the sequence's) W.x term of gate q from its product: golden.input_gemm's
-        requantization (x levels: the token's bias and rescale), then the gate's Wx rescale onto its
-        pre-activation grid, offset to the table's index: rescale(q_Wx - Z_Wx) + Z_pre - qmin_pre.
-        Run inside the step: elementwise work on [N, H] stays in cache, where the same work on the
-        whole [T, N, H] sequence streams through memory (measured ~10x slower per element)."""
-        g, p, H = self.g, self.p, self.H
+    def input_term(self, prod: str, level: Optional[str]) -> str:
+        """One step's W.x terms [N, 3H] from its product: golden.input_gemm's requantization (x
+        levels: the token's bias and rescale), then each gate's Wx rescale onto its pre-activation
+        grid, offset to the table's index: rescale(q_Wx - Z_Wx) + Z_pre - qmin_pre. Run inside the
+        step: elementwise work on [N, 3H] stays in cache, where the same work on the whole [T, N, 3H]
+        sequence streams through memory (measured ~10x slower per element)."""
+        g, p = self.g, self.p
         bx, bw = p.bits["x"], p.bits["W"]
         W = _np(p.W)
         wzp = _np(p.W_zp_comp).astype(np.int64)
-        name = "rzg"[q]
-        cols = slice(q * H, (q + 1) * H)
         if level is None:
             r = p.rescale["Wx"]
-            d_wx = self.requant(prod, (bx, bw), W[cols], _np(p.b_x).astype(np.int64)[cols] - wzp[cols],
-                                _gate_cols(r.multiplier, cols), _gate_cols(r.shift, cols),
-                                _gate_cols(p.zp["Wx"], cols), p.bits["Wx"], f"Wx ({name})")
+            d_wx = self.requant(prod, (bx, bw), W, _np(p.b_x).astype(np.int64) - wzp, _np(r.multiplier),
+                                _np(r.shift), _np(p.zp["Wx"]), p.bits["Wx"], "Wx")
         else:
             lv = p.x_levels
+            C = W.shape[0]
 
             def per_token(arr):
-                arr = np.ascontiguousarray(np.broadcast_to(np.asarray(arr, np.float64), (lv.b_x.shape[0], H)))
-                return g.op("Gather", [g.const(arr), level], axis=0)  # [.., N, H]
+                arr = np.ascontiguousarray(np.broadcast_to(np.asarray(arr, np.float64), (lv.b_x.shape[0], C)))
+                return g.op("Gather", [g.const(arr), level], axis=0)  # [.., N, 3H]
 
-            d_wx = self.requant(prod, (bx, bw), W[cols], _np(lv.b_x).astype(np.int64)[:, cols] - wzp[None, cols],
-                                _np(lv.rescale.multiplier)[:, cols], _np(lv.rescale.shift)[:, cols],
-                                _gate_cols(p.zp["Wx"], cols), p.bits["Wx"], f"Wx ({name}, x levels)",
-                                per_token=per_token)
-        r = p.rescale[f"Wx_{name}"]
-        f = self.form(f"Wx_{name}", r.multiplier, r.shift, (1 << p.bits["Wx"]) - 1)
-        off = self.offset[name]
-        return apply_rescale(g, d_wx, f, add_const=off, add_bound=abs(off))
+            d_wx = self.requant(prod, (bx, bw), W, _np(lv.b_x).astype(np.int64) - wzp[None, :],
+                                _np(lv.rescale.multiplier), _np(lv.rescale.shift), _np(p.zp["Wx"]), p.bits["Wx"],
+                                "Wx (x levels)", per_token=per_token)
+        return apply_rescale(g, d_wx, self.wx_form, add_const=self.wx_off, add_bound=np.abs(self.wx_off))
 
     # -- the step -----------------------------------------------------------------------------
     def setup(self):
-        """Tables, the step's rescale forms, and which additions fold into them."""
+        """Tables, the step's rescale forms (per channel over the gates they serve), and the bounds of
+        the additions that fold into them."""
         p, H, b = self.p, self.H, self.p.bits
         self.tables = {n: _table(p, n) for n in "rzg"}
-        self.offset = {n: float(int(p.zp[f"{n}_pre"]) - qrange(b[f"{n}_pre"])[0]) for n in "rzg"}  # Z_pre - qmin
-        self.top = {n: float(len(self.tables[n]) - 1) for n in "rzg"}
+        off = {n: float(int(p.zp[f"{n}_pre"]) - qrange(b[f"{n}_pre"])[0]) for n in "rzg"}  # Z_pre - qmin
         span_rh = (1 << b["Rh"]) - 1
-        self.forms, self.fold = {}, {}
-        for n in "rzg":
-            r = p.rescale[f"Wx_{n}"]
-            wx_bound = Form(_np(r.multiplier), _np(r.shift), (1 << b["Wx"]) - 1).result_bound() + int(self.offset[n]) + 1
-            if n == "g":  # r * Rh_g
-                f = self.form("rRh_g", p.rescale["rRh_g"].multiplier, p.rescale["rRh_g"].shift,
-                              ((1 << b["r"]) - 1) * span_rh)
-            else:
-                f = self.form(f"Rh_{n}", p.rescale[f"Rh_{n}"].multiplier, p.rescale[f"Rh_{n}"].shift, span_rh)
-            self.forms[n], self.fold[n] = f, wx_bound
+        # the W.x terms of r | z | g
+        self.wx_off = np.repeat([off[n] for n in "rzg"], H)
+        m, s = _cols(p, ["Wx_r", "Wx_z", "Wx_g"], H)
+        self.wx_form = self.form("Wx_r/Wx_z/Wx_g", m, s, (1 << b["Wx"]) - 1)
+        self.wx_bound = self.wx_form.result_bound() + int(max(off.values())) + 1  # max |W.x term|
+        # r | z: index = W.x term + rescale(q_Rh - Z_Rh) into the two tables concatenated (z's
+        # channels offset by len(table r)), clamped to each gate's own part
+        n_r = len(self.tables["r"])
+        self.rz_table = np.concatenate([self.tables["r"], self.tables["z"]])
+        self.rz_lo = np.repeat([0.0, float(n_r)], H)
+        self.rz_hi = self.rz_lo + np.repeat([float(len(self.tables[n]) - 1) for n in "rz"], H)
+        m, s = _cols(p, ["Rh_r", "Rh_z"], H)
+        self.rz_form = self.form("Rh_r/Rh_z", m, s, span_rh)
+        # g: r * Rh_g
+        self.g_form = self.form("rRh_g", p.rescale["rRh_g"].multiplier, p.rescale["rRh_g"].shift,
+                                ((1 << b["r"]) - 1) * span_rh)
+        self.g_hi = float(len(self.tables["g"]) - 1)
 
-    def body(self, d_h: str, wx: Sequence[str]) -> str:
-        """gru_step on the state d_h = q_h - Z_h [N, H] (float64) and this step's Wx terms."""
+    def split(self, t: str, widths: Sequence[int]) -> List[str]:
+        """t's last axis cut into parts of these widths (Split)."""
+        return self.g.op("Split", [t, self.g.const(np.array(widths), np.int64)], n_out=len(widths), axis=-1)
+
+    def body(self, d_h: str, wx: str) -> str:
+        """gru_step on the state d_h = q_h - Z_h [N, H] (float64) and this step's W.x terms [N, 3H]."""
         g, p, H = self.g, self.p, self.H
         b, zp = p.bits, p.zp
         z_h = int(zp["h"])
@@ -457,40 +507,37 @@ class _Layer:
                 u8 = g.cast(g.add(d_h, g.const(float(z_h + 128))), 2)
         r = p.rescale["Rh"]
         bias = _np(p.b_h).astype(np.int64) - _np(p.R_zp_comp).astype(np.int64)
-        d_rh = {}
-        for q, name in enumerate("rzg"):
-            cols = slice(q * H, (q + 1) * H)
-            prod = self.gemm(op, op_bits, R[cols], b["R"], u8=u8)
-            d_rh[name] = self.requant(prod, (op_bits, b["R"]), R[cols], bias[cols], _gate_cols(r.multiplier, cols),
-                                      _gate_cols(r.shift, cols), _gate_cols(zp["Rh"], cols), b["Rh"], f"Rh ({name})")
-        # r, z: index = Wx term + rescale(d_Rh), saturated to the table; the floor is the Cast's
-        d = {}
-        for q, name in enumerate("rz"):
-            y = apply_rescale(g, d_rh[name], self.forms[name], add_tensor=wx[q], add_bound=self.fold[name],
-                              floor=False)
-            d[name] = self.lookup(name, y)
-        # g: Wx_g term + rescale(r * Rh_g), saturated, tanh table
-        y = apply_rescale(g, g.mul(d["r"], d_rh["g"]), self.forms["g"], add_tensor=wx[2], add_bound=self.fold["g"],
-                          floor=False)
-        d_g = self.lookup("g", y)
+        prod = self.gemm(op, op_bits, R, b["R"], u8=u8)  # [N, 3H]
+        d_rh = self.requant(prod, (op_bits, b["R"]), R, bias, _np(r.multiplier), _np(r.shift), _np(zp["Rh"]),
+                            b["Rh"], "Rh")
+        rh_rz, rh_g = self.split(d_rh, [2 * H, H])
+        wx_rz, wx_g = self.split(wx, [2 * H, H])
+        # r, z: index = W.x term + rescale(d_Rh), saturated to the table; the floor is the Cast's
+        y = apply_rescale(g, rh_rz, self.rz_form, add_const=self.rz_lo, add_tensor=wx_rz,
+                          add_bound=self.rz_lo + self.wx_bound, floor=False)
+        d_r, d_z = self.split(self.lookup(self.rz_table, y, self.rz_lo, self.rz_hi, 2 * H), [H, H])
+        # g: W.x_g term + rescale(r * Rh_g), saturated, tanh table
+        y = apply_rescale(g, g.mul(d_r, rh_g), self.g_form, add_tensor=wx_g, add_bound=self.wx_bound, floor=False)
+        d_g = self.lookup(self.tables["g"], y, 0.0, self.g_hi, H)
         # h' - Z_h = sat(rescale(z (h - Z_h)) + rescale((1 - z) g) + Z_h) - Z_h
-        zh = self.rescale(g.mul(d["z"], d_h), "zh", ((1 << b["z"]) - 1) * span_h)
-        one_minus_z = g.sub(g.const(float(p.one_z)), d["z"])
+        zh = self.rescale(g.mul(d_z, d_h), "zh", ((1 << b["z"]) - 1) * span_h)
+        one_minus_z = g.sub(g.const(float(p.one_z)), d_z)
         zg_max = (1 << b["z"]) * (1 << (b["g"] - 1))
         zh_bound = Form(_np(p.rescale["zh"].multiplier), _np(p.rescale["zh"].shift),
                         ((1 << b["z"]) - 1) * span_h).result_bound()
         h_new = self.rescale(g.mul(one_minus_z, d_g), "zg", zg_max, add_tensor=zh, add_bound=zh_bound)
         return g.clip(h_new, float(h_lo - z_h), float(h_hi - z_h))
 
-    def lookup(self, name: str, y: str) -> str:
-        """The gate's table at floor(y), y clamped to the table (a float whose floor is the index:
-        Cast truncates, and the clamp keeps it >= 0): GatherElements on the flattened indices (ONNX
-        Runtime's Gather copies one element per index through a generic block copy, ~10x slower)."""
+    def lookup(self, table: np.ndarray, y: str, lo, hi, width: int) -> str:
+        """table at floor(y), y clamped to [lo, hi] (per channel or scalar, integer ends >= 0; a float
+        whose floor is the index: Cast truncates, and the clamp keeps it >= 0): GatherElements on the
+        flattened indices (ONNX Runtime's Gather copies one element per index through a generic block
+        copy, ~10x slower); [N, width]."""
         g = self.g
-        idx = g.cast(g.clip(y, 0.0, self.top[name]), 6)  # int32 indices: ORT gathers them faster than int64
+        idx = g.cast(g.clip(y, lo, hi), 6)  # int32 indices: ORT gathers them faster than int64
         flat = g.op("Reshape", [idx, g.const(np.array([-1]), np.int64)])
-        v = g.op("GatherElements", [g.const(self.tables[name]), flat], axis=0)
-        return g.op("Reshape", [v, g.const(np.array([-1, self.H]), np.int64)])
+        v = g.op("GatherElements", [g.const(table), flat], axis=0)
+        return g.op("Reshape", [v, g.const(np.array([-1, width]), np.int64)])
 
     def run(self, qx: str, d_h0: str, level: Optional[str], reverse: bool) -> Tuple[str, str]:
         """(outputs - Z_h [T, N, H], h_n - Z_h [N, H]) as float64 integer tensors."""
@@ -503,32 +550,28 @@ class _Layer:
         outer_nodes = g.nodes
         g.nodes = []
         st_in = g.name("h_in")
-        p_in = [g.name(f"wx{n}_in") for n in "rzg"]
+        p_in = g.name("wx_in")
         lv_in = g.name("level_in") if level is not None else None
-        wx = [self.input_term(q, p_in[q], lv_in) for q in range(3)]
+        wx = self.input_term(p_in, lv_in)
         h_new = self.body(st_in, wx)
         # (one value listed as both body outputs passes onnx's checker but ONNX Runtime 1.32 then
-        # returns garbage: the output buffer is reused as the next step's state)
-        y_out = g.op("Identity", [h_new])
+        # returns garbage: the output buffer is reused as the next step's state.) The scan output is
+        # a float32 Cast: q_h - Z_h has at most 17 bits, exact in float32; half the bytes of a float64
+        # Identity (which cost more than a Cast inside ORT's Scan), cast back once after the loop.
+        y_out = g.cast(h_new, P.FLOAT)
         body_nodes, g.nodes = g.nodes, outer_nodes
         vi = onnx.helper.make_tensor_value_info
-        inputs = [vi(st_in, P.DOUBLE, None)] + [vi(n, p_type, None) for n in p_in]
-        scans = prods
+        inputs = [vi(st_in, P.DOUBLE, None), vi(p_in, p_type, None)]
+        scans = [prods]
         if level is not None:
             inputs.append(vi(lv_in, P.INT64, None))
-            scans = prods + [level]
+            scans = [prods, level]
         body = onnx.helper.make_graph(body_nodes, g.name("step"), inputs,
-                                      [vi(h_new, P.DOUBLE, None), vi(y_out, P.DOUBLE, None)])
+                                      [vi(h_new, P.DOUBLE, None), vi(y_out, P.FLOAT, None)])
         direction = [1 if reverse else 0]
         hn, out = g.op("Scan", [d_h0] + scans, n_out=2, body=body, num_scan_inputs=len(scans),
                        scan_input_directions=direction * len(scans), scan_output_directions=direction)
-        return out, hn
-
-
-def _gate_cols(v, cols: slice) -> np.ndarray:
-    """A per-channel (or per-tensor) [3H] parameter's entries for one gate's channels."""
-    a = _np(v)
-    return a[cols] if a.ndim else a
+        return g.cast(out, P.DOUBLE), hn
 
 
 def gru_nodes(params: QuantParams, g: Graph, x: str, h0: str, out: str, h_n: str, out_dtype: int,
