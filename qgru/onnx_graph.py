@@ -411,76 +411,69 @@ class _Layer:
         return g.clip(y, lo - zf, hi - zf)
 
     # -- W.x ------------------------------------------------------------------------------------
-    # The three gates' channels are one tensor of 3H columns (r | z | g, the parameters' order) through
-    # the GEMMs, the requantizations and the Wx rescales: one operator per step where there were three
-    # (ONNX Runtime's per-operator cost is a large part of a step). Every per-channel constant is a
-    # [3H] array (a per-gate rescale repeated over its gate's H channels); Split takes the gates apart
-    # where their arithmetic differs (r and z: one [N, 2H] lookup; g: after r).
-    def input_products(self, qx: str) -> str:
-        """W.x of the whole sequence, all three gates in one GEMM (golden.input_gemm's product
-        q_x . W^T): [T, N, 3H], int32 (MatMulInteger) or float64 (MatMul)."""
-        p = self.p
-        return self.gemm(qx, p.bits["x"], _np(p.W), p.bits["W"])
+    def input_products(self, qx: str) -> List[str]:
+        """W.x of the whole sequence, one GEMM per gate (golden.input_gemm's product q_x . W^T):
+        [T, N, H] each, int32 (MatMulInteger) or float64 (MatMul)."""
+        g, p, H = self.g, self.p, self.H
+        bx, bw = p.bits["x"], p.bits["W"]
+        W = _np(p.W)
+        u8 = g.cast(g.add(qx, g.const(128.0)), 2) if self.int8(bx, bw) else None
+        return [self.gemm(qx, bx, W[q * H:(q + 1) * H], bw, u8=u8) for q in range(3)]
 
-    def input_term(self, prod: str, level: Optional[str]) -> str:
-        """One step's W.x terms [N, 3H] from its product: golden.input_gemm's requantization (x
-        levels: the token's bias and rescale), then each gate's Wx rescale onto its pre-activation
-        grid, offset to the table's index: rescale(q_Wx - Z_Wx) + Z_pre - qmin_pre. Run inside the
-        step: elementwise work on [N, 3H] stays in cache, where the same work on the whole [T, N, 3H]
-        sequence streams through memory (measured ~10x slower per element)."""
-        g, p = self.g, self.p
+    def input_term(self, q: int, prod: str, level: Optional[str]) -> str:
+        """One step's (or the sequence's) W.x term of gate q from its product: golden.input_gemm's
+        requantization (x levels: the token's bias and rescale), then the gate's Wx rescale onto its
+        pre-activation grid, offset to the table's index: rescale(q_Wx - Z_Wx) + Z_pre - qmin_pre.
+        Run inside the step: elementwise work on [N, H] stays in cache, where the same work on the
+        whole [T, N, H] sequence streams through memory (measured ~10x slower per element)."""
+        g, p, H = self.g, self.p, self.H
         bx, bw = p.bits["x"], p.bits["W"]
         W = _np(p.W)
         wzp = _np(p.W_zp_comp).astype(np.int64)
+        name = "rzg"[q]
+        cols = slice(q * H, (q + 1) * H)
         if level is None:
             r = p.rescale["Wx"]
-            d_wx = self.requant(prod, (bx, bw), W, _np(p.b_x).astype(np.int64) - wzp, _np(r.multiplier),
-                                _np(r.shift), _np(p.zp["Wx"]), p.bits["Wx"], "Wx")
+            d_wx = self.requant(prod, (bx, bw), W[cols], _np(p.b_x).astype(np.int64)[cols] - wzp[cols],
+                                _gate_cols(r.multiplier, cols), _gate_cols(r.shift, cols),
+                                _gate_cols(p.zp["Wx"], cols), p.bits["Wx"], f"Wx ({name})")
         else:
             lv = p.x_levels
-            C = W.shape[0]
 
             def per_token(arr):
-                arr = np.ascontiguousarray(np.broadcast_to(np.asarray(arr, np.float64), (lv.b_x.shape[0], C)))
-                return g.op("Gather", [g.const(arr), level], axis=0)  # [.., N, 3H]
+                arr = np.ascontiguousarray(np.broadcast_to(np.asarray(arr, np.float64), (lv.b_x.shape[0], H)))
+                return g.op("Gather", [g.const(arr), level], axis=0)  # [.., N, H]
 
-            d_wx = self.requant(prod, (bx, bw), W, _np(lv.b_x).astype(np.int64) - wzp[None, :],
-                                _np(lv.rescale.multiplier), _np(lv.rescale.shift), _np(p.zp["Wx"]), p.bits["Wx"],
-                                "Wx (x levels)", per_token=per_token)
-        return apply_rescale(g, d_wx, self.wx_form, add_const=self.wx_off, add_bound=np.abs(self.wx_off))
+            d_wx = self.requant(prod, (bx, bw), W[cols], _np(lv.b_x).astype(np.int64)[:, cols] - wzp[None, cols],
+                                _np(lv.rescale.multiplier)[:, cols], _np(lv.rescale.shift)[:, cols],
+                                _gate_cols(p.zp["Wx"], cols), p.bits["Wx"], f"Wx ({name}, x levels)",
+                                per_token=per_token)
+        r = p.rescale[f"Wx_{name}"]
+        f = self.form(f"Wx_{name}", r.multiplier, r.shift, (1 << p.bits["Wx"]) - 1)
+        off = self.offset[name]
+        return apply_rescale(g, d_wx, f, add_const=off, add_bound=abs(off))
 
     # -- the step -----------------------------------------------------------------------------
     def setup(self):
-        """Tables, the step's rescale forms (per channel over the gates they serve), and the bounds of
-        the additions that fold into them."""
+        """Tables, the step's rescale forms, and which additions fold into them."""
         p, H, b = self.p, self.H, self.p.bits
         self.tables = {n: _table(p, n) for n in "rzg"}
-        off = {n: float(int(p.zp[f"{n}_pre"]) - qrange(b[f"{n}_pre"])[0]) for n in "rzg"}  # Z_pre - qmin
+        self.offset = {n: float(int(p.zp[f"{n}_pre"]) - qrange(b[f"{n}_pre"])[0]) for n in "rzg"}  # Z_pre - qmin
+        self.top = {n: float(len(self.tables[n]) - 1) for n in "rzg"}
         span_rh = (1 << b["Rh"]) - 1
-        # the W.x terms of r | z | g
-        self.wx_off = np.repeat([off[n] for n in "rzg"], H)
-        m, s = _cols(p, ["Wx_r", "Wx_z", "Wx_g"], H)
-        self.wx_form = self.form("Wx_r/Wx_z/Wx_g", m, s, (1 << b["Wx"]) - 1)
-        self.wx_bound = self.wx_form.result_bound() + int(max(off.values())) + 1  # max |W.x term|
-        # r | z: index = W.x term + rescale(q_Rh - Z_Rh) into the two tables concatenated (z's
-        # channels offset by len(table r)), clamped to each gate's own part
-        n_r = len(self.tables["r"])
-        self.rz_table = np.concatenate([self.tables["r"], self.tables["z"]])
-        self.rz_lo = np.repeat([0.0, float(n_r)], H)
-        self.rz_hi = self.rz_lo + np.repeat([float(len(self.tables[n]) - 1) for n in "rz"], H)
-        m, s = _cols(p, ["Rh_r", "Rh_z"], H)
-        self.rz_form = self.form("Rh_r/Rh_z", m, s, span_rh)
-        # g: r * Rh_g
-        self.g_form = self.form("rRh_g", p.rescale["rRh_g"].multiplier, p.rescale["rRh_g"].shift,
-                                ((1 << b["r"]) - 1) * span_rh)
-        self.g_hi = float(len(self.tables["g"]) - 1)
+        self.forms, self.fold = {}, {}
+        for n in "rzg":
+            r = p.rescale[f"Wx_{n}"]
+            wx_bound = Form(_np(r.multiplier), _np(r.shift), (1 << b["Wx"]) - 1).result_bound() + int(self.offset[n]) + 1
+            if n == "g":  # r * Rh_g
+                f = self.form("rRh_g", p.rescale["rRh_g"].multiplier, p.rescale["rRh_g"].shift,
+                              ((1 << b["r"]) - 1) * span_rh)
+            else:
+                f = self.form(f"Rh_{n}", p.rescale[f"Rh_{n}"].multiplier, p.rescale[f"Rh_{n}"].shift, span_rh)
+            self.forms[n], self.fold[n] = f, wx_bound
 
-    def split(self, t: str, widths: Sequence[int]) -> List[str]:
-        """t's last axis cut into parts of these widths (Split)."""
-        return self.g.op("Split", [t, self.g.const(np.array(widths), np.int64)], n_out=len(widths), axis=-1)
-
-    def body(self, d_h: str, wx: str) -> str:
-        """gru_step on the state d_h = q_h - Z_h [N, H] (float64) and this step's W.x terms [N, 3H]."""
+    def body(self, d_h: str, wx: Sequence[str]) -> str:
+        """gru_step on the state d_h = q_h - Z_h [N, H] (float64) and this step's Wx terms."""
         g, p, H = self.g, self.p, self.H
         b, zp = p.bits, p.zp
         z_h = int(zp["h"])
@@ -507,37 +500,40 @@ class _Layer:
                 u8 = g.cast(g.add(d_h, g.const(float(z_h + 128))), 2)
         r = p.rescale["Rh"]
         bias = _np(p.b_h).astype(np.int64) - _np(p.R_zp_comp).astype(np.int64)
-        prod = self.gemm(op, op_bits, R, b["R"], u8=u8)  # [N, 3H]
-        d_rh = self.requant(prod, (op_bits, b["R"]), R, bias, _np(r.multiplier), _np(r.shift), _np(zp["Rh"]),
-                            b["Rh"], "Rh")
-        rh_rz, rh_g = self.split(d_rh, [2 * H, H])
-        wx_rz, wx_g = self.split(wx, [2 * H, H])
-        # r, z: index = W.x term + rescale(d_Rh), saturated to the table; the floor is the Cast's
-        y = apply_rescale(g, rh_rz, self.rz_form, add_const=self.rz_lo, add_tensor=wx_rz,
-                          add_bound=self.rz_lo + self.wx_bound, floor=False)
-        d_r, d_z = self.split(self.lookup(self.rz_table, y, self.rz_lo, self.rz_hi, 2 * H), [H, H])
-        # g: W.x_g term + rescale(r * Rh_g), saturated, tanh table
-        y = apply_rescale(g, g.mul(d_r, rh_g), self.g_form, add_tensor=wx_g, add_bound=self.wx_bound, floor=False)
-        d_g = self.lookup(self.tables["g"], y, 0.0, self.g_hi, H)
+        d_rh = {}
+        for q, name in enumerate("rzg"):
+            cols = slice(q * H, (q + 1) * H)
+            prod = self.gemm(op, op_bits, R[cols], b["R"], u8=u8)
+            d_rh[name] = self.requant(prod, (op_bits, b["R"]), R[cols], bias[cols], _gate_cols(r.multiplier, cols),
+                                      _gate_cols(r.shift, cols), _gate_cols(zp["Rh"], cols), b["Rh"], f"Rh ({name})")
+        # r, z: index = Wx term + rescale(d_Rh), saturated to the table; the floor is the Cast's
+        d = {}
+        for q, name in enumerate("rz"):
+            y = apply_rescale(g, d_rh[name], self.forms[name], add_tensor=wx[q], add_bound=self.fold[name],
+                              floor=False)
+            d[name] = self.lookup(name, y)
+        # g: Wx_g term + rescale(r * Rh_g), saturated, tanh table
+        y = apply_rescale(g, g.mul(d["r"], d_rh["g"]), self.forms["g"], add_tensor=wx[2], add_bound=self.fold["g"],
+                          floor=False)
+        d_g = self.lookup("g", y)
         # h' - Z_h = sat(rescale(z (h - Z_h)) + rescale((1 - z) g) + Z_h) - Z_h
-        zh = self.rescale(g.mul(d_z, d_h), "zh", ((1 << b["z"]) - 1) * span_h)
-        one_minus_z = g.sub(g.const(float(p.one_z)), d_z)
+        zh = self.rescale(g.mul(d["z"], d_h), "zh", ((1 << b["z"]) - 1) * span_h)
+        one_minus_z = g.sub(g.const(float(p.one_z)), d["z"])
         zg_max = (1 << b["z"]) * (1 << (b["g"] - 1))
         zh_bound = Form(_np(p.rescale["zh"].multiplier), _np(p.rescale["zh"].shift),
                         ((1 << b["z"]) - 1) * span_h).result_bound()
         h_new = self.rescale(g.mul(one_minus_z, d_g), "zg", zg_max, add_tensor=zh, add_bound=zh_bound)
         return g.clip(h_new, float(h_lo - z_h), float(h_hi - z_h))
 
-    def lookup(self, table: np.ndarray, y: str, lo, hi, width: int) -> str:
-        """table at floor(y), y clamped to [lo, hi] (per channel or scalar, integer ends >= 0; a float
-        whose floor is the index: Cast truncates, and the clamp keeps it >= 0): GatherElements on the
-        flattened indices (ONNX Runtime's Gather copies one element per index through a generic block
-        copy, ~10x slower); [N, width]."""
+    def lookup(self, name: str, y: str) -> str:
+        """The gate's table at floor(y), y clamped to the table (a float whose floor is the index:
+        Cast truncates, and the clamp keeps it >= 0): GatherElements on the flattened indices (ONNX
+        Runtime's Gather copies one element per index through a generic block copy, ~10x slower)."""
         g = self.g
-        idx = g.cast(g.clip(y, lo, hi), 6)  # int32 indices: ORT gathers them faster than int64
+        idx = g.cast(g.clip(y, 0.0, self.top[name]), 6)  # int32 indices: ORT gathers them faster than int64
         flat = g.op("Reshape", [idx, g.const(np.array([-1]), np.int64)])
-        v = g.op("GatherElements", [g.const(table), flat], axis=0)
-        return g.op("Reshape", [v, g.const(np.array([-1, width]), np.int64)])
+        v = g.op("GatherElements", [g.const(self.tables[name]), flat], axis=0)
+        return g.op("Reshape", [v, g.const(np.array([-1, self.H]), np.int64)])
 
     def run(self, qx: str, d_h0: str, level: Optional[str], reverse: bool) -> Tuple[str, str]:
         """(outputs - Z_h [T, N, H], h_n - Z_h [N, H]) as float64 integer tensors."""
@@ -550,9 +546,9 @@ class _Layer:
         outer_nodes = g.nodes
         g.nodes = []
         st_in = g.name("h_in")
-        p_in = g.name("wx_in")
+        p_in = [g.name(f"wx{n}_in") for n in "rzg"]
         lv_in = g.name("level_in") if level is not None else None
-        wx = self.input_term(p_in, lv_in)
+        wx = [self.input_term(q, p_in[q], lv_in) for q in range(3)]
         h_new = self.body(st_in, wx)
         # (one value listed as both body outputs passes onnx's checker but ONNX Runtime 1.32 then
         # returns garbage: the output buffer is reused as the next step's state.) The scan output is
@@ -561,17 +557,23 @@ class _Layer:
         y_out = g.cast(h_new, P.FLOAT)
         body_nodes, g.nodes = g.nodes, outer_nodes
         vi = onnx.helper.make_tensor_value_info
-        inputs = [vi(st_in, P.DOUBLE, None), vi(p_in, p_type, None)]
-        scans = [prods]
+        inputs = [vi(st_in, P.DOUBLE, None)] + [vi(n, p_type, None) for n in p_in]
+        scans = prods
         if level is not None:
             inputs.append(vi(lv_in, P.INT64, None))
-            scans = [prods, level]
+            scans = prods + [level]
         body = onnx.helper.make_graph(body_nodes, g.name("step"), inputs,
                                       [vi(h_new, P.DOUBLE, None), vi(y_out, P.FLOAT, None)])
         direction = [1 if reverse else 0]
         hn, out = g.op("Scan", [d_h0] + scans, n_out=2, body=body, num_scan_inputs=len(scans),
                        scan_input_directions=direction * len(scans), scan_output_directions=direction)
         return g.cast(out, P.DOUBLE), hn
+
+
+def _gate_cols(v, cols: slice) -> np.ndarray:
+    """A per-channel (or per-tensor) [3H] parameter's entries for one gate's channels."""
+    a = _np(v)
+    return a[cols] if a.ndim else a
 
 
 def gru_nodes(params: QuantParams, g: Graph, x: str, h0: str, out: str, h_n: str, out_dtype: int,

@@ -124,8 +124,9 @@ def test_integer_gemms_are_uint8_by_uint8(tmp_path):
         b, azp, bzp = consts[n.input[1]], consts[n.input[2]], consts[n.input[3]]
         assert b.dtype == np.uint8 and azp.dtype == np.uint8 and bzp.dtype == np.uint8 and int(bzp) == 128
         weights.append(b.astype(np.int64) - 128)
-    W = m._qparams[0][0].W.numpy().astype(np.int64)  # layer 0, forward: its three gates' W.x, one GEMM
-    assert any(np.array_equal(w, W.T) for w in weights)
+    W = m._qparams[0][0].W.numpy().astype(np.int64)  # layer 0, forward: its three gates' W.x
+    H = m.hidden_size
+    assert any(np.array_equal(w, W[q * H:(q + 1) * H].T) for w in weights for q in range(3))
 
 
 def test_export_under_a_meta_default_device(tmp_path):
