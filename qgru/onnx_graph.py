@@ -295,6 +295,18 @@ def _table(p: LayerParams, name: str) -> np.ndarray:
     return (lookup(q, table, b, zp, p.bits[name]) - zp).double().cpu().numpy()
 
 
+def _table_dtype(t: np.ndarray):
+    """The narrowest of uint16, int16, int32 that holds every entry of the integer table t (None: keep
+    float64). A 16-bit output grid's table (2^16 entries) is then 128 KiB instead of 512 KiB:
+    ONNX Runtime's GatherElements measured ~2.4x faster on it at N=64, H=512 (fewer cache misses),
+    more than the Cast to float64 that follows costs."""
+    for dt in (np.uint16, np.int16, np.int32):
+        info = np.iinfo(dt)
+        if t.min() >= info.min and t.max() <= info.max:
+            return dt
+    return None
+
+
 def _span(bits: int, zp) -> int:
     """max |q - Z| over a grid of ``bits`` bits with zero point(s) Z."""
     lo, hi = qrange(bits)
@@ -532,7 +544,12 @@ class _Layer:
         g = self.g
         idx = g.cast(g.clip(y, 0.0, self.top[name]), 6)  # int32 indices: ORT gathers them faster than int64
         flat = g.op("Reshape", [idx, g.const(np.array([-1]), np.int64)])
-        v = g.op("GatherElements", [g.const(self.tables[name]), flat], axis=0)
+        t = self.tables[name]
+        dt = _table_dtype(t)
+        if dt is None:
+            v = g.op("GatherElements", [g.const(t), flat], axis=0)
+        else:  # the entries as 16-bit (or 32-bit) integers, exactly, then float64: a smaller table to read
+            v = g.cast(g.op("GatherElements", [g.const(t.astype(dt), dt), flat], axis=0), 11)
         return g.op("Reshape", [v, g.const(np.array([-1, self.H]), np.int64)])
 
     def run(self, qx: str, d_h0: str, level: Optional[str], reverse: bool) -> Tuple[str, str]:
