@@ -21,8 +21,10 @@ operation is golden.py's, written with the default ONNX domain only:
   W.x's requantization and gru_step. Integers are held in float64 tensors (every stored value and
   every product formed is an integer below 2^53, so float64 Add / Mul / Floor are exact on them).
   Each rescale round_half_up(v m / 2^s) is one of two forms chosen per rescale from the static
-  bound of |v| (``Form``: each form's proof is in its docstring, and an export whose bounds fit
-  neither raises); the tables are golden's lookup over every input integer (``GatherElements``).
+  bound of |v|, its last floor a round to nearest by 3 2^51 where the bound leaves room (``Form``:
+  each form's proof is in its docstring, and an export whose bounds fit neither raises); the
+  tables are golden's lookup over every input integer (``GatherElements``), stored as 16-bit
+  integers where the entries fit; the scan output is the state in float32 (17 bits: exact).
 
 Parts: Graph (names, constants, nodes); Form / apply_rescale (the exact rescales); quantize (the
 float boundary); _Layer (one layer and direction: GEMMs, requantization, the step, the Scan);
