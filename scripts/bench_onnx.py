@@ -3,8 +3,10 @@ same GRU, and qgru's native CPU backend, in one run (BENCHMARKS.md, "ONNX export
 
     python scripts/bench_onnx.py [--T 100] [--N 64] [--I 256] [--H 512] [--threads 2] [--config w8a8]
 
-Prints the median of --reps calls of each (calls interleaved, so load on a shared machine reaches
-all alike), then batch-1 streaming (T = 1 calls carrying h) per step, and the lscpu model name.
+Prints the median of --reps calls of each (the two ORT sessions' calls interleaved, so load on a
+shared machine reaches both alike; qgru native in its own loop after them, as its OpenMP threads
+keep spinning after a call), then batch-1 streaming (T = 1 calls carrying h, interleaved the same
+way) per step, each with the ratio ORT integer / ORT float GRU, and the lscpu model name.
 """
 import argparse
 import statistics
@@ -57,8 +59,8 @@ def main(argv=None):
     ap.add_argument("--H", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--config", default="w8a8")
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--stream-steps", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--stream-steps", type=int, default=1000)
     a = ap.parse_args(argv)
     import onnxruntime as ort
     import qgru
@@ -83,40 +85,46 @@ def main(argv=None):
     ref, ref_h = m(x, h0)
     y, yh = s_int.run(None, feeds)
     assert np.array_equal(y, ref.numpy()) and np.array_equal(yh, ref_h.numpy()), "ONNX graph differs from the module"
+    # The two ORT sessions alternate call by call; qgru native runs in its own loop afterwards (its
+    # OpenMP threads keep spinning after a call and would slow whichever ORT call came next).
     runs = {"ort_int": lambda: s_int.run(None, feeds), "ort_float_gru": lambda: s_flt.run(None, ffeeds),
             "qgru_native": lambda: m(x, h0)}
     times = {k: [] for k in runs}
     with torch.no_grad():
-        for f in runs.values():
-            f()
-        for _ in range(a.reps):
-            for k, f in runs.items():
-                t = time.perf_counter()
-                f()
-                times[k].append(time.perf_counter() - t)
+        for group in (("ort_int", "ort_float_gru"), ("qgru_native",)):
+            for k in group:
+                runs[k]()
+            for _ in range(a.reps):
+                for k in group:
+                    t = time.perf_counter()
+                    runs[k]()
+                    times[k].append(time.perf_counter() - t)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     print(f"CPU: {cpu_name()}; onnxruntime {ort.__version__}, torch {torch.__version__}, {a.threads} threads")
     print(f"T={a.T} N={a.N} I={a.I} H={a.H} {a.config}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in med.items()))
     print(f"ratio ort_int / ort_float_gru = {med['ort_int'] / med['ort_float_gru']:.3f}")
-    # batch-1 streaming: one step per call, h carried
+    # batch-1 streaming: one step per call, h carried; the two ORT sessions alternate call by call
+    # (load on a shared machine reaches both alike), qgru native after them; median per call
     x1 = torch.randn(a.stream_steps, 1, 1, a.I)
     st = {k: [] for k in runs}
     h_i = h_f = np.zeros((1, 1, a.H), np.float32)
     h_n = torch.zeros(1, 1, a.H)
     with torch.no_grad():
-        for rep in range(3):
-            for k in runs:
-                t = time.perf_counter()
-                for i in range(a.stream_steps):
-                    xi = x1[i]
+        for group in (("ort_int", "ort_float_gru"), ("qgru_native",)):
+            for i in range(a.stream_steps):
+                xi = x1[i]
+                for k in group:
+                    t = time.perf_counter()
                     if k == "ort_int":
                         _, h_i = s_int.run(None, {"input0": xi.numpy(), "input1": h_i})
                     elif k == "ort_float_gru":
                         _, h_f = s_flt.run(None, {"x": xi.numpy(), "h0": h_f})
                     else:
                         _, h_n = m(xi, h_n)
-                st[k].append((time.perf_counter() - t) / a.stream_steps)
-    print("batch-1 streaming, per step: " + ", ".join(f"{k} {statistics.median(v) * 1e6:.0f} us" for k, v in st.items()))
+                    st[k].append(time.perf_counter() - t)
+    smed = {k: statistics.median(v[len(v) // 10:]) * 1e6 for k, v in st.items()}  # (the first 10%: warm-up)
+    print("batch-1 streaming, per step: " + ", ".join(f"{k} {v:.0f} us" for k, v in smed.items()))
+    print(f"ratio ort_int / ort_float_gru (streaming) = {smed['ort_int'] / smed['ort_float_gru']:.3f}")
 
 
 if __name__ == "__main__":

@@ -282,6 +282,76 @@ def test_rescale_forms_exact(seed):
     assert np.array_equal(got2, (want + off).astype(np.float64))
 
 
+def _run_rescales(v, outs_of):
+    g = Graph("t_")
+    outs = outs_of(g)
+    D = onnx.TensorProto.DOUBLE
+    graph = onnx.helper.make_graph(g.nodes, "t", [onnx.helper.make_tensor_value_info("v", D, None)],
+                                   [onnx.helper.make_tensor_value_info(y, D, None) for y in outs], g.inits)
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", OPSET)])
+    return [n.op_type for n in g.nodes], _session(model).run(None, {"v": v.astype(np.float64)})
+
+
+def _edge_values(vmax, m, s):
+    """+-vmax and its neighbours, 0, +-1, and every round-half-up tie v m = 2^(s-1) (mod 2^s) near
+    +-vmax and 0 with its neighbours (m odd)."""
+    mod = 1 << s
+    v0 = ((1 << (s - 1)) * pow(int(m), -1, mod)) % mod  # v0 m = 2^(s-1) (mod 2^s)
+    ties = []
+    for base in (0, vmax - mod, -vmax):
+        t = base + ((v0 - base) % mod)
+        ties += [t - 1, t, t + 1, t + mod, -t]
+    vals = [vmax, vmax - 1, -vmax, -vmax + 1, 0, 1, -1] + ties
+    return np.array(sorted({v for v in vals if -vmax <= v <= vmax}), np.int64)
+
+
+@pytest.mark.parametrize("s", [1, 2, 7, 20, 33, 46, 52])
+def test_rescale_round_to_nearest_at_its_bound(s):
+    """The last floor taken as RNE(t) = (t + 3 2^51) - 3 2^51 (Form.rne_ok): exact at the largest
+    operand the bound admits, on every tie of round half up and its neighbours, with and without
+    a folded add; one past the bound the form keeps the Floor (and stays exact)."""
+    rng = np.random.default_rng(s)
+    for mbits in (1, 15, 31):
+        m = int(rng.integers(1 << (mbits - 1), 1 << mbits)) | 1  # odd: no factor of two to normalize
+        add = 977
+        vmax = ((1 << 53) - 1 - 2 * add * (1 << s)) // (2 * m)  # 2 (vmax m + add 2^s) + 1 <= 2^53
+        f = Form(np.array([m]), np.array([s]), vmax)
+        assert f.kind == "f1" and f.rne_ok(add) and not Form(np.array([m]), np.array([s]), vmax + 1).rne_ok(add)
+        v = _edge_values(vmax, m, s)[:, None]
+        ops, (got, got_add) = _run_rescales(v, lambda g: [
+            apply_rescale(g, "v", f), apply_rescale(g, "v", f, add_const=float(add), add_bound=add)])
+        assert "Floor" not in ops
+        want = rounding_mul_shift(torch.from_numpy(v), torch.tensor([m]), torch.tensor([s])).numpy()
+        assert np.array_equal(got, want.astype(np.float64))
+        assert np.array_equal(got_add, (want + add).astype(np.float64))
+        # one past the bound: the Floor form, still exact
+        big = Form(np.array([m]), np.array([s]), vmax + 1)
+        vb = np.concatenate([v, [[vmax + 1], [-vmax - 1]]])
+        ops, (got,) = _run_rescales(vb, lambda g: [apply_rescale(g, "v", big, add_const=float(add), add_bound=add)])
+        want = rounding_mul_shift(torch.from_numpy(vb), torch.tensor([m]), torch.tensor([s])).numpy()
+        assert np.array_equal(got, (want + add).astype(np.float64))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rescale_f2_round_to_nearest(seed):
+    """The f2 form's outer floor as RNE: 32-bit operands times 31-bit multipliers (the rRh_g and zg
+    rescales' sizes), at +-vmax, the ties and around them."""
+    rng = np.random.default_rng(100 + seed)
+    vmax = (1 << 32) - 1
+    m = int(rng.integers(1 << 30, 1 << 31)) | 1
+    s = int(rng.integers(40, 50))
+    f = Form(np.array([m]), np.array([s]), vmax)
+    assert f.kind == "f2" and f.rne_ok(1 << 17)
+    v = _edge_values(vmax, m, s)[:, None]
+    add = int(rng.integers(-(1 << 17), 1 << 17))
+    ops, (got, got_add) = _run_rescales(v, lambda g: [apply_rescale(g, "v", f),
+                                                      apply_rescale(g, "v", f, add_const=float(add), add_bound=1 << 17)])
+    assert ops.count("Floor") == 2  # the inner floors only
+    want = rounding_mul_shift(torch.from_numpy(v), torch.tensor([m]), torch.tensor([s])).numpy()
+    assert np.array_equal(got, want.astype(np.float64))
+    assert np.array_equal(got_add, (want + add).astype(np.float64))
+
+
 # ---------------------------------------------------------------------------------------------
 # errors name the module
 # ---------------------------------------------------------------------------------------------
