@@ -309,6 +309,8 @@ QGRU_HD void table_entry(const int64_t* packed, int32_t i, int32_t& lo, int32_t&
   diff = (int32_t)(e >> 32);
 }
 
+// (clamp(x + Z, lo, hi) - Z taken as clamp(x, lo - Z, hi - Z): the same integers, no term near
+// 2^31; two vector instructions fewer per lookup)
 template <typename V = int32_t>
 QGRU_HD QGRU_INLINE V lookup32(const Table32& t, V q) {
   const V u = q - t.in_min;
@@ -318,7 +320,7 @@ QGRU_HD QGRU_INLINE V lookup32(const Table32& t, V q) {
   table_entry(t.packed, i, lo, diff);
   const V v = shl32(lo, t.k) + diff * f;
   const int32_t s = t.k + t.frac;
-  return clamp32(((v + ((1 << s) >> 1)) >> s) + t.out_zp, t.out_lo, t.out_hi) - t.out_zp;
+  return clamp32((v + ((1 << s) >> 1)) >> s, t.out_lo - t.out_zp, t.out_hi - t.out_zp);
 }
 
 QGRU_ISA_END
