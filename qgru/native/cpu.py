@@ -20,11 +20,29 @@ def _act_bytes(paths: List[Dict[str, object]], name: str) -> int:
     return next((int(i["act_bytes"]) for i in paths if i["name"] == name), 0)
 
 
+def _path_act16(paths: List[Dict[str, object]], name: str) -> bool:
+    """Whether a path takes 16-bit activations whole: int16 operands (avx2, portable) or an int16
+    sibling of an int8 path (avx512vnni's vpdpwssd GEMM, Kernels::act16)."""
+    return any(bool(i.get("act16")) for i in paths if i["name"] == name)
+
+
 def _avx2_takes_whole(p: LayerParams) -> bool:
-    """Whether p has a 16-bit x or R.h operand that avx2 takes whole as int16, so that its step is
-    one fused pass there against two limb pairs per GEMM on the int8 paths."""
+    """Whether p has a 16-bit x or R.h operand that an int16 GEMM (avx2's, or an int8 path's int16
+    sibling) takes whole, so that its step is one fused pass there against two limb pairs per GEMM
+    on the int8 GEMMs."""
     b = p.bits
     return max(b["x"], b[recurrent_operand(b)]) > 8 and one_limb_pair(p, act16=True)
+
+
+def layer_act16(p: LayerParams, path: str) -> bool:
+    """The act16 flag prepare_layer takes for p on the CPU path ``path``: every int16 path's layers;
+    on an int8 path with an int16 sibling (avx512vnni) a layer whose every 16-bit GEMM operand it
+    takes whole (_avx2_takes_whole: the C++ Layer then runs the sibling, one fused pass; a layer
+    that would still need limbs for one operand keeps the int8 GEMMs, whose limbs are cheaper)."""
+    paths = cpu_paths()
+    if _act_bytes(paths, path) == 2:
+        return True
+    return _path_act16(paths, path) and _avx2_takes_whole(p)
 
 
 def layer_path(p: LayerParams, path: str, request: str) -> str:
@@ -54,7 +72,7 @@ def one_row_path(p: LayerParams, path: str) -> Optional[str]:
     usable = {str(i["name"]) for i in paths if i["usable"]}
     if path == "amx" and "avx512vnni" in usable and one_limb_pair(p, act16=False):
         return "avx512vnni"
-    if _act_bytes(paths, path) == 1 and "avx2" in usable and _avx2_takes_whole(p):
+    if _act_bytes(paths, path) == 1 and not _path_act16(paths, path) and "avx2" in usable and _avx2_takes_whole(p):
         return "avx2"
     return None
 
@@ -68,8 +86,8 @@ def cpu_isa_request() -> str:
 def cpu_paths() -> List[Dict[str, object]]:
     """Every CPU path of the built backend, fastest first: name, usable here, why not, act_bytes
     (0: not compiled in), needs (the CPU features it requires, by gcc target-attribute name)."""
-    return [dict(name=n, usable=ok, why=why, act_bytes=ab, needs=list(needs))
-            for n, ok, why, ab, needs in load("cpu").isa_table()]
+    return [dict(name=n, usable=ok, why=why, act_bytes=ab, needs=list(needs), act16=act16)
+            for n, ok, why, ab, needs, act16 in load("cpu").isa_table()]
 
 
 def resolve_cpu_isa(request: Optional[str] = None) -> Dict[str, object]:
@@ -145,12 +163,12 @@ def cpu_layer(mod, p: LayerParams, isa: Optional[str]):
     if name != info["name"]:
         info = resolve_cpu_isa(name)
     # prepared on the host, then moved once
-    tensors, values = prepare_layer(p.to("cpu"), act16=info["act_bytes"] == 2)
+    act16 = layer_act16(p, str(info["name"]))
+    tensors, values = prepare_layer(p.to("cpu"), act16=act16)
     layer = mod.Layer(tensors, values, str(info["name"]))
     other = one_row_path(p, str(info["name"]))
     if other is not None:
-        act16 = resolve_cpu_isa(other)["act_bytes"] == 2
-        if act16 != (info["act_bytes"] == 2):
-            tensors, values = prepare_layer(p.to("cpu"), act16=act16)
+        if layer_act16(p, other) != act16:
+            tensors, values = prepare_layer(p.to("cpu"), act16=layer_act16(p, other))
         layer.set_one_row(tensors, values, other)
     return layer
