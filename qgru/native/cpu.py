@@ -65,9 +65,11 @@ def one_row_path(p: LayerParams, path: str) -> Optional[str]:
     * amx, a fused layer (one limb pair each, gemm "amx-fused"): a 16-row AMX tile holds one real
       row; one step took 18.4 us against 14.1 us with avx512vnni's GEMMs (from two rows AMX is
       faster: N = 2, 18.6 against 20.0 us), 2026-11-25;
-    * amx, avx512vnni or avxvnni, a layer with a 16-bit x or R.h operand that avx2 takes whole as
-      int16 (one fused pass there, against two limb pairs per GEMM and a pass per GEMM on the int8
-      paths): w8a16 57 us (amx) and 44 us (avx512vnni) against 37 us per step (bench.py, 2026-11-25)."""
+    * amx or avxvnni, a layer with a 16-bit x or R.h operand that avx2 takes whole as int16 (one
+      fused pass there, against two limb pairs per GEMM and a pass per GEMM on the int8 paths):
+      w8a16 57 us (amx) and 44 us (avx512vnni, before its int16 sibling) against 37 us per step
+      (bench.py, 2026-11-25). avx512vnni now takes such a layer whole itself (its int16 sibling,
+      Kernels::act16: one fused pass with the int32 cell) and keeps its streaming calls."""
     paths = cpu_paths()
     usable = {str(i["name"]) for i in paths if i["usable"]}
     if path == "amx" and "avx512vnni" in usable and one_limb_pair(p, act16=False):
@@ -108,7 +110,7 @@ def resolve_cpu_isa(request: Optional[str] = None) -> Dict[str, object]:
 
 _PATH_TEXT = {
     "amx": "AMX int8 tiles",
-    "avx512vnni": "AVX-512 VNNI int8 dot products",
+    "avx512vnni": "AVX-512 VNNI int8 dot products (int16 ones for 16-bit activations taken whole)",
     "avxvnni": "AVX-VNNI int8 dot products (256-bit)",
     "avx2": "AVX2 int16 multiply-adds (vpmaddwd; 16-bit activations whole where exact)",
     "portable": "portable C++ loops (compiler-vectorised)",
@@ -131,6 +133,9 @@ def cpu_gemm_detail() -> str:
                else "")
     if info["name"] == "avxvnni" and "avx2" in usable and cpu_isa_request() == "auto":
         one_row += "; a layer with 16-bit x or h that avx2 takes whole as int16 runs on avx2 (one fused pass)"
+    elif info["act_bytes"] == 1 and info.get("act16"):
+        one_row += ("; a layer with 16-bit x or h that its int16 GEMM (vpdpwssd) takes whole runs it: one fused "
+                    "pass instead of two limb pairs per GEMM")
     elif info["act_bytes"] == 1 and "avx2" in usable:
         one_row += ("; a streaming step of a layer with 16-bit x or h that avx2 takes whole as int16 runs on avx2 "
                     "(one fused pass instead of two limb pairs per GEMM)")
