@@ -390,6 +390,79 @@ QGRU_HD V new_state32(const Cell32& p, V d_g, V d_z, V q_h) {
   return clamp32(zh + zg + p.h_zp, p.h_lo, p.h_hi);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Wide accumulators (issue 40: w8a16 on the CPU's int16 paths): the int32 cell from a GEMM
+// output G that is exact in int32 but may use all of it (a 16-bit activation taken whole times
+// 8-bit weights: |G| <= 2^15 max_c sum_k |w_ck| < 2^31, prepare.direct16_fits), where AccRequant32's
+// int32 forms (|G| <= 2^30, G + bias inside int32) do not hold. The requantization of G to Wx / Rh
+// is exact in int32 lanes by splitting the sum G + bias; everything after it is the int32 cell
+// above (sigmoid_pre32_d, candidate_pre32_d take the requantized d_rh and d_wx). Same fields as
+// AccRequant32 (the Cell32 groups kRhRequant / kWxRequant and the flat Wx / Wxl arrays), other
+// meanings (qgru/native/prepare.py _requant_wide derives them and checks the bounds per channel):
+// * pow2, R = shift - 1 - log2(mult) in [1, 30]: bias_hi = floor(bias / 2^R), bias_lo = bias mod
+//   2^R, and floor((G + bias) / 2^R) = (G >> R) + (((G & (2^R - 1)) + bias_lo) >> R) + bias_hi:
+//   (G & (2^R - 1)) + bias_lo < 2^(R+1) <= 2^31, the middle term is 0 or 1, and prepare checks
+//   |bias_hi| + 2^(31 - R) + 2 < 2^31.
+// * multiplier (m, s), s >= 17: bias = B1 2^16 + B0 (0 <= B0 < 2^16; fields bias_hi = B1,
+//   bias_lo = B0, rshift = s - 17, mult = m). With u1 = (G >> 16) + B1 and t = (G & 0xFFFF) + B0
+//   (0 <= t < 2^17), G + bias = u1 2^16 + t and
+//     floor((G + bias) m / 2^(s-1)) = floor((u1 m + floor(t m / 2^16)) / 2^(s-17))
+//   (two 32 x 32 -> 64 products, mul_add_shift32). prepare checks |B1| + 2^15 < 2^31 (u1 fits)
+//   and (max|G| + |bias|) m / 2^(s-1) < 2^30 per channel (the result fits int32 with room).
+// Then, as requant32: round half up, add Z, saturate, subtract Z.
+
+// floor((u1 m + floor(t m / 2^16)) / 2^sh) as int32 (the caller's bounds keep it in range), for
+// t, m >= 0; in int64 (lanes_avx512.h, lanes_avx2.h: the same in 64-bit lanes).
+QGRU_HD int32_t mul_add_shift32(int32_t u1, int32_t t, int32_t m, int32_t sh) {
+  const int64_t y = (int64_t)u1 * (int64_t)m + (((int64_t)t * (int64_t)m) >> 16);
+  return (int32_t)(y >> sh);
+}
+
+// requant32's result (q - Z of Wx or Rh) from a wide accumulator, with the fields above.
+template <bool POW2, typename V = int32_t>
+QGRU_HD V requant_wide32(V product, V a0, V a1, V rsh, V zp, V m, int32_t lo, int32_t hi) {
+  V v;
+  if (POW2) {
+    const V mask = shl32(V(1), rsh) - V(1);
+    v = (product >> rsh) + (((product & mask) + a1) >> rsh) + a0;
+  } else {
+    v = mul_add_shift32((product >> 16) + a0, (product & V(0xFFFF)) + a1, m, rsh);
+  }
+  return clamp32(((v + 1) >> 1) + zp, lo, hi) - zp;
+}
+
+// requant32_at's wide form: gate q's accumulator from the channel's group (kRhRequant or kWxRequant).
+template <bool POW2, typename V = int32_t>
+QGRU_HD V requant_wide32_at(Channel32 c, int group, int q, V product, int32_t lo, int32_t hi) {
+  const int f = group + 4 * q;
+  const V m = POW2 ? V(0) : field<V>(c, kMult + 6 + (group - kRhRequant) / 4 + q);
+  return requant_wide32<POW2, V>(product, field<V>(c, f), field<V>(c, f + 1), field<V>(c, f + 2),
+                                 field<V>(c, f + 3), m, lo, hi);
+}
+
+// requant32_flat's wide form (W.x of a row on its x level, from the flat arrays).
+template <bool POW2, typename V = int32_t>
+QGRU_HD V requant_wide32_flat(const AccRequant32& a, int64_t c, V product) {
+  return requant_wide32<POW2, V>(product, lanes_load<V>(a.bias_hi + c), lanes_load<V>(a.bias_lo + c),
+                                 lanes_load<V>(a.rshift + c), lanes_load<V>(a.zp + c),
+                                 POW2 ? V(0) : lanes_load<V>(a.mult + c), a.lo, a.hi);
+}
+
+// sigmoid_pre32 from Rh - Z_Rh already requantized (d_rh).
+template <bool POW2, typename V = int32_t>
+QGRU_HD V sigmoid_pre32_d(const Cell32& p, Channel32 ch, int gate, V d_rh, V d_wx) {
+  const int f = kRWxLsh + 4 * gate;
+  return clamp32(apply32<POW2, V>(ch, f, d_wx) + apply32<POW2, V>(ch, f + 2, d_rh) + p.pre_zp[gate],
+                 p.pre_lo[gate], p.pre_hi[gate]);
+}
+
+// candidate_pre32 from Rh_g - Z_Rh already requantized (d_rh_g).
+template <bool POW2, typename V = int32_t>
+QGRU_HD V candidate_pre32_d(const Cell32& p, Channel32 ch, V d_rh_g, V d_wx_g, V d_r) {
+  return clamp32(apply32<POW2, V>(ch, kGWxLsh, d_wx_g) + rrh32<POW2, V>(ch, d_r, d_rh_g) + p.pre_zp[2],
+                 p.pre_lo[2], p.pre_hi[2]);
+}
+
 // gemm_operand in int32 (layers with an h_gemm): |q_h - Z_h| < 2^17 and the bounds of rescale32
 // (_add_acc32 checks them with the others).
 template <bool POW2>

@@ -326,8 +326,9 @@ class CudaLayer {
     for (auto& kv : lt_.t)
       QGRU_CHECK(kv.second.is_cuda(), "qgru cuda backend: '", kv.first, "' is not on a CUDA device");
     // the kernels split every activation of more than 8 bits into two limbs: none is taken whole
-    QGRU_CHECK(lt_.value("x_direct16") == 0 && lt_.value("h_direct16") == 0,
-                "qgru cuda backend: 16-bit activations taken whole (x_direct16, h_direct16) are a CPU path's");
+    QGRU_CHECK(lt_.value("x_direct16") == 0 && lt_.value("h_direct16") == 0 && lt_.acc_wide() == 0,
+                "qgru cuda backend: 16-bit activations taken whole (x_direct16, h_direct16) and the int32 cell's "
+                "wide accumulators (acc_wide) are a CPU path's");
     d_.H = lt_.value("H");
     d_.I = lt_.value("I");
     d_.x_bits = (int32_t)lt_.value("x_bits");

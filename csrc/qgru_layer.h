@@ -193,7 +193,17 @@ struct LayerTensors {
       host("Wxl_bias", at::kLong, J * H3);
       check_rescale("Wxl", J * H3, pow2);
     }
+    QGRU_CHECK(0 <= acc_wide() && acc_wide() <= 1 && (acc_wide() == 0 || value("acc32") != 0),
+                "qgru native layer: 'acc_wide' = ", acc_wide(), " must be 0, or 1 with acc32 = 1");
     if (value("acc32") != 0) check_acc32(H, I, px, ph, pow2);
+  }
+
+  // Wide accumulators (qgru_cell.h requant_wide32; the CPU's cell_wide.h): 1 where the int32 cell
+  // requantizes a GEMM output that may use all of int32 (a 16-bit operand taken whole). Maps made
+  // before it existed have no entry: 0.
+  int64_t acc_wide() const {
+    auto it = v.find("acc_wide");
+    return it == v.end() ? 0 : it->second;
   }
 
   // The number of x levels (0: none). Maps made before levels existed have no entry.
@@ -280,9 +290,18 @@ struct LayerTensors {
   // pow2 or multiplier form (qgru_cell.h, AccRequant32 and the int32 cell). These checks keep
   // every shift and multiplier where the C++ is defined; the bounds that make the int32 results
   // equal the int64 ones are _add_acc32's, derived from the same parameters.
+  // With wide accumulators (acc_wide) a 16-bit GEMM operand taken whole is allowed, and the
+  // requantization fields take their wide form's ranges (multiplier: bias_lo = B0 < 2^16,
+  // rshift = s - 17 <= 45).
   void check_acc32(int64_t H, int64_t I, int64_t px, int64_t ph, bool pow2) const {
-    QGRU_CHECK(px == 1 && ph == 1 && value("x_bits") <= 8 && value("h_bits") <= 8 && I < (1 << 16) && H < (1 << 16),
-                "qgru native layer: the int32 path needs 8-bit GEMM operands, one limb pair and sizes below 2^16");
+    const bool wide = acc_wide() != 0;
+    const bool operands = wide ? (value("x_bits") <= 8 || value("x_direct16") != 0) &&
+                                     (value("h_bits") <= 8 || value("h_direct16") != 0)
+                               : value("x_bits") <= 8 && value("h_bits") <= 8;
+    QGRU_CHECK(px == 1 && ph == 1 && operands && I < (1 << 16) && H < (1 << 16),
+                "qgru native layer: the int32 path needs 8-bit GEMM operands (or, with wide accumulators, 16-bit "
+                "ones taken whole), one limb pair and sizes below 2^16");
+    const int64_t lsh_hi = wide ? 65535 : 31, rsh_hi = wide ? 45 : 31;  // multiplier form's requantization
     host("Wx_zp32", at::kInt, 3 * H);
     const int64_t i32max = INT32_MAX;
     // W.x's int32 form: the static grid's [3H], and every x level's [J 3H] (Wxl_*)
@@ -293,9 +312,9 @@ struct LayerTensors {
         for (const char* f : {"_bias_hi", "_bias_lo"}) host(k + f, at::kInt, n);
         check_values(k + "_rshift", host(k + "_rshift", at::kInt, n), 1, 30);
       } else {
-        host(k + "_bias_hi", at::kInt, n);  // the whole bias
-        check_values(k + "_bias_lo", host(k + "_bias_lo", at::kInt, n), 0, 31);  // lsh
-        check_values(k + "_rshift", host(k + "_rshift", at::kInt, n), 0, 31);
+        host(k + "_bias_hi", at::kInt, n);  // the whole bias (wide: B1)
+        check_values(k + "_bias_lo", host(k + "_bias_lo", at::kInt, n), 0, lsh_hi);  // lsh (wide: B0)
+        check_values(k + "_rshift", host(k + "_rshift", at::kInt, n), 0, rsh_hi);
         check_values(k + "_mult32", host(k + "_mult32", at::kInt, n), 0, i32max);
       }
     }
@@ -321,9 +340,9 @@ struct LayerTensors {
       } else if (f == kGRRhRsh) {
         lo = pow2 ? 8 : 0, hi = pow2 ? 39 : 47;  // a shift of int32 (pow2, by R - 8) or int64
       } else if (f < kMult && (f - kRhRequant) % 4 == 2) {
-        lo = pow2 ? 1 : 0, hi = pow2 ? 30 : 31;  // R (pow2) or rsh of a requantization
+        lo = pow2 ? 1 : 0, hi = pow2 ? 30 : rsh_hi;  // R (pow2) or rsh of a requantization
       } else if (f < kMult && (f - kRhRequant) % 4 == 1 && !pow2) {
-        lo = 0, hi = 31;  // lsh of a requantization
+        lo = 0, hi = lsh_hi;  // lsh of a requantization (wide: B0)
       } else if (f >= kMult) {
         lo = 0;  // multipliers (0 in pow2 layers)
       }

@@ -161,13 +161,13 @@ def kind(request):
 def _expected_gemm(kind: str, p) -> str:
     """The GEMM path (NativeLayer.gemm) a Layer of this test kind must take for these parameters:
     the cpu path's name, with "-fused" when both GEMMs take one limb pair (x, h, W, R of at most
-    8 bits; on an int16 path, a 16-bit x or h times 8-bit weights where the int32 bound holds)."""
+    8 bits; on an int16 path, or an int8 path with an int16 sibling (avx512vnni), a 16-bit x or h
+    times 8-bit weights where the int32 bound holds)."""
     if kind == "cuda":
         return "cublas"
     path = kind.split(":")[1] if ":" in kind else native.layer_path(p, native.resolve_cpu_isa()["name"],
                                                                      native.cpu_isa_request())
-    act16 = {i["name"]: i for i in native.cpu_paths()}[path]["act_bytes"] == 2
-    return path + ("-fused" if native.one_limb_pair(p, act16) else "")
+    return path + ("-fused" if native.one_limb_pair(p, native.layer_act16(p, path)) else "")
 
 
 @pytest.fixture(scope="module")
@@ -519,13 +519,12 @@ def test_state16_with_h_gemm_takes_the_int32_cell(kind, mode, h_range):
 
 @pytest.mark.parametrize("name,mode,path,other", [
     ("w8a8", "multiplier", "amx", "avx512vnni"), ("w8a8", "pow2", "amx", "avx512vnni"),
-    ("w8a16", "multiplier", "amx", "avx2"), ("w8a16", "multiplier", "avx512vnni", "avx2"),
-    ("w8a16", "pow2", "avxvnni", "avx2")])
+    ("w8a16", "multiplier", "amx", "avx2"), ("w8a16", "pow2", "avxvnni", "avx2")])
 def test_one_row_calls_on_another_path(cpu_backend, name, mode, path, other):
     """A one-step call of a batch of one (streaming) runs on another path's Layer where
     native.one_row_path says so: on amx a fused layer's on avx512vnni (a 16-row tile would hold one
-    real row), on amx, avx512vnni and avxvnni a layer with 16-bit activations on avx2 (taken whole: one
-    fused pass). The golden integers; the other Layer is made on the first such call and only
+    real row), on amx and avxvnni a layer with 16-bit activations on avx2 (taken whole: one fused
+    pass; avx512vnni takes them whole itself, with its int16 sibling). The golden integers; the other Layer is made on the first such call and only
     then; the layer's other calls (more rows, more steps) before and after it unchanged; the
     other path's own Layer and avx2's delegate nothing."""
     usable = {str(i["name"]) for i in native.cpu_paths() if i["usable"]}
@@ -1985,12 +1984,19 @@ def test_prepare_layer_limbs_reconstruct_weights(w_bits, a_bits, gemm_min):
 
 
 def test_direct16_bound():
-    """A 16-bit activation times 8-bit weights is one int16 GEMM only while K 2^15 max|w| < 2^31."""
+    """A 16-bit activation times 8-bit weights is one int16 GEMM only while 2^15 sum_k |w_ck| < 2^31
+    for every row c (which bounds every partial sum too)."""
     w = torch.full((3, 516), 127)
     assert native.direct16_fits(w, 8, 16)
     assert 516 * 32768 * 127 < 2 ** 31 <= 517 * 32768 * 127
     assert not native.direct16_fits(torch.full((3, 517), 127), 8, 16)
     assert native.direct16_fits(torch.full((3, 4096), 15), 8, 16)  # small weights allow a larger K
+    # a row's sum, not K max|w|: K = 1024 with one 127 per row fits, a single row past 2^16 does not
+    big = torch.full((4, 1024), 63)
+    big[:, 0] = 127
+    assert int(big.abs().sum(1).max()) == 1023 * 63 + 127 < 2 ** 16 and native.direct16_fits(big, 8, 16)
+    big[2, 1:] = -64
+    assert int(big[2].abs().sum()) >= 2 ** 16 and not native.direct16_fits(big, 8, 16)
     assert not native.direct16_fits(w, 8, 8) and not native.direct16_fits(w, 16, 16)  # nothing to gain / no bound
 
 
@@ -2131,8 +2137,9 @@ def test_layer_refuses_inconsistent_limb_pairs(cpu_backend):
 
 
 def test_direct16_bound_counts_minus_128(cpu_backend):
-    """A 16-bit activation taken whole needs K 2^15 max|w| < 2^31: at K = 512 weights of 127 fit
-    and -128 does not (int8's abs of -128 is -128; the check must take it as 128)."""
+    """A 16-bit activation taken whole needs 2^15 sum_k |w_ck| < 2^31 for every row: at K = 512 rows
+    of 127 fit and a row of -128 does not (int8's abs of -128 is -128; the check must take it as
+    128)."""
     mod = native.load("cpu")
     _, p, t, v = _layer_maps("w8a16", I=512, H=12, act16=True)
     assert v["x_direct16"] == 1 and t["x_pairs"].tolist() == [[0, 0, 1, 0]]
@@ -2140,7 +2147,7 @@ def test_direct16_bound_counts_minus_128(cpu_backend):
     w = t["x_weight_limbs"].clone()
     w[0, : 3 * 12, :512] = 127
     mod.Layer(dict(t, x_weight_limbs=w), dict(v), "portable")
-    w[0, 0, 0] = -128
+    w[0, 5, :512] = -128
     with pytest.raises(RuntimeError, match="direct16"):
         mod.Layer(dict(t, x_weight_limbs=w), dict(v), "portable")
 
@@ -2258,7 +2265,7 @@ def test_stack_one_row_calls(cpu_backend, monkeypatch, cfg, layers):
         path = native.resolve_cpu_isa(req)["name"]
         if req == "auto" and path == "avxvnni" and cfg == "w8a16" and "avx2" in usable:
             path = "avx2"  # native.layer_path: the whole layer runs on avx2, nothing to hand over
-        expect = ("avx2" if cfg == "w8a16" and path in ("amx", "avx512vnni", "avxvnni") and "avx2" in usable
+        expect = ("avx2" if cfg == "w8a16" and path in ("amx", "avxvnni") and "avx2" in usable
                   else "avx512vnni" if cfg == "w8a8" and path == "amx" and "avx512vnni" in usable else "")
         monkeypatch.setenv("QGRU_CPU_ISA", req)
         _assert_same(_streaming_loop(m, xs, "cpu", other_shape=True), want)
@@ -2417,3 +2424,130 @@ def test_cpu_isa_request_follows_the_environment(monkeypatch):
     assert native.cpu_isa_request() == "amx"
     del os.environ["QGRU_CPU_ISA"]
     assert native.cpu_isa_request() == "auto"
+
+
+# ---------------------------------------------------------------------------------------------
+# 16-bit activations taken whole (issue 40, w8a16): every int16 GEMM (avx2's, portable's, and
+# avx512vnni's vpdpwssd sibling, Kernels::act16) up to the row-sum bound, and the int32 cell with
+# wide accumulators (qgru_cell.h requant_wide32, csrc/cpu/cell_wide.h) against golden at it
+# ---------------------------------------------------------------------------------------------
+def _int16_gemms():
+    """(path, kernel_gemm name) of every usable path that takes 16-bit activations whole."""
+    return [(str(i["name"]), str(i["name"]) + ("+int16" if i["act_bytes"] == 1 else ""))
+            for i in native.cpu_paths() if i["usable"] and i["act16"]]
+
+
+@pytest.mark.parametrize("K", [1, 5, 16, 63, 516, 517, 1024])
+def test_int16_gemm_exact_to_the_row_sum_bound(cpu_backend, K):
+    """16-bit activations at their extremes, aligned with the weights' signs (the largest sums),
+    times 8-bit weights whose rows sum to just below 2^16 in magnitude (+-127 up to K = 516, smaller
+    beyond): exact on every int16 GEMM, plain and gate layouts, 1 and 17 rows."""
+    mod = native.load("cpu")
+    gen = torch.Generator().manual_seed(K)
+    mag = min(127, 65535 // K)
+    w = (torch.randint(0, 2, (48, K), generator=gen) * 2 - 1) * mag
+    w[5] = torch.randint(-mag, mag + 1, (K,), generator=gen)
+    assert native.direct16_fits(w, 8, 16)
+    for rows in (1, 17):
+        a = _random_ints((rows, K), 16, gen)
+        a[0] = torch.where(w[0] > 0, 32767, -32768)   # the largest positive sum of row 0
+        if rows > 1:
+            a[1] = torch.where(w[1] > 0, -32768, 32767)  # the most negative of row 1
+        want = a @ w.t()
+        for path, name in _int16_gemms():
+            for gates in (False, True):
+                got = mod.kernel_gemm(name, a, w, gates)
+                assert torch.equal(got.long(), want), (path, K, rows, gates)
+
+
+def test_int16_gemms_wrap_past_the_bound(cpu_backend):
+    """Just past 2^15 sum|w| < 2^31 the int32 sums of the SIMD int16 GEMMs wrap (vpmaddwd / vpdpwssd
+    add modulo 2^32): the bound is the real one, which is why prepare.py splits such a layer's
+    activations into limbs."""
+    mod = native.load("cpu")
+    K = 520
+    a = torch.tensor([[-32768] * K, [32767] * K])
+    w = torch.tensor([[127] * K, [-127] * K, [-128] * (K // 2) + [127] * (K - K // 2)])
+    want = a @ w.t()
+    assert not native.direct16_fits(w, 8, 16)
+    for path, name in _int16_gemms():
+        if path == "portable":  # plain C++ int32 sums: past the bound they would overflow (never run)
+            continue
+        got = mod.kernel_gemm(name, a, w).long()
+        assert torch.equal(got, (want + 2 ** 31) % 2 ** 32 - 2 ** 31) and not torch.equal(got, want), path
+
+
+def _bound_layer(mode: str, I: int, H: int, shape: str, seed: int) -> golden.LayerParams:
+    """A w8a16 layer whose integer weight rows sum to near the int16 GEMM's bound: "pm127", every
+    weight +-127 (rows of I or H of them); "rowsum", one +-127 and the rest +-61 per row."""
+    config = QuantConfig.load("w8a16", overrides={"scale_mode": mode})
+    g = torch.Generator().manual_seed(seed)
+    def weights(rows, K):
+        s = torch.randint(0, 2, (rows, K), generator=g).double() * 2 - 1
+        m = torch.full((rows, K), 1.0, dtype=torch.float64)
+        if shape == "rowsum":
+            m[:, 1:] = 61.0 / 127.0
+        return (s * m * 2.0 ** -3).float()
+    one = lambda lo, hi: (torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64))
+    per = lambda lo, hi: (torch.full((3 * H,), lo, dtype=torch.float64), torch.full((3 * H,), hi, dtype=torch.float64))
+    ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-16, 20), "Rh": per(-12, 8),
+              "r_pre": one(-6, 6), "z_pre": one(-6, 6), "g_pre": one(-5, 7)}
+    b = lambda: torch.randn(3 * H, generator=g) * 0.25
+    return derive_layer_params(weights(3 * H, I), weights(3 * H, H), b(), b(), ranges, config)
+
+
+@pytest.mark.parametrize("mode", ["multiplier", "pow2"])
+@pytest.mark.parametrize("I,H,shape", [(516, 24, "pm127"), (517, 24, "pm127"), (1024, 20, "rowsum"),
+                                       (40, 516, "pm127")])
+def test_w8a16_int16_paths_at_the_bound(cpu_backend, mode, I, H, shape):
+    """w8a16 layers at the int16 GEMM's bound (K = 516 of +-127: taken whole; K = 517: limbs; K = 1024
+    with smaller weights: whole by the row sums) on every usable path, golden's integers with the
+    activations at their extremes and aligned with the first weight rows (the largest sums), N = 17
+    (a 16-row tile and one more) and a batch of one. Where both 16-bit operands are taken whole the
+    layer is one fused pass with the int32 cell on wide accumulators (acc_wide)."""
+    p = _bound_layer(mode, I, H, shape, seed=I + H)
+    fits_x = int(p.W.abs().sum(1).max()) < 2 ** 16
+    # (pow2 scales round the weights' grid up to a power of two: their integers fall below 127)
+    assert (fits_x == (I != 517) or mode == "pow2") and native.direct16_fits(p.R, 8, 16)
+    _, v = native.prepare_layer(p, act16=True)
+    assert v["x_direct16"] == int(fits_x) and v["h_direct16"] == 1
+    assert v["acc_wide"] == v["acc32"] == int(fits_x), (v["acc_wide"], v["acc32"])
+    gen = torch.Generator().manual_seed(I * 7 + H)
+    for path in [str(i["name"]) for i in native.cpu_paths() if i["usable"]]:
+        layer = native.NativeLayer("cpu", p, torch.device("cpu"), isa=path)
+        assert layer.gemm == _expected_gemm(f"cpu:{path}", p), (path, layer.gemm)
+        if native.layer_act16(p, path):
+            assert layer.gemm == path + ("-fused" if fits_x else "")
+        for T, N in ((3, 17), (2, 1), (1, 1)):
+            qx, qh0, _ = _random_inputs(p, T, N, False, gen)
+            qx[:, 0] = torch.where(p.W[0] > 0, 32767, -32768)
+            qh0[0] = torch.where(p.R[H] > 0, 32767, -32768)
+            want_out, want_h = golden.gru_direction(p, qx, qh0, None)
+            got_out, got_h = layer(qx, qh0, None)
+            assert torch.equal(got_out.long(), want_out) and torch.equal(got_h.long(), want_h), (path, T, N)
+
+
+@pytest.mark.parametrize("mode", ["multiplier", "pow2"])
+def test_w8a16_avx512vnni_int16_sibling(cpu_backend, mode):
+    """On avx512vnni a w8a16 layer whose x and h the int16 GEMM takes whole runs the int16 sibling:
+    one fused pass with the wide int32 cell (not two limb pairs per GEMM and the int64 cell), its
+    streaming calls on itself (one_row_path None), x levels and lengths included: golden's integers."""
+    if "avx512vnni" not in {str(i["name"]) for i in native.cpu_paths() if i["usable"]}:
+        pytest.skip("needs a CPU that runs avx512vnni")
+    m = _converted(_cfg("w8a16", scale_mode=mode), 23, 70)
+    p = m._qparams[0][0]
+    assert p.x_levels is not None and native.layer_act16(p, "avx512vnni")
+    assert native.one_row_path(p, "avx512vnni") is None
+    _, v = native.prepare_layer(p, act16=True)
+    assert v["acc32"] == v["acc_wide"] == 1
+    layer = native.NativeLayer("cpu", p, torch.device("cpu"), isa="avx512vnni")
+    assert layer.gemm == "avx512vnni-fused" and layer.one_row_gemm == ""
+    gen = torch.Generator().manual_seed(5)
+    J = int(p.x_levels.exponent.numel())
+    for T, N, lengths in ((4, 19, True), (1, 1, False), (5, 3, True), (2, 33, False)):
+        qx, qh0, ln = _random_inputs(p, T, N, lengths, gen)
+        level = torch.randint(0, J, (T, N), generator=gen)
+        level[:, 0] = 0
+        want_out, want_h = golden.gru_direction(p, qx, qh0, ln, level=level)
+        got_out, got_h = layer(qx, qh0, ln, level.int())
+        assert torch.equal(got_out.long(), want_out) and torch.equal(got_h.long(), want_h), (T, N)

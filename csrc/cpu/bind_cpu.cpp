@@ -31,12 +31,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_forked_child", &qgru::cpu_api::mark_forked_child,
         "Run on the calling thread from now on (this process is a child of fork; qgru/native/build.py calls it)");
   m.def("isa_table", []() {
-    std::vector<std::tuple<std::string, bool, std::string, int, std::vector<std::string>>> rows;
+    std::vector<std::tuple<std::string, bool, std::string, int, std::vector<std::string>, bool>> rows;
     for (const auto& i : qgru::cpu::isa_table())
-      rows.emplace_back(i.name, i.supported, i.why, i.kernels ? i.kernels->act_bytes : 0, i.needs);
+      rows.emplace_back(i.name, i.supported, i.why, i.kernels ? i.kernels->act_bytes : 0, i.needs,
+                        i.kernels != nullptr && (i.kernels->act_bytes == 2 || i.kernels->act16 != nullptr));
     return rows;
-  }, "(path, usable here, why not, activation bytes (0: not compiled), CPU features it requires) for "
-     "every CPU path, fastest first");
+  }, "(path, usable here, why not, activation bytes (0: not compiled), CPU features it requires, whether it "
+     "takes 16-bit activations whole: int16 operands or an int16 sibling) for every CPU path, fastest first");
   m.def("profile_enable", &qgru::cpu_api::profile_enable, "phase profile on/off (scripts/profile_cpu.py)");
   m.def("profile_read", &qgru::cpu_api::profile_read, pybind11::arg("reset") = true,
         "phase nanoseconds summed over threads: quantize, W.x, R.h, cell, wait, dequantize, stack calls; and the "

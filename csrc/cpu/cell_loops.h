@@ -263,8 +263,17 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
   }
 }
 
+}  // namespace QGRU_ISA (reopened below by cell_wide.h and after it)
+}  // namespace cpu
+}  // namespace qgru
+#include "cell_wide.h"  // cell_tile_wide_t: the wide accumulators' cell (issue 40, w8a16)
+namespace qgru {
+namespace cpu {
+QGRU_ISA_BEGIN
+
 template <typename A>
 void cell_tile_t(const CellTileArgs& a) {
+  if (a.wide) return cell_tile_wide_t<A>(a);
   const A* h_in = static_cast<const A*>(a.h_in);
   A* h_out = static_cast<A*>(a.h_out);
 #define QGRU_CELL_TILE(P2, A32, XA)                                                                       \

@@ -81,6 +81,9 @@ struct CellTileArgs {
   // level 0's W.x requantization is the static grid's (checked when the layer is made): a row on
   // level 0 then reads W.x's fields from the channel blocks, as a layer without levels
   int level0_static;
+  // wide accumulators (a 16-bit operand taken whole; acc32 set too): cell_wide.h's cell, which
+  // reads the requantization fields in their wide form (qgru_cell.h requant_wide32)
+  int wide;
 };
 
 // W.x requantization of rows [r0, r1): dwx[r][c] = Wx - Z_Wx from the limb products.
@@ -142,6 +145,10 @@ struct Kernels {
                               const XLevelGrid& g, int64_t zp, int64_t lo, int64_t hi);
   bool (*quantize_levels_f64)(const double* x, int32_t* q, int32_t* level, int64_t tokens, int64_t I,
                               const XLevelGrid& g, int64_t zp, int64_t lo, int64_t hi);
+  // An int8 path's sibling with int16 activations (act_bytes 2, the same path's instructions), for
+  // layers whose 16-bit x or h the GEMM takes whole (prepare.py x_direct16 / h_direct16): one GEMM
+  // pass instead of two limb pairs, and so the fused step (issue 40). nullptr: none.
+  const Kernels* act16 = nullptr;
 };
 
 // The paths compiled into this binary (nullptr where the compiler cannot build one).

@@ -100,5 +100,23 @@ inline void table_entry(const int64_t* packed, I32x8 i, I32x8& lo, I32x8& diff) 
 
 inline void lanes_store(int32_t* p, I32x8 v) { v.store(p); }
 
+// mul_add_shift32 per lane (lanes_avx512.h's, 8 lanes): the shift by sh arithmetic from the
+// logical one, as in wide_mul_shift_even.
+namespace lanes_detail {
+inline __m256i mul_add_shift_even(__m256i u1, __m256i t, __m256i m, __m256i sh) {
+  const __m256i y = _mm256_add_epi64(_mm256_mul_epi32(u1, m), _mm256_srli_epi64(_mm256_mul_epi32(t, m), 16));
+  const __m256i sign = _mm256_cmpgt_epi64(_mm256_setzero_si256(), y);
+  const __m256i count = _mm256_and_si256(sh, _mm256_set1_epi64x(0xFFFFFFFF));
+  return _mm256_xor_si256(sign, _mm256_srlv_epi64(_mm256_xor_si256(y, sign), count));
+}
+}  // namespace lanes_detail
+
+inline I32x8 mul_add_shift32(I32x8 u1, I32x8 t, I32x8 m, I32x8 sh) {
+  const __m256i even = lanes_detail::mul_add_shift_even(u1.v, t.v, m.v, sh.v);
+  const __m256i odd = lanes_detail::mul_add_shift_even(_mm256_srli_epi64(u1.v, 32), _mm256_srli_epi64(t.v, 32),
+                                                       _mm256_srli_epi64(m.v, 32), _mm256_srli_epi64(sh.v, 32));
+  return _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+}
+
 QGRU_ISA_END
 }  // namespace qgru

@@ -87,5 +87,22 @@ inline void table_entry(const int64_t* packed, I32x16 i, I32x16& lo, I32x16& dif
 
 inline void lanes_store(int32_t* p, I32x16 v) { v.store(p); }
 
+// mul_add_shift32 per lane (qgru_cell.h, the wide accumulators' multiplier form): even and odd
+// lanes apart in 64-bit lanes, as wide_mul_shift32. t m >= 0 (t, m >= 0), so its shift by 16 may
+// be logical; the shift by sh is arithmetic (vpsravq).
+namespace lanes_detail {
+inline __m512i mul_add_shift_even(__m512i u1, __m512i t, __m512i m, __m512i sh) {
+  const __m512i y = _mm512_add_epi64(_mm512_mul_epi32(u1, m), _mm512_srli_epi64(_mm512_mul_epi32(t, m), 16));
+  return _mm512_srav_epi64(y, _mm512_and_si512(sh, _mm512_set1_epi64(0xFFFFFFFF)));
+}
+}  // namespace lanes_detail
+
+inline I32x16 mul_add_shift32(I32x16 u1, I32x16 t, I32x16 m, I32x16 sh) {
+  const __m512i even = lanes_detail::mul_add_shift_even(u1.v, t.v, m.v, sh.v);
+  const __m512i odd = lanes_detail::mul_add_shift_even(_mm512_srli_epi64(u1.v, 32), _mm512_srli_epi64(t.v, 32),
+                                                       _mm512_srli_epi64(m.v, 32), _mm512_srli_epi64(sh.v, 32));
+  return _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+}
+
 QGRU_ISA_END
 }  // namespace qgru

@@ -215,10 +215,10 @@ struct Gemm {
     M_pad = w.size(1);
     const int64_t K_pad = w.size(2);
     if (direct) {  // a whole 16-bit activation: the int32 sums must be exact (native.direct16_fits)
-      // (in int32: int8's abs leaves -128 at -128)
-      const int64_t max_w = w.numel() ? w.to(at::kInt).abs().max().item<int64_t>() : 0;
-      QGRU_CHECK(w.size(0) == 1 && K_real * 32768 * max_w < (int64_t(1) << 31), "qgru: ", k_name,
-                  "_direct16 needs one weight limb with K 2^15 max|w| < 2^31");
+      // |a . w_c| <= 2^15 sum_k |w_ck| for every row c (in int32: int8's abs leaves -128 at -128)
+      const int64_t max_row = w.numel() ? w.to(at::kInt).abs().sum(2).max().item<int64_t>() : 0;
+      QGRU_CHECK(w.size(0) == 1 && max_row * 32768 < (int64_t(1) << 31), "qgru: ", k_name,
+                  "_direct16 needs one weight limb with 2^15 sum_k |w_ck| < 2^31 for every row c");
     }
     K = K_pad;
     lda = cpu::k_padded(std::max<int64_t>(K, 1));
@@ -309,6 +309,10 @@ class CpuLayer {
     h_bits_ = (int32_t)lt_.value("h_bits");
     pow2_ = lt_.value("pow2") != 0;
     acc32_ = lt_.value("acc32") != 0;
+    wide_ = wide_accumulators();
+    // a 16-bit x or h taken whole on an int8 path: its int16 sibling (one GEMM pass, not two limbs)
+    if ((lt_.value("x_direct16") != 0 || lt_.value("h_direct16") != 0) && k_->act_bytes == 1 && k_->act16 != nullptr)
+      k_ = k_->act16;
     wx_.init(lt_, "x", k_, H_, I_, x_bits_, (int)lt_.value("x_direct16"));
     rh_.init(lt_, "h", k_, H_, H_, h_bits_, (int)lt_.value("h_direct16"));
     levels_ = lt_.x_levels();
@@ -473,6 +477,12 @@ class CpuLayer {
     return true;
   }
 
+  // Whether the int32 cell reads wide accumulators ("acc_wide" = 1; maps without the value: 0).
+  bool wide_accumulators() const {
+    auto it = lt_.v.find("acc_wide");
+    return it != lt_.v.end() && it->second != 0;
+  }
+
   // The one-row Layer (made on first use), or nullptr where set_one_row named none. Shared: a
   // call keeps the one it runs on alive through a set_one_row that replaces it.
   std::shared_ptr<CpuLayer> one_row_layer() {
@@ -604,7 +614,8 @@ class CpuLayer {
             k_->cell_tile(cpu::CellTileArgs{&cell_, &acc_x_, j0, nj, rows, active, xacc ? acc_x : dwx_t + n0 * 3 * H,
                                            acc_h, state + n0 * H, out_t + n0 * H, h_in + n0 * lda * ab,
                                            h_out + n0 * lda * ab, lda, pow2_, acc32_, xacc, &acc_x32_,
-                                           level != nullptr ? level + t * N + n0 : nullptr, level0_static_ ? 1 : 0});
+                                           level != nullptr ? level + t * N + n0 : nullptr, level0_static_ ? 1 : 0,
+                                           wide_ ? 1 : 0});
             lap(ns_cell);
             step.done.fetch_add(1, std::memory_order_release);  // publishes this task's h_out, state, out
           }
@@ -631,7 +642,8 @@ class CpuLayer {
     int32_t* o = ws_.dwx.data_ptr<int32_t>();
     parallel_for(0, rows, std::max<int64_t>(1, kMinParallelWork * 4 / (3 * H_)), [&](int64_t r0, int64_t r1) {
       k_->requant_rows(
-          cpu::RequantRowsArgs{&acc_x_, &acc_x32_, &lp, r0, r1, 3 * H_, o, (int)wx_.P, pow2_, acc32_, level});
+          // (wide accumulators: the int64 requantization, whose integers the wide cell's are)
+          cpu::RequantRowsArgs{&acc_x_, &acc_x32_, &lp, r0, r1, 3 * H_, o, (int)wx_.P, pow2_, acc32_ && !wide_, level});
     });
   }
 
@@ -670,6 +682,7 @@ class CpuLayer {
   bool level0_static_ = false;  // level 0's W.x requantization is the static grid's (level0_is_static)
   int32_t x_bits_, h_bits_;
   bool pow2_, acc32_;
+  bool wide_ = false;  // the int32 cell with wide accumulators (cell_wide.h), acc32_ set too
   Gemm wx_, rh_;
   AccRequant acc_x_;
   AccRequant32 acc_x32_;
@@ -913,8 +926,15 @@ class Stack {
 // packed, padded and run as a layer runs them (plain layout; gates: the fused step's per-unit-group
 // layout with H = M / 3, unscrambled again). The path computes int32 sums: the caller compares
 // with an exact product where that fits int32.
+// isa "NAME+int16": that path's int16 sibling (Kernels::act16; an int16 path is its own).
 at::Tensor kernel_gemm(const std::string& isa, const at::Tensor& a_in, const at::Tensor& w_in, bool gates) {
-  const Kernels* k = kernels_for(isa);
+  const std::string suffix = "+int16";
+  const bool int16 = isa.size() > suffix.size() && isa.compare(isa.size() - suffix.size(), suffix.size(), suffix) == 0;
+  const Kernels* k = kernels_for(int16 ? isa.substr(0, isa.size() - suffix.size()) : isa);
+  if (int16 && k->act_bytes == 1) {
+    QGRU_CHECK_VALUE(k->act16 != nullptr, "kernel_gemm: the '", isa, "' path has no int16 sibling");
+    k = k->act16;
+  }
   QGRU_CHECK(a_in.device().is_cpu() && w_in.device().is_cpu(), "kernel_gemm: CPU tensors expected");
   QGRU_CHECK(a_in.dim() == 2 && w_in.dim() == 2 && a_in.size(1) == w_in.size(1), "kernel_gemm: A [rows, K], W [M, K]");
   const at::Tensor w = w_in.resolve_neg().to(at::kChar).contiguous();

@@ -20,11 +20,29 @@ def _act_bytes(paths: List[Dict[str, object]], name: str) -> int:
     return next((int(i["act_bytes"]) for i in paths if i["name"] == name), 0)
 
 
+def _path_act16(paths: List[Dict[str, object]], name: str) -> bool:
+    """Whether a path takes 16-bit activations whole: int16 operands (avx2, portable) or an int16
+    sibling of an int8 path (avx512vnni's vpdpwssd GEMM, Kernels::act16)."""
+    return any(bool(i.get("act16")) for i in paths if i["name"] == name)
+
+
 def _avx2_takes_whole(p: LayerParams) -> bool:
-    """Whether p has a 16-bit x or R.h operand that avx2 takes whole as int16, so that its step is
-    one fused pass there against two limb pairs per GEMM on the int8 paths."""
+    """Whether p has a 16-bit x or R.h operand that an int16 GEMM (avx2's, or an int8 path's int16
+    sibling) takes whole, so that its step is one fused pass there against two limb pairs per GEMM
+    on the int8 GEMMs."""
     b = p.bits
     return max(b["x"], b[recurrent_operand(b)]) > 8 and one_limb_pair(p, act16=True)
+
+
+def layer_act16(p: LayerParams, path: str) -> bool:
+    """The act16 flag prepare_layer takes for p on the CPU path ``path``: every int16 path's layers;
+    on an int8 path with an int16 sibling (avx512vnni) a layer whose every 16-bit GEMM operand it
+    takes whole (_avx2_takes_whole: the C++ Layer then runs the sibling, one fused pass; a layer
+    that would still need limbs for one operand keeps the int8 GEMMs, whose limbs are cheaper)."""
+    paths = cpu_paths()
+    if _act_bytes(paths, path) == 2:
+        return True
+    return _path_act16(paths, path) and _avx2_takes_whole(p)
 
 
 def layer_path(p: LayerParams, path: str, request: str) -> str:
@@ -47,14 +65,16 @@ def one_row_path(p: LayerParams, path: str) -> Optional[str]:
     * amx, a fused layer (one limb pair each, gemm "amx-fused"): a 16-row AMX tile holds one real
       row; one step took 18.4 us against 14.1 us with avx512vnni's GEMMs (from two rows AMX is
       faster: N = 2, 18.6 against 20.0 us), 2026-11-25;
-    * amx, avx512vnni or avxvnni, a layer with a 16-bit x or R.h operand that avx2 takes whole as
-      int16 (one fused pass there, against two limb pairs per GEMM and a pass per GEMM on the int8
-      paths): w8a16 57 us (amx) and 44 us (avx512vnni) against 37 us per step (bench.py, 2026-11-25)."""
+    * amx or avxvnni, a layer with a 16-bit x or R.h operand that avx2 takes whole as int16 (one
+      fused pass there, against two limb pairs per GEMM and a pass per GEMM on the int8 paths):
+      w8a16 57 us (amx) and 44 us (avx512vnni, before its int16 sibling) against 37 us per step
+      (bench.py, 2026-11-25). avx512vnni now takes such a layer whole itself (its int16 sibling,
+      Kernels::act16: one fused pass with the int32 cell) and keeps its streaming calls."""
     paths = cpu_paths()
     usable = {str(i["name"]) for i in paths if i["usable"]}
     if path == "amx" and "avx512vnni" in usable and one_limb_pair(p, act16=False):
         return "avx512vnni"
-    if _act_bytes(paths, path) == 1 and "avx2" in usable and _avx2_takes_whole(p):
+    if _act_bytes(paths, path) == 1 and not _path_act16(paths, path) and "avx2" in usable and _avx2_takes_whole(p):
         return "avx2"
     return None
 
@@ -87,8 +107,8 @@ def cpu_isa_request() -> str:
 def cpu_paths() -> List[Dict[str, object]]:
     """Every CPU path of the built backend, fastest first: name, usable here, why not, act_bytes
     (0: not compiled in), needs (the CPU features it requires, by gcc target-attribute name)."""
-    return [dict(name=n, usable=ok, why=why, act_bytes=ab, needs=list(needs))
-            for n, ok, why, ab, needs in load("cpu").isa_table()]
+    return [dict(name=n, usable=ok, why=why, act_bytes=ab, needs=list(needs), act16=act16)
+            for n, ok, why, ab, needs, act16 in load("cpu").isa_table()]
 
 
 def resolve_cpu_isa(request: Optional[str] = None) -> Dict[str, object]:
@@ -109,7 +129,7 @@ def resolve_cpu_isa(request: Optional[str] = None) -> Dict[str, object]:
 
 _PATH_TEXT = {
     "amx": "AMX int8 tiles",
-    "avx512vnni": "AVX-512 VNNI int8 dot products",
+    "avx512vnni": "AVX-512 VNNI int8 dot products (int16 ones for 16-bit activations taken whole)",
     "avxvnni": "AVX-VNNI int8 dot products (256-bit)",
     "avx2": "AVX2 int16 multiply-adds (vpmaddwd; 16-bit activations whole where exact)",
     "portable": "portable C++ loops (compiler-vectorised)",
@@ -132,6 +152,9 @@ def cpu_gemm_detail() -> str:
                else "")
     if info["name"] == "avxvnni" and "avx2" in usable and cpu_isa_request() == "auto":
         one_row += "; a layer with 16-bit x or h that avx2 takes whole as int16 runs on avx2 (one fused pass)"
+    elif info["act_bytes"] == 1 and info.get("act16"):
+        one_row += ("; a layer with 16-bit x or h that its int16 GEMM (vpdpwssd) takes whole runs it: one fused "
+                    "pass instead of two limb pairs per GEMM")
     elif info["act_bytes"] == 1 and "avx2" in usable:
         one_row += ("; a streaming step of a layer with 16-bit x or h that avx2 takes whole as int16 runs on avx2 "
                     "(one fused pass instead of two limb pairs per GEMM)")
@@ -164,12 +187,12 @@ def cpu_layer(mod, p: LayerParams, isa: Optional[str]):
     if name != info["name"]:
         info = resolve_cpu_isa(name)
     # prepared on the host, then moved once
-    tensors, values = prepare_layer(p.to("cpu"), act16=info["act_bytes"] == 2)
+    act16 = layer_act16(p, str(info["name"]))
+    tensors, values = prepare_layer(p.to("cpu"), act16=act16)
     layer = mod.Layer(tensors, values, str(info["name"]))
     other = one_row_path(p, str(info["name"]))
     if other is not None:
-        act16 = resolve_cpu_isa(other)["act_bytes"] == 2
-        if act16 != (info["act_bytes"] == 2):
-            tensors, values = prepare_layer(p.to("cpu"), act16=act16)
+        if layer_act16(p, other) != act16:
+            tensors, values = prepare_layer(p.to("cpu"), act16=layer_act16(p, other))
         layer.set_one_row(tensors, values, other)
     return layer

@@ -30,12 +30,18 @@ def _per_channel(v: torch.Tensor, n: int) -> torch.Tensor:
 
 def direct16_fits(weights: torch.Tensor, w_bits: int, act_bits: int) -> bool:
     """Whether a 16-bit activation times these 8-bit weights is exact as one int16 x int16 GEMM
-    with int32 sums (csrc/cpu/kernel_avx2.cpp): K 2^15 max|w| < 2^31 (K <= 516 at max|w| = 127)."""
+    with int32 sums (csrc/cpu/kernel_avx2.cpp, vnni16_gemm.h): 2^15 sum_k |w_ck| < 2^31 for every
+    row c, which bounds every partial sum too (at max|w| = 127 any K <= 516 fits; typical rows far
+    beyond: their weights are mostly well below the row's largest)."""
     if act_bits <= 8 or w_bits > 8:
         return False
-    K = weights.shape[1]
-    max_w = int(weights.abs().max()) if weights.numel() else 0
-    return K * 32768 * max_w < (1 << 31)
+    max_row = int(weights.to(torch.int64).abs().sum(1).max()) if weights.numel() else 0
+    return max_row * 32768 < (1 << 31)
+
+
+def _gemm_bound(weights: torch.Tensor, act_bits: int) -> torch.Tensor:
+    """int64 [rows]: max |a . w_c| over activations of act_bits bits (|a| <= 2^(act_bits - 1))."""
+    return weights.to(torch.int64).abs().sum(1) << (act_bits - 1)
 
 
 def one_limb_pair(p: LayerParams, act16: bool) -> bool:
@@ -171,7 +177,9 @@ def prepare_layer(p: LayerParams, act16: bool = False,
         rescale("hg", rs["h_gemm"], 1)
         v["hg_zp"] = int(zp["h_gemm"])
         rng("hg", b["h_gemm"])
-    v["acc32"] = int(_add_acc32(t, v, b))
+    # wide accumulators (a 16-bit operand taken whole): each GEMM output's bound per channel
+    bound = {"Wx": _gemm_bound(p.W, b["x"]), "Rh": _gemm_bound(p.R, b[op])}
+    v["acc32"] = int(_add_acc32(t, v, b, bound))
     return t, v
 
 
@@ -180,26 +188,45 @@ def _net_shift(t: Dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return t[name + "_shift"].to(torch.int64) - 1 - t[name + "_mult_log2"].to(torch.int64)
 
 
-def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, int]) -> bool:
+def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, int],
+               bound: Optional[Dict[str, torch.Tensor]] = None) -> bool:
     """Add the int32 forms (csrc AccRequant32 and Cell32) when they are exact for this layer.
 
-    Common conditions: one limb pair on both GEMMs (8-bit x, W, R and R.h operand: h itself, or
-    h_gemm beside a state of up to 16 bits) and K < 2^16, so every GEMM accumulator G is below
-    K 2^14 <= 2^30 in magnitude. Then the pow2 form (_acc32_pow2) or
-    the multiplier form (_acc32_mult) adds its fields where its own bounds hold (proofs in
-    csrc/qgru_cell.h); otherwise the layer runs the int64 cell.
+    Common conditions: one limb pair on both GEMMs and K < 2^16. Either 8-bit x, W, R and R.h
+    operand (h itself, or h_gemm beside a state of up to 16 bits), so every GEMM accumulator G is
+    below K 2^14 <= 2^30 in magnitude (the accumulators' int32 form, _requant32); or a 16-bit x or
+    R.h operand taken whole (x_direct16 / h_direct16, an int16 CPU path) and 8-bit weights: the
+    accumulators may use all of int32 and take the wide form (_requant_wide with the per-channel
+    bounds ``bound``, "acc_wide" = 1; qgru_cell.h requant_wide32), the gates the same int32 cell.
+    Then the pow2 form (_acc32_pow2) or the multiplier form (_acc32_mult) adds its fields where its
+    own bounds hold (proofs in csrc/qgru_cell.h); otherwise the layer runs the int64 cell.
     """
-    if max(bits["x"], bits[recurrent_operand(bits)], bits["W"], bits["R"]) > 8 or max(v["I"], v["H"]) >= (1 << 16):
+    v["acc_wide"] = 0
+    op_bits = bits[recurrent_operand(bits)]
+    if max(bits["W"], bits["R"]) > 8 or max(v["I"], v["H"]) >= (1 << 16):
         return False
-    parts = _acc32_pow2(t, v) if v["pow2"] else _acc32_mult(t, v)
+    narrow = max(bits["x"], op_bits) <= 8
+    wide = (not narrow and bound is not None and (bits["x"] <= 8 or v["x_direct16"])
+            and (op_bits <= 8 or v["h_direct16"]))
+    if not (narrow or wide):
+        return False
+    if narrow:
+        def requant(name: str, pow2: bool) -> Optional[Dict[str, torch.Tensor]]:
+            return _requant32(t, name, pow2, v["I"] if name in ("Wx", "Wxl") else v["H"])
+    else:
+        def requant(name: str, pow2: bool) -> Optional[Dict[str, torch.Tensor]]:
+            b = bound["Rh" if name == "Rh" else "Wx"]
+            return _requant_wide(t, name, pow2, b.repeat(v["x_levels"]) if name == "Wxl" else b)
+    parts = _acc32_pow2(t, v, requant) if v["pow2"] else _acc32_mult(t, v, requant)
     if parts is None:
         return False
     if v["x_levels"]:
-        levels = _acc32_levels(t, v)
+        levels = requant("Wxl", bool(v["pow2"]))
         if levels is None:
             _warn_levels_int64()
             return False
         parts.update(levels)
+    v["acc_wide"] = int(wide)
     t["c32_channels"] = _channel_blocks(parts, v["H"])
     # the W.x requantization pass of the unfused paths reads Wx's int32 form over all 3H channels
     # (and the fused step's, with W.x inside the step); a layer with x levels, Wxl_* per level
@@ -237,11 +264,45 @@ def _requant32(t: Dict[str, torch.Tensor], name: str, pow2: bool, K: int) -> Opt
     return parts
 
 
-def _acc32_levels(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[str, torch.Tensor]]:
-    """The int32 form of every x level's W.x requantization (Wxl_bias_hi, _bias_lo, _rshift, _mult32,
-    [J 3H]), or None where a level fails its bounds (the layer then runs the int64 cell: one form
-    for all its rows)."""
-    return _requant32(t, "Wxl", bool(v["pow2"]), v["I"])
+def _requant_wide(t: Dict[str, torch.Tensor], name: str, pow2: bool,
+                  g_max: torch.Tensor) -> Optional[Dict[str, torch.Tensor]]:
+    """The wide form of the accumulator requantization ``name`` (Wx, Rh, or Wxl: every x level's,
+    [J 3H]) of a GEMM output G with |G| <= g_max per channel (< 2^31: exact in int32), in the
+    fields of _requant32 with the meanings of csrc/qgru_cell.h "Wide accumulators", or None where
+    its bounds fail: pow2, 1 <= R <= 30 and |bias_hi| + 2^(31 - R) + 2 < 2^31; multiplier, s >= 17,
+    |B1| + 2^15 + 1 < 2^31 and (max|G| + |bias|) m / 2^(s-1) < 2^30 (bounded from above without an
+    int64 overflow: (floor(v / 2^8) + 1) m / 2^(s-9))."""
+    bias = t[name + "_bias"]
+    g_max = g_max.to(device=bias.device, dtype=torch.int64)
+    if bool((g_max >= (1 << 31)).any()):
+        return None
+    parts = {}
+    if pow2:
+        r = _net_shift(t, name)
+        if bool((r < 1).any()) or bool((r > 30).any()):
+            return None
+        hi = torch.div(bias, 1 << r, rounding_mode="floor")
+        if bool((hi.abs() + (1 << (31 - r)) + 2 >= (1 << 31)).any()):
+            return None
+        parts[name + "_bias_hi"] = hi.to(torch.int32)
+        parts[name + "_bias_lo"] = (bias - hi * (1 << r)).to(torch.int32)
+        parts[name + "_rshift"] = r.to(torch.int32)
+        parts[name + "_mult32"] = torch.zeros_like(r, dtype=torch.int32)
+        return parts
+    m, s = t[name + "_mult"], t[name + "_shift"].to(torch.int64)
+    if bool((s < 17).any()) or bool((m < 0).any()) or bool((m >= (1 << 31)).any()):
+        return None
+    b1 = torch.div(bias, 1 << 16, rounding_mode="floor")
+    if bool((b1.abs() + (1 << 15) + 1 >= (1 << 31)).any()):
+        return None
+    v_max = g_max + bias.abs()
+    if bool(((((v_max >> 8) + 1) * m) >> (s - 9) >= (1 << 30)).any()):
+        return None
+    parts[name + "_bias_hi"] = b1.to(torch.int32)
+    parts[name + "_bias_lo"] = (bias - b1 * (1 << 16)).to(torch.int32)
+    parts[name + "_rshift"] = (s - 17).to(torch.int32)
+    parts[name + "_mult32"] = m.to(torch.int32)
+    return parts
 
 
 _warned_levels_int64 = False
@@ -271,10 +332,10 @@ def _pow2_shifts(t: Dict[str, torch.Tensor], name: str) -> Optional[Tuple[torch.
     return (-r).clamp(min=0).to(torch.int32), r.clamp(min=0, max=31).to(torch.int32)
 
 
-def _acc32_pow2(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[str, torch.Tensor]]:
-    """The pow2 form's fields, or None. Accumulators: R in [1, 30]; cell: left shifts <= 14 for
-    the pre-activation rescales and h -> h_gemm, R >= 8 for r * Rh_g and z * h (rescale_wide32),
-    R >= 0 for (1 - z) * g."""
+def _acc32_pow2(t: Dict[str, torch.Tensor], v: Dict[str, int], requant) -> Optional[Dict[str, torch.Tensor]]:
+    """The pow2 form's fields, or None. Accumulators: requant(name, True) (_requant32 or
+    _requant_wide: R in [1, 30]); cell: left shifts <= 14 for the pre-activation rescales and
+    h -> h_gemm, R >= 8 for r * Rh_g and z * h (rescale_wide32), R >= 0 for (1 - z) * g."""
     parts = {}
     for name in ("r_from_wx", "r_from_rh", "z_from_wx", "z_from_rh", "g_from_wx"):
         f = _pow2_shifts(t, name)
@@ -300,8 +361,8 @@ def _acc32_pow2(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[
             return None
         v["hg_lsh"], v["hg_rsh"] = (int(x.reshape(-1)[0]) for x in f)
         v["hg_m32"] = 0
-    for name, K in (("Wx", v["I"]), ("Rh", v["H"])):  # the accumulators: _requant32, as every x level's
-        f = _requant32(t, name, True, K)
+    for name in ("Wx", "Rh"):  # the accumulators: as every x level's
+        f = requant(name, True)
         if f is None:
             return None
         parts.update(f)
@@ -326,8 +387,9 @@ def _product_range(a: Tuple, b: Tuple) -> Tuple:
     return lo, hi
 
 
-def _acc32_mult(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[str, torch.Tensor]]:
-    """The multiplier form's fields, or None (csrc/qgru_cell.h, the int32 cell's multiplier bounds).
+def _acc32_mult(t: Dict[str, torch.Tensor], v: Dict[str, int], requant) -> Optional[Dict[str, torch.Tensor]]:
+    """The multiplier form's fields, or None (csrc/qgru_cell.h, the int32 cell's multiplier bounds;
+    the accumulators' by requant(name, False): _requant32 or _requant_wide).
 
     A rescale (m, s) becomes (mul_hi32(x << lsh, m) >> rsh + 1) >> 1 with lsh = max(0, 33 - s),
     rsh = max(0, s - 33); it is exact where every input x, known to lie in [x_lo, x_hi] from its
@@ -385,8 +447,8 @@ def _acc32_mult(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> Optional[Dict[
         if f is None:
             return None
         v["hg_lsh"], v["hg_rsh"], v["hg_m32"] = (int(x.reshape(-1)[0]) for x in f)
-    for name, K in (("Wx", v["I"]), ("Rh", H)):  # the accumulators: _requant32, as every x level's
-        f = _requant32(t, name, False, K)
+    for name in ("Wx", "Rh"):  # the accumulators: as every x level's
+        f = requant(name, False)
         if f is None:
             return None
         parts.update(f)
