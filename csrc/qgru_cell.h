@@ -338,12 +338,19 @@ QGRU_ISA_BEGIN
 
 // computeR (gate 0) or computeZ (gate 1) in int32 up to the table: the gate's pre-activation
 // (on its table's input grid, saturated) from its raw R.h accumulator and Wx - Z_Wx.
+// (sigmoid_pre32_d: the same from Rh - Z_Rh already requantized, d_rh; the wide accumulators'
+// cell, csrc/cpu/cell_wide.h, requantizes them itself)
 template <bool POW2, typename V = int32_t>
-QGRU_HD V sigmoid_pre32(const Cell32& p, Channel32 ch, int gate, V acc_rh, V d_wx) {
-  const V d_rh = requant32_at<POW2, V>(ch, kRhRequant, gate, acc_rh, p.rh_lo, p.rh_hi);
+QGRU_HD V sigmoid_pre32_d(const Cell32& p, Channel32 ch, int gate, V d_rh, V d_wx) {
   const int f = kRWxLsh + 4 * gate;
   return clamp32(apply32<POW2, V>(ch, f, d_wx) + apply32<POW2, V>(ch, f + 2, d_rh) + p.pre_zp[gate],
                  p.pre_lo[gate], p.pre_hi[gate]);
+}
+
+template <bool POW2, typename V = int32_t>
+QGRU_HD V sigmoid_pre32(const Cell32& p, Channel32 ch, int gate, V acc_rh, V d_wx) {
+  return sigmoid_pre32_d<POW2, V>(p, ch, gate, requant32_at<POW2, V>(ch, kRhRequant, gate, acc_rh, p.rh_lo, p.rh_hi),
+                                  d_wx);
 }
 
 // The multiplier form's floor(a d m / 2^(16 + sh)) (rescale_wide32), in int64 (|a d| < 2^33).
@@ -374,11 +381,17 @@ QGRU_HD V rrh32(Channel32 ch, V d_r, V d_rh_g) {
 
 // computeG in int32 up to the table: g's pre-activation from its raw R.h accumulator, Wx_g - Z
 // and the gate r (its table output relative to its zero point).
+// (candidate_pre32_d: the same from Rh_g - Z_Rh already requantized, d_rh_g)
 template <bool POW2, typename V = int32_t>
-QGRU_HD V candidate_pre32(const Cell32& p, Channel32 ch, V acc_rh_g, V d_wx_g, V d_r) {
-  const V d_rh_g = requant32_at<POW2, V>(ch, kRhRequant, 2, acc_rh_g, p.rh_lo, p.rh_hi);
+QGRU_HD V candidate_pre32_d(const Cell32& p, Channel32 ch, V d_rh_g, V d_wx_g, V d_r) {
   return clamp32(apply32<POW2, V>(ch, kGWxLsh, d_wx_g) + rrh32<POW2, V>(ch, d_r, d_rh_g) + p.pre_zp[2],
                  p.pre_lo[2], p.pre_hi[2]);
+}
+
+template <bool POW2, typename V = int32_t>
+QGRU_HD V candidate_pre32(const Cell32& p, Channel32 ch, V acc_rh_g, V d_wx_g, V d_r) {
+  return candidate_pre32_d<POW2, V>(p, ch, requant32_at<POW2, V>(ch, kRhRequant, 2, acc_rh_g, p.rh_lo, p.rh_hi),
+                                    d_wx_g, d_r);
 }
 
 // computeH in int32: the new state from the candidate's table output d_g, the gate z and the
@@ -446,21 +459,6 @@ QGRU_HD V requant_wide32_flat(const AccRequant32& a, int64_t c, V product) {
   return requant_wide32<POW2, V>(product, lanes_load<V>(a.bias_hi + c), lanes_load<V>(a.bias_lo + c),
                                  lanes_load<V>(a.rshift + c), lanes_load<V>(a.zp + c),
                                  POW2 ? V(0) : lanes_load<V>(a.mult + c), a.lo, a.hi);
-}
-
-// sigmoid_pre32 from Rh - Z_Rh already requantized (d_rh).
-template <bool POW2, typename V = int32_t>
-QGRU_HD V sigmoid_pre32_d(const Cell32& p, Channel32 ch, int gate, V d_rh, V d_wx) {
-  const int f = kRWxLsh + 4 * gate;
-  return clamp32(apply32<POW2, V>(ch, f, d_wx) + apply32<POW2, V>(ch, f + 2, d_rh) + p.pre_zp[gate],
-                 p.pre_lo[gate], p.pre_hi[gate]);
-}
-
-// candidate_pre32 from Rh_g - Z_Rh already requantized (d_rh_g).
-template <bool POW2, typename V = int32_t>
-QGRU_HD V candidate_pre32_d(const Cell32& p, Channel32 ch, V d_rh_g, V d_wx_g, V d_r) {
-  return clamp32(apply32<POW2, V>(ch, kGWxLsh, d_wx_g) + rrh32<POW2, V>(ch, d_r, d_rh_g) + p.pre_zp[2],
-                 p.pre_lo[2], p.pre_hi[2]);
 }
 
 // gemm_operand in int32 (layers with an h_gemm): |q_h - Z_h| < 2^17 and the bounds of rescale32
