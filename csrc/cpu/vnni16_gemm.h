@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "gemm_blocks.h"
 #include "kernels.h"
 
 namespace qgru {
@@ -111,44 +112,9 @@ struct Vnni16Gemm {
     for (int j = 0; j < NB; ++j) Regs::store(gemm_out(a, G, g + j, r), Regs::add(even[j], odd[j]));
   }
 
-  template <int MR>
-  static void row_block(const GemmArgs& a, const int16_t* A, int64_t r, const int8_t* B, int64_t Kp, int64_t g) {
-    const int64_t left = a.g1 - g;
-    if (MR == 1) {
-      if (left >= 3) micro_row<3>(a, A, r, B, Kp, g);
-      else if (left == 2) micro_row<2>(a, A, r, B, Kp, g);
-      else micro_row<1>(a, A, r, B, Kp, g);
-    } else if (left >= 3) {
-      micro<MR, 3>(a, A, r, B, Kp, g);
-    } else if (left == 2) {
-      micro<MR, 2>(a, A, r, B, Kp, g);
-    } else {
-      micro<MR, 1>(a, A, r, B, Kp, g);
-    }
-  }
-
-  // Kernels::gemm: three groups at a time, rows in blocks of kRowBlock, then 4, then 1-3 exactly.
+  // Kernels::gemm: gemm_blocks.h's blocking over the micro-kernels above.
   static void gemm(const GemmArgs& a) {
-    const int64_t Kp = k_pad(a.K), gb = group_bytes(a.K);
-    const int16_t* A = static_cast<const int16_t*>(a.A);
-    const int8_t* B = static_cast<const int8_t*>(a.B);
-    constexpr int RB = Regs::kRowBlock;
-    static_assert(RB == 4 || RB == 8, "row blocks of 4 or 8");
-    for (int64_t g = a.g0; g < a.g1; g += 3) {
-      const int8_t* b = B + g * gb;
-      int64_t r = 0;
-      for (; r + RB <= a.rows; r += RB) row_block<RB>(a, A, r, b, Kp, g);
-      if (RB == 8 && a.rows - r >= 4) {
-        row_block<4>(a, A, r, b, Kp, g);
-        r += 4;
-      }
-      switch (a.rows - r) {
-        case 3: row_block<3>(a, A, r, b, Kp, g); break;
-        case 2: row_block<2>(a, A, r, b, Kp, g); break;
-        case 1: row_block<1>(a, A, r, b, Kp, g); break;
-        default: break;
-      }
-    }
+    GemmBlocks<Vnni16Gemm, Regs::kRowBlock, int16_t>::run(a, k_pad(a.K), group_bytes(a.K));
   }
 };
 
