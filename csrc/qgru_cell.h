@@ -339,7 +339,7 @@ QGRU_ISA_BEGIN
 // computeR (gate 0) or computeZ (gate 1) in int32 up to the table: the gate's pre-activation
 // (on its table's input grid, saturated) from its raw R.h accumulator and Wx - Z_Wx.
 // (sigmoid_pre32_d: the same from Rh - Z_Rh already requantized, d_rh; the wide accumulators'
-// cell, csrc/cpu/cell_wide.h, requantizes them itself)
+// form of csrc/cpu/cell_loops.h cell_tile requantizes them itself)
 template <bool POW2, typename V = int32_t>
 QGRU_HD V sigmoid_pre32_d(const Cell32& p, Channel32 ch, int gate, V d_rh, V d_wx) {
   const int f = kRWxLsh + 4 * gate;

@@ -198,7 +198,7 @@ struct LayerTensors {
     if (value("acc32") != 0) check_acc32(H, I, px, ph, pow2);
   }
 
-  // Wide accumulators (qgru_cell.h requant_wide32; the CPU's cell_wide.h): 1 where the int32 cell
+  // Wide accumulators (qgru_cell.h requant_wide32; the CPU's cell_tile, WIDE): 1 where the int32 cell
   // requantizes a GEMM output that may use all of int32 (a 16-bit operand taken whole). Maps made
   // before it existed have no entry: 0.
   int64_t acc_wide() const {

@@ -2429,7 +2429,7 @@ def test_cpu_isa_request_follows_the_environment(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # 16-bit activations taken whole (issue 40, w8a16): every int16 GEMM (avx2's, portable's, and
 # avx512vnni's vpdpwssd sibling, Kernels::act16) up to the row-sum bound, and the int32 cell with
-# wide accumulators (qgru_cell.h requant_wide32, csrc/cpu/cell_wide.h) against golden at it
+# wide accumulators (qgru_cell.h requant_wide32, cell_loops.h cell_tile's WIDE form) against golden at it
 # ---------------------------------------------------------------------------------------------
 def _int16_gemms():
     """(path, kernel_gemm name) of every usable path that takes 16-bit activations whole."""

@@ -130,7 +130,22 @@ void cell_rows_t(const CellRowsArgs& a) {
 // paid their start-up (setup, pipeline fill) for every 128 elements; measured ~15% of the cell.
 // With XACC, row r's W.x is requantized on its x level (level[r]; nullptr: level 0), from wx / wx32
 // moved to that level (at_level).
-template <bool POW2, bool ACC32, bool XACC, typename A>
+// WIDE (with ACC32; CellTileArgs.wide, issue 40: w8a16 on the int16 GEMMs): a 16-bit x or h taken
+// whole, so the accumulators may use all 31 bits and are requantized with requant_wide32
+// (qgru_cell.h, "Wide accumulators"), not requant32; everything after that is the same cell.
+template <bool WIDE, bool POW2, typename V>
+QGRU_INLINE V requant_acc32_at(Channel32 ch, int group, int q, V v, int32_t lo, int32_t hi) {
+  if constexpr (WIDE) return requant_wide32_at<POW2, V>(ch, group, q, v, lo, hi);
+  else return requant32_at<POW2, V>(ch, group, q, v, lo, hi);
+}
+
+template <bool WIDE, bool POW2, typename V>
+QGRU_INLINE V requant_acc32_flat(const AccRequant32& a, int64_t c, V v) {
+  if constexpr (WIDE) return requant_wide32_flat<POW2, V>(a, c, v);
+  else return requant32_flat<POW2, V>(a, c, v);
+}
+
+template <bool POW2, bool ACC32, bool XACC, typename A, bool WIDE = false>
 QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const AccRequant32& wx32,
                              const int32_t* __restrict level, bool level0_static, int64_t j0, int64_t nj,
                              int64_t rows,
@@ -151,8 +166,12 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
     // row of a layer with x levels (LV) from the flat arrays at its level (wl: wx32 at the row's level)
     const auto d_wx = [&](auto lv, const AccRequant32& wl, Channel32 ch, int q, int64_t c, auto v) {
       if constexpr (!XACC) return v;
-      else if constexpr (decltype(lv)::value) return requant32_flat<POW2, decltype(v)>(wl, q * H + j0 + c, v);
-      else return requant32_at<POW2, decltype(v)>(ch, kWxRequant, q, v, c32.wx_lo, c32.wx_hi);
+      else if constexpr (decltype(lv)::value) return requant_acc32_flat<WIDE, POW2, decltype(v)>(wl, q * H + j0 + c, v);
+      else return requant_acc32_at<WIDE, POW2, decltype(v)>(ch, kWxRequant, q, v, c32.wx_lo, c32.wx_hi);
+    };
+    // Rh - Z_Rh of gate q from its R.h accumulator
+    const auto d_rh = [&](Channel32 ch, int q, auto v) {
+      return requant_acc32_at<WIDE, POW2, decltype(v)>(ch, kRhRequant, q, v, c32.rh_lo, c32.rh_hi);
     };
     // Four passes over the tile, each a short loop: the gates' pre-activations r and z, their
     // table lookups, g's pre-activation, then its lookup and the new state. A table lookup waits
@@ -165,10 +184,10 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
     const auto rz_pre = [&](auto lanes, auto lv, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t, int64_t c) {
       using V = decltype(lanes);
       const Channel32 ch{fields + c};
-      lanes_store(d_r + rh + c, sigmoid_pre32<POW2, V>(c32, ch, 0, lanes_load<V>(acc_h + rh + c),
-                                                       d_wx(lv, wl, ch, 0, c, lanes_load<V>(x + rx + c))));
-      lanes_store(d_z + rh + c, sigmoid_pre32<POW2, V>(c32, ch, 1, lanes_load<V>(acc_h + rh + gs + c),
-                                                       d_wx(lv, wl, ch, 1, c, lanes_load<V>(x + rx + xs + c))));
+      lanes_store(d_r + rh + c, sigmoid_pre32_d<POW2, V>(c32, ch, 0, d_rh(ch, 0, lanes_load<V>(acc_h + rh + c)),
+                                                         d_wx(lv, wl, ch, 0, c, lanes_load<V>(x + rx + c))));
+      lanes_store(d_z + rh + c, sigmoid_pre32_d<POW2, V>(c32, ch, 1, d_rh(ch, 1, lanes_load<V>(acc_h + rh + gs + c)),
+                                                         d_wx(lv, wl, ch, 1, c, lanes_load<V>(x + rx + xs + c))));
     };
     const auto rz_table = [&](auto lanes, auto, const AccRequant32&, int64_t, int64_t rh, int64_t, int64_t c) {
       using V = decltype(lanes);
@@ -178,9 +197,9 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
     const auto g_preact = [&](auto lanes, auto lv, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t, int64_t c) {
       using V = decltype(lanes);
       const Channel32 ch{fields + c};
-      const V acc_g = lanes_load<V>(acc_h + rh + 2 * gs + c), d_r_c = lanes_load<V>(d_r + rh + c);
-      lanes_store(g_pre + rh + c, candidate_pre32<POW2, V>(
-                                      c32, ch, acc_g, d_wx(lv, wl, ch, 2, c, lanes_load<V>(x + rx + 2 * xs + c)), d_r_c));
+      const V d_rh_g = d_rh(ch, 2, lanes_load<V>(acc_h + rh + 2 * gs + c)), d_r_c = lanes_load<V>(d_r + rh + c);
+      lanes_store(g_pre + rh + c, candidate_pre32_d<POW2, V>(
+                                      c32, ch, d_rh_g, d_wx(lv, wl, ch, 2, c, lanes_load<V>(x + rx + 2 * xs + c)), d_r_c));
     };
     const auto h_step = [&](auto lanes, auto, const AccRequant32&, int64_t, int64_t rh, int64_t rs, int64_t c) {
       using V = decltype(lanes);
@@ -263,19 +282,24 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
   }
 }
 
-}  // namespace QGRU_ISA (reopened below by cell_wide.h and after it)
-}  // namespace cpu
-}  // namespace qgru
-#include "cell_wide.h"  // cell_tile_wide_t: the wide accumulators' cell (issue 40, w8a16)
-namespace qgru {
-namespace cpu {
-QGRU_ISA_BEGIN
-
 template <typename A>
 void cell_tile_t(const CellTileArgs& a) {
-  if (a.wide) return cell_tile_wide_t<A>(a);
   const A* h_in = static_cast<const A*>(a.h_in);
   A* h_out = static_cast<A*>(a.h_out);
+  if (a.wide) {  // wide accumulators: the int32 cell (acc32 is set too)
+#define QGRU_CELL_TILE_WIDE(P2, XA)                                                                          \
+  cell_tile<P2, true, XA, A, true>(*a.p, *a.wx, *a.wx32, a.level, a.level0_static != 0, a.j0, a.nj, a.rows, \
+                                   a.active, a.x, a.acc_h, a.s, a.o, h_in, h_out, a.lda)
+    if (a.pow2) {
+      if (a.xacc) QGRU_CELL_TILE_WIDE(true, true);
+      else QGRU_CELL_TILE_WIDE(true, false);
+    } else {
+      if (a.xacc) QGRU_CELL_TILE_WIDE(false, true);
+      else QGRU_CELL_TILE_WIDE(false, false);
+    }
+#undef QGRU_CELL_TILE_WIDE
+    return;
+  }
 #define QGRU_CELL_TILE(P2, A32, XA)                                                                       \
   cell_tile<P2, A32, XA, A>(*a.p, *a.wx, *a.wx32, a.level, a.level0_static != 0, a.j0, a.nj, a.rows, a.active, a.x, \
                             a.acc_h, a.s, a.o,                                                                   \

@@ -81,7 +81,7 @@ struct CellTileArgs {
   // level 0's W.x requantization is the static grid's (checked when the layer is made): a row on
   // level 0 then reads W.x's fields from the channel blocks, as a layer without levels
   int level0_static;
-  // wide accumulators (a 16-bit operand taken whole; acc32 set too): cell_wide.h's cell, which
+  // wide accumulators (a 16-bit operand taken whole; acc32 set too): cell_tile's WIDE form, which
   // reads the requantization fields in their wide form (qgru_cell.h requant_wide32)
   int wide;
 };

@@ -682,7 +682,7 @@ class CpuLayer {
   bool level0_static_ = false;  // level 0's W.x requantization is the static grid's (level0_is_static)
   int32_t x_bits_, h_bits_;
   bool pow2_, acc32_;
-  bool wide_ = false;  // the int32 cell with wide accumulators (cell_wide.h), acc32_ set too
+  bool wide_ = false;  // the int32 cell with wide accumulators (cell_loops.h cell_tile, WIDE), acc32_ set too
   Gemm wx_, rh_;
   AccRequant acc_x_;
   AccRequant32 acc_x32_;

@@ -41,7 +41,7 @@ _SOURCES = {
 _HEADERS = ["qgru_fixedpoint.h", "qgru_cell.h", "qgru_check.h", "qgru_layer.h", "qgru_cuda.h", "qgru_cuda_launch.h",
             "qgru_persistent.h", "qgru_cuda_backend.h", "cpu/kernels.h", "cpu/cell_loops.h", "cpu/isa.h",
             "cpu/quantize_block.h", "cpu/lanes_avx2.h", "cpu/lanes_avx512.h", "cpu/vnni_gemm.h", "cpu/cpu_backend.h",
-            "cpu/cell_wide.h", "cpu/vnni16_gemm.h", "cpu/gemm_blocks.h"]
+            "cpu/vnni16_gemm.h", "cpu/gemm_blocks.h"]
 
 
 def csrc_dir() -> Path:
