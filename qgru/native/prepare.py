@@ -234,6 +234,15 @@ def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, in
     return True
 
 
+def _pow2_parts(name: str, bias: torch.Tensor, r: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The pow2 fields of an accumulator requantization with right shift r (both int32 forms,
+    _requant32 and _requant_wide; their callers check the bounds): bias = bias_hi 2^r + bias_lo with
+    0 <= bias_lo < 2^r, rshift r, and no multiplier."""
+    hi = torch.div(bias, 1 << r, rounding_mode="floor")
+    return {name + "_bias_hi": hi.to(torch.int32), name + "_bias_lo": (bias - hi * (1 << r)).to(torch.int32),
+            name + "_rshift": r.to(torch.int32), name + "_mult32": torch.zeros_like(r, dtype=torch.int32)}
+
+
 def _requant32(t: Dict[str, torch.Tensor], name: str, pow2: bool, K: int) -> Optional[Dict[str, torch.Tensor]]:
     """The int32 form of the accumulator requantization ``name`` (Wx, Rh, or Wxl: every x level's,
     [J 3H]) over K products of int8 operands (|G| <= K 2^14), or None where its bounds fail (csrc
@@ -245,12 +254,7 @@ def _requant32(t: Dict[str, torch.Tensor], name: str, pow2: bool, K: int) -> Opt
         r = _net_shift(t, name)
         if bool((r < 1).any()) or bool((r > 30).any()) or bool((bias.abs() > (1 << 31)).any()):
             return None
-        hi = torch.div(bias, 1 << r, rounding_mode="floor")
-        parts[name + "_bias_hi"] = hi.to(torch.int32)
-        parts[name + "_bias_lo"] = (bias - hi * (1 << r)).to(torch.int32)
-        parts[name + "_rshift"] = r.to(torch.int32)
-        parts[name + "_mult32"] = torch.zeros_like(r, dtype=torch.int32)
-        return parts
+        return _pow2_parts(name, bias, r)
     m, s = t[name + "_mult"], t[name + "_shift"].to(torch.int64)
     lsh, rsh = (33 - s).clamp(min=0), (s - 33).clamp(min=0)
     acc_max = K * (1 << 14) + bias.abs()  # |G + bias|
@@ -281,14 +285,9 @@ def _requant_wide(t: Dict[str, torch.Tensor], name: str, pow2: bool,
         r = _net_shift(t, name)
         if bool((r < 1).any()) or bool((r > 30).any()):
             return None
-        hi = torch.div(bias, 1 << r, rounding_mode="floor")
-        if bool((hi.abs() + (1 << (31 - r)) + 2 >= (1 << 31)).any()):
+        if bool((torch.div(bias, 1 << r, rounding_mode="floor").abs() + (1 << (31 - r)) + 2 >= (1 << 31)).any()):
             return None
-        parts[name + "_bias_hi"] = hi.to(torch.int32)
-        parts[name + "_bias_lo"] = (bias - hi * (1 << r)).to(torch.int32)
-        parts[name + "_rshift"] = r.to(torch.int32)
-        parts[name + "_mult32"] = torch.zeros_like(r, dtype=torch.int32)
-        return parts
+        return _pow2_parts(name, bias, r)
     m, s = t[name + "_mult"], t[name + "_shift"].to(torch.int64)
     if bool((s < 17).any()) or bool((m < 0).any()) or bool((m >= (1 << 31)).any()):
         return None
