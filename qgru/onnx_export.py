@@ -141,8 +141,9 @@ def export_onnx(model: nn.Module, args, path: Union[str, os.PathLike], *,
     output0, ...; ``dynamic_axes`` (torch.onnx.export's) defaults to every axis of every tensor
     input and output except the last (sequence length and batch, whatever the layout). ``opset``:
     qgru.onnx_graph.OPSET (17), the only one tested. ``integer_gemm``: 8-bit GEMMs as MatMulInteger
-    (uint8 x int8, fast); False writes float64 MatMuls instead (exact in any runtime: for runtimes
-    whose uint8 x int8 GEMM saturates, see docs/onnx.md, "Limits"). ``check``: run
+    (uint8 x int8 with the weights split in halves of magnitude <= 64, so that no CPU kernel
+    saturates; fast); False writes float64 MatMuls instead (exact in any runtime, slower; see
+    docs/onnx.md, "Limits"). ``check``: run
     onnx.checker.check_model(full_check=True) before writing.
     """
     try:
