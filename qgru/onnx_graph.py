@@ -249,31 +249,17 @@ class Form:
 
 
 def apply_rescale(g: Graph, v: str, form: Form, add_const=None, add_tensor: Optional[str] = None,
-                  add_bound=0.0, floor: bool = True, v_zp=None) -> str:
-    """round_half_up((v - v_zp) m / 2^s) + add_const + add_tensor on tensor v (constants broadcast on
-    the last axis). With floor=False the result may be a float y whose floor is that integer (when
-    the adds fold, see Form), else the integer itself.
-
-    ``v_zp`` (integers, per channel; v then holds q with q - v_zp the operand): in the short form
-    the product becomes v c - v_zp c, the second term joining the constant added before the floor
-    (so that a caller clamps q with one scalar Clip instead of q - Z with per-channel Min and Max).
-    Exact when the form was made for vmax >= max|q| + max|v_zp|: then |v| m, |v_zp| m and the
-    operand's |q - Z| m are all within the bounds Form's proofs use for vmax (fold_ok / rne_ok
-    count the constant's other terms as before). The long form subtracts v_zp first."""
-    if v_zp is not None and np.any(np.asarray(v_zp) != 0):
-        if form.kind != "f1":
-            v = g.sub(v, g.const(np.asarray(v_zp, np.float64)))
-        v_zp = None if form.kind != "f1" else np.asarray(v_zp, np.float64)
-    else:
-        v_zp = None
+                  add_bound=0.0, floor: bool = True) -> str:
+    """round_half_up(v m / 2^s) + add_const + add_tensor on tensor v (constants broadcast on the last
+    axis). With floor=False the result may be a float y whose floor is that integer (when the adds
+    fold, see Form), else the integer itself."""
     has_add = add_const is not None or add_tensor is not None
     fold = form.fold_ok(add_bound) if has_add or not floor else False
     rne = floor and form.rne_ok(add_bound if fold else 0)  # the last floor as Graph.rne (Form)
     cst = np.zeros(()) if add_const is None else np.asarray(add_const, np.float64)
     if form.kind == "f1":
         y = g.mul(v, g.const(form.c))
-        y = g.add(y, g.const((_pow2f(-(form.s + 1)) if rne else 0.5) + (cst if fold else 0.0)
-                             - (v_zp * form.c if v_zp is not None else 0.0)))
+        y = g.add(y, g.const((_pow2f(-(form.s + 1)) if rne else 0.5) + (cst if fold else 0.0)))
     else:
         a = g.mul(v, g.const(form.mh))
         b = g.floor(g.mul(v, g.const(form.mls)))
@@ -397,11 +383,9 @@ class _Layer:
         return self.integer_gemm and q_bits <= 8 and w_bits <= 8
 
     def requant(self, prod: str, bits_in: Tuple[int, int], w: np.ndarray, bias, m, s, zp, out_bits: int,
-                what: str, per_token=None) -> Tuple[str, np.ndarray]:
-        """golden's Wx / Rh of some channels, q = sat(round_half_up((prod + bias) m / 2^s) + Z), as
-        float64 (prod: the raw GEMM output q . w^T), returned as (q - Zr, Zr): Zr = Z where the zero
-        points differ between channels (q is then clamped by one scalar Clip; the consumer's
-        rescale subtracts Zr, apply_rescale's v_zp), else 0 (q - Z, clamped by a scalar Clip too). ``per_token(array [J, C]) -> tensor``
+                what: str, per_token=None) -> str:
+        """golden's Wx / Rh of one gate minus its zero point, sat(round_half_up((prod + bias) m / 2^s)
+        + Z) - Z, as float64 (prod: the raw GEMM output q . w^T). ``per_token(array [J, C]) -> tensor``
         (x levels): bias, m, s are per level, gathered per token. The raw product is first clamped to
         +-V (_acc_clip: no result changes), which bounds the rescale's operand far below the static
         bound, so that the short form usually applies."""
@@ -418,29 +402,15 @@ class _Layer:
         # least as far out as G = +-V does, beyond the range: the clamp to it gives the true result.
         x = g.cast(prod, 11) if self.int8(*bits_in) else prod
         zf = zpa.astype(np.float64)
-        if np.all(zf == zf.flat[0]):  # one zero point: q - Z, clamped to [lo - Z, hi - Z]
-            zr, lo_c, hi_c = np.zeros_like(zf), lo - float(zf.flat[0]), hi - float(zf.flat[0])
-        else:  # q itself, clamped to [lo, hi]
-            zr, lo_c, hi_c = zf, float(lo), float(hi)
-
-        def settle(t, rne: bool) -> str:
-            """floor(t) (RNE(t) where rne) + Zr: RNE's second Add subtracts MAGIC - Zr (exact: an
-            integer in [2^52, 2^53) minus an integer); a floor gets Zr added."""
-            if rne:
-                return g.sub(g.add(t, g.const(MAGIC)), g.const(MAGIC - zr) if zr.any() else g.const(MAGIC))
-            y = g.floor(t)
-            return g.add(y, g.const(zr)) if zr.any() else y
-
         if per_token is None:
             f = self.form(what, m, s, vmax)
-            if f.kind == "f1":  # floor((G + b) c + 1/2) = RNE(G c + (b c + 2^-(s+1))) (Form), or
-                rne = f.rne_ok()  # floor(G c + (b c + 1/2)): b c + 1/2 exact (|b| <= vmax)
-                e = _pow2f(-(f.s + 1)) if rne else 0.5
-                y = settle(g.add(g.mul(x, g.const(f.c)), g.const(bias_i.astype(np.float64) * f.c + e)), rne)
+            if f.kind == "f1" and f.rne_ok():  # floor((G + b) c + 1/2) = RNE(G c + (b c + 2^-(s+1))) (Form)
+                y = g.rne(g.add(g.mul(x, g.const(f.c)), g.const(bias_i.astype(np.float64) * f.c + _pow2f(-(f.s + 1)))))
+            elif f.kind == "f1":  # floor((G + b) c + 1/2) = floor(G c + (b c + 1/2)): b c + 1/2 exact (|b| <= vmax)
+                y = g.floor(g.add(g.mul(x, g.const(f.c)), g.const(bias_i.astype(np.float64) * f.c + 0.5)))
             else:
                 y = apply_rescale(g, g.add(x, g.const(bias_i.astype(np.float64))), f)
-                y = g.add(y, g.const(zr)) if zr.any() else y
-            return g.clip(y, lo_c, hi_c), zr
+            return g.clip(y, lo - zf, hi - zf)
         # x levels: one shift for every level and channel (m 2^(S - s), S = max s), so that the
         # form's scalar constants are shared and only bias, mh, ml (or c) are gathered per token
         S = int(np.max(s))
@@ -451,93 +421,87 @@ class _Layer:
         if f.kind is None:
             raise ONNXExportError(f"{self.where}: the x levels' W.x rescale has no exact float64 form")
         rne = f.rne_ok()  # the last floor as Graph.rne (Form); every level has the shift S
+        last = g.rne if rne else g.floor
         if f.kind == "f1":  # floor(G c + (b c + 1/2)), the bias folded as without levels (exact: above)
             e = _pow2f(-(S + 1)) if rne else 0.5
-            y = settle(g.add(g.mul(x, per_token(f.c)), per_token(bias_i.astype(np.float64) * f.c + e)), rne)
+            y = last(g.add(g.mul(x, per_token(f.c)), per_token(bias_i.astype(np.float64) * f.c + e)))
         else:
             acc = g.add(x, per_token(bias_i.astype(np.float64)))
             a = g.mul(acc, per_token(f.mh))
             b = g.floor(g.mul(acc, per_token(f.mls)))
-            y = settle(g.mul(g.add(g.add(a, b), g.const(0.5 if rne else float(f.half.reshape(-1)[0]))),
-                             g.const(float(f.inv.reshape(-1)[0]))), rne)
-        return g.clip(y, lo_c, hi_c), zr
+            y = last(g.mul(g.add(g.add(a, b), g.const(0.5 if rne else float(f.half.reshape(-1)[0]))),
+                           g.const(float(f.inv.reshape(-1)[0]))))
+        return g.clip(y, lo - zf, hi - zf)
 
     # -- W.x ------------------------------------------------------------------------------------
-    # The gates in two parts: r and z (both read their sigmoid table after the same steps, so one
-    # chain of nodes on [N, 2H] does both) and g (its pre-activation needs r). A part is one GEMM and
-    # one chain: fewer nodes than a chain per gate, each node wide enough that ONNX Runtime splits
-    # it across its threads (a [64, 512] float64 Add runs on one), and no Split copies.
-    PARTS = (("rz", slice(0, 2)), ("g", slice(2, 3)))
-
-    def rows(self, part: slice) -> slice:
-        return slice(part.start * self.H, part.stop * self.H)
-
     def input_products(self, qx: str) -> List[str]:
-        """W.x of the whole sequence, one GEMM per part (golden.input_gemm's product q_x . W^T):
-        [T, N, 2H] and [T, N, H], int32 (MatMulInteger) or float64 (MatMul)."""
-        g, p = self.g, self.p
+        """W.x of the whole sequence, one GEMM per gate (golden.input_gemm's product q_x . W^T):
+        [T, N, H] each, int32 (MatMulInteger) or float64 (MatMul)."""
+        g, p, H = self.g, self.p, self.H
         bx, bw = p.bits["x"], p.bits["W"]
         W = _np(p.W)
         u8 = g.cast(g.add(qx, g.const(128.0)), 2) if self.int8(bx, bw) else None
-        return [self.gemm(qx, bx, W[self.rows(part)], bw, u8=u8) for _, part in self.PARTS]
+        return [self.gemm(qx, bx, W[q * H:(q + 1) * H], bw, u8=u8) for q in range(3)]
 
-    def input_term(self, which: int, prod: str, level: Optional[str]) -> str:
-        """One step's W.x terms of a part's gates from their product: golden.input_gemm's
-        requantization (x levels: the token's bias and rescale), then each gate's Wx rescale onto
-        its pre-activation grid, offset to the table's index: rescale(q_Wx - Z_Wx) + Z_pre - qmin_pre.
-        Run inside the step: elementwise work on [N, C] stays in cache, where the same work on the
-        whole [T, N, C] sequence streams through memory (measured ~10x slower per element)."""
+    def input_term(self, q: int, prod: str, level: Optional[str]) -> str:
+        """One step's (or the sequence's) W.x term of gate q from its product: golden.input_gemm's
+        requantization (x levels: the token's bias and rescale), then the gate's Wx rescale onto its
+        pre-activation grid, offset to the table's index: rescale(q_Wx - Z_Wx) + Z_pre - qmin_pre.
+        Run inside the step: elementwise work on [N, H] stays in cache, where the same work on the
+        whole [T, N, H] sequence streams through memory (measured ~10x slower per element)."""
         g, p, H = self.g, self.p, self.H
-        names, part = self.PARTS[which]
-        cols = self.rows(part)
         bx, bw = p.bits["x"], p.bits["W"]
-        W = _np(p.W)[cols]
-        wzp = _np(p.W_zp_comp).astype(np.int64)[cols]
-        zp = np.broadcast_to(_np(p.zp["Wx"]), (3 * H,))[cols]
+        W = _np(p.W)
+        wzp = _np(p.W_zp_comp).astype(np.int64)
+        name = "rzg"[q]
+        cols = slice(q * H, (q + 1) * H)
         if level is None:
             r = p.rescale["Wx"]
-            q, zr = self.requant(prod, (bx, bw), W, _np(p.b_x).astype(np.int64)[cols] - wzp,
-                                 np.broadcast_to(_np(r.multiplier), (3 * H,))[cols],
-                                 np.broadcast_to(_np(r.shift), (3 * H,))[cols], zp, p.bits["Wx"], f"Wx ({names})")
+            d_wx = self.requant(prod, (bx, bw), W[cols], _np(p.b_x).astype(np.int64)[cols] - wzp[cols],
+                                _gate_cols(r.multiplier, cols), _gate_cols(r.shift, cols),
+                                _gate_cols(p.zp["Wx"], cols), p.bits["Wx"], f"Wx ({name})")
         else:
             lv = p.x_levels
-            J = lv.b_x.shape[0]
 
             def per_token(arr):
-                arr = np.ascontiguousarray(np.broadcast_to(np.asarray(arr, np.float64), (J, cols.stop - cols.start)))
-                return g.op("Gather", [g.const(arr), level], axis=0)  # [.., N, C]
+                arr = np.ascontiguousarray(np.broadcast_to(np.asarray(arr, np.float64), (lv.b_x.shape[0], H)))
+                return g.op("Gather", [g.const(arr), level], axis=0)  # [.., N, H]
 
-            q, zr = self.requant(prod, (bx, bw), W, _np(lv.b_x).astype(np.int64)[:, cols] - wzp[None, :],
-                                 np.broadcast_to(_np(lv.rescale.multiplier), (J, 3 * H))[:, cols],
-                                 np.broadcast_to(_np(lv.rescale.shift), (J, 3 * H))[:, cols], zp, p.bits["Wx"],
-                                 f"Wx ({names}, x levels)", per_token=per_token)
-        m, s = _cols(p, [f"Wx_{n}" for n in names], H)
-        f = self.form(f"Wx_{names}", m, s, (1 << p.bits["Wx"]) - 1 + int(np.abs(zr).max()))
-        off = np.concatenate([np.full(H, self.offset[n]) for n in names])
-        return apply_rescale(g, q, f, add_const=off, add_bound=float(np.abs(off).max()), v_zp=zr)
+            d_wx = self.requant(prod, (bx, bw), W[cols], _np(lv.b_x).astype(np.int64)[:, cols] - wzp[None, cols],
+                                _np(lv.rescale.multiplier)[:, cols], _np(lv.rescale.shift)[:, cols],
+                                _gate_cols(p.zp["Wx"], cols), p.bits["Wx"], f"Wx ({name}, x levels)",
+                                per_token=per_token)
+        r = p.rescale[f"Wx_{name}"]
+        f = self.form(f"Wx_{name}", r.multiplier, r.shift, (1 << p.bits["Wx"]) - 1)
+        off = self.offset[name]
+        return apply_rescale(g, d_wx, f, add_const=off, add_bound=abs(off))
 
     # -- the step -----------------------------------------------------------------------------
     def setup(self):
-        """Tables, the step's rescale forms (made in body, where the operand bounds are known), and
-        the bounds of the W.x terms added to them."""
+        """Tables, the step's rescale forms, and which additions fold into them."""
         p, H, b = self.p, self.H, self.p.bits
         self.tables = {n: _table(p, n) for n in "rzg"}
         self.offset = {n: float(int(p.zp[f"{n}_pre"]) - qrange(b[f"{n}_pre"])[0]) for n in "rzg"}  # Z_pre - qmin
         self.top = {n: float(len(self.tables[n]) - 1) for n in "rzg"}
-        self.fold = {}
+        span_rh = (1 << b["Rh"]) - 1
+        self.forms, self.fold = {}, {}
         for n in "rzg":
             r = p.rescale[f"Wx_{n}"]
-            self.fold[n] = Form(_np(r.multiplier), _np(r.shift), (1 << b["Wx"]) - 1).result_bound() + int(self.offset[n]) + 1
+            wx_bound = Form(_np(r.multiplier), _np(r.shift), (1 << b["Wx"]) - 1).result_bound() + int(self.offset[n]) + 1
+            if n == "g":  # r * Rh_g
+                f = self.form("rRh_g", p.rescale["rRh_g"].multiplier, p.rescale["rRh_g"].shift,
+                              ((1 << b["r"]) - 1) * span_rh)
+            else:
+                f = self.form(f"Rh_{n}", p.rescale[f"Rh_{n}"].multiplier, p.rescale[f"Rh_{n}"].shift, span_rh)
+            self.forms[n], self.fold[n] = f, wx_bound
 
     def body(self, d_h: str, wx: Sequence[str]) -> str:
-        """gru_step on the state d_h = q_h - Z_h [N, H] (float64) and this step's W.x terms of the
-        two parts ([N, 2H], [N, H])."""
+        """gru_step on the state d_h = q_h - Z_h [N, H] (float64) and this step's Wx terms."""
         g, p, H = self.g, self.p, self.H
         b, zp = p.bits, p.zp
         z_h = int(zp["h"])
         h_lo, h_hi = qrange(b["h"])
         span_h = _span(b["h"], z_h)
-        span_rh = (1 << b["Rh"]) - 1
         R = _np(p.R)
         # the recurrent operand (golden.recurrent_operand), straight into MatMulInteger's uint8
         u8 = None
@@ -557,80 +521,62 @@ class _Layer:
             op = g.add(d_h, g.const(float(z_h)))
             if self.int8(op_bits, b["R"]):
                 u8 = g.cast(g.add(d_h, g.const(float(z_h + 128))), 2)
-        # R.h, one GEMM and one requantization per part
         r = p.rescale["Rh"]
         bias = _np(p.b_h).astype(np.int64) - _np(p.R_zp_comp).astype(np.int64)
-        zp_rh = np.broadcast_to(_np(zp["Rh"]), (3 * H,))
-        rh = []
-        for names, part in self.PARTS:
-            cols = self.rows(part)
+        d_rh = {}
+        for q, name in enumerate("rzg"):
+            cols = slice(q * H, (q + 1) * H)
             prod = self.gemm(op, op_bits, R[cols], b["R"], u8=u8)
-            rh.append(self.requant(prod, (op_bits, b["R"]), R[cols], bias[cols],
-                                   np.broadcast_to(_np(r.multiplier), (3 * H,))[cols],
-                                   np.broadcast_to(_np(r.shift), (3 * H,))[cols], zp_rh[cols], b["Rh"], f"Rh ({names})"))
-        (q_rz, zr_rz), (q_g, zr_g) = rh
-        # r, z: index = Wx term + rescale(q_Rh - Z_Rh), saturated to the table; the floor is the Cast's
-        m, s = _cols(p, ["Rh_r", "Rh_z"], H)
-        f = self.form("Rh_r/z", m, s, span_rh + int(np.abs(zr_rz).max()))
-        y = apply_rescale(g, q_rz, f, add_tensor=wx[0], add_bound=max(self.fold["r"], self.fold["z"]), floor=False,
-                          v_zp=zr_rz)
-        d_r, d_z = g.op("Split", [self.lookup_rz(y), g.const(np.array([H, H]), np.int64)], n_out=2, axis=-1)
-        # g: Wx_g term + rescale(r * (q_Rh_g - Z_Rh_g)), saturated, tanh table
-        d_rh_g = g.sub(q_g, g.const(zr_g)) if zr_g.any() else q_g
-        f = self.form("rRh_g", p.rescale["rRh_g"].multiplier, p.rescale["rRh_g"].shift, ((1 << b["r"]) - 1) * span_rh)
-        y = apply_rescale(g, g.mul(d_r, d_rh_g), f, add_tensor=wx[1], add_bound=self.fold["g"], floor=False)
-        d_g = self.lookup_g(y)
+            d_rh[name] = self.requant(prod, (op_bits, b["R"]), R[cols], bias[cols], _gate_cols(r.multiplier, cols),
+                                      _gate_cols(r.shift, cols), _gate_cols(zp["Rh"], cols), b["Rh"], f"Rh ({name})")
+        # r, z: index = Wx term + rescale(d_Rh), saturated to the table; the floor is the Cast's
+        d = {}
+        for q, name in enumerate("rz"):
+            y = apply_rescale(g, d_rh[name], self.forms[name], add_tensor=wx[q], add_bound=self.fold[name],
+                              floor=False)
+            d[name] = self.lookup(name, y)
+        # g: Wx_g term + rescale(r * Rh_g), saturated, tanh table
+        y = apply_rescale(g, g.mul(d["r"], d_rh["g"]), self.forms["g"], add_tensor=wx[2], add_bound=self.fold["g"],
+                          floor=False)
+        d_g = self.lookup("g", y)
         # h' - Z_h = sat(rescale(z (h - Z_h)) + rescale((1 - z) g) + Z_h) - Z_h
-        zh = self.rescale(g.mul(d_z, d_h), "zh", ((1 << b["z"]) - 1) * span_h)
-        one_minus_z = g.sub(g.const(float(p.one_z)), d_z)
+        zh = self.rescale(g.mul(d["z"], d_h), "zh", ((1 << b["z"]) - 1) * span_h)
+        one_minus_z = g.sub(g.const(float(p.one_z)), d["z"])
         zg_max = (1 << b["z"]) * (1 << (b["g"] - 1))
         zh_bound = Form(_np(p.rescale["zh"].multiplier), _np(p.rescale["zh"].shift),
                         ((1 << b["z"]) - 1) * span_h).result_bound()
         h_new = self.rescale(g.mul(one_minus_z, d_g), "zg", zg_max, add_tensor=zh, add_bound=zh_bound)
         return g.clip(h_new, float(h_lo - z_h), float(h_hi - z_h))
 
-    def gather(self, table: np.ndarray, idx: str, width: int) -> str:
-        """table[idx] for int32 indices idx [N, width], as float64: GatherElements on the flattened
-        indices (ONNX Runtime's Gather copies one element per index through a generic block copy,
-        ~10x slower)."""
+    def lookup(self, name: str, y: str) -> str:
+        """The gate's table at floor(y), y clamped to the table (a float whose floor is the index:
+        Cast truncates, and the clamp keeps it >= 0): GatherElements on the flattened indices (ONNX
+        Runtime's Gather copies one element per index through a generic block copy, ~10x slower)."""
         g = self.g
+        idx = g.cast(g.clip(y, 0.0, self.top[name]), 6)  # int32 indices: ORT gathers them faster than int64
         flat = g.op("Reshape", [idx, g.const(np.array([-1]), np.int64)])
-        dt = _table_dtype(table)
+        t = self.tables[name]
+        dt = _table_dtype(t)
         if dt is None:
-            v = g.op("GatherElements", [g.const(table), flat], axis=0)
+            v = g.op("GatherElements", [g.const(t), flat], axis=0)
         else:  # the entries as 16-bit (or 32-bit) integers, exactly, then float64: a smaller table to read
-            v = g.cast(g.op("GatherElements", [g.const(table.astype(dt), dt), flat], axis=0), 11)
-        return g.op("Reshape", [v, g.const(np.array([-1, width]), np.int64)])
-
-    def lookup_rz(self, y: str) -> str:
-        """The r and z tables at floor(y) [N, 2H], each half of y clamped to its own table, then one
-        gather from the two tables end to end (z's indices offset by the r table's length, an int32
-        Add). y is a float whose floor is the index: Cast truncates, and the clamp keeps it >= 0."""
-        g, H, nr = self.g, self.H, len(self.tables["r"])
-        hi = np.concatenate([np.full(H, self.top["r"]), np.full(H, self.top["z"])])
-        idx = g.cast(g.clip(y, 0.0, hi), 6)  # int32 indices: ORT gathers them faster than int64
-        idx = g.add(idx, g.const(np.concatenate([np.zeros(H), np.full(H, nr)]).astype(np.int32), np.int32))
-        return self.gather(np.concatenate([self.tables["r"], self.tables["z"]]), idx, 2 * H)
-
-    def lookup_g(self, y: str) -> str:
-        """The g (tanh) table at floor(y) [N, H], y clamped to the table."""
-        idx = self.g.cast(self.g.clip(y, 0.0, self.top["g"]), 6)
-        return self.gather(self.tables["g"], idx, self.H)
+            v = g.cast(g.op("GatherElements", [g.const(t.astype(dt), dt), flat], axis=0), 11)
+        return g.op("Reshape", [v, g.const(np.array([-1, self.H]), np.int64)])
 
     def run(self, qx: str, d_h0: str, level: Optional[str], reverse: bool) -> Tuple[str, str]:
         """(outputs - Z_h [T, N, H], h_n - Z_h [N, H]) as float64 integer tensors."""
         onnx = _onnx()
         g = self.g
         self.setup()
-        prods = self.input_products(qx)  # the GEMMs for the whole sequence, before the loop
+        prods = self.input_products(qx)  # the GEMM for the whole sequence, before the loop
         P = onnx.TensorProto
         p_type = P.INT32 if self.int8(self.p.bits["x"], self.p.bits["W"]) else P.DOUBLE
         outer_nodes = g.nodes
         g.nodes = []
         st_in = g.name("h_in")
-        p_in = [g.name(f"wx{names}_in") for names, _ in self.PARTS]
+        p_in = [g.name(f"wx{n}_in") for n in "rzg"]
         lv_in = g.name("level_in") if level is not None else None
-        wx = [self.input_term(i, p_in[i], lv_in) for i in range(len(self.PARTS))]
+        wx = [self.input_term(q, p_in[q], lv_in) for q in range(3)]
         h_new = self.body(st_in, wx)
         # (one value listed as both body outputs passes onnx's checker but ONNX Runtime 1.32 then
         # returns garbage: the output buffer is reused as the next step's state.) The scan output is
@@ -650,6 +596,12 @@ class _Layer:
         hn, out = g.op("Scan", [d_h0] + scans, n_out=2, body=body, num_scan_inputs=len(scans),
                        scan_input_directions=direction * len(scans), scan_output_directions=direction)
         return g.cast(out, P.DOUBLE), hn
+
+
+def _gate_cols(v, cols: slice) -> np.ndarray:
+    """A per-channel (or per-tensor) [3H] parameter's entries for one gate's channels."""
+    a = _np(v)
+    return a[cols] if a.ndim else a
 
 
 def gru_nodes(params: QuantParams, g: Graph, x: str, h0: str, out: str, h_n: str, out_dtype: int,
