@@ -181,7 +181,8 @@ def test_one_call_path_taken_and_equal_to_general(monkeypatch, config, mode, lay
 
 
 @pytest.mark.parametrize("case", ["batch_first", "float64", "unbatched", "packed", "T0", "bad_I", "bad_h0",
-                                  "h0_float64", "neg_view", "reference", "bidirectional"])
+                                  "h0_float64", "neg_view", "reference", "bidirectional", "h0_neg_view",
+                                  "h0_layers", "h0_batch", "sparse", "h0_subclass"])
 def test_one_call_path_leaves_other_calls_to_the_general_path(monkeypatch, case):
     """Every call outside the fast path's form reaches the general path (which checks it, and
     raises nn.GRU's errors where it must): the fast path never accepts what it does not check."""
@@ -201,6 +202,9 @@ def test_one_call_path_leaves_other_calls_to_the_general_path(monkeypatch, case)
         "T0": (x[:0], h, None), "bad_I": (x[..., :-1], h, None), "bad_h0": (x, h[:, :-1], None),
         "h0_float64": (x, h.double(), None), "neg_view": (torch._neg_view(x), h, None),
         "reference": (x, h, "reference"), "bidirectional": (x, h, None),
+        "h0_neg_view": (x, torch._neg_view(h), None), "h0_layers": (x, torch.zeros(2, N, H), None),
+        "h0_batch": (x, h[:, :-1], None), "sparse": (x.to_sparse(), h, None),
+        "h0_subclass": (x, torch.nn.Parameter(h), None),
     }[case]
     seen = []
 
