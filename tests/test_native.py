@@ -2115,6 +2115,9 @@ def test_stack_call_takes_its_form_and_returns_none_for_the_rest(cpu_backend):
     for what, (bx, bh) in refused.items():
         assert plan.call(bx, bh) is None, what
         assert native.cpu_stack_call(params, bx, bh) is None, what
+    # forward itself (no T >= 1 test): no steps, h_n is h0 on its grid and back
+    out, h_n = plan.forward(x[:0], h0)
+    assert out.shape == (0, 3, 12) and h_n.shape == h0.shape and bool(torch.isfinite(h_n).all())
 
 
 def test_stack_scratch_buffers_across_shapes_and_threads(cpu_backend):

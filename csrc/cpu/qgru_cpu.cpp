@@ -980,7 +980,11 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<std::shared_p
   }
   const PhaseScope deq(kPhDequantize);
   at::Tensor y = at::empty({T, N, H}, at::TensorOptions().dtype(at::kFloat));
-  dequantize_into(out, T * N * H, q[L - 1][3], (int64_t)q[L - 1][4], y.data_ptr<float>());
+  if (T > 0) {
+    // the last step's output is the last layer's final state (no padding here): h_n's floats
+    dequantize_into(out, (T - 1) * N * H, q[L - 1][3], (int64_t)q[L - 1][4], y.data_ptr<float>());
+    std::copy_n(h_n.data_ptr<float>() + (L - 1) * N * H, N * H, y.data_ptr<float>() + (T - 1) * N * H);
+  }
   return {y, h_n};
 }
 
