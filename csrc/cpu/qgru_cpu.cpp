@@ -314,6 +314,14 @@ struct Gemm {
   }
 };
 
+// Where run_into also writes the final state as floats (primitives.dequantize on the state's
+// grid): [N, H] at `out`, or nowhere (out nullptr).
+struct StateFloats {
+  float* out = nullptr;
+  double scale = 1.0;
+  double zp = 0.0;
+};
+
 class CpuLayer {
  public:
   CpuLayer(TensorMap tensors, IntMap values, const std::string& isa) : lt_{std::move(tensors), std::move(values)} {
@@ -453,12 +461,15 @@ class CpuLayer {
   // run on raw operands (stack_forward's, in its calling thread's scratch buffers: no tensor made
   // or aliased per call, which a streaming step would pay for): qx [T, N, I], state [N, H] (the
   // initial state, updated in place), len [N] or nullptr, lev [T, N] or nullptr, out [T, N, H]
-  // written; none of them used after the call returns.
-  void run_into(const int32_t* qx, int64_t T, int64_t N, int32_t* state, const int64_t* len, const int32_t* lev,
-                int32_t* out) {
+  // written; none of them used after the call returns. floats: where the final state's floats
+  // go (the fused path writes them in its last step's tasks, while they are in cache and on
+  // every thread, not in a serial pass after the parallel region); true if they were written.
+  bool run_into(const int32_t* qx, int64_t T, int64_t N, int32_t* state, const int64_t* len, const int32_t* lev,
+                int32_t* out, StateFloats floats = StateFloats{}) {
     if (T == 1 && N == 1)
-      if (std::shared_ptr<CpuLayer> other = one_row_layer()) return other->run_into(qx, T, N, state, len, lev, out);
-    if (T == 0 || N == 0) return;
+      if (std::shared_ptr<CpuLayer> other = one_row_layer())
+        return other->run_into(qx, T, N, state, len, lev, out, floats);
+    if (T == 0 || N == 0) return false;
     std::lock_guard<std::mutex> lock(mu_);  // the workspace is shared by calls on this layer
     // W.x is computed for a chunk of steps at a time, right before those steps run: its buffers
     // stay small and warm in cache, and are reused across chunks and calls (fresh large buffers
@@ -483,11 +494,14 @@ class CpuLayer {
         input_chunk(qx + t0 * N * I_, tc * N, lev != nullptr ? lev + t0 * N : nullptr);
       }
       if (fused_) {
-        fused_steps(t0, tc, N, state, out, len, wx_in_step, wx_in_step ? lev : nullptr);
+        // the final state's floats in the call's last step
+        fused_steps(t0, tc, N, state, out, len, wx_in_step, wx_in_step ? lev : nullptr,
+                    t0 + tc == T ? floats : StateFloats{});
       } else {
         recurrent_steps(t0, tc, N, state, out, len);
       }
     }
+    return fused_ && floats.out != nullptr;
   }
 
  private:
@@ -584,8 +598,10 @@ class CpuLayer {
   // too (from x's activation rows of the chunk in ws_.x_act; else Wx - Z_Wx is read from
   // ws_.dwx), and then the cell on them while they are in L1.
   // level (xacc, a layer with x levels): every token's, at t N + n; else nullptr.
+  // floats.out (not nullptr): step t0 + tc - 1's tasks also write their rows' and units' new state
+  // as floats there.
   void fused_steps(int64_t t0, int64_t tc, int64_t N, int32_t* state, int32_t* out, const int64_t* lengths,
-                   bool xacc, const int32_t* level) {
+                   bool xacc, const int32_t* level, StateFloats floats = StateFloats{}) {
     constexpr int64_t W = kTaskUnits, T16 = kTileRows;
     const int64_t H = H_, HB = ceil_div(H, W), RT = ceil_div(N, T16), G = k_->group, ab = k_->act_bytes;
     const int64_t lda = rh_.lda, ldx = wx_.lda;
@@ -658,6 +674,12 @@ class CpuLayer {
                                            h_out + n0 * lda * ab, lda, pow2_, acc32_, xacc, &acc_x32_,
                                            level != nullptr ? level + t * N + n0 : nullptr, level0_static_ ? 1 : 0,
                                            wide_ ? 1 : 0});
+            if (floats.out != nullptr && t == t0 + tc - 1)
+              for (int64_t r = 0; r < rows; ++r) {
+                const int32_t* sr = state + (n0 + r) * H + j0;
+                float* fr = floats.out + (n0 + r) * H + j0;
+                for (int64_t c = 0; c < nj; ++c) fr[c] = dequantize_value(sr[c], floats.scale, floats.zp);
+              }
             lap(ns_cell);
             step.done.fetch_add(1, std::memory_order_release);  // publishes this task's h_out, state, out
           }
@@ -974,9 +996,13 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<std::shared_p
     }
     quantize_into(h0c, l * N * H, N * H, q[l][3], (int64_t)q[l][4], (int64_t)q[l][5], "h0", k, state);
     if (tq >= 0) add_phase(kPhQuantize, now_ns() - tq);
-    layers[l]->run_into(qx, T, N, state, nullptr, l == 0 ? level : nullptr, out);
-    const PhaseScope deq(kPhDequantize);
-    dequantize_into(state, N * H, q[l][3], (int64_t)q[l][4], h_n.data_ptr<float>() + l * N * H);
+    float* h_l = h_n.data_ptr<float>() + l * N * H;
+    // the fused path writes h_n's floats in its last step's tasks; else one pass here
+    if (!layers[l]->run_into(qx, T, N, state, nullptr, l == 0 ? level : nullptr, out,
+                             StateFloats{h_l, q[l][3], (double)(int64_t)q[l][4]})) {
+      const PhaseScope deq(kPhDequantize);
+      dequantize_into(state, N * H, q[l][3], (int64_t)q[l][4], h_l);
+    }
   }
   const PhaseScope deq(kPhDequantize);
   at::Tensor y = at::empty({T, N, H}, at::TensorOptions().dtype(at::kFloat));
