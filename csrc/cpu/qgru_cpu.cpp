@@ -684,7 +684,9 @@ class CpuLayer {
             step.done.fetch_add(1, std::memory_order_release);  // publishes this task's h_out, state, out
           }
         }
-        step.wait_all(n_tasks);
+        // (after the region's last step its end, a barrier, is the wait: nothing reads this step's
+        // h_out, state or out before the region returns)
+        if (t + 1 < t0 + tc) step.wait_all(n_tasks);
       }
       if (prof) {
         lap(ns_wait);
