@@ -51,6 +51,10 @@ _NO_TORCHSCRIPT = ("{what}: a converted (or calibrating) qgru.QuantGRU cannot be
                    "(unconverted) QuantGRU scripts as nn.GRU does.")
 
 
+# torch.jit.is_tracing() less its is_scripting() test (always False in eager Python, where the
+# one-call paths run): ~60 ns of a streaming call
+_is_tracing = getattr(torch._C, "_is_tracing", None) or torch.jit.is_tracing
+
 # Dynamo's frame hook, or None: not None while a torch.compile'd caller runs this module as Python.
 # Dynamo refuses to trace GRU modules (nn.RNNBase) unless torch._dynamo.config.allow_rnn is set,
 # and then compiles each function that the module's Python calls on its own: dozens of small graphs
@@ -677,37 +681,33 @@ class QuantGRU(nn.GRU):
         """A converted model's commonest call as one native call with only the checks it needs, or
         None (the general path then runs, and raises what it must). The call: a float32 CPU tensor
         [T >= 1, N, input_size], time-major, h0 None or a float32 CPU tensor [num_layers, N,
-        hidden_size], one direction, the cpu backend (loaded, not forced elsewhere), nothing
-        tracing or compiling; for it these are all of _check_input's checks, and then it calls
-        native.cpu_stack_forward, as the general path does. It skips Python checks and dispatch
-        that a streaming call (one step of a batch of one) otherwise pays: a tiny layer's call (I =
-        H = 8) took 16 us this way and 31 us by the general path on an AVX2 AMD EPYC (2026-11-27)."""
-        # (the cheapest form of each check: is_cpu, not device.type, ~1 us each of three; the
-        # bidirectional flag, not the num_directions property)
-        # torch.compile / torch.export first: Dynamo cannot trace is_neg() below (fullgraph=True
-        # failed on it with "torch.* op returned non-Tensor"); compiled, the custom operator runs
-        if (torch.compiler.is_compiling() or type(input) is not torch.Tensor or input.dtype is not torch.float32
-                or not input.is_cpu or self.batch_first or self.bidirectional or self._qat is not None
-                or self._calibrating):
-            return None
-        shape = input.shape
-        if len(shape) != 3 or shape[2] != self.input_size or shape[0] == 0 or input.is_neg():
-            return None
-        if hx is not None and (type(hx) is not torch.Tensor or hx.dtype is not torch.float32 or not hx.is_cpu
-                               or hx.shape != (self.num_layers, shape[1], self.hidden_size) or hx.is_neg()):
+        hidden_size], neither a negative view, one direction, the cpu backend (loaded, not forced
+        elsewhere), nothing tracing or compiling; for it these are all of _check_input's checks.
+        The module's state is checked here; the tensors' dtype, shapes and views by the native
+        Stack's ``call`` (native.cpu_stack_call), which returns None where they are not that form.
+        It skips Python checks and dispatch that a streaming call (one step of a batch of one)
+        otherwise pays: a tiny layer's call (I = H = 8) took 16 us this way and 31 us by the general
+        path on an AVX2 AMD EPYC (2026-11-27); the tensor checks in C++ and the plan read from its
+        cache entry took another ~2.5 us off an I = 256, H = 512 step (AMD EPYC Zen 4, 2026-11-28)."""
+        # (the cheapest form of each check: is_cpu, not device.type; the bidirectional flag, not
+        # the num_directions property; type() is, which also keeps a PackedSequence and tensor
+        # subclasses away from the native call)
+        # torch.compile / torch.export first: Dynamo cannot trace is_neg() (fullgraph=True failed on
+        # it with "torch.* op returned non-Tensor"); compiled, the custom operator runs
+        if (torch.compiler.is_compiling() or type(input) is not torch.Tensor or not input.is_cpu or self.batch_first
+                or self.bidirectional or self._qat is not None or self._calibrating
+                or (hx is not None and type(hx) is not torch.Tensor)):
             return None
         params = self._qparams_on.get("cpu")
-        if (params is None or forced_backend_name() not in (None, "cpu") or torch.jit.is_tracing()
+        if (params is None or forced_backend_name() not in (None, "cpu") or _is_tracing()
                 or not self._flat_weights[0].is_cpu):
             return None
         # the cpu backend as current_backend decides it (an unavailable one: the general path falls
         # back to reference and warns, or raises where cpu is forced)
         if native.why_unavailable("cpu"):
             return None
-        if hx is None:
-            hx = input.new_zeros(self.num_layers, shape[1], self.hidden_size)
-        # None where the one-call form does not apply; x and hx were checked: no negative views
-        return native.cpu_stack_forward(params, input, hx, resolve=False)
+        # None where x or hx is not of the form above, or the one-call form does not apply
+        return native.cpu_stack_call(params, input, hx)
 
     def _cuda_one_call(self, input, hx):
         """_cpu_one_call's counterpart on the GPU (a streaming call's lean entry): a float32 CUDA

@@ -2087,6 +2087,78 @@ def test_stack_refuses_operands_of_other_shapes(cpu_backend):
     _assert_same(plan.forward(x, h0), want)
 
 
+def test_stack_call_takes_its_form_and_returns_none_for_the_rest(cpu_backend):
+    """Stack.call (the module's one-call entry, native.cpu_stack_call) checks x and h0 itself: for
+    a float32 CPU x [T >= 1, N, I] and h0 None or float32 [L, N, H], neither a negative view, it
+    gives forward's floats (h0 None: zeros); for anything else it returns None (the module's
+    general path then runs and raises), reading nothing."""
+    m = _converted(_cfg("w8a8"), 7, 12, 2, False, False, 0)
+    _forget_native(m)
+    params = m._qparams_on["cpu"]
+    plan = native.cpu_stack_plan(params, native.cpu_isa_request())
+    x, h0 = torch.randn(4, 3, 7), torch.randn(2, 3, 12)
+    _assert_same(plan.call(x, h0), plan.forward(x, h0))
+    _assert_same(plan.call(x, None), plan.forward(x, torch.zeros(2, 3, 12)))
+    _assert_same(plan.call(x), plan.forward(x, torch.zeros(2, 3, 12)))
+    _assert_same(native.cpu_stack_call(params, x, h0), plan.forward(x, h0))
+    # strided views that are not negative ones are taken (the Stack makes them contiguous)
+    xt = torch.randn(3, 4, 7).transpose(0, 1)
+    _assert_same(plan.call(xt, h0), plan.forward(xt.contiguous(), h0))
+    refused = {
+        "x float64": (x.double(), h0), "x int32": (x.to(torch.int32), h0), "x 2-D": (x[0], h0),
+        "x 4-D": (x.unsqueeze(0), h0), "x T=0": (x[:0], h0), "x other I": (torch.randn(4, 3, 8), h0),
+        "x negative view": (torch._neg_view(x), h0), "x sparse": (x.to_sparse(), h0), "x meta": (x.to("meta"), h0),
+        "h0 float64": (x, h0.double()), "h0 2-D": (x, h0[0]), "h0 other L": (x, torch.randn(1, 3, 12)),
+        "h0 other N": (x, torch.randn(2, 2, 12)), "h0 other H": (x, torch.randn(2, 3, 13)),
+        "h0 negative view": (x, torch._neg_view(h0)), "h0 meta": (x, h0.to("meta")),
+    }
+    for what, (bx, bh) in refused.items():
+        assert plan.call(bx, bh) is None, what
+        assert native.cpu_stack_call(params, bx, bh) is None, what
+    # forward itself (no T >= 1 test): no steps, h_n is h0 on its grid and back
+    out, h_n = plan.forward(x[:0], h0)
+    assert out.shape == (0, 3, 12) and h_n.shape == h0.shape and bool(torch.isfinite(h_n).all())
+
+
+def test_stack_scratch_buffers_across_shapes_and_threads(cpu_backend):
+    """The Stack quantizes into, and its layers write to, each calling thread's scratch buffers,
+    kept from call to call (grown when a call needs more): calls that grow and shrink them (T and
+    N up and down, 1 and 3 layers, x levels or not), and two threads calling one model at once,
+    all equal the reference backend bit for bit."""
+    gen = torch.Generator().manual_seed(23)
+    for layers, cfg in ((1, _cfg("w8a8")), (3, _cfg("w8a16")),
+                        (2, _cfg("w8a8", tensors={"x": {"dynamic": True}}))):
+        m = _converted(cfg, 7, 12, layers, False, False, 0)
+        _forget_native(m)
+        for T, N in ((1, 1), (9, 5), (1, 1), (2, 17), (30, 1), (1, 1), (3, 2)):
+            x, h0 = torch.randn(T, N, 7, generator=gen), torch.randn(layers, N, 12, generator=gen)
+            _assert_same(_run(m, "cpu", torch.device("cpu"), x, h0), _run(m, "reference", torch.device("cpu"), x, h0))
+    m = _converted(_cfg("w8a8"), 7, 12, 2, False, False, 0)
+    cases = [(torch.randn(T, N, 7, generator=gen), torch.randn(2, N, 12, generator=gen))
+             for T, N in ((1, 1), (6, 3), (1, 1), (11, 2), (1, 4)) * 4]
+    want = [_run(m, "reference", torch.device("cpu"), x, h) for x, h in cases]
+    got, errors = {}, []
+
+    def work(first):
+        try:
+            with qgru.backend("cpu"), torch.no_grad():
+                for i in range(first, len(cases), 2):
+                    for _ in range(3):
+                        got[i] = m(*cases[i])
+        except BaseException as e:  # re-raised in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for i, w in enumerate(want):
+        _assert_same(got[i], w)
+
+
 def _layer_maps(cfg: str = "w8a8", I: int = 7, H: int = 12, act16: bool = False):
     """A converted one-layer model, its LayerParams and the C++ Layer's maps for it."""
     m = _converted(_cfg(cfg), I, H)

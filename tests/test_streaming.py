@@ -181,7 +181,8 @@ def test_one_call_path_taken_and_equal_to_general(monkeypatch, config, mode, lay
 
 
 @pytest.mark.parametrize("case", ["batch_first", "float64", "unbatched", "packed", "T0", "bad_I", "bad_h0",
-                                  "h0_float64", "neg_view", "reference", "bidirectional"])
+                                  "h0_float64", "neg_view", "reference", "bidirectional", "h0_neg_view",
+                                  "h0_layers", "h0_batch", "sparse", "h0_subclass"])
 def test_one_call_path_leaves_other_calls_to_the_general_path(monkeypatch, case):
     """Every call outside the fast path's form reaches the general path (which checks it, and
     raises nn.GRU's errors where it must): the fast path never accepts what it does not check."""
@@ -201,6 +202,9 @@ def test_one_call_path_leaves_other_calls_to_the_general_path(monkeypatch, case)
         "T0": (x[:0], h, None), "bad_I": (x[..., :-1], h, None), "bad_h0": (x, h[:, :-1], None),
         "h0_float64": (x, h.double(), None), "neg_view": (torch._neg_view(x), h, None),
         "reference": (x, h, "reference"), "bidirectional": (x, h, None),
+        "h0_neg_view": (x, torch._neg_view(h), None), "h0_layers": (x, torch.zeros(2, N, H), None),
+        "h0_batch": (x, h[:, :-1], None), "sparse": (x.to_sparse(), h, None),
+        "h0_subclass": (x, torch.nn.Parameter(h), None),
     }[case]
     seen = []
 
@@ -265,3 +269,42 @@ def test_x_levels_one_call_stack_streams_like_reference(monkeypatch, config, mod
                     outs.append(out)
             assert torch.equal(torch.cat(outs), want), (n, chunk)
             assert torch.equal(h, h_want), (n, chunk)
+
+
+# ---------------------------------------------------------------------------------------------
+# A one-step call's threads (csrc/cpu/qgru_cpu.cpp fused_steps: one per task, and one per
+# kMinStepMacs of a step's multiply-adds): results never depend on the thread count
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("config", ["w8a8", "w8a16"])
+@pytest.mark.parametrize("size", [(16, 160), (8, 256), (64, 256), (256, 512)])
+def test_one_step_calls_equal_reference_on_one_and_two_threads(monkeypatch, config, size):
+    """Shapes of one and two fused tasks below and above the thread threshold (84K, 203K, 246K
+    and 1.2M multiply-adds a step): T = 1 calls carrying h at batch 1 and 3, and a chunk of 9
+    steps, on 1 and 2 torch threads, equal the reference backend bit for bit."""
+    if not _cpu_available():
+        pytest.skip(f"cpu backend unavailable: {qgru.backends()['cpu']['why']}")
+    i_size, h_size = size
+    torch.manual_seed(3)
+    m = qgru.QuantGRU(i_size, h_size, config=config)
+    qgru.calibrate(m, [torch.randn(12, 4, i_size) for _ in range(2)], progress=False)
+    m.convert()
+    gen = torch.Generator().manual_seed(5)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for n in (1, 3):
+                xs, h0 = torch.randn(9, n, i_size, generator=gen), 0.5 * torch.randn(1, n, h_size, generator=gen)
+                with qgru.backend("reference"):
+                    want, h_want = m(xs, h0)
+                with monkeypatch.context() as mp:
+                    _refuse_general(mp)
+                    outs, h = [], h0
+                    for t in range(xs.shape[0]):
+                        out, h = m(xs[t:t + 1], h)
+                        outs.append(out)
+                    whole, h_whole = m(xs, h0)
+                assert torch.equal(torch.cat(outs), want) and torch.equal(h, h_want), (threads, n)
+                assert torch.equal(whole, want) and torch.equal(h_whole, h_want), (threads, n)
+    finally:
+        torch.set_num_threads(before)

@@ -62,7 +62,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<const std::vector<std::shared_ptr<qgru::cpu_api::Layer>>&, std::vector<std::vector<double>>,
                           const std::vector<std::vector<double>>&>(),
            pybind11::arg("layers"), pybind11::arg("values"), pybind11::arg("levels") = std::vector<std::vector<double>>())
-      .def("forward", &qgru::cpu_api::Stack::forward, pybind11::arg("x"), pybind11::arg("h0"), release_gil());
+      .def("forward", &qgru::cpu_api::Stack::forward, pybind11::arg("x"), pybind11::arg("h0"), release_gil())
+      .def("call", &qgru::cpu_api::Stack::call,
+           "forward where x is a float32 CPU tensor [T >= 1, N, I] and h0 None (zeros) or one [L, N, H], neither a "
+           "negative view; else None", pybind11::arg("x"), pybind11::arg("h0") = pybind11::none(), release_gil());
   pybind11::class_<qgru::cpu_api::Layer, std::shared_ptr<qgru::cpu_api::Layer>>(m, "Layer")
       .def(pybind11::init<qgru::TensorMap, qgru::IntMap, const std::string&>(), pybind11::arg("tensors"),
            pybind11::arg("values"), pybind11::arg("isa") = "auto")

@@ -63,6 +63,9 @@ class Stack {
   Stack(const std::vector<std::shared_ptr<Layer>>& layers, std::vector<std::vector<double>> values,
         const std::vector<std::vector<double>>& levels);
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& h0) const;
+  // forward where x and h0 (none: zeros) are float32 CPU tensors of this stack's shapes, without
+  // negative views; else nullopt
+  c10::optional<std::tuple<at::Tensor, at::Tensor>> call(const at::Tensor& x, const c10::optional<at::Tensor>& h0) const;
   struct Impl;
   std::shared_ptr<Impl> impl;
 };

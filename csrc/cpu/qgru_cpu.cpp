@@ -23,6 +23,8 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <new>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -66,6 +68,24 @@ struct StepCounters {
 struct TaskSlot {
   alignas(64) std::atomic<int64_t> next{0};
   int64_t end = 0;
+};
+
+// An array of T that grows when asked for more and is otherwise kept (its elements are set by the
+// caller on every use): per-call bookkeeping that a streaming step would else allocate each call.
+template <typename T>
+class Reused {
+ public:
+  T* get(int64_t n) {
+    if (n > cap_) {
+      data_.reset(new T[n]);
+      cap_ = n;
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<T[]> data_;
+  int64_t cap_ = 0;
 };
 
 // fork(): GNU OpenMP's thread pool (at::parallel_for's, on this torch) does not survive it. A
@@ -284,13 +304,22 @@ struct Gemm {
   // cell (R.h), src holds states, written as their R.h operand (gemm_operand).
   void to_act(const int32_t* src, int64_t rows, int64_t K_real, std::vector<at::Tensor>& limbs,
               const CellParams* cell = nullptr, int pow2 = 0, int acc32 = 0) const {
-    std::vector<void*> dst;
-    for (auto& l : limbs) dst.push_back(l.data_ptr());
+    void* dst[2] = {nullptr, nullptr};  // one limb per activation byte (n_act <= 2): no heap block per call
+    QGRU_CHECK(limbs.size() <= 2, "qgru cpu: at most two activation limbs");
+    for (size_t i = 0; i < limbs.size(); ++i) dst[i] = limbs[i].data_ptr();
     parallel_for(0, rows, std::max<int64_t>(16, kMinParallelWork * 8 / std::max<int64_t>(K_real, 1)),
                      [&](int64_t r0, int64_t r1) {
-      k->to_act(cpu::ToActArgs{src, r0, r1, K_real, lda, bits, n_act, direct, dst.data(), cell, pow2, acc32});
+      k->to_act(cpu::ToActArgs{src, r0, r1, K_real, lda, bits, n_act, direct, dst, cell, pow2, acc32});
     });
   }
+};
+
+// Where run_into also writes the final state as floats (primitives.dequantize on the state's
+// grid): [N, H] at `out`, or nowhere (out nullptr).
+struct StateFloats {
+  float* out = nullptr;
+  double scale = 1.0;
+  double zp = 0.0;
 };
 
 class CpuLayer {
@@ -414,14 +443,34 @@ class CpuLayer {
   // [0, levels), else undefined. (stack_forward quantizes h0 straight into such a state.)
   std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& qx, at::Tensor state, const at::Tensor& lengths,
                                          const at::Tensor& level = at::Tensor()) {
-    if (qx.size(0) == 1 && qx.size(1) == 1)
-      if (std::shared_ptr<CpuLayer> other = one_row_layer()) return other->run(qx, std::move(state), lengths, level);
     const int64_t T = qx.size(0), N = qx.size(1);
-    std::lock_guard<std::mutex> lock(mu_);  // the workspace and out_ are shared by calls on this layer
-    at::Tensor out = reuse_or_empty(out_, {T, N, H_});
-    if (T == 0 || N == 0) return {out, state};
-    const int64_t* len = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
-    const int32_t* lev = level.defined() ? level.data_ptr<int32_t>() : nullptr;  // token (t, n) at t N + n
+    if (T == 1 && N == 1)
+      if (std::shared_ptr<CpuLayer> other = one_row_layer()) return other->run(qx, std::move(state), lengths, level);
+    // the output is handed to the caller: reused only once the caller has let go of it
+    at::Tensor out;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      out = reuse_or_empty(out_, {T, N, H_});
+    }
+    run_into(qx.data_ptr<int32_t>(), T, N, state.data_ptr<int32_t>(),
+             lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr,
+             level.defined() ? level.data_ptr<int32_t>() : nullptr, out.data_ptr<int32_t>());
+    return {out, state};
+  }
+
+  // run on raw operands (stack_forward's, in its calling thread's scratch buffers: no tensor made
+  // or aliased per call, which a streaming step would pay for): qx [T, N, I], state [N, H] (the
+  // initial state, updated in place), len [N] or nullptr, lev [T, N] or nullptr, out [T, N, H]
+  // written; none of them used after the call returns. floats: where the final state's floats
+  // go (the fused path writes them in its last step's tasks, while they are in cache and on
+  // every thread, not in a serial pass after the parallel region); true if they were written.
+  bool run_into(const int32_t* qx, int64_t T, int64_t N, int32_t* state, const int64_t* len, const int32_t* lev,
+                int32_t* out, StateFloats floats = StateFloats{}) {
+    if (T == 1 && N == 1)
+      if (std::shared_ptr<CpuLayer> other = one_row_layer())
+        return other->run_into(qx, T, N, state, len, lev, out, floats);
+    if (T == 0 || N == 0) return false;
+    std::lock_guard<std::mutex> lock(mu_);  // the workspace is shared by calls on this layer
     // W.x is computed for a chunk of steps at a time, right before those steps run: its buffers
     // stay small and warm in cache, and are reused across chunks and calls (fresh large buffers
     // cost page faults that measured as much as the arithmetic). The fused path computes W.x
@@ -434,23 +483,25 @@ class CpuLayer {
     const int64_t chunk_rows = wx_in_step ? kFusedChunkBytes / (wx_.lda * k_->act_bytes) : kInputChunkRows;
     const int64_t steps = std::max<int64_t>(1, std::min<int64_t>(T, chunk_rows / N));
     ensure_workspace(steps * N, N, !wx_in_step);
-    rh_.to_act(state.data_ptr<int32_t>(), N, H_, fused_ ? ws_.h_fused[0] : ws_.h_act, &cell_, pow2_, acc32_);
+    rh_.to_act(state, N, H_, fused_ ? ws_.h_fused[0] : ws_.h_act, &cell_, pow2_, acc32_);
     ws_.cur = 0;
     for (int64_t t0 = 0; t0 < T; t0 += steps) {
       const int64_t tc = std::min(steps, T - t0);
       if (wx_in_step) {
         const PhaseScope scope(kPhWx);
-        wx_.to_act(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N, I_, ws_.x_act);
+        wx_.to_act(qx + t0 * N * I_, tc * N, I_, ws_.x_act);
       } else {
-        input_chunk(qx.data_ptr<int32_t>() + t0 * N * I_, tc * N, lev != nullptr ? lev + t0 * N : nullptr);
+        input_chunk(qx + t0 * N * I_, tc * N, lev != nullptr ? lev + t0 * N : nullptr);
       }
       if (fused_) {
-        fused_steps(t0, tc, N, state.data_ptr<int32_t>(), out, len, wx_in_step, wx_in_step ? lev : nullptr);
+        // the final state's floats in the call's last step
+        fused_steps(t0, tc, N, state, out, len, wx_in_step, wx_in_step ? lev : nullptr,
+                    t0 + tc == T ? floats : StateFloats{});
       } else {
         recurrent_steps(t0, tc, N, state, out, len);
       }
     }
-    return {out, state};
+    return fused_ && floats.out != nullptr;
   }
 
  private:
@@ -501,6 +552,8 @@ class CpuLayer {
     std::vector<at::Tensor> x_act, Gx, h_act, Gh;
     std::vector<at::Tensor> h_fused[2];  // fused path: h as one activation limb, read by step t, written for t + 1
     int cur = 0;                         // which h_fused the next step reads
+    Reused<StepCounters> counters;       // fused_steps: per step of a chunk
+    Reused<TaskSlot> slots;              // fused_steps: per step and thread
     at::Tensor dwx;  // [rows, 3H] Wx - Z_Wx of the current chunk of steps
   };
 
@@ -545,8 +598,10 @@ class CpuLayer {
   // too (from x's activation rows of the chunk in ws_.x_act; else Wx - Z_Wx is read from
   // ws_.dwx), and then the cell on them while they are in L1.
   // level (xacc, a layer with x levels): every token's, at t N + n; else nullptr.
-  void fused_steps(int64_t t0, int64_t tc, int64_t N, int32_t* state, at::Tensor& out, const int64_t* lengths,
-                   bool xacc, const int32_t* level) {
+  // floats.out (not nullptr): step t0 + tc - 1's tasks also write their rows' and units' new state
+  // as floats there.
+  void fused_steps(int64_t t0, int64_t tc, int64_t N, int32_t* state, int32_t* out, const int64_t* lengths,
+                   bool xacc, const int32_t* level, StateFloats floats = StateFloats{}) {
     constexpr int64_t W = kTaskUnits, T16 = kTileRows;
     const int64_t H = H_, HB = ceil_div(H, W), RT = ceil_div(N, T16), G = k_->group, ab = k_->act_bytes;
     const int64_t lda = rh_.lda, ldx = wx_.lda;
@@ -569,13 +624,16 @@ class CpuLayer {
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>({n_tasks, (int64_t)at::get_num_threads(),
                                                                     step_macs / kMinStepMacs}));
     const int cur0 = ws_.cur;
-    std::vector<StepCounters> counters(tc);
-    std::vector<TaskSlot> slots(tc * threads);
-    for (int64_t t = 0; t < tc; ++t)
+    // kept in the workspace (a streaming step would otherwise make two aligned heap blocks per call)
+    StepCounters* counters = ws_.counters.get(tc);
+    TaskSlot* slots = ws_.slots.get(tc * threads);
+    for (int64_t t = 0; t < tc; ++t) {
+      counters[t].done.store(0, std::memory_order_relaxed);
       for (int64_t m = 0; m < threads; ++m) {
         slots[t * threads + m].next.store(m * n_tasks / threads, std::memory_order_relaxed);
         slots[t * threads + m].end = (m + 1) * n_tasks / threads;
       }
+    }
     const char* x_base = xacc ? static_cast<const char*>(ws_.x_act[0].data_ptr()) : nullptr;
     const bool prof = profiling();
     parallel_for(0, threads, 1, [&](int64_t home, int64_t) {
@@ -595,7 +653,7 @@ class CpuLayer {
         char* h_out = static_cast<char*>(ws_.h_fused[1 - cur][0].data_ptr());
         const char* x_t = xacc ? x_base + (t - t0) * N * ldx * ab : nullptr;
         const int32_t* dwx_t = xacc ? nullptr : ws_.dwx.data_ptr<int32_t>() + (t - t0) * N * 3 * H;
-        int32_t* out_t = out.data_ptr<int32_t>() + t * N * H;
+        int32_t* out_t = out + t * N * H;
         StepCounters& step = counters[t - t0];
         for (int64_t m = 0; m < threads; ++m) {
           TaskSlot& share = slots[(t - t0) * threads + (home + m) % threads];
@@ -616,11 +674,19 @@ class CpuLayer {
                                            h_out + n0 * lda * ab, lda, pow2_, acc32_, xacc, &acc_x32_,
                                            level != nullptr ? level + t * N + n0 : nullptr, level0_static_ ? 1 : 0,
                                            wide_ ? 1 : 0});
+            if (floats.out != nullptr && t == t0 + tc - 1)
+              for (int64_t r = 0; r < rows; ++r) {
+                const int32_t* sr = state + (n0 + r) * H + j0;
+                float* fr = floats.out + (n0 + r) * H + j0;
+                for (int64_t c = 0; c < nj; ++c) fr[c] = dequantize_value(sr[c], floats.scale, floats.zp);
+              }
             lap(ns_cell);
             step.done.fetch_add(1, std::memory_order_release);  // publishes this task's h_out, state, out
           }
         }
-        step.wait_all(n_tasks);
+        // (after the region's last step its end, a barrier, is the wait: nothing reads this step's
+        // h_out, state or out before the region returns)
+        if (t + 1 < t0 + tc) step.wait_all(n_tasks);
       }
       if (prof) {
         lap(ns_wait);
@@ -649,10 +715,9 @@ class CpuLayer {
 
   // Steps t0 .. t0 + tc - 1, reading their Wx from ws_.dwx (seed 001 step 3): per step the R.h
   // GEMMs, then the cell pass, which also writes the next step's h limbs.
-  void recurrent_steps(int64_t t0, int64_t tc, int64_t N, at::Tensor& state, at::Tensor& out, const int64_t* lengths) {
+  void recurrent_steps(int64_t t0, int64_t tc, int64_t N, int32_t* s, int32_t* out, const int64_t* lengths) {
     std::vector<void*> limb_ptrs;
     for (auto& l : ws_.h_act) limb_ptrs.push_back(l.data_ptr());
-    int32_t* s = state.data_ptr<int32_t>();
     // at least kMinParallelWork elements per thread: below that a fork/join costs more than it saves
     const int64_t grain = std::max<int64_t>(1, kMinParallelWork / H_);
     for (int64_t t = t0; t < t0 + tc; ++t) {
@@ -661,7 +726,7 @@ class CpuLayer {
       if (tr >= 0) add_phase(kPhRh, now_ns() - tr);
       PhaseScope cell_scope(kPhCell);
       const int32_t* dwx_t = ws_.dwx.data_ptr<int32_t>() + (t - t0) * N * 3 * H_;
-      int32_t* out_t = out.data_ptr<int32_t>() + t * N * H_;
+      int32_t* out_t = out + t * N * H_;
       parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
         k_->cell_rows(cpu::CellRowsArgs{&cell_, &lp, dwx_t, s, out_t, limb_ptrs.data(), rh_.n_act, h_bits_,
                                         rh_.direct, rh_.lda, n0, n1, lengths, t, (int)rh_.P, pow2_, acc32_});
@@ -751,6 +816,31 @@ at::Tensor reuse_slot(at::Tensor (&cache)[kQuantizeBuffers], at::IntArrayRef siz
   return reuse_or_empty(*slot, sizes);
 }
 
+// A calling thread's int32 scratch buffer (thread_local, never handed out): grown when asked for
+// more, else kept; 64-byte aligned.
+class Scratch32 {
+ public:
+  int32_t* get(int64_t n) {
+    if (n > cap_) {
+      const int64_t cap = round_up(std::max<int64_t>(n, 16), 16);
+      int32_t* p = static_cast<int32_t*>(std::aligned_alloc(64, (size_t)cap * sizeof(int32_t)));
+      if (p == nullptr) throw std::bad_alloc();
+      std::free(p_);
+      p_ = p;
+      cap_ = cap;
+    }
+    return p_;
+  }
+  Scratch32() = default;
+  Scratch32(const Scratch32&) = delete;
+  Scratch32& operator=(const Scratch32&) = delete;
+  ~Scratch32() { std::free(p_); }
+
+ private:
+  int32_t* p_ = nullptr;
+  int64_t cap_ = 0;
+};
+
 // float -> int32 on (scale, zp, bits), into a buffer reused per calling thread.
 at::Tensor quantize(const at::Tensor& x_in, double scale, int64_t zp, int64_t bits, const char* what,
                     const Kernels* k) {
@@ -782,6 +872,19 @@ bool quantize_levels_loop(const Kernels* k, const scalar_t* x, int32_t* q, int32
   return !nan;
 }
 
+// xc (float_contiguous, [..., I], I >= 1) -> q [..., I] and each token's level [...] (int32, the
+// caller's memory): each token on its own x level; NaN is an error (it has no quantized value).
+void quantize_levels_into(const at::Tensor& xc, const XLevelGrid& g, int64_t zp, int64_t bits, const char* what,
+                          const Kernels* k, int32_t* q, int32_t* level) {
+  const int64_t I = xc.size(-1), tokens = xc.numel() / I;
+  const Range r = signed_range((int32_t)bits);
+  const bool ok = xc.scalar_type() == at::kDouble
+                      ? quantize_levels_loop(k, xc.data_ptr<double>(), q, level, tokens, I, g, zp, r)
+                      : quantize_levels_loop(k, xc.data_ptr<float>(), q, level, tokens, I, g, zp, r);
+  QGRU_CHECK_VALUE(ok, "QuantGRU ", what, " contains NaN, which has no quantized value ",
+                    "(out-of-range and infinite values saturate)");
+}
+
 // float x [..., I] -> (q int32 [..., I], level int32 [...]): each token on its own x level; NaN is
 // an error (it has no quantized value).
 std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x_in, const XLevelGrid& g, int64_t zp,
@@ -790,19 +893,11 @@ std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x_in, const
   QGRU_CHECK(x_in.dim() >= 1 && x_in.size(-1) >= 1, "qgru cpu quantize_levels: ", what,
               " must have at least one value per token (its last axis)");
   const at::Tensor x = float_contiguous(x_in, what);
-  const int64_t I = x.size(-1), tokens = x.numel() / I;
   // per calling thread, reused once dropped (as quantize's: a streaming call's allocations count)
   thread_local at::Tensor q_cache[kQuantizeBuffers], level_cache[kQuantizeBuffers];
   at::Tensor q = reuse_slot(q_cache, x.sizes());
   at::Tensor level = reuse_slot(level_cache, x.sizes().slice(0, x.dim() - 1));
-  const Range r = signed_range((int32_t)bits);
-  const bool ok = x.scalar_type() == at::kDouble
-                      ? quantize_levels_loop(k, x.data_ptr<double>(), q.data_ptr<int32_t>(), level.data_ptr<int32_t>(),
-                                             tokens, I, g, zp, r)
-                      : quantize_levels_loop(k, x.data_ptr<float>(), q.data_ptr<int32_t>(), level.data_ptr<int32_t>(),
-                                             tokens, I, g, zp, r);
-  QGRU_CHECK_VALUE(ok, "QuantGRU ", what, " contains NaN, which has no quantized value ",
-                    "(out-of-range and infinite values saturate)");
+  quantize_levels_into(x, g, zp, bits, what, k, q.data_ptr<int32_t>(), level.data_ptr<int32_t>());
   return {q, level};
 }
 
@@ -825,6 +920,16 @@ at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
   return out;
 }
 
+// golden.requantize_input on src[0, n) into dst (checked arguments).
+void requantize_into(const int32_t* src, int64_t n, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
+                     int64_t to_bits, int32_t* dst) {
+  const Range r = signed_range((int32_t)to_bits);
+  parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dst[i] = (int32_t)saturate(rounding_mul_shift((int64_t)src[i] - from_zp, mult,
+                                                                                  (int32_t)shift) + to_zp, r);
+  });
+}
+
 // golden.requantize_input: sat(rescale(q - from_zp) + to_zp, to_bits), per-tensor factor.
 at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
                       int64_t to_bits) {
@@ -833,13 +938,7 @@ at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int
   QGRU_CHECK(!q_in.is_floating_point(), "qgru cpu requantize: an integer tensor expected");
   const at::Tensor q = int32_contiguous(q_in);
   at::Tensor out = at::empty(q.sizes(), q.options());
-  const int32_t* src = q.data_ptr<int32_t>();
-  int32_t* dst = out.data_ptr<int32_t>();
-  const Range r = signed_range((int32_t)to_bits);
-  parallel_for(0, q.numel(), 4096, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) dst[i] = (int32_t)saturate(rounding_mul_shift((int64_t)src[i] - from_zp, mult,
-                                                                                  (int32_t)shift) + to_zp, r);
-  });
+  requantize_into(q.data_ptr<int32_t>(), q.numel(), from_zp, mult, shift, to_zp, to_bits, out.data_ptr<int32_t>());
   return out;
 }
 
@@ -866,33 +965,55 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<std::shared_p
   const Kernels* k = layers[0]->kernels();
   const PhaseScope whole(kPhStack);
   if (profiling()) g_profile_calls.fetch_add(1, std::memory_order_relaxed);
-  at::Tensor qx, level;
+  const int64_t T = x.size(0), I = x.size(2);
+  // the quantized input, each layer's state and output: the calling thread's scratch buffers,
+  // kept from call to call (none leaves this function; a tensor made or aliased per call costs a
+  // streaming step ~0.3 us each)
+  thread_local Scratch32 s_qx, s_level, s_state, s_out;
   int64_t tq = profiling() ? now_ns() : -1;
-  if (levels.count > 0)
-    std::tie(qx, level) = quantize_levels(x, levels, (int64_t)q[0][1], (int64_t)q[0][2], "input", k);
-  else
-    qx = quantize(x, q[0][0], (int64_t)q[0][1], (int64_t)q[0][2], "input", k);
+  const at::Tensor xc = float_contiguous(x, "input");
+  int32_t* qx = s_qx.get(T * N * std::max(I, H));  // layer 0's input, then each later layer's
+  int32_t* level = nullptr;
+  if (levels.count > 0) {
+    for (int j = 0; j < levels.count; ++j)
+      check_quantize_args("qgru cpu quantize_levels", levels.scale[j], (int64_t)q[0][1], (int64_t)q[0][2]);
+    QGRU_CHECK(I >= 1, "qgru cpu quantize_levels: input must have at least one value per token (its last axis)");
+    level = s_level.get(T * N);
+    quantize_levels_into(xc, levels, (int64_t)q[0][1], (int64_t)q[0][2], "input", k, qx, level);
+  } else {
+    quantize_into(xc, 0, T * N * I, q[0][0], (int64_t)q[0][1], (int64_t)q[0][2], "input", k, qx);
+  }
   // h0 is read and h_n written in place, layer by layer (no per-layer views of them)
   const at::Tensor h0c = float_contiguous(h0, "h0");
   at::Tensor h_n = at::empty({L, N, H}, at::TensorOptions().dtype(at::kFloat));
-  at::Tensor out;
+  int32_t* out = s_out.get(T * N * H);
+  int32_t* state = s_state.get(N * H);  // each layer's own, updated
   for (int64_t l = 0; l < L; ++l) {
     if (l > 0) {
       tq = profiling() ? now_ns() : -1;
-      qx = requantize(out, (int64_t)q[l - 1][4], (int64_t)q[l][6], (int64_t)q[l][7], (int64_t)q[l][1], (int64_t)q[l][2]);
+      check_requantize_args("qgru cpu requantize", (int64_t)q[l - 1][4], (int64_t)q[l][6], (int64_t)q[l][7],
+                            (int64_t)q[l][1], (int64_t)q[l][2]);
+      requantize_into(out, T * N * H, (int64_t)q[l - 1][4], (int64_t)q[l][6], (int64_t)q[l][7], (int64_t)q[l][1],
+                      (int64_t)q[l][2], qx);
     }
-    at::Tensor state = at::empty({N, H}, at::TensorOptions().dtype(at::kInt));  // the layer's own, updated
-    quantize_into(h0c, l * N * H, N * H, q[l][3], (int64_t)q[l][4], (int64_t)q[l][5], "h0", k,
-                  state.data_ptr<int32_t>());
+    quantize_into(h0c, l * N * H, N * H, q[l][3], (int64_t)q[l][4], (int64_t)q[l][5], "h0", k, state);
     if (tq >= 0) add_phase(kPhQuantize, now_ns() - tq);
-    auto res = layers[l]->run(qx, std::move(state), at::Tensor(), l == 0 ? level : at::Tensor());
-    out = std::get<0>(res);
-    const PhaseScope deq(kPhDequantize);
-    dequantize_into(std::get<1>(res).data_ptr<int32_t>(), N * H, q[l][3], (int64_t)q[l][4],
-                    h_n.data_ptr<float>() + l * N * H);
+    float* h_l = h_n.data_ptr<float>() + l * N * H;
+    // the fused path writes h_n's floats in its last step's tasks; else one pass here
+    if (!layers[l]->run_into(qx, T, N, state, nullptr, l == 0 ? level : nullptr, out,
+                             StateFloats{h_l, q[l][3], (double)(int64_t)q[l][4]})) {
+      const PhaseScope deq(kPhDequantize);
+      dequantize_into(state, N * H, q[l][3], (int64_t)q[l][4], h_l);
+    }
   }
   const PhaseScope deq(kPhDequantize);
-  return {dequantize(out, q[L - 1][3], (int64_t)q[L - 1][4]), h_n};
+  at::Tensor y = at::empty({T, N, H}, at::TensorOptions().dtype(at::kFloat));
+  if (T > 0) {
+    // the last step's output is the last layer's final state (no padding here): h_n's floats
+    dequantize_into(out, (T - 1) * N * H, q[L - 1][3], (int64_t)q[L - 1][4], y.data_ptr<float>());
+    std::copy_n(h_n.data_ptr<float>() + (L - 1) * N * H, N * H, y.data_ptr<float>() + (T - 1) * N * H);
+  }
+  return {y, h_n};
 }
 
 // A stack's Layers and per-layer values, held for its one call per forward: a streaming call
@@ -913,6 +1034,23 @@ class Stack {
   }
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& h0) const {
     return stack_forward(layers_, x, h0, q_, levels_);
+  }
+
+  // The module's one-call entry (qgru/module.py _cpu_one_call): forward where x and h0 are what it
+  // takes, else nullopt (the general path then runs, and raises what it must): x a float32 strided
+  // CPU tensor [T >= 1, N, I] that is not a negative view; h0 none (zeros) or the same [L, N, H].
+  // These checks were the Python entry's; here they cost nanoseconds, not ~1.5 us a streaming call.
+  c10::optional<std::tuple<at::Tensor, at::Tensor>> call(const at::Tensor& x, const c10::optional<at::Tensor>& h0) const {
+    const int64_t L = (int64_t)layers_.size(), H = layers_[0]->hidden_size();
+    const auto takes = [](const at::Tensor& t) {
+      return t.defined() && t.scalar_type() == at::kFloat && t.layout() == at::kStrided && t.device().is_cpu() &&
+             t.dim() == 3 && !t.is_neg();
+    };
+    if (!takes(x) || x.size(0) == 0 || x.size(2) != layers_[0]->input_size()) return c10::nullopt;
+    const int64_t N = x.size(1);
+    if (!h0.has_value()) return stack_forward(layers_, x, at::zeros({L, N, H}, x.options()), q_, levels_);
+    if (!takes(*h0) || h0->size(0) != L || h0->size(1) != N || h0->size(2) != H) return c10::nullopt;
+    return stack_forward(layers_, x, *h0, q_, levels_);
   }
 
  private:
@@ -1065,6 +1203,10 @@ Stack::Stack(const std::vector<std::shared_ptr<Layer>>& layers, std::vector<std:
     : impl(std::make_shared<Impl>(Impl{qgru::Stack(cpu_layers(layers), std::move(values), levels)})) {}
 std::tuple<at::Tensor, at::Tensor> Stack::forward(const at::Tensor& x, const at::Tensor& h0) const {
   return impl->stack.forward(x, h0);
+}
+c10::optional<std::tuple<at::Tensor, at::Tensor>> Stack::call(const at::Tensor& x,
+                                                               const c10::optional<at::Tensor>& h0) const {
+  return impl->stack.call(x, h0);
 }
 
 }  // namespace cpu_api

@@ -99,6 +99,25 @@ def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torc
     return plan.forward(resolved(x), resolved(hx)) if resolve else plan.forward(x, hx)
 
 
+def cpu_stack_call(params: List[List[LayerParams]], x: torch.Tensor, hx: Optional[torch.Tensor]):
+    """QuantGRU._cpu_one_call's native call: cpu_stack_forward where x is a float32 CPU tensor
+    [T >= 1, N, I] and hx None (zeros) or a float32 CPU tensor [L, N, H], neither a negative view;
+    else None, as where the one-call form does not apply (cpu_stack_plan). The native Stack's
+    ``call`` checks x and hx (nanoseconds, against ~1.5 us of Python checks per streaming call).
+
+    A one-layer stack's plan is read straight from its cache entry (cpu_stack_plan's key; a
+    fork's child has dropped that cache, build._after_fork_in_child): the lookup is most of a
+    streaming call's Python time after the checks."""
+    req = cpu_isa_request()
+    if len(params) == 1 and len(params[0]) == 1:
+        cache = params[0][0].__dict__.get("_native")
+        entry = None if cache is None else cache.get(("cpu-stack", req, 1))
+        plan = cpu_stack_plan(params, req) if entry is None else entry[1]
+    else:
+        plan = cpu_stack_plan(params, req)
+    return None if plan is None else plan.call(x, hx)
+
+
 def _cuda_layer(p: LayerParams, device: torch.device) -> "NativeLayer":
     """The CUDA NativeLayer of p on ``device`` (the one gru_direction makes and caches)."""
     cache = _native_cache(p)
