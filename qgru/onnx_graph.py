@@ -345,7 +345,6 @@ class _Layer:
         self.g, self.p, self.where, self.integer_gemm = g, p, where, integer_gemm
         self.H, self.I = p.hidden_size, p.input_size
         self.bounds = operand_bounds(p.bits, p.input_size, p.hidden_size)
-        self._doubled: Dict[str, str] = {}  # a uint8 activation's [a, a] (gemm)
 
     def form(self, what: str, m, s, vmax: int, normalize: bool = True) -> Form:
         f = Form(_np(m), _np(s), vmax, normalize)
@@ -360,21 +359,23 @@ class _Layer:
         return apply_rescale(self.g, v, self.form(name, r.multiplier, r.shift, vmax), **kw)
 
     # -- GEMM ---------------------------------------------------------------------------------
+    def doubled(self, u8: str) -> str:
+        """[a, a]: a uint8 GEMM activation a = q + 128, twice on its last axis (gemm's operand)."""
+        return self.g.op("Concat", [u8, u8], axis=-1)
+
     def gemm(self, q: str, q_bits: int, w: torch.Tensor, w_bits: int, u8: Optional[str] = None) -> str:
         """q [.., K] (float64 integers of q_bits bits) times w^T (w [C, K]) -> [.., C]: int32 from
         MatMulInteger when both have at most 8 bits ([a, a] . [w1; w2], a = q + 128 uint8 with zero
         point 128, w = w1 + w2 int8 halves of magnitude <= 64: see _SPLIT_WEIGHTS_WHY), else float64
-        (MatMul; every partial sum an integer below 2^47). ``u8``: the uint8 activation, when the
-        caller made it (its doubled form is made once per activation)."""
+        (MatMul; every partial sum an integer below 2^47). ``u8``: the doubled uint8 activation
+        [a, a] (``doubled``), when the caller made it (once for the three gates)."""
         g = self.g
         wt = _np(w).T.copy()
         if self.int8(q_bits, w_bits):
-            a = u8 if u8 is not None else g.cast(g.add(q, g.const(128.0)), 2)
-            if a not in self._doubled:
-                self._doubled[a] = g.op("Concat", [a, a], axis=-1)
+            a2 = u8 if u8 is not None else self.doubled(g.cast(g.add(q, g.const(128.0)), 2))
             w1 = np.clip(wt.astype(np.int64), -64, 64)
             w12 = np.concatenate([w1, wt.astype(np.int64) - w1]).astype(np.int8)
-            return g.op("MatMulInteger", [self._doubled[a], g.const(w12, np.int8, "w"),
+            return g.op("MatMulInteger", [a2, g.const(w12, np.int8, "w"),
                                           g.const(np.uint8(128), np.uint8)])
         return g.op("MatMul", [q, g.const(wt.astype(np.float64), np.float64, "w")])
 
@@ -440,7 +441,7 @@ class _Layer:
         g, p, H = self.g, self.p, self.H
         bx, bw = p.bits["x"], p.bits["W"]
         W = _np(p.W)
-        u8 = g.cast(g.add(qx, g.const(128.0)), 2) if self.int8(bx, bw) else None
+        u8 = self.doubled(g.cast(g.add(qx, g.const(128.0)), 2)) if self.int8(bx, bw) else None
         return [self.gemm(qx, bx, W[q * H:(q + 1) * H], bw, u8=u8) for q in range(3)]
 
     def input_term(self, q: int, prod: str, level: Optional[str]) -> str:
@@ -512,7 +513,7 @@ class _Layer:
             f = self.form("h_gemm", p.rescale["h_gemm"].multiplier, p.rescale["h_gemm"].shift, span_h)
             if self.int8(op_bits, b["R"]):
                 y = apply_rescale(g, d_h, f, add_const=float(zo + 128), add_bound=abs(zo) + 128, floor=False)
-                u8 = g.cast(g.clip(y, float(lo + 128), float(hi + 128)), 2)
+                u8 = self.doubled(g.cast(g.clip(y, float(lo + 128), float(hi + 128)), 2))
                 op = None
             else:
                 op = g.clip(apply_rescale(g, d_h, f, add_const=float(zo), add_bound=abs(zo)), lo, hi)
@@ -520,7 +521,7 @@ class _Layer:
             op_bits = b["h"]
             op = g.add(d_h, g.const(float(z_h)))
             if self.int8(op_bits, b["R"]):
-                u8 = g.cast(g.add(d_h, g.const(float(z_h + 128))), 2)
+                u8 = self.doubled(g.cast(g.add(d_h, g.const(float(z_h + 128))), 2))
         r = p.rescale["Rh"]
         bias = _np(p.b_h).astype(np.int64) - _np(p.R_zp_comp).astype(np.int64)
         d_rh = {}

@@ -908,6 +908,26 @@ def test_cuda_one_layer_two_streams(cuda_backend, monkeypatch, graph):
             _assert_golden(got, p, *c, what=f"call {i + 1} {shapes[i]} on stream {i % 2}")
 
 
+def _in_threads(work, args_list) -> None:
+    """work(*args) in one thread per args, all started before any is joined; the first exception
+    a thread raised is re-raised here, in the test's thread."""
+    errors = []
+
+    def run(*args):
+        try:
+            work(*args)
+        except BaseException as e:  # re-raised in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=args) for args in args_list]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 @pytest.mark.parametrize("graph", [True, False])
 def test_cuda_one_layer_two_threads(cuda_backend, monkeypatch, graph):
     """Two threads, each on a stream of its own, call one Layer: the same shape, then alternating
@@ -915,29 +935,20 @@ def test_cuda_one_layer_two_threads(cuda_backend, monkeypatch, graph):
     p = _converted(_cfg("w8a16"), 23, 37)._qparams[0][0]
     layer = _cuda_layer(p, graph, monkeypatch)
     same, alternating = _same_then_alternating((20, 8, True), (7, 2, False))
-    results, errors = [], []
+    results = []
 
     def work(seed, shapes):
-        try:
-            gen = torch.Generator().manual_seed(seed)
-            s = torch.cuda.Stream()
-            with torch.cuda.stream(s):
-                for T, N, L in shapes:
-                    c = _random_inputs(p, T, N, L, gen)
-                    dev = _on_cuda(*c)  # copied on s: ordered before the call
-                    torch.cuda._sleep(5_000_000)
-                    results.append((layer(*dev), c, f"thread {seed} {(T, N, L)}"))
-            s.synchronize()
-        except BaseException as e:  # re-raised in the test's thread
-            errors.append(e)
+        gen = torch.Generator().manual_seed(seed)
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            for T, N, L in shapes:
+                c = _random_inputs(p, T, N, L, gen)
+                dev = _on_cuda(*c)  # copied on s: ordered before the call
+                torch.cuda._sleep(5_000_000)
+                results.append((layer(*dev), c, f"thread {seed} {(T, N, L)}"))
+        s.synchronize()
 
-    threads = [threading.Thread(target=work, args=(1, same)), threading.Thread(target=work, args=(2, alternating))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    _in_threads(work, [(1, same), (2, alternating)])
     torch.cuda.synchronize()
     assert len(results) == len(same) + len(alternating)
     for got, c, what in results:
@@ -2137,24 +2148,15 @@ def test_stack_scratch_buffers_across_shapes_and_threads(cpu_backend):
     cases = [(torch.randn(T, N, 7, generator=gen), torch.randn(2, N, 12, generator=gen))
              for T, N in ((1, 1), (6, 3), (1, 1), (11, 2), (1, 4)) * 4]
     want = [_run(m, "reference", torch.device("cpu"), x, h) for x, h in cases]
-    got, errors = {}, []
+    got = {}
 
     def work(first):
-        try:
-            with qgru.backend("cpu"), torch.no_grad():
-                for i in range(first, len(cases), 2):
-                    for _ in range(3):
-                        got[i] = m(*cases[i])
-        except BaseException as e:  # re-raised in the test's thread
-            errors.append(e)
+        with qgru.backend("cpu"), torch.no_grad():
+            for i in range(first, len(cases), 2):
+                for _ in range(3):
+                    got[i] = m(*cases[i])
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    _in_threads(work, [(0,), (1,)])
     for i, w in enumerate(want):
         _assert_same(got[i], w)
 

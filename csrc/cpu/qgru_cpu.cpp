@@ -872,8 +872,16 @@ bool quantize_levels_loop(const Kernels* k, const scalar_t* x, int32_t* q, int32
   return !nan;
 }
 
-// xc (float_contiguous, [..., I], I >= 1) -> q [..., I] and each token's level [...] (int32, the
-// caller's memory): each token on its own x level; NaN is an error (it has no quantized value).
+// quantize_levels' argument checks: every level's grid, and x [..., I] with I >= 1.
+void check_levels_args(const at::Tensor& x, const XLevelGrid& g, int64_t zp, int64_t bits, const char* what) {
+  for (int j = 0; j < g.count; ++j) check_quantize_args("qgru cpu quantize_levels", g.scale[j], zp, bits);
+  QGRU_CHECK(x.dim() >= 1 && x.size(-1) >= 1, "qgru cpu quantize_levels: ", what,
+              " must have at least one value per token (its last axis)");
+}
+
+// xc (float_contiguous, [..., I], checked by check_levels_args) -> q [..., I] and each token's
+// level [...] (int32, the caller's memory): each token on its own x level; NaN is an error (it has
+// no quantized value).
 void quantize_levels_into(const at::Tensor& xc, const XLevelGrid& g, int64_t zp, int64_t bits, const char* what,
                           const Kernels* k, int32_t* q, int32_t* level) {
   const int64_t I = xc.size(-1), tokens = xc.numel() / I;
@@ -889,9 +897,7 @@ void quantize_levels_into(const at::Tensor& xc, const XLevelGrid& g, int64_t zp,
 // an error (it has no quantized value).
 std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x_in, const XLevelGrid& g, int64_t zp,
                                                    int64_t bits, const char* what, const Kernels* k) {
-  for (int j = 0; j < g.count; ++j) check_quantize_args("qgru cpu quantize_levels", g.scale[j], zp, bits);
-  QGRU_CHECK(x_in.dim() >= 1 && x_in.size(-1) >= 1, "qgru cpu quantize_levels: ", what,
-              " must have at least one value per token (its last axis)");
+  check_levels_args(x_in, g, zp, bits, what);
   const at::Tensor x = float_contiguous(x_in, what);
   // per calling thread, reused once dropped (as quantize's: a streaming call's allocations count)
   thread_local at::Tensor q_cache[kQuantizeBuffers], level_cache[kQuantizeBuffers];
@@ -920,7 +926,7 @@ at::Tensor dequantize(const at::Tensor& q_in, double scale, int64_t zp) {
   return out;
 }
 
-// golden.requantize_input on src[0, n) into dst (checked arguments).
+// golden.requantize_input on src[0, n) into dst (arguments checked by check_requantize_args).
 void requantize_into(const int32_t* src, int64_t n, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
                      int64_t to_bits, int32_t* dst) {
   const Range r = signed_range((int32_t)to_bits);
@@ -975,9 +981,7 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<std::shared_p
   int32_t* qx = s_qx.get(T * N * std::max(I, H));  // layer 0's input, then each later layer's
   int32_t* level = nullptr;
   if (levels.count > 0) {
-    for (int j = 0; j < levels.count; ++j)
-      check_quantize_args("qgru cpu quantize_levels", levels.scale[j], (int64_t)q[0][1], (int64_t)q[0][2]);
-    QGRU_CHECK(I >= 1, "qgru cpu quantize_levels: input must have at least one value per token (its last axis)");
+    check_levels_args(xc, levels, (int64_t)q[0][1], (int64_t)q[0][2], "input");
     level = s_level.get(T * N);
     quantize_levels_into(xc, levels, (int64_t)q[0][1], (int64_t)q[0][2], "input", k, qx, level);
   } else {

@@ -25,10 +25,27 @@ def cpu_stack_plan(params: List[List[LayerParams]], req: str):
     """The native Stack (the layers' native Layers and per-layer grid values) of a unidirectional
     stack on CPU path request ``req``, made once and cached beside the first layer's Layers; None
     where the one-call form does not apply (a bidirectional stack, or a per-channel requantization
-    between layers). Made outside inference mode (the Layers keep tensors)."""
-    return _stack_plan(params, ("cpu-stack", req, len(params)),
-                       lambda rows: load("cpu").Stack([_cpu_layer(p, req).layer for (p,) in params], rows,
-                                                      stack_levels(params)))
+    between layers). Made outside inference mode (the Layers keep tensors). A kept plan is read
+    first, before anything is made for a miss (a streaming call pays this lookup every step)."""
+    key = ("cpu-stack", req, len(params))
+    plan = _kept_plan(params, key)
+    if plan is not _NOT_KEPT:
+        return plan
+    return _stack_plan(params, key, lambda rows: load("cpu").Stack([_cpu_layer(p, req).layer for (p,) in params], rows,
+                                                                   stack_levels(params)))
+
+
+_NOT_KEPT = object()
+
+
+def _kept_plan(params: List[List[LayerParams]], key: Tuple):
+    """The plan _stack_plan keeps for ``key`` beside params' first layer, if it is this stack's
+    (None is a kept answer too: the one-call form does not apply); else _NOT_KEPT."""
+    cache = params[0][0].__dict__.get("_native") if len(params[0]) == 1 else None
+    entry = None if cache is None else cache.get(key)
+    if entry is not None and (len(params) == 1 or all(a is row[0] for a, row in zip(entry[0], params[1:]))):
+        return entry[1]
+    return _NOT_KEPT
 
 
 def _stack_plan(params: List[List[LayerParams]], key: Tuple, make: Callable[[List[List[float]]], object]):
@@ -43,10 +60,10 @@ def _stack_plan(params: List[List[LayerParams]], key: Tuple, make: Callable[[Lis
     layer but differs below it makes its own plan and replaces the kept one."""
     if len(params[0]) != 1:
         return None
+    plan = _kept_plan(params, key)
+    if plan is not _NOT_KEPT:
+        return plan
     cache = _native_cache(params[0][0])
-    entry = cache.get(key)
-    if entry is not None and (len(params) == 1 or all(a is row[0] for a, row in zip(entry[0], params[1:]))):
-        return entry[1]
     if any(len(row) != 1 for row in params):
         return None
     if torch.is_inference_mode_enabled():
@@ -103,18 +120,8 @@ def cpu_stack_call(params: List[List[LayerParams]], x: torch.Tensor, hx: Optiona
     """QuantGRU._cpu_one_call's native call: cpu_stack_forward where x is a float32 CPU tensor
     [T >= 1, N, I] and hx None (zeros) or a float32 CPU tensor [L, N, H], neither a negative view;
     else None, as where the one-call form does not apply (cpu_stack_plan). The native Stack's
-    ``call`` checks x and hx (nanoseconds, against ~1.5 us of Python checks per streaming call).
-
-    A one-layer stack's plan is read straight from its cache entry (cpu_stack_plan's key; a
-    fork's child has dropped that cache, build._after_fork_in_child): the lookup is most of a
-    streaming call's Python time after the checks."""
-    req = cpu_isa_request()
-    if len(params) == 1 and len(params[0]) == 1:
-        cache = params[0][0].__dict__.get("_native")
-        entry = None if cache is None else cache.get(("cpu-stack", req, 1))
-        plan = cpu_stack_plan(params, req) if entry is None else entry[1]
-    else:
-        plan = cpu_stack_plan(params, req)
+    ``call`` checks x and hx (nanoseconds, against ~1.5 us of Python checks per streaming call)."""
+    plan = cpu_stack_plan(params, cpu_isa_request())
     return None if plan is None else plan.call(x, hx)
 
 
