@@ -164,13 +164,13 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
     const int32_t* fields = cell32_channel<ACC32>(p, j0).at;  // channel j0 + c's at fields + c
     // W.x of gate q at channel j0 + c: a row without levels from the channel's blocked fields (ch), a
     // row of a layer with x levels (LV) from the flat arrays at its level (wl: wx32 at the row's level)
-    const auto d_wx = [&](auto lv, const AccRequant32& wl, Channel32 ch, int q, int64_t c, auto v) {
+    const auto d_wx = [&](auto lv, const AccRequant32& wl, Channel32 ch, int q, int64_t c, auto v) QGRU_INLINE {
       if constexpr (!XACC) return v;
       else if constexpr (decltype(lv)::value) return requant_acc32_flat<WIDE, POW2, decltype(v)>(wl, q * H + j0 + c, v);
       else return requant_acc32_at<WIDE, POW2, decltype(v)>(ch, kWxRequant, q, v, c32.wx_lo, c32.wx_hi);
     };
     // Rh - Z_Rh of gate q from its R.h accumulator
-    const auto d_rh = [&](Channel32 ch, int q, auto v) {
+    const auto d_rh = [&](Channel32 ch, int q, auto v) QGRU_INLINE {
       return requant_acc32_at<WIDE, POW2, decltype(v)>(ch, kRhRequant, q, v, c32.rh_lo, c32.rh_hi);
     };
     // Four passes over the tile, each a short loop: the gates' pre-activations r and z, their
@@ -181,7 +181,7 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
     // measured ~15% faster than one on the AMX machine; four took the cell's samples per GEMM
     // sample from 0.234-0.236 to 0.196-0.228 on a Zen 3 EPYC, avx2 layer T=100 N=64, perf.)
     alignas(64) int32_t d_r[kTileRows * W], d_z[kTileRows * W], g_pre[kTileRows * W];  // row r's at [r * W]
-    const auto rz_pre = [&](auto lanes, auto lv, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t, int64_t c) {
+    const auto rz_pre = [&](auto lanes, auto lv, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t, int64_t c) QGRU_INLINE {
       using V = decltype(lanes);
       const Channel32 ch{fields + c};
       lanes_store(d_r + rh + c, sigmoid_pre32_d<POW2, V>(c32, ch, 0, d_rh(ch, 0, lanes_load<V>(acc_h + rh + c)),
@@ -189,19 +189,19 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
       lanes_store(d_z + rh + c, sigmoid_pre32_d<POW2, V>(c32, ch, 1, d_rh(ch, 1, lanes_load<V>(acc_h + rh + gs + c)),
                                                          d_wx(lv, wl, ch, 1, c, lanes_load<V>(x + rx + xs + c))));
     };
-    const auto rz_table = [&](auto lanes, auto, const AccRequant32&, int64_t, int64_t rh, int64_t, int64_t c) {
+    const auto rz_table = [&](auto lanes, auto, const AccRequant32&, int64_t, int64_t rh, int64_t, int64_t c) QGRU_INLINE {
       using V = decltype(lanes);
       lanes_store(d_r + rh + c, lookup32<V>(c32.table[0], lanes_load<V>(d_r + rh + c)));
       lanes_store(d_z + rh + c, lookup32<V>(c32.table[1], lanes_load<V>(d_z + rh + c)));
     };
-    const auto g_preact = [&](auto lanes, auto lv, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t, int64_t c) {
+    const auto g_preact = [&](auto lanes, auto lv, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t, int64_t c) QGRU_INLINE {
       using V = decltype(lanes);
       const Channel32 ch{fields + c};
       const V d_rh_g = d_rh(ch, 2, lanes_load<V>(acc_h + rh + 2 * gs + c)), d_r_c = lanes_load<V>(d_r + rh + c);
       lanes_store(g_pre + rh + c, candidate_pre32_d<POW2, V>(
                                       c32, ch, d_rh_g, d_wx(lv, wl, ch, 2, c, lanes_load<V>(x + rx + 2 * xs + c)), d_r_c));
     };
-    const auto h_step = [&](auto lanes, auto, const AccRequant32&, int64_t, int64_t rh, int64_t rs, int64_t c) {
+    const auto h_step = [&](auto lanes, auto, const AccRequant32&, int64_t, int64_t rh, int64_t rs, int64_t c) QGRU_INLINE {
       using V = decltype(lanes);
       const V h_new = new_state32<POW2, V>(c32, lookup32<V>(c32.table[2], lanes_load<V>(g_pre + rh + c)),
                                            lanes_load<V>(d_z + rh + c), lanes_load<V>(s + rs + c));

@@ -29,26 +29,26 @@ struct I32x16 {
   I32x16() = default;
   I32x16(__m512i x) : v(x) {}                      // NOLINT: implicit, the register itself
   I32x16(int32_t x) : v(_mm512_set1_epi32(x)) {}   // NOLINT: implicit, a scalar in every lane
-  static I32x16 load(const int32_t* p) { return _mm512_loadu_si512(p); }
+  QGRU_INLINE static I32x16 load(const int32_t* p) { return _mm512_loadu_si512(p); }
   void store(int32_t* p) const { _mm512_storeu_si512(p, v); }
 };
 
-inline I32x16 operator+(I32x16 a, I32x16 b) { return _mm512_add_epi32(a.v, b.v); }
-inline I32x16 operator-(I32x16 a, I32x16 b) { return _mm512_sub_epi32(a.v, b.v); }
-inline I32x16 operator*(I32x16 a, I32x16 b) { return _mm512_mullo_epi32(a.v, b.v); }  // low 32 bits
-inline I32x16 operator&(I32x16 a, I32x16 b) { return _mm512_and_si512(a.v, b.v); }
-inline I32x16 operator>>(I32x16 a, I32x16 k) { return _mm512_srav_epi32(a.v, k.v); }  // arithmetic
-inline I32x16 operator>>(I32x16 a, int32_t k) { return _mm512_sra_epi32(a.v, _mm_cvtsi32_si128(k)); }
+QGRU_INLINE inline I32x16 operator+(I32x16 a, I32x16 b) { return _mm512_add_epi32(a.v, b.v); }
+QGRU_INLINE inline I32x16 operator-(I32x16 a, I32x16 b) { return _mm512_sub_epi32(a.v, b.v); }
+QGRU_INLINE inline I32x16 operator*(I32x16 a, I32x16 b) { return _mm512_mullo_epi32(a.v, b.v); }  // low 32 bits
+QGRU_INLINE inline I32x16 operator&(I32x16 a, I32x16 b) { return _mm512_and_si512(a.v, b.v); }
+QGRU_INLINE inline I32x16 operator>>(I32x16 a, I32x16 k) { return _mm512_srav_epi32(a.v, k.v); }  // arithmetic
+QGRU_INLINE inline I32x16 operator>>(I32x16 a, int32_t k) { return _mm512_sra_epi32(a.v, _mm_cvtsi32_si128(k)); }
 
-inline I32x16 clamp32(I32x16 v, I32x16 lo, I32x16 hi) {
+QGRU_INLINE inline I32x16 clamp32(I32x16 v, I32x16 lo, I32x16 hi) {
   return _mm512_min_epi32(_mm512_max_epi32(v.v, lo.v), hi.v);  // lo <= hi (the layer's checks)
 }
-inline I32x16 shl32(I32x16 v, I32x16 k) { return _mm512_sllv_epi32(v.v, k.v); }
-inline I32x16 shl32(I32x16 v, int32_t k) { return _mm512_sll_epi32(v.v, _mm_cvtsi32_si128(k)); }
+QGRU_INLINE inline I32x16 shl32(I32x16 v, I32x16 k) { return _mm512_sllv_epi32(v.v, k.v); }
+QGRU_INLINE inline I32x16 shl32(I32x16 v, int32_t k) { return _mm512_sll_epi32(v.v, _mm_cvtsi32_si128(k)); }
 
 // floor(a b / 2^32) per lane: vpmuldq takes each 64-bit lane's low int32 (the even lanes; the odd
 // ones after a 32-bit shift down) and gives the exact int64 product.
-inline I32x16 mul_hi32(I32x16 a, I32x16 b) {
+QGRU_INLINE inline I32x16 mul_hi32(I32x16 a, I32x16 b) {
   const __m512i even = _mm512_mul_epi32(a.v, b.v);
   const __m512i odd = _mm512_mul_epi32(_mm512_srli_epi64(a.v, 32), _mm512_srli_epi64(b.v, 32));
   // even lanes: the high half of their product, shifted down; odd lanes: the high half in place
@@ -58,7 +58,7 @@ inline I32x16 mul_hi32(I32x16 a, I32x16 b) {
 // wide_mul_shift32 per lane: (int32)(floor(y m / 2^16) >> sh), y = a d, in 64-bit lanes, even and
 // odd lanes apart (the scalar form's own int64 arithmetic, lane by lane).
 namespace lanes_detail {
-inline __m512i wide_mul_shift_even(__m512i a, __m512i d, __m512i m, __m512i sh) {
+QGRU_INLINE inline __m512i wide_mul_shift_even(__m512i a, __m512i d, __m512i m, __m512i sh) {
   const __m512i y = _mm512_mul_epi32(a, d);                                 // a d, int64
   const __m512i hi = _mm512_mul_epi32(_mm512_srai_epi64(y, 16), m);         // (y >> 16) m
   const __m512i lo = _mm512_srai_epi64(_mm512_mul_epi32(_mm512_and_si512(y, _mm512_set1_epi64(0xFFFF)), m), 16);
@@ -67,7 +67,7 @@ inline __m512i wide_mul_shift_even(__m512i a, __m512i d, __m512i m, __m512i sh) 
 }
 }  // namespace lanes_detail
 
-inline I32x16 wide_mul_shift32(I32x16 a, I32x16 d, I32x16 m, I32x16 sh) {
+QGRU_INLINE inline I32x16 wide_mul_shift32(I32x16 a, I32x16 d, I32x16 m, I32x16 sh) {
   const __m512i even = lanes_detail::wide_mul_shift_even(a.v, d.v, m.v, sh.v);
   const __m512i odd = lanes_detail::wide_mul_shift_even(_mm512_srli_epi64(a.v, 32), _mm512_srli_epi64(d.v, 32),
                                                         _mm512_srli_epi64(m.v, 32), _mm512_srli_epi64(sh.v, 32));
@@ -77,7 +77,7 @@ inline I32x16 wide_mul_shift32(I32x16 a, I32x16 d, I32x16 m, I32x16 sh) {
 
 // table_entry per lane: two 8-lane 64-bit gathers, then the low halves (T[i]) and the high
 // halves (T[i+1] - T[i]) of the 16 entries each into one register.
-inline void table_entry(const int64_t* packed, I32x16 i, I32x16& lo, I32x16& diff) {
+QGRU_INLINE inline void table_entry(const int64_t* packed, I32x16 i, I32x16& lo, I32x16& diff) {
   const __m512i e0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(i.v), packed, 8);
   const __m512i e1 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(i.v, 1), packed, 8);
   const __m512i low = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -85,19 +85,19 @@ inline void table_entry(const int64_t* packed, I32x16 i, I32x16& lo, I32x16& dif
   diff = _mm512_permutex2var_epi32(e0, _mm512_add_epi32(low, _mm512_set1_epi32(1)), e1);
 }
 
-inline void lanes_store(int32_t* p, I32x16 v) { v.store(p); }
+QGRU_INLINE inline void lanes_store(int32_t* p, I32x16 v) { v.store(p); }
 
 // mul_add_shift32 per lane (qgru_cell.h, the wide accumulators' multiplier form): even and odd
 // lanes apart in 64-bit lanes, as wide_mul_shift32. t m >= 0 (t, m >= 0), so its shift by 16 may
 // be logical; the shift by sh is arithmetic (vpsravq).
 namespace lanes_detail {
-inline __m512i mul_add_shift_even(__m512i u1, __m512i t, __m512i m, __m512i sh) {
+QGRU_INLINE inline __m512i mul_add_shift_even(__m512i u1, __m512i t, __m512i m, __m512i sh) {
   const __m512i y = _mm512_add_epi64(_mm512_mul_epi32(u1, m), _mm512_srli_epi64(_mm512_mul_epi32(t, m), 16));
   return _mm512_srav_epi64(y, _mm512_and_si512(sh, _mm512_set1_epi64(0xFFFFFFFF)));
 }
 }  // namespace lanes_detail
 
-inline I32x16 mul_add_shift32(I32x16 u1, I32x16 t, I32x16 m, I32x16 sh) {
+QGRU_INLINE inline I32x16 mul_add_shift32(I32x16 u1, I32x16 t, I32x16 m, I32x16 sh) {
   const __m512i even = lanes_detail::mul_add_shift_even(u1.v, t.v, m.v, sh.v);
   const __m512i odd = lanes_detail::mul_add_shift_even(_mm512_srli_epi64(u1.v, 32), _mm512_srli_epi64(t.v, 32),
                                                        _mm512_srli_epi64(m.v, 32), _mm512_srli_epi64(sh.v, 32));
