@@ -309,18 +309,40 @@ QGRU_HD void table_entry(const int64_t* packed, int32_t i, int32_t& lo, int32_t&
   diff = (int32_t)(e >> 32);
 }
 
+// The interpolation of lookup32 from u = q - in_min and the entry of segment u >> k.
 // (clamp(x + Z, lo, hi) - Z taken as clamp(x, lo - Z, hi - Z): the same integers, no term near
 // 2^31; two vector instructions fewer per lookup)
 template <typename V = int32_t>
-QGRU_HD QGRU_INLINE V lookup32(const Table32& t, V q) {
-  const V u = q - t.in_min;
-  const V i = u >> t.k;
+QGRU_HD QGRU_INLINE V interpolate32(const Table32& t, V u, V lo, V diff) {
   const V f = u & ((1 << t.k) - 1);
-  V lo, diff;
-  table_entry(t.packed, i, lo, diff);
   const V v = shl32(lo, t.k) + diff * f;
   const int32_t s = t.k + t.frac;
   return clamp32((v + ((1 << s) >> 1)) >> s, t.out_lo - t.out_zp, t.out_hi - t.out_zp);
+}
+
+template <typename V = int32_t>
+QGRU_HD QGRU_INLINE V lookup32(const Table32& t, V q) {
+  const V u = q - t.in_min;
+  V lo, diff;
+  table_entry(t.packed, u >> t.k, lo, diff);
+  return interpolate32<V>(t, u, lo, diff);
+}
+
+// Entry (q[l] - in_min) >> k of each lane l, from the lanes' values stored at q.
+QGRU_HD void table_entry_at(const Table32& t, const int32_t* q, int32_t& lo, int32_t& diff) {
+  table_entry(t.packed, (*q - t.in_min) >> t.k, lo, diff);
+}
+
+// lookup32 of the lanes' values stored at q, the same integers. A vector type's table_entry_at
+// (csrc/cpu/lanes_avx512.h, lanes_avx2.h) may read the indices from memory with scalar loads: on
+// AMD Zen 4 a gather, or scalar loads of indices just stored from a register (store forwarding
+// from one wide store to many narrow loads), took ~6.6 ns per 16 lookups, scalar loads of indices
+// computed from values stored a pass earlier ~4 ns.
+template <typename V = int32_t>
+QGRU_HD QGRU_INLINE V lookup32_at(const Table32& t, const int32_t* q) {
+  V lo, diff;
+  table_entry_at(t, q, lo, diff);
+  return interpolate32<V>(t, lanes_load<V>(q) - t.in_min, lo, diff);
 }
 
 QGRU_ISA_END

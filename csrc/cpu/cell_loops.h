@@ -191,8 +191,8 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
     };
     const auto rz_table = [&](auto lanes, auto, const AccRequant32&, int64_t, int64_t rh, int64_t, int64_t c) QGRU_INLINE {
       using V = decltype(lanes);
-      lanes_store(d_r + rh + c, lookup32<V>(c32.table[0], lanes_load<V>(d_r + rh + c)));
-      lanes_store(d_z + rh + c, lookup32<V>(c32.table[1], lanes_load<V>(d_z + rh + c)));
+      lanes_store(d_r + rh + c, lookup32_at<V>(c32.table[0], d_r + rh + c));
+      lanes_store(d_z + rh + c, lookup32_at<V>(c32.table[1], d_z + rh + c));
     };
     const auto g_preact = [&](auto lanes, auto lv, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t, int64_t c) QGRU_INLINE {
       using V = decltype(lanes);
@@ -203,7 +203,7 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
     };
     const auto h_step = [&](auto lanes, auto, const AccRequant32&, int64_t, int64_t rh, int64_t rs, int64_t c) QGRU_INLINE {
       using V = decltype(lanes);
-      const V h_new = new_state32<POW2, V>(c32, lookup32<V>(c32.table[2], lanes_load<V>(g_pre + rh + c)),
+      const V h_new = new_state32<POW2, V>(c32, lookup32_at<V>(c32.table[2], g_pre + rh + c),
                                            lanes_load<V>(d_z + rh + c), lanes_load<V>(s + rs + c));
       lanes_store(s + rs + c, h_new);
       lanes_store(o + rs + c, h_new);

@@ -98,6 +98,27 @@ QGRU_INLINE inline void table_entry(const int64_t* packed, I32x8 i, I32x8& lo, I
   diff = _mm256_permute2x128_si256(p0, p1, 0x31);
 }
 
+// table_entry_at per lane (qgru_cell.h lookup32_at: the lanes' values stored at q): with
+// QGRU_LANES_SCALAR_TABLE the indices computed from scalar loads of q (values a previous pass
+// stored, so no store forwarding from one wide store to eight narrow loads to wait on), else
+// table_entry of the indices computed in the lanes.
+QGRU_INLINE inline void table_entry_at(const Table32& t, const int32_t* q, I32x8& lo, I32x8& diff) {
+#if defined(QGRU_LANES_SCALAR_TABLE)
+  const int64_t* p = t.packed;
+  const int32_t in_min = t.in_min, k = t.k;
+  const __m256i e0 = _mm256_set_epi64x(p[(q[3] - in_min) >> k], p[(q[2] - in_min) >> k], p[(q[1] - in_min) >> k],
+                                       p[(q[0] - in_min) >> k]);
+  const __m256i e1 = _mm256_set_epi64x(p[(q[7] - in_min) >> k], p[(q[6] - in_min) >> k], p[(q[5] - in_min) >> k],
+                                       p[(q[4] - in_min) >> k]);
+  const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i p0 = _mm256_permutevar8x32_epi32(e0, split), p1 = _mm256_permutevar8x32_epi32(e1, split);
+  lo = _mm256_permute2x128_si256(p0, p1, 0x20);
+  diff = _mm256_permute2x128_si256(p0, p1, 0x31);
+#else
+  table_entry(t.packed, (I32x8::load(q) - I32x8(t.in_min)) >> t.k, lo, diff);
+#endif
+}
+
 QGRU_INLINE inline void lanes_store(int32_t* p, I32x8 v) { v.store(p); }
 
 // mul_add_shift32 per lane (lanes_avx512.h's, 8 lanes): the shift by sh arithmetic from the

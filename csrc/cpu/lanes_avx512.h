@@ -85,6 +85,32 @@ QGRU_INLINE inline void table_entry(const int64_t* packed, I32x16 i, I32x16& lo,
   diff = _mm512_permutex2var_epi32(e0, _mm512_add_epi32(low, _mm512_set1_epi32(1)), e1);
 }
 
+// table_entry_at per lane (qgru_cell.h lookup32_at: the lanes' values stored at q), in one of two
+// ways; the including kernel file picks:
+// * QGRU_LANES_SCALAR_TABLE defined (kernel_avx512vnni.cpp): sixteen scalar index loads from q
+//   (values a previous pass stored: no store forwarding to wait on) and sixteen scalar 64-bit
+//   entry loads straight into registers (vmovq / vpinsrq / vinserti128). On AMD Zen 4, 16 lookups
+//   from a 1025-entry table took ~4 ns this way against ~6.5 ns with the two gathers of
+//   table_entry (microbenchmark, 2026-11-28); Intel's AVX-512 VNNI CPUs before Sapphire Rapids
+//   gather slowly under the Gather Data Sampling microcode (lanes_avx2.h).
+// * otherwise: table_entry of the indices computed in the lanes.
+QGRU_INLINE inline void table_entry_at(const Table32& t, const int32_t* q, I32x16& lo, I32x16& diff) {
+#if defined(QGRU_LANES_SCALAR_TABLE)
+  const int64_t* p = t.packed;
+  const int32_t in_min = t.in_min, k = t.k;
+  __m128i x[8];
+  for (int l = 0; l < 8; ++l)
+    x[l] = _mm_insert_epi64(_mm_cvtsi64_si128(p[(q[2 * l] - in_min) >> k]), p[(q[2 * l + 1] - in_min) >> k], 1);
+  const __m512i e0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(x[1], x[0])), _mm256_set_m128i(x[3], x[2]), 1);
+  const __m512i e1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(x[5], x[4])), _mm256_set_m128i(x[7], x[6]), 1);
+  const __m512i low = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  lo = _mm512_permutex2var_epi32(e0, low, e1);
+  diff = _mm512_permutex2var_epi32(e0, _mm512_add_epi32(low, _mm512_set1_epi32(1)), e1);
+#else
+  table_entry(t.packed, (I32x16::load(q) - I32x16(t.in_min)) >> t.k, lo, diff);
+#endif
+}
+
 QGRU_INLINE inline void lanes_store(int32_t* p, I32x16 v) { v.store(p); }
 
 // mul_add_shift32 per lane (qgru_cell.h, the wide accumulators' multiplier form): even and odd
