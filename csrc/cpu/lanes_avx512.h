@@ -51,8 +51,9 @@ QGRU_INLINE inline I32x16 shl32(I32x16 v, int32_t k) { return _mm512_sll_epi32(v
 QGRU_INLINE inline I32x16 mul_hi32(I32x16 a, I32x16 b) {
   const __m512i even = _mm512_mul_epi32(a.v, b.v);
   const __m512i odd = _mm512_mul_epi32(_mm512_srli_epi64(a.v, 32), _mm512_srli_epi64(b.v, 32));
-  // even lanes: the high half of their product, shifted down; odd lanes: the high half in place
-  return _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+  // odd lanes: the high half of their product, in place; even lanes: the high half of theirs,
+  // moved down by a masked vpshufd (one instruction for a shift and a blend)
+  return _mm512_mask_shuffle_epi32(odd, 0x5555, even, _MM_PERM_CDAB);
 }
 
 // wide_mul_shift32 per lane: (int32)(floor(y m / 2^16) >> sh), y = a d, in 64-bit lanes, even and
@@ -72,7 +73,7 @@ QGRU_INLINE inline I32x16 wide_mul_shift32(I32x16 a, I32x16 d, I32x16 m, I32x16 
   const __m512i odd = lanes_detail::wide_mul_shift_even(_mm512_srli_epi64(a.v, 32), _mm512_srli_epi64(d.v, 32),
                                                         _mm512_srli_epi64(m.v, 32), _mm512_srli_epi64(sh.v, 32));
   // each result is an int32 in its 64-bit lane's low half: the odd ones move up into place
-  return _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+  return _mm512_mask_shuffle_epi32(even, 0xAAAA, odd, _MM_PERM_CDAB);
 }
 
 // table_entry per lane: two 8-lane 64-bit gathers, then the low halves (T[i]) and the high
@@ -127,7 +128,7 @@ QGRU_INLINE inline I32x16 mul_add_shift32(I32x16 u1, I32x16 t, I32x16 m, I32x16 
   const __m512i even = lanes_detail::mul_add_shift_even(u1.v, t.v, m.v, sh.v);
   const __m512i odd = lanes_detail::mul_add_shift_even(_mm512_srli_epi64(u1.v, 32), _mm512_srli_epi64(t.v, 32),
                                                        _mm512_srli_epi64(m.v, 32), _mm512_srli_epi64(sh.v, 32));
-  return _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+  return _mm512_mask_shuffle_epi32(even, 0xAAAA, odd, _MM_PERM_CDAB);
 }
 
 QGRU_ISA_END
