@@ -491,7 +491,7 @@ QGRU_HD int32_t gemm_operand32(const Cell32& p, int32_t q_h) {
 }
 
 // One element of one step from the three gates' int32 R.h accumulators and Wx - Z_Wx: the int32
-// form of gru_cell_acc, its pieces in the order the CPU's fused step runs them as four passes
+// form of gru_cell_acc, its pieces in the order the CPU's fused step runs them as three passes
 // over a task (cpu/cell_loops.h cell_tile says why): computeR and computeZ (pre-activation, then
 // table: each gate's output relative to its zero point), computeG's pre-activation and table,
 // computeH.
