@@ -135,7 +135,7 @@ QGRU_HD int32_t clamp32(int32_t v, int32_t lo, int32_t hi) { return v < lo ? lo 
 
 // The V at p (one lane: *p; a vector: its lanes' consecutive values).
 template <typename V>
-QGRU_HD V lanes_load(const int32_t* p) { return V::load(p); }
+QGRU_HD QGRU_INLINE V lanes_load(const int32_t* p) { return V::load(p); }
 template <>
 QGRU_HD int32_t lanes_load<int32_t>(const int32_t* p) { return *p; }
 QGRU_HD void lanes_store(int32_t* p, int32_t v) { *p = v; }
@@ -150,7 +150,7 @@ QGRU_HD int32_t shl32(int32_t v, int32_t k) { return (int32_t)((uint32_t)v << k)
 // rounding_mul_shift of v in int32 lanes: pow2, ((v << lsh) >> rsh + 1) >> 1 (m unused);
 // multiplier, (mul_hi32(v << lsh, m) >> rsh + 1) >> 1 (see AccRequant32 for both identities).
 template <bool POW2, typename V = int32_t>
-QGRU_HD V rescale32(V v, V m, V lsh, V rsh) {
+QGRU_HD QGRU_INLINE V rescale32(V v, V m, V lsh, V rsh) {
   const V u = shl32(v, lsh);
   return ((POW2 ? u >> rsh : mul_hi32(u, m) >> rsh) + 1) >> 1;
 }
@@ -158,7 +158,7 @@ QGRU_HD V rescale32(V v, V m, V lsh, V rsh) {
 // The int32 requantization of one accumulator from its channel's fields (AccRequant32's meaning
 // of a0, a1, rsh per form; m only in multiplier form).
 template <bool POW2, typename V = int32_t>
-QGRU_HD V requant32(V product, V a0, V a1, V rsh, V zp, V m, int32_t lo, int32_t hi) {
+QGRU_HD QGRU_INLINE V requant32(V product, V a0, V a1, V rsh, V zp, V m, int32_t lo, int32_t hi) {
   const V v = POW2 ? ((product + a1) >> rsh) + a0 : mul_hi32(shl32(product + a0, a1), m) >> rsh;
   return clamp32(((v + 1) >> 1) + zp, lo, hi) - zp;
 }
@@ -200,7 +200,7 @@ QGRU_HD AccRequant32 at_level(const AccRequant32& a, int64_t offset) {
 // requantize_acc32 in V lanes from the flat arrays of an AccRequant32 (channels c .. c + lanes - 1):
 // the fused step's W.x of a row on its level.
 template <bool POW2, typename V = int32_t>
-QGRU_HD V requant32_flat(const AccRequant32& a, int64_t c, V product) {
+QGRU_HD QGRU_INLINE V requant32_flat(const AccRequant32& a, int64_t c, V product) {
   return requant32<POW2, V>(product, lanes_load<V>(a.bias_hi + c), lanes_load<V>(a.bias_lo + c),
                             lanes_load<V>(a.rshift + c), lanes_load<V>(a.zp + c),
                             POW2 ? V(0) : lanes_load<V>(a.mult + c), a.lo, a.hi);
@@ -272,7 +272,7 @@ struct Channel32 {  // one channel's fields: field f at at[f * kCell32Block]
 QGRU_ISA_BEGIN
 
 template <typename V = int32_t>
-QGRU_HD V field(Channel32 c, int f) { return lanes_load<V>(c.at + f * kCell32Block); }
+QGRU_HD QGRU_INLINE V field(Channel32 c, int f) { return lanes_load<V>(c.at + f * kCell32Block); }
 
 // Channel j of the blocked array.
 QGRU_HD Channel32 channel32(const int32_t* blocked, int64_t j) {
@@ -281,7 +281,7 @@ QGRU_HD Channel32 channel32(const int32_t* blocked, int64_t j) {
 
 // The int32 requantization of gate q's accumulator (group kRhRequant or kWxRequant).
 template <bool POW2, typename V = int32_t>
-QGRU_HD V requant32_at(Channel32 c, int group, int q, V product, int32_t lo, int32_t hi) {
+QGRU_HD QGRU_INLINE V requant32_at(Channel32 c, int group, int q, V product, int32_t lo, int32_t hi) {
   const int f = group + 4 * q;
   const V m = POW2 ? V(0) : field<V>(c, kMult + 6 + (group - kRhRequant) / 4 + q);
   return requant32<POW2, V>(product, field<V>(c, f), field<V>(c, f + 1), field<V>(c, f + 2), field<V>(c, f + 3), m,
@@ -290,7 +290,7 @@ QGRU_HD V requant32_at(Channel32 c, int group, int q, V product, int32_t lo, int
 
 // The rescale whose shifts are fields lsh_field (lsh) and lsh_field + 1 (rsh).
 template <bool POW2, typename V = int32_t>
-QGRU_HD V apply32(Channel32 c, int lsh_field, V v) {
+QGRU_HD QGRU_INLINE V apply32(Channel32 c, int lsh_field, V v) {
   return rescale32<POW2, V>(v, POW2 ? V(0) : field<V>(c, kMult + lsh_field / 2), field<V>(c, lsh_field),
                             field<V>(c, lsh_field + 1));
 }
@@ -309,18 +309,40 @@ QGRU_HD void table_entry(const int64_t* packed, int32_t i, int32_t& lo, int32_t&
   diff = (int32_t)(e >> 32);
 }
 
+// The interpolation of lookup32 from u = q - in_min and the entry of segment u >> k.
 // (clamp(x + Z, lo, hi) - Z taken as clamp(x, lo - Z, hi - Z): the same integers, no term near
 // 2^31; two vector instructions fewer per lookup)
 template <typename V = int32_t>
-QGRU_HD QGRU_INLINE V lookup32(const Table32& t, V q) {
-  const V u = q - t.in_min;
-  const V i = u >> t.k;
+QGRU_HD QGRU_INLINE V interpolate32(const Table32& t, V u, V lo, V diff) {
   const V f = u & ((1 << t.k) - 1);
-  V lo, diff;
-  table_entry(t.packed, i, lo, diff);
   const V v = shl32(lo, t.k) + diff * f;
   const int32_t s = t.k + t.frac;
   return clamp32((v + ((1 << s) >> 1)) >> s, t.out_lo - t.out_zp, t.out_hi - t.out_zp);
+}
+
+template <typename V = int32_t>
+QGRU_HD QGRU_INLINE V lookup32(const Table32& t, V q) {
+  const V u = q - t.in_min;
+  V lo, diff;
+  table_entry(t.packed, u >> t.k, lo, diff);
+  return interpolate32<V>(t, u, lo, diff);
+}
+
+// Entry (q[l] - in_min) >> k of each lane l, from the lanes' values stored at q.
+QGRU_HD void table_entry_at(const Table32& t, const int32_t* q, int32_t& lo, int32_t& diff) {
+  table_entry(t.packed, (*q - t.in_min) >> t.k, lo, diff);
+}
+
+// lookup32 of the lanes' values stored at q, the same integers. A vector type's table_entry_at
+// (csrc/cpu/lanes_avx512.h, lanes_avx2.h) may read the indices from memory with scalar loads: on
+// AMD Zen 4 a gather, or scalar loads of indices just stored from a register (store forwarding
+// from one wide store to many narrow loads), took ~6.6 ns per 16 lookups, scalar loads of indices
+// computed from values stored a pass earlier ~4 ns.
+template <typename V = int32_t>
+QGRU_HD QGRU_INLINE V lookup32_at(const Table32& t, const int32_t* q) {
+  V lo, diff;
+  table_entry_at(t, q, lo, diff);
+  return interpolate32<V>(t, lanes_load<V>(q) - t.in_min, lo, diff);
 }
 
 QGRU_ISA_END
@@ -341,14 +363,14 @@ QGRU_ISA_BEGIN
 // (sigmoid_pre32_d: the same from Rh - Z_Rh already requantized, d_rh; the wide accumulators'
 // form of csrc/cpu/cell_loops.h cell_tile requantizes them itself)
 template <bool POW2, typename V = int32_t>
-QGRU_HD V sigmoid_pre32_d(const Cell32& p, Channel32 ch, int gate, V d_rh, V d_wx) {
+QGRU_HD QGRU_INLINE V sigmoid_pre32_d(const Cell32& p, Channel32 ch, int gate, V d_rh, V d_wx) {
   const int f = kRWxLsh + 4 * gate;
   return clamp32(apply32<POW2, V>(ch, f, d_wx) + apply32<POW2, V>(ch, f + 2, d_rh) + p.pre_zp[gate],
                  p.pre_lo[gate], p.pre_hi[gate]);
 }
 
 template <bool POW2, typename V = int32_t>
-QGRU_HD V sigmoid_pre32(const Cell32& p, Channel32 ch, int gate, V acc_rh, V d_wx) {
+QGRU_HD QGRU_INLINE V sigmoid_pre32(const Cell32& p, Channel32 ch, int gate, V acc_rh, V d_wx) {
   return sigmoid_pre32_d<POW2, V>(p, ch, gate, requant32_at<POW2, V>(ch, kRhRequant, gate, acc_rh, p.rh_lo, p.rh_hi),
                                   d_wx);
 }
@@ -365,7 +387,7 @@ QGRU_HD int32_t wide_mul_shift32(int32_t a, int32_t d, int32_t m, int32_t sh) {
 // multiplier, sh = s - 17 and floor(y m / 2^16) from two 32 x 32 -> 64 products (the int32 cell's
 // bounds above). Used for r * Rh_g and for z * h (a 16-bit state makes z * h up to 2^32).
 template <bool POW2, typename V = int32_t>
-QGRU_HD V rescale_wide32(V a, V d, V m, V sh) {
+QGRU_HD QGRU_INLINE V rescale_wide32(V a, V d, V m, V sh) {
   if (POW2) {
     const V a1 = a >> 8, a0 = a & 255;
     return (((a1 * d + ((a0 * d) >> 8)) >> (sh - 8)) + 1) >> 1;
@@ -375,7 +397,7 @@ QGRU_HD V rescale_wide32(V a, V d, V m, V sh) {
 
 // The rescale of r * Rh_g onto g_pre.
 template <bool POW2, typename V = int32_t>
-QGRU_HD V rrh32(Channel32 ch, V d_r, V d_rh_g) {
+QGRU_HD QGRU_INLINE V rrh32(Channel32 ch, V d_r, V d_rh_g) {
   return rescale_wide32<POW2, V>(d_r, d_rh_g, POW2 ? V(0) : field<V>(ch, kMult + 5), field<V>(ch, kGRRhRsh));
 }
 
@@ -383,13 +405,13 @@ QGRU_HD V rrh32(Channel32 ch, V d_r, V d_rh_g) {
 // and the gate r (its table output relative to its zero point).
 // (candidate_pre32_d: the same from Rh_g - Z_Rh already requantized, d_rh_g)
 template <bool POW2, typename V = int32_t>
-QGRU_HD V candidate_pre32_d(const Cell32& p, Channel32 ch, V d_rh_g, V d_wx_g, V d_r) {
+QGRU_HD QGRU_INLINE V candidate_pre32_d(const Cell32& p, Channel32 ch, V d_rh_g, V d_wx_g, V d_r) {
   return clamp32(apply32<POW2, V>(ch, kGWxLsh, d_wx_g) + rrh32<POW2, V>(ch, d_r, d_rh_g) + p.pre_zp[2],
                  p.pre_lo[2], p.pre_hi[2]);
 }
 
 template <bool POW2, typename V = int32_t>
-QGRU_HD V candidate_pre32(const Cell32& p, Channel32 ch, V acc_rh_g, V d_wx_g, V d_r) {
+QGRU_HD QGRU_INLINE V candidate_pre32(const Cell32& p, Channel32 ch, V acc_rh_g, V d_wx_g, V d_r) {
   return candidate_pre32_d<POW2, V>(p, ch, requant32_at<POW2, V>(ch, kRhRequant, 2, acc_rh_g, p.rh_lo, p.rh_hi),
                                     d_wx_g, d_r);
 }
@@ -397,7 +419,7 @@ QGRU_HD V candidate_pre32(const Cell32& p, Channel32 ch, V acc_rh_g, V d_wx_g, V
 // computeH in int32: the new state from the candidate's table output d_g, the gate z and the
 // state h.
 template <bool POW2, typename V = int32_t>
-QGRU_HD V new_state32(const Cell32& p, V d_g, V d_z, V q_h) {
+QGRU_HD QGRU_INLINE V new_state32(const Cell32& p, V d_g, V d_z, V q_h) {
   const V zh = rescale_wide32<POW2, V>(d_z, q_h - p.h_zp, p.zh_m, p.zh_sh);
   const V zg = rescale32<POW2, V>((V(p.one_z) - d_z) * d_g, p.zg_m, p.zg_lsh, p.zg_rsh);
   return clamp32(zh + zg + p.h_zp, p.h_lo, p.h_hi);
@@ -433,7 +455,7 @@ QGRU_HD int32_t mul_add_shift32(int32_t u1, int32_t t, int32_t m, int32_t sh) {
 
 // requant32's result (q - Z of Wx or Rh) from a wide accumulator, with the fields above.
 template <bool POW2, typename V = int32_t>
-QGRU_HD V requant_wide32(V product, V a0, V a1, V rsh, V zp, V m, int32_t lo, int32_t hi) {
+QGRU_HD QGRU_INLINE V requant_wide32(V product, V a0, V a1, V rsh, V zp, V m, int32_t lo, int32_t hi) {
   V v;
   if (POW2) {
     const V mask = shl32(V(1), rsh) - V(1);
@@ -446,7 +468,7 @@ QGRU_HD V requant_wide32(V product, V a0, V a1, V rsh, V zp, V m, int32_t lo, in
 
 // requant32_at's wide form: gate q's accumulator from the channel's group (kRhRequant or kWxRequant).
 template <bool POW2, typename V = int32_t>
-QGRU_HD V requant_wide32_at(Channel32 c, int group, int q, V product, int32_t lo, int32_t hi) {
+QGRU_HD QGRU_INLINE V requant_wide32_at(Channel32 c, int group, int q, V product, int32_t lo, int32_t hi) {
   const int f = group + 4 * q;
   const V m = POW2 ? V(0) : field<V>(c, kMult + 6 + (group - kRhRequant) / 4 + q);
   return requant_wide32<POW2, V>(product, field<V>(c, f), field<V>(c, f + 1), field<V>(c, f + 2),
@@ -455,7 +477,7 @@ QGRU_HD V requant_wide32_at(Channel32 c, int group, int q, V product, int32_t lo
 
 // requant32_flat's wide form (W.x of a row on its x level, from the flat arrays).
 template <bool POW2, typename V = int32_t>
-QGRU_HD V requant_wide32_flat(const AccRequant32& a, int64_t c, V product) {
+QGRU_HD QGRU_INLINE V requant_wide32_flat(const AccRequant32& a, int64_t c, V product) {
   return requant_wide32<POW2, V>(product, lanes_load<V>(a.bias_hi + c), lanes_load<V>(a.bias_lo + c),
                                  lanes_load<V>(a.rshift + c), lanes_load<V>(a.zp + c),
                                  POW2 ? V(0) : lanes_load<V>(a.mult + c), a.lo, a.hi);
@@ -469,7 +491,7 @@ QGRU_HD int32_t gemm_operand32(const Cell32& p, int32_t q_h) {
 }
 
 // One element of one step from the three gates' int32 R.h accumulators and Wx - Z_Wx: the int32
-// form of gru_cell_acc, its pieces in the order the CPU's fused step runs them as four passes
+// form of gru_cell_acc, its pieces in the order the CPU's fused step runs them as three passes
 // over a task (cpu/cell_loops.h cell_tile says why): computeR and computeZ (pre-activation, then
 // table: each gate's output relative to its zero point), computeG's pre-activation and table,
 // computeH.

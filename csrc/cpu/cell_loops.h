@@ -164,24 +164,29 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
     const int32_t* fields = cell32_channel<ACC32>(p, j0).at;  // channel j0 + c's at fields + c
     // W.x of gate q at channel j0 + c: a row without levels from the channel's blocked fields (ch), a
     // row of a layer with x levels (LV) from the flat arrays at its level (wl: wx32 at the row's level)
-    const auto d_wx = [&](auto lv, const AccRequant32& wl, Channel32 ch, int q, int64_t c, auto v) {
+    const auto d_wx = [&](auto lv, const AccRequant32& wl, Channel32 ch, int q, int64_t c, auto v) QGRU_INLINE {
       if constexpr (!XACC) return v;
       else if constexpr (decltype(lv)::value) return requant_acc32_flat<WIDE, POW2, decltype(v)>(wl, q * H + j0 + c, v);
       else return requant_acc32_at<WIDE, POW2, decltype(v)>(ch, kWxRequant, q, v, c32.wx_lo, c32.wx_hi);
     };
     // Rh - Z_Rh of gate q from its R.h accumulator
-    const auto d_rh = [&](Channel32 ch, int q, auto v) {
+    const auto d_rh = [&](Channel32 ch, int q, auto v) QGRU_INLINE {
       return requant_acc32_at<WIDE, POW2, decltype(v)>(ch, kRhRequant, q, v, c32.rh_lo, c32.rh_hi);
     };
-    // Four passes over the tile, each a short loop: the gates' pre-activations r and z, their
-    // table lookups, g's pre-activation, then its lookup and the new state. A table lookup waits
+    // Three passes over the tile, each a short loop: the gates' pre-activations r and z; their
+    // table lookups and g's pre-activation; g's lookup and the new state. A table lookup waits
     // on an index, then on a load, then on the interpolation: in one long loop body with the
     // rescales around it few iterations fit in flight and the core waits on each chain; as a loop
     // of its own the lookups of many iterations overlap. (Two loops, r and z then g and h, had
     // measured ~15% faster than one on the AMX machine; four took the cell's samples per GEMM
     // sample from 0.234-0.236 to 0.196-0.228 on a Zen 3 EPYC, avx2 layer T=100 N=64, perf.)
+    // A lookup's index must come from memory a previous pass wrote (lookup32_at: scalar loads of
+    // values just stored from a register wait on store forwarding), so each pass that looks up
+    // reads the previous pass's values; the r and z lookups share their pass with g's pre-activation,
+    // whose vector arithmetic overlaps their scalar loads (four passes, one for the r and z lookups
+    // alone, measured 4% slower: Zen 4, 16,64,32,100 w8a8).
     alignas(64) int32_t d_r[kTileRows * W], d_z[kTileRows * W], g_pre[kTileRows * W];  // row r's at [r * W]
-    const auto rz_pre = [&](auto lanes, auto lv, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t, int64_t c) {
+    const auto rz_pre = [&](auto lanes, auto lv, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t, int64_t c) QGRU_INLINE {
       using V = decltype(lanes);
       const Channel32 ch{fields + c};
       lanes_store(d_r + rh + c, sigmoid_pre32_d<POW2, V>(c32, ch, 0, d_rh(ch, 0, lanes_load<V>(acc_h + rh + c)),
@@ -189,21 +194,21 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
       lanes_store(d_z + rh + c, sigmoid_pre32_d<POW2, V>(c32, ch, 1, d_rh(ch, 1, lanes_load<V>(acc_h + rh + gs + c)),
                                                          d_wx(lv, wl, ch, 1, c, lanes_load<V>(x + rx + xs + c))));
     };
-    const auto rz_table = [&](auto lanes, auto, const AccRequant32&, int64_t, int64_t rh, int64_t, int64_t c) {
-      using V = decltype(lanes);
-      lanes_store(d_r + rh + c, lookup32<V>(c32.table[0], lanes_load<V>(d_r + rh + c)));
-      lanes_store(d_z + rh + c, lookup32<V>(c32.table[1], lanes_load<V>(d_z + rh + c)));
-    };
-    const auto g_preact = [&](auto lanes, auto lv, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t, int64_t c) {
+    // rz_table and g_preact in one pass (r's table output straight into g's pre-activation): the
+    // lookups' scalar loads and g_preact's vector arithmetic overlap
+    const auto rz_table_g_preact = [&](auto lanes, auto lv, const AccRequant32& wl, int64_t rx, int64_t rh, int64_t,
+                                       int64_t c) QGRU_INLINE {
       using V = decltype(lanes);
       const Channel32 ch{fields + c};
-      const V d_rh_g = d_rh(ch, 2, lanes_load<V>(acc_h + rh + 2 * gs + c)), d_r_c = lanes_load<V>(d_r + rh + c);
+      const V d_r_c = lookup32_at<V>(c32.table[0], d_r + rh + c);
+      lanes_store(d_z + rh + c, lookup32_at<V>(c32.table[1], d_z + rh + c));
+      const V d_rh_g = d_rh(ch, 2, lanes_load<V>(acc_h + rh + 2 * gs + c));
       lanes_store(g_pre + rh + c, candidate_pre32_d<POW2, V>(
                                       c32, ch, d_rh_g, d_wx(lv, wl, ch, 2, c, lanes_load<V>(x + rx + 2 * xs + c)), d_r_c));
     };
-    const auto h_step = [&](auto lanes, auto, const AccRequant32&, int64_t, int64_t rh, int64_t rs, int64_t c) {
+    const auto h_step = [&](auto lanes, auto, const AccRequant32&, int64_t, int64_t rh, int64_t rs, int64_t c) QGRU_INLINE {
       using V = decltype(lanes);
-      const V h_new = new_state32<POW2, V>(c32, lookup32<V>(c32.table[2], lanes_load<V>(g_pre + rh + c)),
+      const V h_new = new_state32<POW2, V>(c32, lookup32_at<V>(c32.table[2], g_pre + rh + c),
                                            lanes_load<V>(d_z + rh + c), lanes_load<V>(s + rs + c));
       lanes_store(s + rs + c, h_new);
       lanes_store(o + rs + c, h_new);
@@ -238,8 +243,7 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
       }
     };
     pass(rz_pre);
-    pass(rz_table);
-    pass(g_preact);
+    pass(rz_table_g_preact);
     pass(h_step);
   } else {
     for (int64_t r = 0; r < rows; ++r) {

@@ -20,6 +20,7 @@
 #define QGRU_BUILD_VNNI 0
 #endif
 #if QGRU_BUILD_VNNI
+#define QGRU_LANES_SCALAR_TABLE  // table lookups as scalar loads, not gathers (lanes_avx512.h says why)
 #include "lanes_avx512.h"  // the int32 cell in explicit 16-lane vectors
 #define QGRU_CELL_LANES I32x16
 #endif

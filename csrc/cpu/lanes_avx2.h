@@ -22,25 +22,25 @@ struct I32x8 {
   I32x8() = default;
   I32x8(__m256i x) : v(x) {}                     // NOLINT: implicit, the register itself
   I32x8(int32_t x) : v(_mm256_set1_epi32(x)) {}  // NOLINT: implicit, a scalar in every lane
-  static I32x8 load(const int32_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  QGRU_INLINE static I32x8 load(const int32_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
   void store(int32_t* p) const { _mm256_storeu_si256((__m256i*)p, v); }
 };
 
-inline I32x8 operator+(I32x8 a, I32x8 b) { return _mm256_add_epi32(a.v, b.v); }
-inline I32x8 operator-(I32x8 a, I32x8 b) { return _mm256_sub_epi32(a.v, b.v); }
-inline I32x8 operator*(I32x8 a, I32x8 b) { return _mm256_mullo_epi32(a.v, b.v); }  // low 32 bits
-inline I32x8 operator&(I32x8 a, I32x8 b) { return _mm256_and_si256(a.v, b.v); }
-inline I32x8 operator>>(I32x8 a, I32x8 k) { return _mm256_srav_epi32(a.v, k.v); }  // arithmetic
-inline I32x8 operator>>(I32x8 a, int32_t k) { return _mm256_sra_epi32(a.v, _mm_cvtsi32_si128(k)); }
+QGRU_INLINE inline I32x8 operator+(I32x8 a, I32x8 b) { return _mm256_add_epi32(a.v, b.v); }
+QGRU_INLINE inline I32x8 operator-(I32x8 a, I32x8 b) { return _mm256_sub_epi32(a.v, b.v); }
+QGRU_INLINE inline I32x8 operator*(I32x8 a, I32x8 b) { return _mm256_mullo_epi32(a.v, b.v); }  // low 32 bits
+QGRU_INLINE inline I32x8 operator&(I32x8 a, I32x8 b) { return _mm256_and_si256(a.v, b.v); }
+QGRU_INLINE inline I32x8 operator>>(I32x8 a, I32x8 k) { return _mm256_srav_epi32(a.v, k.v); }  // arithmetic
+QGRU_INLINE inline I32x8 operator>>(I32x8 a, int32_t k) { return _mm256_sra_epi32(a.v, _mm_cvtsi32_si128(k)); }
 
-inline I32x8 clamp32(I32x8 v, I32x8 lo, I32x8 hi) {
+QGRU_INLINE inline I32x8 clamp32(I32x8 v, I32x8 lo, I32x8 hi) {
   return _mm256_min_epi32(_mm256_max_epi32(v.v, lo.v), hi.v);  // lo <= hi (the layer's checks)
 }
-inline I32x8 shl32(I32x8 v, I32x8 k) { return _mm256_sllv_epi32(v.v, k.v); }
-inline I32x8 shl32(I32x8 v, int32_t k) { return _mm256_sll_epi32(v.v, _mm_cvtsi32_si128(k)); }
+QGRU_INLINE inline I32x8 shl32(I32x8 v, I32x8 k) { return _mm256_sllv_epi32(v.v, k.v); }
+QGRU_INLINE inline I32x8 shl32(I32x8 v, int32_t k) { return _mm256_sll_epi32(v.v, _mm_cvtsi32_si128(k)); }
 
 // floor(a b / 2^32) per lane (lanes_avx512.h's mul_hi32, 8 lanes).
-inline I32x8 mul_hi32(I32x8 a, I32x8 b) {
+QGRU_INLINE inline I32x8 mul_hi32(I32x8 a, I32x8 b) {
   const __m256i even = _mm256_mul_epi32(a.v, b.v);
   const __m256i odd = _mm256_mul_epi32(_mm256_srli_epi64(a.v, 32), _mm256_srli_epi64(b.v, 32));
   return _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
@@ -51,7 +51,7 @@ namespace lanes_detail {
 // be logical: vpmuldq reads only the low 32 bits of y >> 16 (|y >> 16| < 2^17: the same bits
 // either way), and (y & 0xFFFF) m >= 0 (m >= 0). The shift by sh (up to 45) is arithmetic, formed
 // as s ^ ((v ^ s) >> sh) with s the sign mask and >> logical.
-inline __m256i wide_mul_shift_even(__m256i a, __m256i d, __m256i m, __m256i sh) {
+QGRU_INLINE inline __m256i wide_mul_shift_even(__m256i a, __m256i d, __m256i m, __m256i sh) {
   const __m256i y = _mm256_mul_epi32(a, d);
   const __m256i hi = _mm256_mul_epi32(_mm256_srli_epi64(y, 16), m);
   const __m256i lo = _mm256_srli_epi64(_mm256_mul_epi32(_mm256_and_si256(y, _mm256_set1_epi64x(0xFFFF)), m), 16);
@@ -62,7 +62,7 @@ inline __m256i wide_mul_shift_even(__m256i a, __m256i d, __m256i m, __m256i sh) 
 }
 }  // namespace lanes_detail
 
-inline I32x8 wide_mul_shift32(I32x8 a, I32x8 d, I32x8 m, I32x8 sh) {
+QGRU_INLINE inline I32x8 wide_mul_shift32(I32x8 a, I32x8 d, I32x8 m, I32x8 sh) {
   const __m256i even = lanes_detail::wide_mul_shift_even(a.v, d.v, m.v, sh.v);
   const __m256i odd = lanes_detail::wide_mul_shift_even(_mm256_srli_epi64(a.v, 32), _mm256_srli_epi64(d.v, 32),
                                                         _mm256_srli_epi64(m.v, 32), _mm256_srli_epi64(sh.v, 32));
@@ -80,7 +80,7 @@ inline I32x8 wide_mul_shift32(I32x8 a, I32x8 d, I32x8 m, I32x8 sh) {
 // * otherwise: two 4-lane 64-bit gathers.
 // Either way the low halves (T[i]) and high halves (T[i+1] - T[i]) of each 4-entry vector go to
 // its two 128-bit halves, then the halves are paired up.
-inline void table_entry(const int64_t* packed, I32x8 i, I32x8& lo, I32x8& diff) {
+QGRU_INLINE inline void table_entry(const int64_t* packed, I32x8 i, I32x8& lo, I32x8& diff) {
 #if defined(QGRU_LANES_SCALAR_TABLE)
   alignas(32) int32_t at[8];
   _mm256_store_si256((__m256i*)at, i.v);
@@ -98,12 +98,33 @@ inline void table_entry(const int64_t* packed, I32x8 i, I32x8& lo, I32x8& diff) 
   diff = _mm256_permute2x128_si256(p0, p1, 0x31);
 }
 
-inline void lanes_store(int32_t* p, I32x8 v) { v.store(p); }
+// table_entry_at per lane (qgru_cell.h lookup32_at: the lanes' values stored at q): with
+// QGRU_LANES_SCALAR_TABLE the indices computed from scalar loads of q (values a previous pass
+// stored, so no store forwarding from one wide store to eight narrow loads to wait on), else
+// table_entry of the indices computed in the lanes.
+QGRU_INLINE inline void table_entry_at(const Table32& t, const int32_t* q, I32x8& lo, I32x8& diff) {
+#if defined(QGRU_LANES_SCALAR_TABLE)
+  const int64_t* p = t.packed;
+  const int32_t in_min = t.in_min, k = t.k;
+  const __m256i e0 = _mm256_set_epi64x(p[(q[3] - in_min) >> k], p[(q[2] - in_min) >> k], p[(q[1] - in_min) >> k],
+                                       p[(q[0] - in_min) >> k]);
+  const __m256i e1 = _mm256_set_epi64x(p[(q[7] - in_min) >> k], p[(q[6] - in_min) >> k], p[(q[5] - in_min) >> k],
+                                       p[(q[4] - in_min) >> k]);
+  const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i p0 = _mm256_permutevar8x32_epi32(e0, split), p1 = _mm256_permutevar8x32_epi32(e1, split);
+  lo = _mm256_permute2x128_si256(p0, p1, 0x20);
+  diff = _mm256_permute2x128_si256(p0, p1, 0x31);
+#else
+  table_entry(t.packed, (I32x8::load(q) - I32x8(t.in_min)) >> t.k, lo, diff);
+#endif
+}
+
+QGRU_INLINE inline void lanes_store(int32_t* p, I32x8 v) { v.store(p); }
 
 // mul_add_shift32 per lane (lanes_avx512.h's, 8 lanes): the shift by sh arithmetic from the
 // logical one, as in wide_mul_shift_even.
 namespace lanes_detail {
-inline __m256i mul_add_shift_even(__m256i u1, __m256i t, __m256i m, __m256i sh) {
+QGRU_INLINE inline __m256i mul_add_shift_even(__m256i u1, __m256i t, __m256i m, __m256i sh) {
   const __m256i y = _mm256_add_epi64(_mm256_mul_epi32(u1, m), _mm256_srli_epi64(_mm256_mul_epi32(t, m), 16));
   const __m256i sign = _mm256_cmpgt_epi64(_mm256_setzero_si256(), y);
   const __m256i count = _mm256_and_si256(sh, _mm256_set1_epi64x(0xFFFFFFFF));
@@ -111,7 +132,7 @@ inline __m256i mul_add_shift_even(__m256i u1, __m256i t, __m256i m, __m256i sh) 
 }
 }  // namespace lanes_detail
 
-inline I32x8 mul_add_shift32(I32x8 u1, I32x8 t, I32x8 m, I32x8 sh) {
+QGRU_INLINE inline I32x8 mul_add_shift32(I32x8 u1, I32x8 t, I32x8 m, I32x8 sh) {
   const __m256i even = lanes_detail::mul_add_shift_even(u1.v, t.v, m.v, sh.v);
   const __m256i odd = lanes_detail::mul_add_shift_even(_mm256_srli_epi64(u1.v, 32), _mm256_srli_epi64(t.v, 32),
                                                        _mm256_srli_epi64(m.v, 32), _mm256_srli_epi64(sh.v, 32));

@@ -29,36 +29,37 @@ struct I32x16 {
   I32x16() = default;
   I32x16(__m512i x) : v(x) {}                      // NOLINT: implicit, the register itself
   I32x16(int32_t x) : v(_mm512_set1_epi32(x)) {}   // NOLINT: implicit, a scalar in every lane
-  static I32x16 load(const int32_t* p) { return _mm512_loadu_si512(p); }
+  QGRU_INLINE static I32x16 load(const int32_t* p) { return _mm512_loadu_si512(p); }
   void store(int32_t* p) const { _mm512_storeu_si512(p, v); }
 };
 
-inline I32x16 operator+(I32x16 a, I32x16 b) { return _mm512_add_epi32(a.v, b.v); }
-inline I32x16 operator-(I32x16 a, I32x16 b) { return _mm512_sub_epi32(a.v, b.v); }
-inline I32x16 operator*(I32x16 a, I32x16 b) { return _mm512_mullo_epi32(a.v, b.v); }  // low 32 bits
-inline I32x16 operator&(I32x16 a, I32x16 b) { return _mm512_and_si512(a.v, b.v); }
-inline I32x16 operator>>(I32x16 a, I32x16 k) { return _mm512_srav_epi32(a.v, k.v); }  // arithmetic
-inline I32x16 operator>>(I32x16 a, int32_t k) { return _mm512_sra_epi32(a.v, _mm_cvtsi32_si128(k)); }
+QGRU_INLINE inline I32x16 operator+(I32x16 a, I32x16 b) { return _mm512_add_epi32(a.v, b.v); }
+QGRU_INLINE inline I32x16 operator-(I32x16 a, I32x16 b) { return _mm512_sub_epi32(a.v, b.v); }
+QGRU_INLINE inline I32x16 operator*(I32x16 a, I32x16 b) { return _mm512_mullo_epi32(a.v, b.v); }  // low 32 bits
+QGRU_INLINE inline I32x16 operator&(I32x16 a, I32x16 b) { return _mm512_and_si512(a.v, b.v); }
+QGRU_INLINE inline I32x16 operator>>(I32x16 a, I32x16 k) { return _mm512_srav_epi32(a.v, k.v); }  // arithmetic
+QGRU_INLINE inline I32x16 operator>>(I32x16 a, int32_t k) { return _mm512_sra_epi32(a.v, _mm_cvtsi32_si128(k)); }
 
-inline I32x16 clamp32(I32x16 v, I32x16 lo, I32x16 hi) {
+QGRU_INLINE inline I32x16 clamp32(I32x16 v, I32x16 lo, I32x16 hi) {
   return _mm512_min_epi32(_mm512_max_epi32(v.v, lo.v), hi.v);  // lo <= hi (the layer's checks)
 }
-inline I32x16 shl32(I32x16 v, I32x16 k) { return _mm512_sllv_epi32(v.v, k.v); }
-inline I32x16 shl32(I32x16 v, int32_t k) { return _mm512_sll_epi32(v.v, _mm_cvtsi32_si128(k)); }
+QGRU_INLINE inline I32x16 shl32(I32x16 v, I32x16 k) { return _mm512_sllv_epi32(v.v, k.v); }
+QGRU_INLINE inline I32x16 shl32(I32x16 v, int32_t k) { return _mm512_sll_epi32(v.v, _mm_cvtsi32_si128(k)); }
 
 // floor(a b / 2^32) per lane: vpmuldq takes each 64-bit lane's low int32 (the even lanes; the odd
 // ones after a 32-bit shift down) and gives the exact int64 product.
-inline I32x16 mul_hi32(I32x16 a, I32x16 b) {
+QGRU_INLINE inline I32x16 mul_hi32(I32x16 a, I32x16 b) {
   const __m512i even = _mm512_mul_epi32(a.v, b.v);
   const __m512i odd = _mm512_mul_epi32(_mm512_srli_epi64(a.v, 32), _mm512_srli_epi64(b.v, 32));
-  // even lanes: the high half of their product, shifted down; odd lanes: the high half in place
-  return _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+  // odd lanes: the high half of their product, in place; even lanes: the high half of theirs,
+  // moved down by a masked vpshufd (one instruction for a shift and a blend)
+  return _mm512_mask_shuffle_epi32(odd, 0x5555, even, _MM_PERM_CDAB);
 }
 
 // wide_mul_shift32 per lane: (int32)(floor(y m / 2^16) >> sh), y = a d, in 64-bit lanes, even and
 // odd lanes apart (the scalar form's own int64 arithmetic, lane by lane).
 namespace lanes_detail {
-inline __m512i wide_mul_shift_even(__m512i a, __m512i d, __m512i m, __m512i sh) {
+QGRU_INLINE inline __m512i wide_mul_shift_even(__m512i a, __m512i d, __m512i m, __m512i sh) {
   const __m512i y = _mm512_mul_epi32(a, d);                                 // a d, int64
   const __m512i hi = _mm512_mul_epi32(_mm512_srai_epi64(y, 16), m);         // (y >> 16) m
   const __m512i lo = _mm512_srai_epi64(_mm512_mul_epi32(_mm512_and_si512(y, _mm512_set1_epi64(0xFFFF)), m), 16);
@@ -67,17 +68,17 @@ inline __m512i wide_mul_shift_even(__m512i a, __m512i d, __m512i m, __m512i sh) 
 }
 }  // namespace lanes_detail
 
-inline I32x16 wide_mul_shift32(I32x16 a, I32x16 d, I32x16 m, I32x16 sh) {
+QGRU_INLINE inline I32x16 wide_mul_shift32(I32x16 a, I32x16 d, I32x16 m, I32x16 sh) {
   const __m512i even = lanes_detail::wide_mul_shift_even(a.v, d.v, m.v, sh.v);
   const __m512i odd = lanes_detail::wide_mul_shift_even(_mm512_srli_epi64(a.v, 32), _mm512_srli_epi64(d.v, 32),
                                                         _mm512_srli_epi64(m.v, 32), _mm512_srli_epi64(sh.v, 32));
   // each result is an int32 in its 64-bit lane's low half: the odd ones move up into place
-  return _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+  return _mm512_mask_shuffle_epi32(even, 0xAAAA, odd, _MM_PERM_CDAB);
 }
 
 // table_entry per lane: two 8-lane 64-bit gathers, then the low halves (T[i]) and the high
 // halves (T[i+1] - T[i]) of the 16 entries each into one register.
-inline void table_entry(const int64_t* packed, I32x16 i, I32x16& lo, I32x16& diff) {
+QGRU_INLINE inline void table_entry(const int64_t* packed, I32x16 i, I32x16& lo, I32x16& diff) {
   const __m512i e0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(i.v), packed, 8);
   const __m512i e1 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(i.v, 1), packed, 8);
   const __m512i low = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -85,23 +86,49 @@ inline void table_entry(const int64_t* packed, I32x16 i, I32x16& lo, I32x16& dif
   diff = _mm512_permutex2var_epi32(e0, _mm512_add_epi32(low, _mm512_set1_epi32(1)), e1);
 }
 
-inline void lanes_store(int32_t* p, I32x16 v) { v.store(p); }
+// table_entry_at per lane (qgru_cell.h lookup32_at: the lanes' values stored at q), in one of two
+// ways; the including kernel file picks:
+// * QGRU_LANES_SCALAR_TABLE defined (kernel_avx512vnni.cpp): sixteen scalar index loads from q
+//   (values a previous pass stored: no store forwarding to wait on) and sixteen scalar 64-bit
+//   entry loads straight into registers (vmovq / vpinsrq / vinserti128). On AMD Zen 4, 16 lookups
+//   from a 1025-entry table took ~4 ns this way against ~6.5 ns with the two gathers of
+//   table_entry (microbenchmark, 2026-11-28); Intel's AVX-512 VNNI CPUs before Sapphire Rapids
+//   gather slowly under the Gather Data Sampling microcode (lanes_avx2.h).
+// * otherwise: table_entry of the indices computed in the lanes.
+QGRU_INLINE inline void table_entry_at(const Table32& t, const int32_t* q, I32x16& lo, I32x16& diff) {
+#if defined(QGRU_LANES_SCALAR_TABLE)
+  const int64_t* p = t.packed;
+  const int32_t in_min = t.in_min, k = t.k;
+  __m128i x[8];
+  for (int l = 0; l < 8; ++l)
+    x[l] = _mm_insert_epi64(_mm_cvtsi64_si128(p[(q[2 * l] - in_min) >> k]), p[(q[2 * l + 1] - in_min) >> k], 1);
+  const __m512i e0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(x[1], x[0])), _mm256_set_m128i(x[3], x[2]), 1);
+  const __m512i e1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(x[5], x[4])), _mm256_set_m128i(x[7], x[6]), 1);
+  const __m512i low = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  lo = _mm512_permutex2var_epi32(e0, low, e1);
+  diff = _mm512_permutex2var_epi32(e0, _mm512_add_epi32(low, _mm512_set1_epi32(1)), e1);
+#else
+  table_entry(t.packed, (I32x16::load(q) - I32x16(t.in_min)) >> t.k, lo, diff);
+#endif
+}
+
+QGRU_INLINE inline void lanes_store(int32_t* p, I32x16 v) { v.store(p); }
 
 // mul_add_shift32 per lane (qgru_cell.h, the wide accumulators' multiplier form): even and odd
 // lanes apart in 64-bit lanes, as wide_mul_shift32. t m >= 0 (t, m >= 0), so its shift by 16 may
 // be logical; the shift by sh is arithmetic (vpsravq).
 namespace lanes_detail {
-inline __m512i mul_add_shift_even(__m512i u1, __m512i t, __m512i m, __m512i sh) {
+QGRU_INLINE inline __m512i mul_add_shift_even(__m512i u1, __m512i t, __m512i m, __m512i sh) {
   const __m512i y = _mm512_add_epi64(_mm512_mul_epi32(u1, m), _mm512_srli_epi64(_mm512_mul_epi32(t, m), 16));
   return _mm512_srav_epi64(y, _mm512_and_si512(sh, _mm512_set1_epi64(0xFFFFFFFF)));
 }
 }  // namespace lanes_detail
 
-inline I32x16 mul_add_shift32(I32x16 u1, I32x16 t, I32x16 m, I32x16 sh) {
+QGRU_INLINE inline I32x16 mul_add_shift32(I32x16 u1, I32x16 t, I32x16 m, I32x16 sh) {
   const __m512i even = lanes_detail::mul_add_shift_even(u1.v, t.v, m.v, sh.v);
   const __m512i odd = lanes_detail::mul_add_shift_even(_mm512_srli_epi64(u1.v, 32), _mm512_srli_epi64(t.v, 32),
                                                        _mm512_srli_epi64(m.v, 32), _mm512_srli_epi64(sh.v, 32));
-  return _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+  return _mm512_mask_shuffle_epi32(even, 0xAAAA, odd, _MM_PERM_CDAB);
 }
 
 QGRU_ISA_END
