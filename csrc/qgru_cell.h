@@ -302,6 +302,13 @@ struct Table32 {  // tables.lookup in int32 lanes, on the packed entries of Tabl
 };
 QGRU_ISA_BEGIN
 
+// The entry (segment) of table t that holds input q: (q - in_min) >> k. The one definition for
+// every lookup form (lookup32, lookup32_at, and the lane files' table_entry_at).
+template <typename V = int32_t>
+QGRU_HD QGRU_INLINE V table_index(const Table32& t, V q) {
+  return (q - t.in_min) >> t.k;
+}
+
 // Entry i of a packed table: T[i] (lo) and T[i+1] - T[i] (diff), one 64-bit load (one gather lane).
 QGRU_HD void table_entry(const int64_t* packed, int32_t i, int32_t& lo, int32_t& diff) {
   const int64_t e = packed[i];
@@ -322,15 +329,14 @@ QGRU_HD QGRU_INLINE V interpolate32(const Table32& t, V u, V lo, V diff) {
 
 template <typename V = int32_t>
 QGRU_HD QGRU_INLINE V lookup32(const Table32& t, V q) {
-  const V u = q - t.in_min;
   V lo, diff;
-  table_entry(t.packed, u >> t.k, lo, diff);
-  return interpolate32<V>(t, u, lo, diff);
+  table_entry(t.packed, table_index<V>(t, q), lo, diff);
+  return interpolate32<V>(t, q - t.in_min, lo, diff);
 }
 
-// Entry (q[l] - in_min) >> k of each lane l, from the lanes' values stored at q.
+// The entry table_index(q[l]) of each lane l, from the lanes' values stored at q.
 QGRU_HD void table_entry_at(const Table32& t, const int32_t* q, int32_t& lo, int32_t& diff) {
-  table_entry(t.packed, (*q - t.in_min) >> t.k, lo, diff);
+  table_entry(t.packed, table_index(t, *q), lo, diff);
 }
 
 // lookup32 of the lanes' values stored at q, the same integers. A vector type's table_entry_at

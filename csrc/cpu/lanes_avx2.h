@@ -69,53 +69,47 @@ QGRU_INLINE inline I32x8 wide_mul_shift32(I32x8 a, I32x8 d, I32x8 m, I32x8 sh) {
   return _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
 }
 
-// table_entry per lane, in one of two ways; the including kernel file picks (each file compiles
-// its own copy of these functions, QGRU_ISA):
-// * QGRU_LANES_SCALAR_TABLE defined (kernel_avx2.cpp): the eight indices stored, eight scalar
-//   64-bit loads, the entries made into two vectors. The avx2 path's CPUs (AMD Zen 1-3, Intel
-//   Haswell and Broadwell, Skylake to Tiger Lake under the Gather Data Sampling microcode, which
-//   slows their gathers several-fold) gather slowly: on a Zen 3 EPYC, 8 lookups from a
-//   1025-entry table took 4.3-4.6 ns this way against 7.7-8.3 ns with the gathers below (same
-//   binary, best of 200 rounds, 2026-11-26).
-// * otherwise: two 4-lane 64-bit gathers.
-// Either way the low halves (T[i]) and high halves (T[i+1] - T[i]) of each 4-entry vector go to
-// its two 128-bit halves, then the halves are paired up.
-QGRU_INLINE inline void table_entry(const int64_t* packed, I32x8 i, I32x8& lo, I32x8& diff) {
-#if defined(QGRU_LANES_SCALAR_TABLE)
-  alignas(32) int32_t at[8];
-  _mm256_store_si256((__m256i*)at, i.v);
-  // the entries straight into registers (vmovq / vpinsrq / vinserti128): stored to memory and
-  // reloaded as vectors, each reload would wait on four smaller stores (no store forwarding)
-  const __m256i e0 = _mm256_set_epi64x(packed[at[3]], packed[at[2]], packed[at[1]], packed[at[0]]);
-  const __m256i e1 = _mm256_set_epi64x(packed[at[7]], packed[at[6]], packed[at[5]], packed[at[4]]);
-#else
-  const __m256i e0 = _mm256_i32gather_epi64((const long long*)packed, _mm256_castsi256_si128(i.v), 8);
-  const __m256i e1 = _mm256_i32gather_epi64((const long long*)packed, _mm256_extracti128_si256(i.v, 1), 8);
-#endif
+namespace lanes_detail {
+// Eight packed entries (e0: lanes 0-3, e1: lanes 4-7) split into their low halves (T[i]) and
+// high halves (T[i+1] - T[i]): each 4-entry vector's to its two 128-bit halves, then paired up.
+QGRU_INLINE inline void split_entries(__m256i e0, __m256i e1, I32x8& lo, I32x8& diff) {
   const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   const __m256i p0 = _mm256_permutevar8x32_epi32(e0, split), p1 = _mm256_permutevar8x32_epi32(e1, split);
   lo = _mm256_permute2x128_si256(p0, p1, 0x20);
   diff = _mm256_permute2x128_si256(p0, p1, 0x31);
 }
+}  // namespace lanes_detail
 
-// table_entry_at per lane (qgru_cell.h lookup32_at: the lanes' values stored at q): with
-// QGRU_LANES_SCALAR_TABLE the indices computed from scalar loads of q (values a previous pass
-// stored, so no store forwarding from one wide store to eight narrow loads to wait on), else
-// table_entry of the indices computed in the lanes.
+// table_entry per lane: two 4-lane 64-bit gathers.
+QGRU_INLINE inline void table_entry(const int64_t* packed, I32x8 i, I32x8& lo, I32x8& diff) {
+  lanes_detail::split_entries(_mm256_i32gather_epi64((const long long*)packed, _mm256_castsi256_si128(i.v), 8),
+                              _mm256_i32gather_epi64((const long long*)packed, _mm256_extracti128_si256(i.v, 1), 8),
+                              lo, diff);
+}
+
+// table_entry_at per lane (qgru_cell.h lookup32_at: the lanes' values stored at q), in one of two
+// ways; the including kernel file picks (each file compiles its own copy of these functions,
+// QGRU_ISA):
+// * QGRU_LANES_SCALAR_TABLE defined (kernel_avx2.cpp): eight scalar index loads from q (values a
+//   previous pass stored, so no store forwarding from one wide store to eight narrow loads to
+//   wait on) and eight scalar 64-bit entry loads straight into registers (vmovq / vpinsrq /
+//   vinserti128). The avx2 path's CPUs (AMD Zen 1-3, Intel Haswell and Broadwell, Skylake to
+//   Tiger Lake under the Gather Data Sampling microcode, which slows their gathers several-fold)
+//   gather slowly: on a Zen 3 EPYC, 8 lookups from a 1025-entry table took 4.3-4.6 ns with scalar
+//   loads against 7.7-8.3 ns with the gathers of table_entry (same binary, best of 200 rounds,
+//   2026-11-26).
+// * otherwise: table_entry of the indices computed in the lanes.
 QGRU_INLINE inline void table_entry_at(const Table32& t, const int32_t* q, I32x8& lo, I32x8& diff) {
 #if defined(QGRU_LANES_SCALAR_TABLE)
   const int64_t* p = t.packed;
-  const int32_t in_min = t.in_min, k = t.k;
-  const __m256i e0 = _mm256_set_epi64x(p[(q[3] - in_min) >> k], p[(q[2] - in_min) >> k], p[(q[1] - in_min) >> k],
-                                       p[(q[0] - in_min) >> k]);
-  const __m256i e1 = _mm256_set_epi64x(p[(q[7] - in_min) >> k], p[(q[6] - in_min) >> k], p[(q[5] - in_min) >> k],
-                                       p[(q[4] - in_min) >> k]);
-  const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-  const __m256i p0 = _mm256_permutevar8x32_epi32(e0, split), p1 = _mm256_permutevar8x32_epi32(e1, split);
-  lo = _mm256_permute2x128_si256(p0, p1, 0x20);
-  diff = _mm256_permute2x128_si256(p0, p1, 0x31);
+  lanes_detail::split_entries(
+      _mm256_set_epi64x(p[table_index(t, q[3])], p[table_index(t, q[2])], p[table_index(t, q[1])],
+                        p[table_index(t, q[0])]),
+      _mm256_set_epi64x(p[table_index(t, q[7])], p[table_index(t, q[6])], p[table_index(t, q[5])],
+                        p[table_index(t, q[4])]),
+      lo, diff);
 #else
-  table_entry(t.packed, (I32x8::load(q) - I32x8(t.in_min)) >> t.k, lo, diff);
+  table_entry(t.packed, table_index<I32x8>(t, I32x8::load(q)), lo, diff);
 #endif
 }
 

@@ -76,14 +76,20 @@ QGRU_INLINE inline I32x16 wide_mul_shift32(I32x16 a, I32x16 d, I32x16 m, I32x16 
   return _mm512_mask_shuffle_epi32(even, 0xAAAA, odd, _MM_PERM_CDAB);
 }
 
-// table_entry per lane: two 8-lane 64-bit gathers, then the low halves (T[i]) and the high
-// halves (T[i+1] - T[i]) of the 16 entries each into one register.
-QGRU_INLINE inline void table_entry(const int64_t* packed, I32x16 i, I32x16& lo, I32x16& diff) {
-  const __m512i e0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(i.v), packed, 8);
-  const __m512i e1 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(i.v, 1), packed, 8);
+namespace lanes_detail {
+// Sixteen packed entries (e0: lanes 0-7, e1: lanes 8-15) split into their low halves (T[i]) and
+// high halves (T[i+1] - T[i]), each into one register.
+QGRU_INLINE inline void split_entries(__m512i e0, __m512i e1, I32x16& lo, I32x16& diff) {
   const __m512i low = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   lo = _mm512_permutex2var_epi32(e0, low, e1);
   diff = _mm512_permutex2var_epi32(e0, _mm512_add_epi32(low, _mm512_set1_epi32(1)), e1);
+}
+}  // namespace lanes_detail
+
+// table_entry per lane: two 8-lane 64-bit gathers.
+QGRU_INLINE inline void table_entry(const int64_t* packed, I32x16 i, I32x16& lo, I32x16& diff) {
+  lanes_detail::split_entries(_mm512_i32gather_epi64(_mm512_castsi512_si256(i.v), packed, 8),
+                              _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(i.v, 1), packed, 8), lo, diff);
 }
 
 // table_entry_at per lane (qgru_cell.h lookup32_at: the lanes' values stored at q), in one of two
@@ -98,17 +104,15 @@ QGRU_INLINE inline void table_entry(const int64_t* packed, I32x16 i, I32x16& lo,
 QGRU_INLINE inline void table_entry_at(const Table32& t, const int32_t* q, I32x16& lo, I32x16& diff) {
 #if defined(QGRU_LANES_SCALAR_TABLE)
   const int64_t* p = t.packed;
-  const int32_t in_min = t.in_min, k = t.k;
   __m128i x[8];
   for (int l = 0; l < 8; ++l)
-    x[l] = _mm_insert_epi64(_mm_cvtsi64_si128(p[(q[2 * l] - in_min) >> k]), p[(q[2 * l + 1] - in_min) >> k], 1);
-  const __m512i e0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(x[1], x[0])), _mm256_set_m128i(x[3], x[2]), 1);
-  const __m512i e1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(x[5], x[4])), _mm256_set_m128i(x[7], x[6]), 1);
-  const __m512i low = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  lo = _mm512_permutex2var_epi32(e0, low, e1);
-  diff = _mm512_permutex2var_epi32(e0, _mm512_add_epi32(low, _mm512_set1_epi32(1)), e1);
+    x[l] = _mm_insert_epi64(_mm_cvtsi64_si128(p[table_index(t, q[2 * l])]), p[table_index(t, q[2 * l + 1])], 1);
+  lanes_detail::split_entries(
+      _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(x[1], x[0])), _mm256_set_m128i(x[3], x[2]), 1),
+      _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(x[5], x[4])), _mm256_set_m128i(x[7], x[6]), 1),
+      lo, diff);
 #else
-  table_entry(t.packed, (I32x16::load(q) - I32x16(t.in_min)) >> t.k, lo, diff);
+  table_entry(t.packed, table_index<I32x16>(t, I32x16::load(q)), lo, diff);
 #endif
 }
 
