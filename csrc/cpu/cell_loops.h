@@ -151,14 +151,16 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
                              int64_t rows,
                              const uint8_t* __restrict active, const int32_t* __restrict x,
                              const int32_t* __restrict acc_h, int32_t* __restrict s, int32_t* __restrict o,
-                             const A* __restrict h_in, A* __restrict h_out, int64_t lda) {
+                             const A* __restrict h_in, A* __restrict h_out, int64_t lda, float* __restrict y,
+                             double y_scale, double y_zp) {
   constexpr int64_t W = kTaskUnits, gs = kTileRows * W;  // gs: from one gate's tile rows to the next's
   const int64_t H = p.H;
   // gate q of row r, channel c: W.x at x[r * xr + q * xs + c], R.h at acc_h[r * W + q * gs + c]
   const int64_t xs = XACC ? gs : H, xr = XACC ? W : 3 * H;
   if (!XACC) x += j0;
-  s += j0;  // row r's state and output channel c: s[r * H + c], o[r * H + c]
-  o += j0;
+  s += j0;  // row r's state and output channel c: s[r * H + c], o[r * H + c] (or y[r * H + c])
+  const bool int_out = o != nullptr;
+  if (int_out) o += j0;
   if constexpr (ACC32) {
     const Cell32 c32 = p.c32;
     const int32_t* fields = cell32_channel<ACC32>(p, j0).at;  // channel j0 + c's at fields + c
@@ -211,7 +213,7 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
       const V h_new = new_state32<POW2, V>(c32, lookup32_at<V>(c32.table[2], g_pre + rh + c),
                                            lanes_load<V>(d_z + rh + c), lanes_load<V>(s + rs + c));
       lanes_store(s + rs + c, h_new);
-      lanes_store(o + rs + c, h_new);
+      if (int_out) lanes_store(o + rs + c, h_new);
     };
 #if defined(QGRU_CELL_LANES)
     using VL = QGRU_CELL_LANES;
@@ -260,7 +262,7 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
             p, j, Channel32{nullptr}, acc_h[rh + c], acc_h[rh + gs + c], acc_h[rh + 2 * gs + c],
             d_wx(0, j, x[rx + c]), d_wx(1, j, x[rx + xs + c]), d_wx(2, j, x[rx + 2 * xs + c]), s[rs + c]);
         s[rs + c] = h_new;
-        o[rs + c] = h_new;
+        if (int_out) o[rs + c] = h_new;
       }
     }
   }
@@ -279,9 +281,20 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
       for (int64_t c = 0; c < nj; ++c) h_out[ra + c] = (A)s[rs + c];  // h's one limb: the value itself
     } else {
       for (int64_t c = 0; c < nj; ++c) {
-        o[rs + c] = s[rs + c];
+        if (int_out) o[rs + c] = s[rs + c];
         h_out[ra + c] = h_in[ra + c];
       }
+    }
+  }
+  // the output as floats (every row's: an inactive row's is its carried state), while s is in L1:
+  // no int32 output to write and read back in a pass of its own (issue 40: that pass was 2-4% of
+  // a call)
+  if (y != nullptr) {
+    y += j0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t rs = r * H;
+#pragma omp simd
+      for (int64_t c = 0; c < nj; ++c) y[rs + c] = dequantize_value(s[rs + c], y_scale, y_zp);
     }
   }
 }
@@ -293,7 +306,7 @@ void cell_tile_t(const CellTileArgs& a) {
   if (a.wide) {  // wide accumulators: the int32 cell (acc32 is set too)
 #define QGRU_CELL_TILE_WIDE(P2, XA)                                                                          \
   cell_tile<P2, true, XA, A, true>(*a.p, *a.wx, *a.wx32, a.level, a.level0_static != 0, a.j0, a.nj, a.rows, \
-                                   a.active, a.x, a.acc_h, a.s, a.o, h_in, h_out, a.lda)
+                                   a.active, a.x, a.acc_h, a.s, a.o, h_in, h_out, a.lda, a.y, a.y_scale, a.y_zp)
     if (a.pow2) {
       if (a.xacc) QGRU_CELL_TILE_WIDE(true, true);
       else QGRU_CELL_TILE_WIDE(true, false);
@@ -306,8 +319,7 @@ void cell_tile_t(const CellTileArgs& a) {
   }
 #define QGRU_CELL_TILE(P2, A32, XA)                                                                       \
   cell_tile<P2, A32, XA, A>(*a.p, *a.wx, *a.wx32, a.level, a.level0_static != 0, a.j0, a.nj, a.rows, a.active, a.x, \
-                            a.acc_h, a.s, a.o,                                                                   \
-                            h_in, h_out, a.lda)
+                            a.acc_h, a.s, a.o, h_in, h_out, a.lda, a.y, a.y_scale, a.y_zp)
   if (a.acc32 && a.pow2) {
     if (a.xacc) QGRU_CELL_TILE(true, true, true);
     else QGRU_CELL_TILE(true, true, false);

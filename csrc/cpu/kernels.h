@@ -69,7 +69,7 @@ struct CellTileArgs {
   const int32_t* x;         // xacc: W.x tiles [3][16][kTaskUnits]; else the rows' Wx - Z_Wx [rows, 3H]
   const int32_t* acc_h;     // R.h tiles [3][16][kTaskUnits]
   int32_t* s;               // the rows' state, row stride H
-  int32_t* o;               // the rows' output, row stride H
+  int32_t* o;               // the rows' output, row stride H (nullptr: y takes it)
   const void* h_in;         // this step's h as one activation limb, row stride lda
   void* h_out;              // the next step's
   int64_t lda;
@@ -84,6 +84,10 @@ struct CellTileArgs {
   // wide accumulators (a 16-bit operand taken whole; acc32 set too): cell_tile's WIDE form, which
   // reads the requantization fields in their wide form (qgru_cell.h requant_wide32)
   int wide;
+  // y (not nullptr): the rows' output as floats, primitives.dequantize with y_scale and y_zp (row
+  // stride H; the last layer of a stack), written instead of the int32 output o (then nullptr)
+  float* y = nullptr;
+  double y_scale = 1.0, y_zp = 0.0;
 };
 
 // W.x requantization of rows [r0, r1): dwx[r][c] = Wx - Z_Wx from the limb products.

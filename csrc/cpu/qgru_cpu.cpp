@@ -314,10 +314,12 @@ struct Gemm {
   }
 };
 
-// Where run_into also writes the final state as floats (primitives.dequantize on the state's
-// grid): [N, H] at `out`, or nowhere (out nullptr).
+// Where run_into also writes floats (primitives.dequantize on the state's grid): the final state
+// [N, H] at `out` (nullptr: nowhere), and every step's output [T, N, H] at `seq` instead of the
+// int32 output (nullptr: the int32 output; a stack's last layer, whose int32 output nothing reads).
 struct StateFloats {
   float* out = nullptr;
+  float* seq = nullptr;
   double scale = 1.0;
   double zp = 0.0;
 };
@@ -463,7 +465,9 @@ class CpuLayer {
   // initial state, updated in place), len [N] or nullptr, lev [T, N] or nullptr, out [T, N, H]
   // written; none of them used after the call returns. floats: where the final state's floats
   // go (the fused path writes them in its last step's tasks, while they are in cache and on
-  // every thread, not in a serial pass after the parallel region); true if they were written.
+  // every thread, not in a serial pass after the parallel region; floats.seq: every step's, the
+  // int32 output `out` then unused); true if they were written (the fused path), else the int32
+  // output and the state hold them.
   bool run_into(const int32_t* qx, int64_t T, int64_t N, int32_t* state, const int64_t* len, const int32_t* lev,
                 int32_t* out, StateFloats floats = StateFloats{}) {
     if (T == 1 && N == 1)
@@ -496,12 +500,12 @@ class CpuLayer {
       if (fused_) {
         // the final state's floats in the call's last step
         fused_steps(t0, tc, N, state, out, len, wx_in_step, wx_in_step ? lev : nullptr,
-                    t0 + tc == T ? floats : StateFloats{});
+                    StateFloats{t0 + tc == T ? floats.out : nullptr, floats.seq, floats.scale, floats.zp});
       } else {
         recurrent_steps(t0, tc, N, state, out, len);
       }
     }
-    return fused_ && floats.out != nullptr;
+    return fused_ && (floats.out != nullptr || floats.seq != nullptr);
   }
 
  private:
@@ -599,7 +603,8 @@ class CpuLayer {
   // ws_.dwx), and then the cell on them while they are in L1.
   // level (xacc, a layer with x levels): every token's, at t N + n; else nullptr.
   // floats.out (not nullptr): step t0 + tc - 1's tasks also write their rows' and units' new state
-  // as floats there.
+  // as floats there; floats.seq (not nullptr): every step's tasks write their output as floats
+  // there (seq + t N H), not into `out`.
   void fused_steps(int64_t t0, int64_t tc, int64_t N, int32_t* state, int32_t* out, const int64_t* lengths,
                    bool xacc, const int32_t* level, StateFloats floats = StateFloats{}) {
     constexpr int64_t W = kTaskUnits, T16 = kTileRows;
@@ -653,7 +658,8 @@ class CpuLayer {
         char* h_out = static_cast<char*>(ws_.h_fused[1 - cur][0].data_ptr());
         const char* x_t = xacc ? x_base + (t - t0) * N * ldx * ab : nullptr;
         const int32_t* dwx_t = xacc ? nullptr : ws_.dwx.data_ptr<int32_t>() + (t - t0) * N * 3 * H;
-        int32_t* out_t = out + t * N * H;
+        int32_t* out_t = floats.seq == nullptr ? out + t * N * H : nullptr;
+        float* seq_t = floats.seq == nullptr ? nullptr : floats.seq + t * N * H;
         StepCounters& step = counters[t - t0];
         for (int64_t m = 0; m < threads; ++m) {
           TaskSlot& share = slots[(t - t0) * threads + (home + m) % threads];
@@ -670,10 +676,11 @@ class CpuLayer {
             for (int64_t r = 0; r < rows; ++r) active[r] = lengths == nullptr || t < lengths[n0 + r];
             // rows on level 0 (the static grid, level0_static_): the cell as without levels
             k_->cell_tile(cpu::CellTileArgs{&cell_, &acc_x_, j0, nj, rows, active, xacc ? acc_x : dwx_t + n0 * 3 * H,
-                                           acc_h, state + n0 * H, out_t + n0 * H, h_in + n0 * lda * ab,
-                                           h_out + n0 * lda * ab, lda, pow2_, acc32_, xacc, &acc_x32_,
-                                           level != nullptr ? level + t * N + n0 : nullptr, level0_static_ ? 1 : 0,
-                                           wide_ ? 1 : 0});
+                                           acc_h, state + n0 * H, out_t != nullptr ? out_t + n0 * H : nullptr,
+                                           h_in + n0 * lda * ab, h_out + n0 * lda * ab, lda, pow2_, acc32_, xacc,
+                                           &acc_x32_, level != nullptr ? level + t * N + n0 : nullptr,
+                                           level0_static_ ? 1 : 0, wide_ ? 1 : 0,
+                                           seq_t != nullptr ? seq_t + n0 * H : nullptr, floats.scale, floats.zp});
             if (floats.out != nullptr && t == t0 + tc - 1)
               for (int64_t r = 0; r < rows; ++r) {
                 const int32_t* sr = state + (n0 + r) * H + j0;
@@ -990,6 +997,8 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<std::shared_p
   // h0 is read and h_n written in place, layer by layer (no per-layer views of them)
   const at::Tensor h0c = float_contiguous(h0, "h0");
   at::Tensor h_n = at::empty({L, N, H}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor y = at::empty({T, N, H}, at::TensorOptions().dtype(at::kFloat));
+  bool y_written = false;  // by the last layer's fused steps
   int32_t* out = s_out.get(T * N * H);
   int32_t* state = s_state.get(N * H);  // each layer's own, updated
   for (int64_t l = 0; l < L; ++l) {
@@ -1003,16 +1012,21 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<std::shared_p
     quantize_into(h0c, l * N * H, N * H, q[l][3], (int64_t)q[l][4], (int64_t)q[l][5], "h0", k, state);
     if (tq >= 0) add_phase(kPhQuantize, now_ns() - tq);
     float* h_l = h_n.data_ptr<float>() + l * N * H;
-    // the fused path writes h_n's floats in its last step's tasks; else one pass here
-    if (!layers[l]->run_into(qx, T, N, state, nullptr, l == 0 ? level : nullptr, out,
-                             StateFloats{h_l, q[l][3], (double)(int64_t)q[l][4]})) {
+    // the fused path writes h_n's floats in its last step's tasks, and the last layer's output as
+    // floats in every step's (its int32 output is then not written: nothing reads it); else one
+    // pass here, and one for the output below
+    const bool last = l == L - 1;
+    const bool floats = layers[l]->run_into(
+        qx, T, N, state, nullptr, l == 0 ? level : nullptr, out,
+        StateFloats{h_l, last && T > 0 ? y.data_ptr<float>() : nullptr, q[l][3], (double)(int64_t)q[l][4]});
+    if (!floats) {
       const PhaseScope deq(kPhDequantize);
       dequantize_into(state, N * H, q[l][3], (int64_t)q[l][4], h_l);
     }
+    if (last) y_written = floats;
   }
   const PhaseScope deq(kPhDequantize);
-  at::Tensor y = at::empty({T, N, H}, at::TensorOptions().dtype(at::kFloat));
-  if (T > 0) {
+  if (T > 0 && !y_written) {
     // the last step's output is the last layer's final state (no padding here): h_n's floats
     dequantize_into(out, (T - 1) * N * H, q[L - 1][3], (int64_t)q[L - 1][4], y.data_ptr<float>());
     std::copy_n(h_n.data_ptr<float>() + (L - 1) * N * H, N * H, y.data_ptr<float>() + (T - 1) * N * H);
