@@ -147,20 +147,35 @@ QGRU_HD int32_t mul_hi32(int32_t a, int32_t b) { return (int32_t)(((int64_t)a * 
 // v * 2^k without the undefined behaviour of shifting a negative value (the bounds keep it exact).
 QGRU_HD int32_t shl32(int32_t v, int32_t k) { return (int32_t)((uint32_t)v << k); }
 
-// rounding_mul_shift of v in int32 lanes: pow2, ((v << lsh) >> rsh + 1) >> 1 (m unused);
-// multiplier, (mul_hi32(v << lsh, m) >> rsh + 1) >> 1 (see AccRequant32 for both identities).
+// mul_hi32(a, *m) per lane, the lanes' multipliers at m (an array of at least lanes + 1 values: a
+// vector type may read its odd lanes' multipliers one lane on, lanes_avx512.h).
+QGRU_HD int32_t mul_hi32_at(int32_t a, const int32_t* m) { return mul_hi32(a, *m); }
+
+// rounding_mul_shift of v in int32 lanes: pow2, ((v << lsh) >> rsh + 1) >> 1 (mul unused);
+// multiplier, (mul(v << lsh) >> rsh + 1) >> 1 with mul(u) = mul_hi32(u, m) (see AccRequant32 for
+// both identities).
+template <bool POW2, typename V, typename Mul>
+QGRU_HD QGRU_INLINE V rescale32_by(V v, V lsh, V rsh, Mul mul) {
+  const V u = shl32(v, lsh);
+  return ((POW2 ? u >> rsh : mul(u) >> rsh) + 1) >> 1;
+}
+
 template <bool POW2, typename V = int32_t>
 QGRU_HD QGRU_INLINE V rescale32(V v, V m, V lsh, V rsh) {
-  const V u = shl32(v, lsh);
-  return ((POW2 ? u >> rsh : mul_hi32(u, m) >> rsh) + 1) >> 1;
+  return rescale32_by<POW2, V>(v, lsh, rsh, [m](V u) { return mul_hi32(u, m); });
 }
 
 // The int32 requantization of one accumulator from its channel's fields (AccRequant32's meaning
-// of a0, a1, rsh per form; m only in multiplier form).
+// of a0, a1, rsh per form; mul(u) = mul_hi32(u, m) only in multiplier form).
+template <bool POW2, typename V, typename Mul>
+QGRU_HD QGRU_INLINE V requant32_by(V product, V a0, V a1, V rsh, V zp, Mul mul, int32_t lo, int32_t hi) {
+  const V v = POW2 ? ((product + a1) >> rsh) + a0 : mul(shl32(product + a0, a1)) >> rsh;
+  return clamp32(((v + 1) >> 1) + zp, lo, hi) - zp;
+}
+
 template <bool POW2, typename V = int32_t>
 QGRU_HD QGRU_INLINE V requant32(V product, V a0, V a1, V rsh, V zp, V m, int32_t lo, int32_t hi) {
-  const V v = POW2 ? ((product + a1) >> rsh) + a0 : mul_hi32(shl32(product + a0, a1), m) >> rsh;
-  return clamp32(((v + 1) >> 1) + zp, lo, hi) - zp;
+  return requant32_by<POW2, V>(product, a0, a1, rsh, zp, [m](V u) { return mul_hi32(u, m); }, lo, hi);
 }
 
 template <bool POW2>
@@ -244,8 +259,8 @@ QGRU_ISA_BEGIN
 //   the result fits int32 beside the other terms).
 //
 // Every per-channel value the int32 cell reads (the rescales' shifts, multipliers and the int32
-// requantization of Wx and Rh for each gate, 47 in all; pow2 layers leave the multiplier-only
-// fields at 0) lives in one channel-blocked array, [ceil(H / 128)][field][128]
+// requantization of Wx and Rh for each gate, 47 in all, then a padding row; pow2 layers leave the
+// multiplier-only fields at 0) lives in one channel-blocked array, [ceil(H / 128)][field][128]
 // (qgru/native.py, CELL32_FIELDS, in the order of Cell32Field). A CPU loop over the channels of
 // one block then reads every field at a constant offset from one pointer. As 35 separate arrays
 // they took 35 base registers, which gcc kept on the stack and reloaded in every iteration
@@ -263,7 +278,9 @@ enum Cell32Field : int {
   kMult = 35,       // multiplier form only: m of the rescale whose lsh is field f at kMult + f / 2
                     // (f = kRWxLsh ... kGWxLsh), of r * Rh_g at kMult + 5, of gate q's Rh
                     // requantization at kMult + 6 + q and of its Wx requantization at kMult + 9 + q
-  kCell32Fields = 47
+  kPad = 47,        // zeros: a vector's read of the last multiplier field one lane on (mul_hi32_at)
+                    // stays inside the array
+  kCell32Fields = 48
 };
 
 struct Channel32 {  // one channel's fields: field f at at[f * kCell32Block]
@@ -279,20 +296,27 @@ QGRU_HD Channel32 channel32(const int32_t* blocked, int64_t j) {
   return Channel32{blocked + (j / kCell32Block) * (kCell32Fields * kCell32Block) + j % kCell32Block};
 }
 
+// mul_hi32(u, m) with m the channels' multiplier field f (mul_hi32_at: the padding field after the
+// last one keeps the read one lane on inside the array).
+template <typename V>
+QGRU_HD QGRU_INLINE V mul_hi32_field(V u, Channel32 c, int f) {
+  return mul_hi32_at(u, c.at + f * kCell32Block);
+}
+
 // The int32 requantization of gate q's accumulator (group kRhRequant or kWxRequant).
 template <bool POW2, typename V = int32_t>
 QGRU_HD QGRU_INLINE V requant32_at(Channel32 c, int group, int q, V product, int32_t lo, int32_t hi) {
-  const int f = group + 4 * q;
-  const V m = POW2 ? V(0) : field<V>(c, kMult + 6 + (group - kRhRequant) / 4 + q);
-  return requant32<POW2, V>(product, field<V>(c, f), field<V>(c, f + 1), field<V>(c, f + 2), field<V>(c, f + 3), m,
-                            lo, hi);
+  const int f = group + 4 * q, fm = kMult + 6 + (group - kRhRequant) / 4 + q;
+  return requant32_by<POW2, V>(product, field<V>(c, f), field<V>(c, f + 1), field<V>(c, f + 2), field<V>(c, f + 3),
+                               [c, fm](V u) { return mul_hi32_field<V>(u, c, fm); }, lo, hi);
 }
 
 // The rescale whose shifts are fields lsh_field (lsh) and lsh_field + 1 (rsh).
 template <bool POW2, typename V = int32_t>
 QGRU_HD QGRU_INLINE V apply32(Channel32 c, int lsh_field, V v) {
-  return rescale32<POW2, V>(v, POW2 ? V(0) : field<V>(c, kMult + lsh_field / 2), field<V>(c, lsh_field),
-                            field<V>(c, lsh_field + 1));
+  const int fm = kMult + lsh_field / 2;
+  return rescale32_by<POW2, V>(v, field<V>(c, lsh_field), field<V>(c, lsh_field + 1),
+                               [c, fm](V u) { return mul_hi32_field<V>(u, c, fm); });
 }
 
 QGRU_ISA_END

@@ -343,8 +343,10 @@ struct LayerTensors {
         lo = pow2 ? 1 : 0, hi = pow2 ? 30 : rsh_hi;  // R (pow2) or rsh of a requantization
       } else if (f < kMult && (f - kRhRequant) % 4 == 1 && !pow2) {
         lo = 0, hi = lsh_hi;  // lsh of a requantization (wide: B0)
-      } else if (f >= kMult) {
+      } else if (f >= kMult && f < kPad) {
         lo = 0;  // multipliers (0 in pow2 layers)
+      } else if (f == kPad) {
+        lo = hi = 0;  // the padding row
       }
       check_values("c32_channels field " + std::to_string(f), c[f], lo, hi);
     }

@@ -46,6 +46,13 @@ QGRU_INLINE inline I32x8 mul_hi32(I32x8 a, I32x8 b) {
   return _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
 }
 
+// mul_hi32 with the lanes' multipliers at m, the odd lanes' loaded one lane on (lanes_avx512.h).
+QGRU_INLINE inline I32x8 mul_hi32_at(I32x8 a, const int32_t* m) {
+  const __m256i even = _mm256_mul_epi32(a.v, _mm256_loadu_si256((const __m256i*)m));
+  const __m256i odd = _mm256_mul_epi32(_mm256_srli_epi64(a.v, 32), _mm256_loadu_si256((const __m256i*)(m + 1)));
+  return _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
 namespace lanes_detail {
 // (int32)(floor(y m / 2^16) >> sh) for the even lanes, in 64-bit lanes. The two shifts by 16 may
 // be logical: vpmuldq reads only the low 32 bits of y >> 16 (|y >> 16| < 2^17: the same bits

@@ -465,6 +465,7 @@ CELL32_FIELDS = (
     "z_from_rh_lsh", "z_from_rh_rsh", "g_from_wx_lsh", "g_from_wx_rsh", "g_from_rrh_rsh",
     *(f"{acc}_{f}:{q}" for acc in ("Rh", "Wx") for q in range(3) for f in ("bias_hi", "bias_lo", "rshift", "zp32")),
     *(f"{name}_m" for name in MULT_RESCALES), *(f"{acc}_mult32:{q}" for acc in ("Rh", "Wx") for q in range(3)),
+    "_pad",  # zeros (csrc kPad): a vector reads the last multiplier field one lane on
 )
 CELL32_BLOCK = 128  # csrc kCell32Block
 
@@ -475,7 +476,7 @@ def _channel_blocks(parts: Dict[str, torch.Tensor], H: int) -> torch.Tensor:
     rows = []
     for name in CELL32_FIELDS:
         key, _, q = name.partition(":")
-        x = parts[key]
+        x = parts[key] if key != "_pad" else torch.zeros(H, dtype=torch.int32, device=parts["Rh_zp32"].device)
         rows.append(x[int(q) * H:(int(q) + 1) * H] if q else x)
     fields = torch.stack(rows)  # [F, H]
     blocks = -(-H // CELL32_BLOCK)
