@@ -166,16 +166,19 @@ QGRU_HD QGRU_INLINE V rescale32(V v, V m, V lsh, V rsh) {
 }
 
 // The int32 requantization of one accumulator from its channel's fields (AccRequant32's meaning
-// of a0, a1, rsh per form; mul(u) = mul_hi32(u, m) only in multiplier form).
+// of a0, a1, rsh per form; mul(u) = mul_hi32(u, m) only in multiplier form), relative to its zero
+// point Z: clamp(round + Z, lo, hi) - Z, taken as clamp(round, lo - Z, hi - Z) from lo_z = lo - Z
+// and hi_z = hi - Z (the same integers, every term far inside int32; the channel fields hold lo_z
+// and hi_z themselves: two vector instructions fewer per requantization).
 template <bool POW2, typename V, typename Mul>
-QGRU_HD QGRU_INLINE V requant32_by(V product, V a0, V a1, V rsh, V zp, Mul mul, int32_t lo, int32_t hi) {
+QGRU_HD QGRU_INLINE V requant32_by(V product, V a0, V a1, V rsh, Mul mul, V lo_z, V hi_z) {
   const V v = POW2 ? ((product + a1) >> rsh) + a0 : mul(shl32(product + a0, a1)) >> rsh;
-  return clamp32(((v + 1) >> 1) + zp, lo, hi) - zp;
+  return clamp32((v + 1) >> 1, lo_z, hi_z);
 }
 
 template <bool POW2, typename V = int32_t>
 QGRU_HD QGRU_INLINE V requant32(V product, V a0, V a1, V rsh, V zp, V m, int32_t lo, int32_t hi) {
-  return requant32_by<POW2, V>(product, a0, a1, rsh, zp, [m](V u) { return mul_hi32(u, m); }, lo, hi);
+  return requant32_by<POW2, V>(product, a0, a1, rsh, [m](V u) { return mul_hi32(u, m); }, V(lo) - zp, V(hi) - zp);
 }
 
 template <bool POW2>
@@ -272,15 +275,17 @@ enum Cell32Field : int {
   kZWxLsh, kZWxRsh, kZRhLsh, kZRhRsh,  // the same for z: kRWxLsh + 4 gate, gate 0 r, 1 z
   kGWxLsh, kGWxRsh,
   kGRRhRsh,         // r * Rh_g -> g_pre: pow2, R (>= 8; no left shift); multiplier, s - 17
-  kRhRequant = 11,  // Rh of gate q (0 r, 1 z, 2 g): kRhRequant + 4 q + {0 bias_hi, 1 bias_lo, 2 R, 3 zp}
-                    // (multiplier: {0 bias, 1 lsh, 2 rsh, 3 zp}, see AccRequant32)
+  kRhRequant = 11,  // Rh of gate q (0 r, 1 z, 2 g): kRhRequant + 4 q + {0 bias_hi, 1 bias_lo, 2 R, 3 lo_z}
+                    // (multiplier: {0 bias, 1 lsh, 2 rsh, 3 lo_z}, see AccRequant32); lo_z = lo - Z and
+                    // hi_z = hi - Z (at kHiZ + q), the clamp's range relative to the zero point
   kWxRequant = 23,  // the same for Wx
   kMult = 35,       // multiplier form only: m of the rescale whose lsh is field f at kMult + f / 2
                     // (f = kRWxLsh ... kGWxLsh), of r * Rh_g at kMult + 5, of gate q's Rh
                     // requantization at kMult + 6 + q and of its Wx requantization at kMult + 9 + q
-  kPad = 47,        // zeros: a vector's read of the last multiplier field one lane on (mul_hi32_at)
+  kHiZ = 47,        // hi_z of gate q's Rh requantization at kHiZ + q, of its Wx requantization at kHiZ + 3 + q
+  kPad = 53,        // zeros: a vector's read of the last multiplier field one lane on (mul_hi32_at)
                     // stays inside the array
-  kCell32Fields = 48
+  kCell32Fields = 54
 };
 
 struct Channel32 {  // one channel's fields: field f at at[f * kCell32Block]
@@ -303,12 +308,14 @@ QGRU_HD QGRU_INLINE V mul_hi32_field(V u, Channel32 c, int f) {
   return mul_hi32_at(u, c.at + f * kCell32Block);
 }
 
-// The int32 requantization of gate q's accumulator (group kRhRequant or kWxRequant).
+// The int32 requantization of gate q's accumulator (group kRhRequant or kWxRequant), its clamp's
+// bounds relative to the zero point from the fields (lo_z and hi_z, Cell32Field).
 template <bool POW2, typename V = int32_t>
-QGRU_HD QGRU_INLINE V requant32_at(Channel32 c, int group, int q, V product, int32_t lo, int32_t hi) {
-  const int f = group + 4 * q, fm = kMult + 6 + (group - kRhRequant) / 4 + q;
-  return requant32_by<POW2, V>(product, field<V>(c, f), field<V>(c, f + 1), field<V>(c, f + 2), field<V>(c, f + 3),
-                               [c, fm](V u) { return mul_hi32_field<V>(u, c, fm); }, lo, hi);
+QGRU_HD QGRU_INLINE V requant32_at(Channel32 c, int group, int q, V product) {
+  const int f = group + 4 * q, gq = (group - kRhRequant) / 4 + q, fm = kMult + 6 + gq;
+  return requant32_by<POW2, V>(product, field<V>(c, f), field<V>(c, f + 1), field<V>(c, f + 2),
+                               [c, fm](V u) { return mul_hi32_field<V>(u, c, fm); }, field<V>(c, f + 3),
+                               field<V>(c, kHiZ + gq));
 }
 
 // The rescale whose shifts are fields lsh_field (lsh) and lsh_field + 1 (rsh).
@@ -401,7 +408,7 @@ QGRU_HD QGRU_INLINE V sigmoid_pre32_d(const Cell32& p, Channel32 ch, int gate, V
 
 template <bool POW2, typename V = int32_t>
 QGRU_HD QGRU_INLINE V sigmoid_pre32(const Cell32& p, Channel32 ch, int gate, V acc_rh, V d_wx) {
-  return sigmoid_pre32_d<POW2, V>(p, ch, gate, requant32_at<POW2, V>(ch, kRhRequant, gate, acc_rh, p.rh_lo, p.rh_hi),
+  return sigmoid_pre32_d<POW2, V>(p, ch, gate, requant32_at<POW2, V>(ch, kRhRequant, gate, acc_rh),
                                   d_wx);
 }
 
@@ -442,7 +449,7 @@ QGRU_HD QGRU_INLINE V candidate_pre32_d(const Cell32& p, Channel32 ch, V d_rh_g,
 
 template <bool POW2, typename V = int32_t>
 QGRU_HD QGRU_INLINE V candidate_pre32(const Cell32& p, Channel32 ch, V acc_rh_g, V d_wx_g, V d_r) {
-  return candidate_pre32_d<POW2, V>(p, ch, requant32_at<POW2, V>(ch, kRhRequant, 2, acc_rh_g, p.rh_lo, p.rh_hi),
+  return candidate_pre32_d<POW2, V>(p, ch, requant32_at<POW2, V>(ch, kRhRequant, 2, acc_rh_g),
                                     d_wx_g, d_r);
 }
 
@@ -474,7 +481,7 @@ QGRU_HD QGRU_INLINE V new_state32(const Cell32& p, V d_g, V d_z, V q_h) {
 //     floor((G + bias) m / 2^(s-1)) = floor((u1 m + floor(t m / 2^16)) / 2^(s-17))
 //   (two 32 x 32 -> 64 products, mul_add_shift32). prepare checks |B1| + 2^15 < 2^31 (u1 fits)
 //   and (max|G| + |bias|) m / 2^(s-1) < 2^30 per channel (the result fits int32 with room).
-// Then, as requant32: round half up, add Z, saturate, subtract Z.
+// Then, as requant32: round half up, add Z, saturate, subtract Z (as one clamp relative to Z).
 
 // floor((u1 m + floor(t m / 2^16)) / 2^sh) as int32 (the caller's bounds keep it in range), for
 // t, m >= 0; in int64 (lanes_avx512.h, lanes_avx2.h: the same in 64-bit lanes).
@@ -483,9 +490,10 @@ QGRU_HD int32_t mul_add_shift32(int32_t u1, int32_t t, int32_t m, int32_t sh) {
   return (int32_t)(y >> sh);
 }
 
-// requant32's result (q - Z of Wx or Rh) from a wide accumulator, with the fields above.
+// requant32's result (q - Z of Wx or Rh) from a wide accumulator, with the fields above, its clamp's
+// bounds relative to the zero point (lo_z = lo - Z, hi_z = hi - Z, as requant32_by).
 template <bool POW2, typename V = int32_t>
-QGRU_HD QGRU_INLINE V requant_wide32(V product, V a0, V a1, V rsh, V zp, V m, int32_t lo, int32_t hi) {
+QGRU_HD QGRU_INLINE V requant_wide32(V product, V a0, V a1, V rsh, V m, V lo_z, V hi_z) {
   V v;
   if (POW2) {
     const V mask = shl32(V(1), rsh) - V(1);
@@ -493,24 +501,25 @@ QGRU_HD QGRU_INLINE V requant_wide32(V product, V a0, V a1, V rsh, V zp, V m, in
   } else {
     v = mul_add_shift32((product >> 16) + a0, (product & V(0xFFFF)) + a1, m, rsh);
   }
-  return clamp32(((v + 1) >> 1) + zp, lo, hi) - zp;
+  return clamp32((v + 1) >> 1, lo_z, hi_z);
 }
 
 // requant32_at's wide form: gate q's accumulator from the channel's group (kRhRequant or kWxRequant).
 template <bool POW2, typename V = int32_t>
-QGRU_HD QGRU_INLINE V requant_wide32_at(Channel32 c, int group, int q, V product, int32_t lo, int32_t hi) {
-  const int f = group + 4 * q;
-  const V m = POW2 ? V(0) : field<V>(c, kMult + 6 + (group - kRhRequant) / 4 + q);
-  return requant_wide32<POW2, V>(product, field<V>(c, f), field<V>(c, f + 1), field<V>(c, f + 2),
-                                 field<V>(c, f + 3), m, lo, hi);
+QGRU_HD QGRU_INLINE V requant_wide32_at(Channel32 c, int group, int q, V product) {
+  const int f = group + 4 * q, gq = (group - kRhRequant) / 4 + q;
+  const V m = POW2 ? V(0) : field<V>(c, kMult + 6 + gq);
+  return requant_wide32<POW2, V>(product, field<V>(c, f), field<V>(c, f + 1), field<V>(c, f + 2), m,
+                                 field<V>(c, f + 3), field<V>(c, kHiZ + gq));
 }
 
 // requant32_flat's wide form (W.x of a row on its x level, from the flat arrays).
 template <bool POW2, typename V = int32_t>
 QGRU_HD QGRU_INLINE V requant_wide32_flat(const AccRequant32& a, int64_t c, V product) {
+  const V zp = lanes_load<V>(a.zp + c);
   return requant_wide32<POW2, V>(product, lanes_load<V>(a.bias_hi + c), lanes_load<V>(a.bias_lo + c),
-                                 lanes_load<V>(a.rshift + c), lanes_load<V>(a.zp + c),
-                                 POW2 ? V(0) : lanes_load<V>(a.mult + c), a.lo, a.hi);
+                                 lanes_load<V>(a.rshift + c), POW2 ? V(0) : lanes_load<V>(a.mult + c), V(a.lo) - zp,
+                                 V(a.hi) - zp);
 }
 
 // gemm_operand in int32 (layers with an h_gemm): |q_h - Z_h| < 2^17 and the bounds of rescale32

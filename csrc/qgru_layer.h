@@ -334,7 +334,7 @@ struct LayerTensors {
                              .view({blocks, kCell32Fields, kCell32Block}).permute({1, 0, 2})
                              .reshape({kCell32Fields, blocks * kCell32Block}).narrow(1, 0, H);
     for (int f = 0; f < kCell32Fields; ++f) {
-      int64_t lo = INT32_MIN, hi = INT32_MAX;  // bias_hi, bias_lo (pow2), bias, zp: arithmetic only
+      int64_t lo = INT32_MIN, hi = INT32_MAX;  // bias_hi, bias_lo (pow2), bias, lo_z, hi_z: arithmetic only
       if (f <= kGWxRsh) {
         lo = 0, hi = (f % 2 == 0 && pow2) ? 14 : 31;  // kRWxLsh ... kGWxRsh: (lsh, rsh) pairs
       } else if (f == kGRRhRsh) {
@@ -343,7 +343,7 @@ struct LayerTensors {
         lo = pow2 ? 1 : 0, hi = pow2 ? 30 : rsh_hi;  // R (pow2) or rsh of a requantization
       } else if (f < kMult && (f - kRhRequant) % 4 == 1 && !pow2) {
         lo = 0, hi = lsh_hi;  // lsh of a requantization (wide: B0)
-      } else if (f >= kMult && f < kPad) {
+      } else if (f >= kMult && f < kHiZ) {
         lo = 0;  // multipliers (0 in pow2 layers)
       } else if (f == kPad) {
         lo = hi = 0;  // the padding row

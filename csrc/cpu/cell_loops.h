@@ -134,9 +134,9 @@ void cell_rows_t(const CellRowsArgs& a) {
 // whole, so the accumulators may use all 31 bits and are requantized with requant_wide32
 // (qgru_cell.h, "Wide accumulators"), not requant32; everything after that is the same cell.
 template <bool WIDE, bool POW2, typename V>
-QGRU_INLINE V requant_acc32_at(Channel32 ch, int group, int q, V v, int32_t lo, int32_t hi) {
-  if constexpr (WIDE) return requant_wide32_at<POW2, V>(ch, group, q, v, lo, hi);
-  else return requant32_at<POW2, V>(ch, group, q, v, lo, hi);
+QGRU_INLINE V requant_acc32_at(Channel32 ch, int group, int q, V v) {
+  if constexpr (WIDE) return requant_wide32_at<POW2, V>(ch, group, q, v);
+  else return requant32_at<POW2, V>(ch, group, q, v);
 }
 
 template <bool WIDE, bool POW2, typename V>
@@ -169,11 +169,11 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
     const auto d_wx = [&](auto lv, const AccRequant32& wl, Channel32 ch, int q, int64_t c, auto v) QGRU_INLINE {
       if constexpr (!XACC) return v;
       else if constexpr (decltype(lv)::value) return requant_acc32_flat<WIDE, POW2, decltype(v)>(wl, q * H + j0 + c, v);
-      else return requant_acc32_at<WIDE, POW2, decltype(v)>(ch, kWxRequant, q, v, c32.wx_lo, c32.wx_hi);
+      else return requant_acc32_at<WIDE, POW2, decltype(v)>(ch, kWxRequant, q, v);
     };
     // Rh - Z_Rh of gate q from its R.h accumulator
     const auto d_rh = [&](Channel32 ch, int q, auto v) QGRU_INLINE {
-      return requant_acc32_at<WIDE, POW2, decltype(v)>(ch, kRhRequant, q, v, c32.rh_lo, c32.rh_hi);
+      return requant_acc32_at<WIDE, POW2, decltype(v)>(ch, kRhRequant, q, v);
     };
     // Three passes over the tile, each a short loop: the gates' pre-activations r and z; their
     // table lookups and g's pre-activation; g's lookup and the new state. A table lookup waits

@@ -227,10 +227,13 @@ def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, in
             return False
         parts.update(levels)
     v["acc_wide"] = int(wide)
+    for name in ("Wx", "Rh"):  # the channel blocks' clamp ranges relative to the zero point
+        zp = t[name + "_zp"].to(torch.int64)
+        parts[name + "_lo_z"], parts[name + "_hi_z"] = ((v[name + k] - zp).to(torch.int32) for k in ("_lo", "_hi"))
     t["c32_channels"] = _channel_blocks(parts, v["H"])
     # the W.x requantization pass of the unfused paths reads Wx's int32 form over all 3H channels
     # (and the fused step's, with W.x inside the step); a layer with x levels, Wxl_* per level
-    t.update({k: x for k, x in parts.items() if k.startswith(("Wx_", "Wxl_"))})
+    t.update({k: x for k, x in parts.items() if k.startswith(("Wx_", "Wxl_")) and not k.endswith(("_lo_z", "_hi_z"))})
     return True
 
 
@@ -457,14 +460,16 @@ def _acc32_mult(t: Dict[str, torch.Tensor], v: Dict[str, int], requant) -> Optio
 
 # The fields of csrc Cell32's channel-blocked array, in the order of csrc/qgru_cell.h's
 # Cell32Field; "{name}:{q}" is gate q's slice (channels q H .. q H + H - 1) of a [3H] tensor.
+# lo_z and hi_z: a requantization's clamp range relative to its zero point (lo - Z, hi - Z).
 # In multiplier form bias_hi holds the whole bias, bias_lo the left shift and rshift the right
 # shift of a requantization (qgru_cell.h, AccRequant32); pow2 layers leave the "_m" and "_mult32"
 # fields at 0.
 CELL32_FIELDS = (
     "r_from_wx_lsh", "r_from_wx_rsh", "r_from_rh_lsh", "r_from_rh_rsh", "z_from_wx_lsh", "z_from_wx_rsh",
     "z_from_rh_lsh", "z_from_rh_rsh", "g_from_wx_lsh", "g_from_wx_rsh", "g_from_rrh_rsh",
-    *(f"{acc}_{f}:{q}" for acc in ("Rh", "Wx") for q in range(3) for f in ("bias_hi", "bias_lo", "rshift", "zp32")),
+    *(f"{acc}_{f}:{q}" for acc in ("Rh", "Wx") for q in range(3) for f in ("bias_hi", "bias_lo", "rshift", "lo_z")),
     *(f"{name}_m" for name in MULT_RESCALES), *(f"{acc}_mult32:{q}" for acc in ("Rh", "Wx") for q in range(3)),
+    *(f"{acc}_hi_z:{q}" for acc in ("Rh", "Wx") for q in range(3)),
     "_pad",  # zeros (csrc kPad): a vector reads the last multiplier field one lane on
 )
 CELL32_BLOCK = 128  # csrc kCell32Block
