@@ -140,6 +140,12 @@ template <>
 QGRU_HD int32_t lanes_load<int32_t>(const int32_t* p) { return *p; }
 QGRU_HD void lanes_store(int32_t* p, int32_t v) { *p = v; }
 
+// The lanes as activation limbs of type A (int8_t or int16_t, values in its range) at p, and as
+// floats (dequantize_value) at y. (A vector type brings its own: lanes_avx512.h, lanes_avx2.h.)
+template <typename A>
+QGRU_HD void lanes_store_act(A* p, int32_t v) { *p = (A)v; }
+QGRU_HD void lanes_store_floats(float* y, int32_t v, double scale, double zp) { *y = dequantize_value(v, scale, zp); }
+
 // floor(a b / 2^32): the high half of the exact signed 64-bit product. (gcc 12 vectorises it with
 // 64-bit lane multiplies, about 12 instructions per 16 lanes; lanes_avx512.h's form takes 5.)
 QGRU_HD int32_t mul_hi32(int32_t a, int32_t b) { return (int32_t)(((int64_t)a * (int64_t)b) >> 32); }
@@ -524,9 +530,9 @@ QGRU_HD QGRU_INLINE V requant_wide32_flat(const AccRequant32& a, int64_t c, V pr
 
 // gemm_operand in int32 (layers with an h_gemm): |q_h - Z_h| < 2^17 and the bounds of rescale32
 // (_add_acc32 checks them with the others).
-template <bool POW2>
-QGRU_HD int32_t gemm_operand32(const Cell32& p, int32_t q_h) {
-  return clamp32(rescale32<POW2>(q_h - p.h_zp, p.hg_m, p.hg_lsh, p.hg_rsh) + p.hg_zp, p.hg_lo, p.hg_hi);
+template <bool POW2, typename V = int32_t>
+QGRU_HD QGRU_INLINE V gemm_operand32(const Cell32& p, V q_h) {
+  return clamp32(rescale32<POW2, V>(q_h - p.h_zp, V(p.hg_m), V(p.hg_lsh), V(p.hg_rsh)) + p.hg_zp, p.hg_lo, p.hg_hi);
 }
 
 // One element of one step from the three gates' int32 R.h accumulators and Wx - Z_Wx: the int32

@@ -155,6 +155,13 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
                              double y_scale, double y_zp) {
   constexpr int64_t W = kTaskUnits, gs = kTileRows * W;  // gs: from one gate's tile rows to the next's
   const int64_t H = p.H;
+#if defined(QGRU_CELL_LANES)
+  using VL = QGRU_CELL_LANES;
+  constexpr int64_t L = VL::kLanes;
+  const int64_t nv = ACC32 ? nj / L * L : 0;  // channels the int32 cell runs in the path's explicit vectors
+#else
+  const int64_t nv = 0;
+#endif
   // gate q of row r, channel c: W.x at x[r * xr + q * xs + c], R.h at acc_h[r * W + q * gs + c]
   const int64_t xs = XACC ? gs : H, xr = XACC ? W : 3 * H;
   if (!XACC) x += j0;
@@ -208,20 +215,20 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
       lanes_store(g_pre + rh + c, candidate_pre32_d<POW2, V>(
                                       c32, ch, d_rh_g, d_wx(lv, wl, ch, 2, c, lanes_load<V>(x + rx + 2 * xs + c)), d_r_c));
     };
+    // g's lookup, the new state, and (explicit lanes only, see the loops after the passes) what the
+    // step hands on from it: the next step's R.h operand (h_out: h_gemm, or h itself) and the floats
+    const bool op_on = p.op.on != 0;
     const auto h_step = [&](auto lanes, auto, const AccRequant32&, int64_t, int64_t rh, int64_t rs, int64_t c) QGRU_INLINE {
       using V = decltype(lanes);
       const V h_new = new_state32<POW2, V>(c32, lookup32_at<V>(c32.table[2], g_pre + rh + c),
                                            lanes_load<V>(d_z + rh + c), lanes_load<V>(s + rs + c));
       lanes_store(s + rs + c, h_new);
       if (int_out) lanes_store(o + rs + c, h_new);
+      if constexpr (!std::is_same<V, int32_t>::value) {
+        lanes_store_act(h_out + (rh / W) * lda + j0 + c, op_on ? gemm_operand32<POW2, V>(c32, h_new) : h_new);
+        if (y != nullptr) lanes_store_floats(y + j0 + rs + c, h_new, y_scale, y_zp);
+      }
     };
-#if defined(QGRU_CELL_LANES)
-    using VL = QGRU_CELL_LANES;
-    constexpr int64_t L = VL::kLanes;
-    const int64_t nv = nj / L * L;
-#else
-    const int64_t nv = 0;
-#endif
     // One pass: body(lanes, lv, wl, rx, rh, rs, c) on every active row's channels, the path's
     // explicit vector (csrc/cpu/lanes_*.h) over whole groups of its lanes, int32_t lanes (the
     // compiler's vectors) over the rest; lv (a type: true for a layer with x levels, XACC) and wl,
@@ -266,35 +273,35 @@ QGRU_NOINLINE void cell_tile(const CellParams& p, const AccRequant& wx, const Ac
       }
     }
   }
-  // Loops of their own: an int8 store in the loops above makes gcc pick 64 lanes (one zmm of
-  // int8), more than a row's 16 channels, and run every cell in the scalar remainder (measured 8x
-  // slower). Inactive rows (past their length) carry h and the state into this step's output.
+  // The rest of the next step's R.h operand and of the floats, in loops of their own: an int8 store
+  // in the compiler-vectorised loops above makes gcc pick 64 lanes (one zmm of int8), more than a
+  // row's 16 channels, and run every cell in the scalar remainder (measured 8x slower). Active rows
+  // from channel nv on (h_step wrote channels [0, nv) with explicit lanes stores: one pass over the
+  // new state instead of three, issue 40); inactive rows (past their length) carry h and the state
+  // into this step's output.
   h_in += j0;
   h_out += j0;
+  if (y != nullptr) y += j0;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t rs = r * H, ra = r * lda;
+    const int64_t rs = r * H, ra = r * lda, c0 = active[r] ? nv : 0;
+    if (c0 == nj) continue;
     if (active[r] && p.op.on) {  // the R.h operand h_gemm, one limb: its value
       int32_t op[kTaskUnits];
-      operand_of(p, POW2, ACC32, s + rs, nj, op);
-      for (int64_t c = 0; c < nj; ++c) h_out[ra + c] = (A)op[c];
+      operand_of(p, POW2, ACC32, s + rs + c0, nj - c0, op);
+      for (int64_t c = c0; c < nj; ++c) h_out[ra + c] = (A)op[c - c0];
     } else if (active[r]) {
-      for (int64_t c = 0; c < nj; ++c) h_out[ra + c] = (A)s[rs + c];  // h's one limb: the value itself
+      for (int64_t c = c0; c < nj; ++c) h_out[ra + c] = (A)s[rs + c];  // h's one limb: the value itself
     } else {
       for (int64_t c = 0; c < nj; ++c) {
         if (int_out) o[rs + c] = s[rs + c];
         h_out[ra + c] = h_in[ra + c];
       }
     }
-  }
-  // the output as floats (every row's: an inactive row's is its carried state), while s is in L1:
-  // no int32 output to write and read back in a pass of its own (issue 40: that pass was 2-4% of
-  // a call)
-  if (y != nullptr) {
-    y += j0;
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t rs = r * H;
+    // the output as floats (an inactive row's is its carried state), while s is in L1: no int32
+    // output to write and read back in a pass of its own (issue 40: that pass was 2-4% of a call)
+    if (y != nullptr) {
 #pragma omp simd
-      for (int64_t c = 0; c < nj; ++c) y[rs + c] = dequantize_value(s[rs + c], y_scale, y_zp);
+      for (int64_t c = c0; c < nj; ++c) y[rs + c] = dequantize_value(s[rs + c], y_scale, y_zp);
     }
   }
 }

@@ -122,6 +122,27 @@ QGRU_INLINE inline void table_entry_at(const Table32& t, const int32_t* q, I32x8
 
 QGRU_INLINE inline void lanes_store(int32_t* p, I32x8 v) { v.store(p); }
 
+// lanes_store_act per lane: (A)v of each lane, for values in A's range (the activation's bits),
+// where AVX2's saturating packs and a truncation agree.
+QGRU_INLINE inline void lanes_store_act(int8_t* p, I32x8 v) {
+  const __m256i a = _mm256_packs_epi32(v.v, v.v);
+  const __m256i w = _mm256_packs_epi16(a, a);  // bytes 0-3: lanes 0-3, bytes 16-19: lanes 4-7
+  _mm_storel_epi64((__m128i*)p, _mm_unpacklo_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+}
+QGRU_INLINE inline void lanes_store_act(int16_t* p, I32x8 v) {
+  const __m256i w = _mm256_packs_epi32(v.v, v.v);  // 16-bit lanes 0-3: lanes 0-3, 8-11: lanes 4-7
+  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(w, 0x08)));
+}
+
+// lanes_store_floats per lane: dequantize_value's float64 operations, four lanes at a time.
+QGRU_INLINE inline void lanes_store_floats(float* y, I32x8 v, double scale, double zp) {
+  const __m256d sc = _mm256_set1_pd(scale), z = _mm256_set1_pd(zp);
+  const __m256d lo = _mm256_cvtepi32_pd(_mm256_castsi256_si128(v.v));
+  const __m256d hi = _mm256_cvtepi32_pd(_mm256_extracti128_si256(v.v, 1));
+  _mm_storeu_ps(y, _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_sub_pd(lo, z), sc)));
+  _mm_storeu_ps(y + 4, _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_sub_pd(hi, z), sc)));
+}
+
 // mul_add_shift32 per lane (lanes_avx512.h's, 8 lanes): the shift by sh arithmetic from the
 // logical one, as in wide_mul_shift_even.
 namespace lanes_detail {

@@ -127,6 +127,21 @@ QGRU_INLINE inline void table_entry_at(const Table32& t, const int32_t* q, I32x1
 
 QGRU_INLINE inline void lanes_store(int32_t* p, I32x16 v) { v.store(p); }
 
+// lanes_store_act per lane: truncating narrowing stores (vpmovdb, vpmovdw), (A)v of each lane.
+QGRU_INLINE inline void lanes_store_act(int8_t* p, I32x16 v) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(v.v)); }
+QGRU_INLINE inline void lanes_store_act(int16_t* p, I32x16 v) {
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(v.v));
+}
+
+// lanes_store_floats per lane: dequantize_value's float64 operations, eight lanes at a time.
+QGRU_INLINE inline void lanes_store_floats(float* y, I32x16 v, double scale, double zp) {
+  const __m512d sc = _mm512_set1_pd(scale), z = _mm512_set1_pd(zp);
+  const __m512d lo = _mm512_cvtepi32_pd(_mm512_castsi512_si256(v.v));
+  const __m512d hi = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v.v, 1));
+  _mm256_storeu_ps(y, _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_sub_pd(lo, z), sc)));
+  _mm256_storeu_ps(y + 8, _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_sub_pd(hi, z), sc)));
+}
+
 // mul_add_shift32 per lane (qgru_cell.h, the wide accumulators' multiplier form): even and odd
 // lanes apart in 64-bit lanes, as wide_mul_shift32. t m >= 0 (t, m >= 0), so its shift by 16 may
 // be logical; the shift by sh is arithmetic (vpsravq).
