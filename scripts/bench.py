@@ -42,7 +42,9 @@ multiply-adds per second as a fraction of it. `quick`: H 64 and 512 x batch 1 an
 BENCHMARKS.md in a section of its own (`sweep-cpu-KIND`).
 
 The cpu backend is timed once per instruction-set path the CPU runs (rows `cpu:amx`, `cpu:avx2`,
-...; `--paths` picks some), so one run shows each path against both peers.
+...; `--paths` picks some), so one run shows each path against both peers. A CPU run's notes also
+give torch._int_mm's int8 rate on --threads threads and each qgru throughput row's multiply-adds
+per second as a share of it (issue 40's ">= 70% of the int8 rate").
 
 BENCHMARKS.md keeps one section per kind of machine (between <!-- bench:KIND:start/end -->
 markers, KIND = cpu-amx, cpu-avx512vnni, cpu-avxvnni, cpu-avx2, cpu-portable after the fastest path the CPU
@@ -319,6 +321,15 @@ def bench_cpu(args, configs) -> Bench:
     for cfg, q in qs.items():
         bench.qgru_rows(sc, q, cfg, f"T={T}", T, lambda m: full_call(m, x))
     bench.flush()
+    # issue 40's target: the call's multiply-adds per second against torch._int_mm's in the same run
+    rate = int8_rate(args.threads)
+    if rate > 0:
+        macs = T * N * 3 * H * (I + H)
+        parts = [f"{r['model']} {r['backend']} {macs / (r['ms'] * 1e-3) / rate:.0%}" for r in bench.rows
+                 if r["scenario"] == sc and r["model"].startswith("qgru") and r["ms"] and r["backend"] != "reference"]
+        bench.notes.append(f"int8 rate: torch._int_mm (2048^3, {args.threads} threads) {rate / 1e12:.3f} T "
+                           f"multiply-adds/s; the throughput call's {macs / 1e9:.2f} G multiply-adds at that rate "
+                           f"take {macs / rate * 1e3:.1f} ms; each qgru row's share of the rate: " + ", ".join(parts))
 
     # streaming: batch 1, the same (already calibrated) models; calibration does not depend on N
     xs = torch.randn(T, 1, I)
