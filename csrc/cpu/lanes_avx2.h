@@ -39,18 +39,21 @@ QGRU_INLINE inline I32x8 clamp32(I32x8 v, I32x8 lo, I32x8 hi) {
 QGRU_INLINE inline I32x8 shl32(I32x8 v, I32x8 k) { return _mm256_sllv_epi32(v.v, k.v); }
 QGRU_INLINE inline I32x8 shl32(I32x8 v, int32_t k) { return _mm256_sll_epi32(v.v, _mm_cvtsi32_si128(k)); }
 
-// floor(a b / 2^32) per lane (lanes_avx512.h's mul_hi32, 8 lanes).
-QGRU_INLINE inline I32x8 mul_hi32(I32x8 a, I32x8 b) {
-  const __m256i even = _mm256_mul_epi32(a.v, b.v);
-  const __m256i odd = _mm256_mul_epi32(_mm256_srli_epi64(a.v, 32), _mm256_srli_epi64(b.v, 32));
+// floor(a b / 2^32) per lane (lanes_avx512.h's mul_hi32, 8 lanes); b_odd: b's odd lanes in the
+// even positions.
+namespace lanes_detail {
+QGRU_INLINE inline __m256i mul_hi(__m256i a, __m256i b, __m256i b_odd) {
+  const __m256i even = _mm256_mul_epi32(a, b);
+  const __m256i odd = _mm256_mul_epi32(_mm256_srli_epi64(a, 32), b_odd);
   return _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
 }
+}  // namespace lanes_detail
+
+QGRU_INLINE inline I32x8 mul_hi32(I32x8 a, I32x8 b) { return lanes_detail::mul_hi(a.v, b.v, _mm256_srli_epi64(b.v, 32)); }
 
 // mul_hi32 with the lanes' multipliers at m, the odd lanes' loaded one lane on (lanes_avx512.h).
 QGRU_INLINE inline I32x8 mul_hi32_at(I32x8 a, const int32_t* m) {
-  const __m256i even = _mm256_mul_epi32(a.v, _mm256_loadu_si256((const __m256i*)m));
-  const __m256i odd = _mm256_mul_epi32(_mm256_srli_epi64(a.v, 32), _mm256_loadu_si256((const __m256i*)(m + 1)));
-  return _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+  return lanes_detail::mul_hi(a.v, _mm256_loadu_si256((const __m256i*)m), _mm256_loadu_si256((const __m256i*)(m + 1)));
 }
 
 namespace lanes_detail {

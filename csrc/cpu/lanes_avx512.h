@@ -47,22 +47,27 @@ QGRU_INLINE inline I32x16 shl32(I32x16 v, I32x16 k) { return _mm512_sllv_epi32(v
 QGRU_INLINE inline I32x16 shl32(I32x16 v, int32_t k) { return _mm512_sll_epi32(v.v, _mm_cvtsi32_si128(k)); }
 
 // floor(a b / 2^32) per lane: vpmuldq takes each 64-bit lane's low int32 (the even lanes; the odd
-// ones after a 32-bit shift down) and gives the exact int64 product.
-QGRU_INLINE inline I32x16 mul_hi32(I32x16 a, I32x16 b) {
-  const __m512i even = _mm512_mul_epi32(a.v, b.v);
-  const __m512i odd = _mm512_mul_epi32(_mm512_srli_epi64(a.v, 32), _mm512_srli_epi64(b.v, 32));
+// ones after a 32-bit shift down) and gives the exact int64 product. b_odd: b's odd lanes in the
+// even positions.
+namespace lanes_detail {
+QGRU_INLINE inline __m512i mul_hi(__m512i a, __m512i b, __m512i b_odd) {
+  const __m512i even = _mm512_mul_epi32(a, b);
+  const __m512i odd = _mm512_mul_epi32(_mm512_srli_epi64(a, 32), b_odd);
   // odd lanes: the high half of their product, in place; even lanes: the high half of theirs,
   // moved down by a masked vpshufd (one instruction for a shift and a blend)
   return _mm512_mask_shuffle_epi32(odd, 0x5555, even, _MM_PERM_CDAB);
+}
+}  // namespace lanes_detail
+
+QGRU_INLINE inline I32x16 mul_hi32(I32x16 a, I32x16 b) {
+  return lanes_detail::mul_hi(a.v, b.v, _mm512_srli_epi64(b.v, 32));
 }
 
 // mul_hi32 with the lanes' multipliers at m: the odd lanes' from a load one lane on (m + 1: lane
 // 2i holds m[2i + 1], what vpmuldq reads), not a shift of the even load (one vector instruction
 // fewer per multiply: the int32 cell is bound by its vector instructions).
 QGRU_INLINE inline I32x16 mul_hi32_at(I32x16 a, const int32_t* m) {
-  const __m512i even = _mm512_mul_epi32(a.v, _mm512_loadu_si512(m));
-  const __m512i odd = _mm512_mul_epi32(_mm512_srli_epi64(a.v, 32), _mm512_loadu_si512(m + 1));
-  return _mm512_mask_shuffle_epi32(odd, 0x5555, even, _MM_PERM_CDAB);
+  return lanes_detail::mul_hi(a.v, _mm512_loadu_si512(m), _mm512_loadu_si512(m + 1));
 }
 
 // wide_mul_shift32 per lane: (int32)(floor(y m / 2^16) >> sh), y = a d, in 64-bit lanes, even and

@@ -230,6 +230,7 @@ def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, in
     for name in ("Wx", "Rh"):  # the channel blocks' clamp ranges relative to the zero point
         zp = t[name + "_zp"].to(torch.int64)
         parts[name + "_lo_z"], parts[name + "_hi_z"] = ((v[name + k] - zp).to(torch.int32) for k in ("_lo", "_hi"))
+    parts["Wx_zp32"] = t["Wx_zp"].to(torch.int32)  # the flat arrays' (requant32_flat), every x level's
     t["c32_channels"] = _channel_blocks(parts, v["H"])
     # the W.x requantization pass of the unfused paths reads Wx's int32 form over all 3H channels
     # (and the fused step's, with W.x inside the step); a layer with x levels, Wxl_* per level
@@ -368,7 +369,6 @@ def _acc32_pow2(t: Dict[str, torch.Tensor], v: Dict[str, int], requant) -> Optio
         if f is None:
             return None
         parts.update(f)
-        parts[name + "_zp32"] = t[name + "_zp"].to(torch.int32)
     zeros = torch.zeros(v["H"], dtype=torch.int32, device=t["Wx_bias"].device)  # the multiplier form's, unused
     parts.update({f"{name}_m": zeros for name in MULT_RESCALES})
     return parts
@@ -454,7 +454,6 @@ def _acc32_mult(t: Dict[str, torch.Tensor], v: Dict[str, int], requant) -> Optio
         if f is None:
             return None
         parts.update(f)
-        parts[name + "_zp32"] = t[name + "_zp"].to(torch.int32)
     return parts
 
 
@@ -481,7 +480,7 @@ def _channel_blocks(parts: Dict[str, torch.Tensor], H: int) -> torch.Tensor:
     rows = []
     for name in CELL32_FIELDS:
         key, _, q = name.partition(":")
-        x = parts[key] if key != "_pad" else torch.zeros(H, dtype=torch.int32, device=parts["Rh_zp32"].device)
+        x = parts[key] if key != "_pad" else torch.zeros(H, dtype=torch.int32, device=parts["Rh_lo_z"].device)
         rows.append(x[int(q) * H:(int(q) + 1) * H] if q else x)
     fields = torch.stack(rows)  # [F, H]
     blocks = -(-H // CELL32_BLOCK)
