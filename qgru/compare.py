@@ -114,7 +114,7 @@ ROW_ORDER = ("x", "W", "R", "Wx", "h_gemm", "Rh", "r_pre", "z_pre", "g_pre", "r"
 CONFIG_TENSORS = ("x", "h", "h_gemm", "W", "R", "Wx", "Rh", "r_pre", "z_pre", "g_pre", "r", "z", "g")
 SATURATION_THRESHOLD = 1e-3  # worst(): clipping above 0.1 % of the elements is the reason
 # compare() warns (CalibrationWarning) when more than this share of a GRU's input x (layer 0) lies
-# beyond its grid: the batches reach beyond what calibration saw (issue 31: drifting forecasts)
+# beyond its grid: the batches reach beyond what calibration saw (drifting forecasts)
 X_CLIP_WARN = 1e-3
 MAX_HEADROOM_GUESS = 100.0  # worst() suggests a headroom only for a range this many times too small
 _BOUNDARY = BoundaryOps()  # golden quantize (rejects NaN)

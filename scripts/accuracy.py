@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Accuracy of qgru against float nn.GRU and torch's dynamic-quant GRU, one table, one run.
 
-Default shape (issue 2): T=100, N=64, input 256, hidden 512, nn.GRU's default init, randn inputs,
+Default shape: T=100, N=64, input 256, hidden 512, nn.GRU's default init, randn inputs,
 calibrated on batches different from the evaluation batch. Metrics are computed on the GRU's
 output sequence against the float nn.GRU output: SQNR (dB) = 10 log10(sum ref^2 / sum err^2) and
 cosine similarity.

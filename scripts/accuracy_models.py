@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Accuracy inside the model kinds of issue 17 (item 4), rebuilt in plain torch: one table.
+"""Accuracy inside the model kinds of real libraries, rebuilt in plain torch: one table.
 
 Eleven GRU models as six libraries build them (speechbrain, darts, neuralforecast,
 pytorch-forecasting, torchaudio, asteroid), rebuilt without the libraries, each trained for a few
@@ -8,7 +8,7 @@ signals), calibrated with the library's own call pattern (autoregressive forecas
 call on the history, then many 1-step calls carrying h, in time order) on training data, and
 evaluated on held-out data: output SQNR (dB) against the float model for torch's dynamic-quant GRU
 and qgru's configs, every GRU swapped (qgru.prepare_model + calibrate + convert, as quantize_model).
-Two more rows: the drift stand-in of issue 31 (drift_case: a forecaster calibrated on the early part
+Two more rows: the drift stand-in (drift_case: a forecaster calibrated on the early part
 of series whose amplitude grows, evaluated on the late part, test inputs 1.75x and 2.1x the
 calibration range here). Column "x levels": w8a8 with x.dynamic and h_gemm.dynamic (docs/spec.md
 section 4b; run on the reference backend until the native backends run it). docs/accuracy.md holds the table.
@@ -39,9 +39,9 @@ from qgru.demo import dynamic_quant
 from qgru.module import QuantGRU
 
 NEAREST = {"weight_rounding": "nearest"}
-# x in 16 bits over 4x its calibrated range (issue 31: inputs beyond the calibration range; W.x int8 x int16)
+# x in 16 bits over 4x its calibrated range (inputs beyond the calibration range; W.x int8 x int16)
 X16 = {"tensors": {"x": {"bits": 16, "symmetric": False, "headroom": 4.0, "dynamic": False}}}
-# x levels and state-derived GEMM operands (issue 31, docs/spec.md section 4b): each token of the
+# x levels and state-derived GEMM operands (docs/spec.md section 4b): each token of the
 # first layer's x on the first of 13 grids (calibrated range x 2^(e/4), e = 0..12) that holds it
 DYN = {"tensors": {"x": {"dynamic": True}, "h_gemm": {"dynamic": True}}}
 STATIC = {"tensors": {"x": {"dynamic": False}, "h_gemm": {"dynamic": False}}}  # one calibrated grid each
@@ -335,8 +335,8 @@ class DPRNNLike(nn.Module):
 
 
 def growing_series(n: int, T: int, g: torch.Generator, grow: float = 3.0) -> torch.Tensor:
-    """[n, T] forecasting data whose amplitude grows linearly, 1x at t=0 to ``grow``x at t=T (issue 31's
-    drift: sunspots at a new peak, a trending target scaled by statistics of its past): sine mixtures
+    """[n, T] forecasting data whose amplitude grows linearly, 1x at t=0 to ``grow``x at t=T (the drift
+    stand-in: sunspots at a new peak, a trending target scaled by statistics of its past): sine mixtures
     with AR(1) noise, scaled."""
     t = torch.arange(T, dtype=torch.float32)
     p1, p2 = 12 + 28 * torch.rand(n, 1, generator=g), 5 + 6 * torch.rand(n, 1, generator=g)
@@ -349,7 +349,7 @@ def growing_series(n: int, T: int, g: torch.Generator, grow: float = 3.0) -> tor
 
 
 def drift_case(g: torch.Generator, grow: float = 3.0) -> "Case":
-    """The drift stand-in (issue 31, no library needed): a darts-BlockRNN-like forecaster (2-layer
+    """The drift stand-in (no library needed): a darts-BlockRNN-like forecaster (2-layer
     GRU over a 48-step window, the next 12 steps from its last output) trained and calibrated on
     the early part of series whose amplitude grows (1x to ``grow``x), evaluated on the late part:
     with grow=3 its inputs reach about 1.75-1.85x the largest calibration input (``drift_ratio``;

@@ -21,7 +21,7 @@ Scenarios (issue targets in brackets):
                   [every path: T=1 calls >= 1.5x faster than dynamic-quant]
   gpu             hidden = input = 512 and 1024: T=1000 at B=64 and B=1, T=100 at B=256, and 100 calls of
                   T=1 carrying h at B=1 and B=64; cuDNN fp32 and fp16, qgru w8a8 and w8a16; peak memory
-                  per call; a compact summary printed last (issue 34; about a minute and a half on an H200)
+                  per call; a compact summary printed last (about a minute and a half on an H200)
                   [w8a8 vs cuDNN fp16: T=1000 B=64 >= 3x, T=1000 B=1 >= 5x, streaming >= 2x,
                    T=100 B=256 H=1024 >= 2x; peak memory <= fp16's; w8a16 within 1.3x of w8a8]
 
@@ -31,10 +31,10 @@ Scenarios (issue targets in brackets):
     python scripts/bench.py --configs w8a8,w8a8:pow2   # a config in the other scale mode too
     python scripts/bench.py --configs w8a8,w8a8+dynamic   # and with x levels (x.dynamic, h_gemm.dynamic)
     python scripts/bench.py --T 50 --N 32 --hidden 256 --threads 4 --out /tmp/b.md
-    python scripts/bench.py --sweep quick             # issue 40's CPU sweep, a subset (a few minutes)
+    python scripts/bench.py --sweep quick             # the CPU sweep, a subset (a few minutes)
     python scripts/bench.py --sweep full --sweep-peers   # every size; OpenVINO / ONNX Runtime rows if installed
 
---sweep (issue 40): H (= I) in 32, 64, 128, 256, 512, 1024 x batch 1, 8, 64 at T=100, 1 and 2 threads
+--sweep: H (= I) in 32, 64, 128, 256, 512, 1024 x batch 1, 8, 64 at T=100, 1 and 2 threads
 (--sweep-threads), plus streaming (100 single-step calls at batch 1 carrying h); float nn.GRU, torch
 dynamic quant, qgru w8a8 (the default: x levels), w8a16 and w8a8 with a static x, timed together at
 each point; torch._int_mm's int8 rate (2048^3) measured in the same run, and each w8a8 row's
@@ -44,7 +44,7 @@ BENCHMARKS.md in a section of its own (`sweep-cpu-KIND`).
 The cpu backend is timed once per instruction-set path the CPU runs (rows `cpu:amx`, `cpu:avx2`,
 ...; `--paths` picks some), so one run shows each path against both peers. A CPU run's notes also
 give torch._int_mm's int8 rate on --threads threads and each qgru throughput row's multiply-adds
-per second as a share of it (issue 40's ">= 70% of the int8 rate").
+per second as a share of it (how close the call comes to the CPU's int8 GEMM rate).
 
 BENCHMARKS.md keeps one section per kind of machine (between <!-- bench:KIND:start/end -->
 markers, KIND = cpu-amx, cpu-avx512vnni, cpu-avxvnni, cpu-avx2, cpu-portable after the fastest path the CPU
@@ -80,7 +80,7 @@ BASELINES = {"cpu": ["float nn.GRU", "torch dynamic-quant"], "cuda": ["cuDNN fp3
 TARGETS = {"cpu": "CPU, 2 threads, T=100 N=64 I=256 H=512, w8a8: >= 2x faster than torch dynamic-quant and "
                   ">= 6x faster than float nn.GRU with AMX, >= 3x float on AVX2-only CPUs (w8a16 within 1.5x "
                   "of w8a8 there); on every path, T=1 N=1 calls >= 1.5x faster than dynamic-quant.",
-           "cuda": "GPU (issue 34), w8a8 against cuDNN fp16: T=1000 B=64 >= 3x, T=1000 B=1 >= 5x, 100 calls "
+           "cuda": "GPU, w8a8 against cuDNN fp16: T=1000 B=64 >= 3x, T=1000 B=1 >= 5x, 100 calls "
                    "of T=1 carrying h >= 2x per call, T=100 B=256 H=1024 >= 2x; peak memory per call at most "
                    "fp16's; w8a16 within 1.3x of w8a8."}
 
@@ -321,7 +321,7 @@ def bench_cpu(args, configs) -> Bench:
     for cfg, q in qs.items():
         bench.qgru_rows(sc, q, cfg, f"T={T}", T, lambda m: full_call(m, x))
     bench.flush()
-    # issue 40's target: the call's multiply-adds per second against torch._int_mm's in the same run
+    # the call's multiply-adds per second against torch._int_mm's in the same run
     rate = int8_rate(args.threads)
     if rate > 0:
         macs = T * N * 3 * H * (I + H)
@@ -347,7 +347,7 @@ def bench_cpu(args, configs) -> Bench:
     return bench
 
 
-# issue 34's GPU rows: (I = H, T, B, streaming). streaming: T calls of one step carrying h (one
+# the GPU rows: (I = H, T, B, streaming). streaming: T calls of one step carrying h (one
 # timed repeat = all T calls; reported per call), else one call of T steps.
 CUDA_SCENARIOS = [(512, 1000, 64, False), (512, 1000, 1, False), (512, 100, 256, False), (512, 100, 1, True),
                   (512, 100, 64, True), (1024, 1000, 64, False), (1024, 1000, 1, False), (1024, 100, 256, False),
@@ -463,7 +463,7 @@ def table(bench: Bench) -> str:
 
 def compact(bench: Bench) -> str:
     """One line per GPU scenario (printed last): ms per call of cuDNN fp32, fp16 and each qgru
-    config, the first config's speedup over fp16 (issue 34's targets), w8a16 / w8a8, peak MiB of
+    config, the first config's speedup over fp16, w8a16 / w8a8, peak MiB of
     fp16 and the first config, and whether every qgru row was bit-exact."""
     by = {}
     for r in bench.rows:
@@ -552,7 +552,7 @@ def configs_for(args, device: str):
 
 
 # ---------------------------------------------------------------------------------------------
-# --sweep: issue 40's grid of GRU sizes on the CPU
+# --sweep: the grid of GRU sizes on the CPU
 # ---------------------------------------------------------------------------------------------
 SWEEP_H = {"full": (32, 64, 128, 256, 512, 1024), "quick": (64, 512)}
 SWEEP_N = {"full": (1, 8, 64), "quick": (1, 64)}
@@ -744,7 +744,7 @@ def sweep_section(args, rows, stream_rows, rate, notes):
         "(3 H (I + H) N T) per second over torch._int_mm's rate at the same thread count",
         "- calibration: 2 random batches T=20 N=8 per size (the sweep times speed); outputs are not compared "
         "here (the tests check every path bit for bit against the golden model)",
-        f"- targets (issue 40): {SWEEP_TARGETS}",
+        f"- targets: {SWEEP_TARGETS}",
         *[f"- {n}" for n in notes],
         f"<!-- bench:{key}:end -->",
     ])
@@ -756,7 +756,7 @@ def main(argv=None) -> None:
     ap.add_argument("--device", choices=["cpu", "cuda", "all"], default=None,
                     help="default: cpu, plus cuda when available")
     ap.add_argument("--configs", default=None, help="comma-separated built-in configs; NAME:MODE for another "
-                    "scale mode (w8a8:pow2); default w8a8 on the CPU, w8a8,w8a16 on the GPU (issue 34 compares them)")
+                    "scale mode (w8a8:pow2); default w8a8 on the CPU, w8a8,w8a16 on the GPU")
     ap.add_argument("--paths", default="", help="cpu backend paths to time, comma-separated (default: every "
                                                  "path this CPU runs: amx, avx512vnni, avxvnni, avx2, portable)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -772,7 +772,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     ap.add_argument("--out", default="BENCHMARKS.md")
     ap.add_argument("--sweep", choices=["quick", "full"], default=None,
-                    help="issue 40's CPU sweep instead of the scenarios: H (= I) in 32..1024 x batch 1, 8, 64 at "
+                    help="the CPU sweep instead of the scenarios: H (= I) in 32..1024 x batch 1, 8, 64 at "
                          "T=100, 1 and 2 threads, plus streaming; full: every size (~10-20 min on 2 cores), quick: "
                          "H 64 and 512 x batch 1 and 64 (a few minutes)")
     ap.add_argument("--sweep-threads", default="", help="--sweep: thread counts, comma-separated (default 1,2)")

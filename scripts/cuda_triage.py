@@ -1,4 +1,4 @@
-"""Triage of the CudaStack crash (issue 38): which native calls that raise on a bad value crash the
+"""Triage of the CudaStack crash: which native calls that raise on a bad value crash the
 process on this machine, each in its own child process (a crash then ends only that case).
 First run (H200, 2026-11-28, both extensions built with the image's /opt/gcc): every call whose
 error message formats a number crashed (the CUDA quantize and Stack, and the CPU Stack

@@ -70,7 +70,7 @@ if [ "$build_rc" -eq 0 ]; then
   grep -E '^(FAILED|ERROR) ' "$LOG/tests.log" | head -n 30
 fi
 
-# the crash triage (issue 38): only when a native call that raises crashed its test's child process
+# the crash triage: only when a native call that raises crashed its test's child process
 triage_rc=-1
 if grep -qE 'test_cuda_calls_that_raise_do_not_crash.* (FAILED|ERROR)|^(FAILED|ERROR) .*test_cuda_calls_that_raise_do_not_crash' \
     "$LOG/tests.log" 2>/dev/null; then
@@ -90,7 +90,7 @@ if [ "$build_rc" -eq 0 ] && [ -z "${QGRU_GPU_NO_BENCH:-}" ]; then
   bench_rc=$?
 fi
 
-# the weight-only mode on the GPU (issue 38 item 4): cuDNN fp16 against w4g128 float16 through
+# the weight-only mode on the GPU: cuDNN fp16 against w4g128 float16 through
 # both Triton kernels (one launch per step; one per layer direction), plain calls and graph replays
 wo_rc=99
 if [ "$build_rc" -eq 0 ] && [ -z "${QGRU_GPU_NO_BENCH:-}" ]; then
@@ -105,7 +105,7 @@ echo "software:   $(grep -m1 '^python' "$LOG/env.txt")"
 echo "build:      rc=$build_rc in ${build_s} s"
 echo "CUDA tests: rc=$tests_rc: $tests_line"
 grep -E '^[0-9.]+s (call|setup)' "$LOG/tests.log" 2>/dev/null | head -n 5 | sed 's/^/  slowest: /'
-# what issue 38 asks the check to cover, counted from the junit report: passed / failed / skipped
+# what the check covers, counted from the junit report: passed / failed / skipped
 [ -f "$LOG/tests.xml" ] && "$PY" - "$LOG/tests.xml" <<'PYEOF'
 import sys, xml.etree.ElementTree as ET
 groups = {"x levels": ("x_levels", "token_level"), "persistent kernel": ("persistent",),

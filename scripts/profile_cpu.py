@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Where a qgru CPU call's time goes, per phase (issue 40): Python and dispatch, quantize (the input
+"""Where a qgru CPU call's time goes, per phase: Python and dispatch, quantize (the input
 on its grid or x levels, h0), W.x, R.h, the cell, the wait between steps, dequantize.
 
 The cpu backend's phase clock (csrc/cpu/qgru_cpu.cpp, off unless asked: profile_enable) sums each

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The weight-only mode (issue 33) measured: accuracy, weight bytes, CPU speed, and GPU speed
+"""The weight-only mode measured: accuracy, weight bytes, CPU speed, and GPU speed
 where a GPU is present. Prints markdown tables (docs/weight_only.md holds a run's output).
 
 1. Accuracy on the demo (qgru/demo.py: Japanese Vowels, the shipped 2-layer bidirectional GRU,

@@ -194,7 +194,7 @@ def _after_fork_in_child() -> None:
     A C++ Layer serialises its calls with a mutex (its workspaces are shared by the calls on it),
     released when the call returns; a fork copies the mutex as it is, locked if another thread of
     the parent was inside a call, and that thread does not exist in the child: the child's first
-    call on the Layer would wait for it forever (issue 30). Its workspaces may be half-written too.
+    call on the Layer would wait for it forever. Its workspaces may be half-written too.
     So the child starts afresh: each LayerParams drops its cached Layers and makes new ones on its
     next call (a millisecond or so per layer); the old ones are kept, never called and never freed
     (freeing a locked mutex is undefined). The loader's threading.Lock is replaced for the same

@@ -1,4 +1,4 @@
-"""The weight-only mode (seed 003, issue 33; docs/weight_only.md): GRU weights packed at 2, 4 or 8
+"""The weight-only mode (seed 003; docs/weight_only.md): GRU weights packed at 2, 4 or 8
 bits in groups, activations and gates in floating point. One package:
 
 * format.py: configs, the storage of one matrix, the file format (read with qgru.export's loader)

@@ -1,4 +1,4 @@
-"""Weight-only quantization (seed 003, issue 33): 2/4/8-bit packed, group-quantized GRU weights;
+"""Weight-only quantization (seed 003): 2/4/8-bit packed, group-quantized GRU weights;
 activations, biases and the gate arithmetic stay in floating point (float32, float16 or bfloat16).
 
 This file is the floor of the weight-only mode (the package qgru/weight_only/): configs, the

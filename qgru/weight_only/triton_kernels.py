@@ -1,4 +1,4 @@
-"""Triton kernels of the weight-only mode (seed 003's w248a16_matmul, issue 33): packed 2/4/8-bit
+"""Triton kernels of the weight-only mode (seed 003's w248a16_matmul): packed 2/4/8-bit
 weights are dequantized group by group in registers and multiplied with float16 / bfloat16 /
 float32 activations into float32 accumulators.
 
