@@ -7,11 +7,14 @@ on it (hidden 32, a linear head on the last layer's final states; qgru/data/japa
 reproduced by ``train_model()`` / ``--retrain``). Sequences have their own lengths and go through
 the GRU as PackedSequences.
 
-Steps: every nn.GRU is swapped by ``qgru.quantize_model`` for each config and scale mode,
-calibrated on the training split (progress bar), converted, and evaluated on the test split next to
-the float model and torch's dynamic-quant GRU (where the installed torch still ships it). One
-table: test accuracy, agreement with the float model's predictions, SQNR of the logits and of each
-GRU layer's output sequence against float. Written to the output folder: the table (table.md), the
+Steps: the cpu backend is compiled where it is not built yet and a compiler is there (a progress
+line; ``--no-build`` skips it); every nn.GRU is swapped by ``qgru.quantize_model`` for each config
+and scale mode, calibrated on the training split (progress bar), converted, and evaluated on the
+test split next to the float model and torch's dynamic-quant GRU (where the installed torch still
+ships it). One table: test accuracy, agreement with the float model's predictions, SQNR of the
+logits and of each GRU layer's output sequence against float, and each model's inference time over
+the test split in this run with its speed against float and dynamic quant; the header names the
+CPU and the cpu backend's path. Written to the output folder: the table (table.md), the
 exported integer models (``QuantParams.save``, one .qgru per config), layer 0 of the first config as
 C99 (``QuantParams.to_c``), the error per layer and time step (errors.csv and, with matplotlib,
 error_per_layer.png).
@@ -260,6 +263,7 @@ class Row:
     sqnr: float                      # dB, model outputs vs float
     layer_sqnr: Dict[Tuple[str, int], float]  # (gru name, layer) -> dB of that layer's outputs
     seconds: float                   # quantize (calibrate + convert) + evaluate
+    infer_ms: Optional[float] = None  # one pass of the model over the test batches, ms (best of repeats)
 
 
 @dataclass
@@ -270,6 +274,7 @@ class Result:
     files: List[Path] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     backend: str = ""
+    where: str = ""                   # the CPU (lscpu's model name) and the cpu backend's path, or the device
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.name == name)
@@ -302,29 +307,107 @@ def _native_ready(kind: str) -> bool:
         return False
 
 
-def choose_backend(name: str = "auto", device_type: str = "cpu") -> Tuple[Optional[str], str]:
-    """-> (backend name, note). ``auto`` on CPU: the cpu backend if it is already built, else
-    reference (bit-identical results; only the time column changes); on another device: None
-    (qgru's own default for that device)."""
+def _compiler() -> Optional[str]:
+    """The C++ compiler torch.utils.cpp_extension would run ($CXX, else c++), or None."""
+    import os
+    import shutil
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def build_native(kind: str = "cpu", progress: bool = True, log=print) -> str:
+    """Compile (or load) native backend ``kind`` with a progress line ticking the elapsed time; ->
+    '' when it loads, else the reason."""
+    import threading
+    from tqdm.auto import tqdm
+    from . import native
+    if log:
+        log(f"qgru demo: building the {kind} backend (once: about a minute on 2 cores; cached in "
+            f"{native.build_dir(kind).parent}; `--backend reference` skips it)")
+    why: List[str] = []
+    worker = threading.Thread(target=lambda: why.append(native.why_unavailable(kind)), daemon=True)
+    t0 = time.perf_counter()
+    worker.start()
+    with tqdm(desc=f"qgru build {kind}", bar_format="{desc}: {elapsed}", disable=not progress) as bar:
+        while worker.is_alive():
+            worker.join(0.5)
+            bar.refresh()
+    if log:
+        log(f"qgru demo: the {kind} backend " + (f"did not build: {why[0]}" if why[0] else
+                                                 f"is ready ({time.perf_counter() - t0:.0f} s)"))
+    return why[0]
+
+
+def choose_backend(name: str = "auto", device_type: str = "cpu", build: bool = True,
+                   progress: bool = True, log=print) -> Tuple[Optional[str], str]:
+    """-> (backend name, note). ``auto`` on CPU: the cpu backend, built now (``build_native``, with a
+    progress line) where it is not built yet and a C++ compiler is there (not with ``build=False`` or
+    QGRU_NO_BUILD=1); else reference (bit-identical results, slower: the note says why); on another
+    device: None (qgru's own default for that device)."""
+    import os
     if name != "auto":
         return name, ""
     if device_type != "cpu":
         return None, ""
     if _native_ready("cpu"):
         return "cpu", ""
-    return "reference", ("the cpu backend is not built, so the integer models run on the reference backend "
-                         "(bit-identical results, slower); `python -m qgru build` compiles it (about a minute)")
+    if not build or os.environ.get("QGRU_NO_BUILD") == "1":
+        reason = "QGRU_NO_BUILD=1" if build else "--no-build"
+    elif _compiler() is None:
+        reason = "no C++ compiler was found (c++ or $CXX)"
+    else:
+        why = build_native("cpu", progress=progress, log=log)
+        if not why:
+            return "cpu", ""
+        reason = f"it did not build: {why}"
+    return "reference", (f"the cpu backend is not built ({reason}), so the integer models run on the reference "
+                         "backend (bit-identical results, far slower: its inference times are not the cpu "
+                         "backend's); `python -m qgru build` compiles it (about a minute)")
+
+
+def where_it_runs(backend: Optional[str], device_type: str) -> str:
+    """The machine and path the integer models run on, for the table's header."""
+    if device_type != "cpu":
+        return f"{device_type} ({torch.cuda.get_device_name() if device_type == 'cuda' else device_type})"
+    from .native.build import cpu_model_name
+    cpu = f"CPU {cpu_model_name() or platform.processor() or platform.machine()}"
+    if backend == "cpu":
+        from .native.cpu import resolve_cpu_isa
+        try:
+            return f"{cpu}, cpu backend path {resolve_cpu_isa()['name']}"
+        except ValueError as e:
+            return f"{cpu}, cpu backend ({_first_line(e)})"
+    return f"{cpu}, {backend} backend"
+
+
+def time_inference(model: nn.Module, batches_: Sequence, repeats: int = 5) -> float:
+    """ms of one pass of ``model`` over ``batches_`` (no_grad), the best of ``repeats`` after a warm-up
+    pass; CUDA work is synchronised inside each timed pass."""
+    best = math.inf
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    with torch.no_grad():
+        for i in range(repeats + 1):
+            sync()
+            t = time.perf_counter()
+            for b in batches_:
+                _call(model, b)
+            sync()
+            if i:
+                best = min(best, time.perf_counter() - t)
+    return 1e3 * best
 
 
 def run(model: nn.Module, calib_batches: Sequence, test_batches: Sequence,
         targets: Optional[Sequence[torch.Tensor]] = None,
         configs: Sequence[str] = DEFAULT_CONFIGS, scale_modes: Sequence[str] = DEFAULT_SCALE_MODES,
-        backend: str = "auto", dynamic: bool = True, progress: bool = True, log=print) -> Result:
+        backend: str = "auto", dynamic: bool = True, progress: bool = True, log=print,
+        build: bool = True, timing_repeats: int = 5) -> Result:
     """Quantize ``model`` (every nn.GRU in it) with each config and scale mode, calibrating on
     ``calib_batches``; evaluate on ``test_batches`` next to the float model and (``dynamic``) torch's
     dynamic-quant GRU. ``targets`` (one label tensor per test batch) adds accuracy, for models whose
     output's last dimension is class scores. Batches are called as in qgru.calibrate. ``model`` is
-    put in eval mode and otherwise left as it is (the quantized models are copies)."""
+    put in eval mode and otherwise left as it is (the quantized models are copies). Each row also
+    times one pass over ``test_batches`` (``time_inference``, best of ``timing_repeats``; 0: not
+    timed). ``backend`` "auto" on the CPU builds the cpu backend where it can (``choose_backend``)."""
     import contextlib
     from .backends import backend as force_backend
     model = model.eval()
@@ -332,8 +415,9 @@ def run(model: nn.Module, calib_batches: Sequence, test_batches: Sequence,
         device_type = next(model.parameters()).device.type
     except StopIteration:
         device_type = "cpu"
-    backend, note = choose_backend(backend, device_type)
-    result = Result(rows=[], models={}, backend=backend or f"default {device_type}")
+    backend, note = choose_backend(backend, device_type, build=build, progress=progress, log=log)
+    result = Result(rows=[], models={}, backend=backend or f"default {device_type}",
+                    where=where_it_runs(backend, device_type))
     if note:
         result.notes.append(note)
     if dynamic and device_type != "cpu":
@@ -381,8 +465,9 @@ def run(model: nn.Module, calib_batches: Sequence, test_batches: Sequence,
             agree = 100 * sum(int((p == q).sum()) for p, q in zip(pred, ref_pred)) / sum(p.numel() for p in pred)
             acc = 100 * sum(int((p == y.to(p.device)).sum()) for p, y in zip(pred, targets)) / \
                 sum(y.numel() for y in targets)
-        result.rows.append(Row(name, acc, agree, sqnr_db(signal, noise), errs.per_layer(),
-                               seconds0 + time.perf_counter() - t))
+        seconds = seconds0 + time.perf_counter() - t
+        infer = time_inference(m, test_batches, timing_repeats) if timing_repeats > 0 else None
+        result.rows.append(Row(name, acc, agree, sqnr_db(signal, noise), errs.per_layer(), seconds, infer))
         result.per_step[name] = errs.per_step()
         result.models[name] = m
 
@@ -428,13 +513,22 @@ def format_table(result: Result) -> str:
     single = len({g for g, _ in keys}) == 1
     lcols = [f"layer {l}" if single else f"{g or 'gru'} l{l}" for g, l in keys]
     has_acc = any(r.accuracy is not None for r in result.rows)
+    timed = any(r.infer_ms is not None for r in result.rows)
+    base = {n: next((r.infer_ms for r in result.rows if r.name == n), None)
+            for n in ("float", "torch dynamic-quant int8")}
+    speed = [("vs float", base["float"])] + ([("vs dyn-quant", base["torch dynamic-quant int8"])]
+                                             if base["torch dynamic-quant int8"] else [])
     head = ["model"] + (["accuracy (%)", "agrees (%)"] if has_acc else []) + ["output SQNR (dB)"] + \
-        [f"{c} SQNR (dB)" for c in lcols] + ["time (s)"]
+        [f"{c} SQNR (dB)" for c in lcols] + \
+        ((["inference (ms)"] + [f"speed {n}" for n, b in speed if b]) if timed else []) + ["quantize+eval (s)"]
     lines = []
     for r in result.rows:
         cells = [r.name] + ([f"{r.accuracy:.2f}", f"{r.agreement:.2f}"] if has_acc else []) + [_fmt_db(r.sqnr)] + \
-            [_fmt_db(r.layer_sqnr[k]) if k in r.layer_sqnr else "-" for k in keys] + [f"{r.seconds:.2f}"]
-        lines.append(cells)
+            [_fmt_db(r.layer_sqnr[k]) if k in r.layer_sqnr else "-" for k in keys]
+        if timed:
+            cells += ["-" if r.infer_ms is None else f"{r.infer_ms:.2f}"] + \
+                ["-" if r.infer_ms is None else f"{b / r.infer_ms:.2f}x" for _, b in speed if b]
+        lines.append(cells + [f"{r.seconds:.2f}"])
     widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
     fmt = lambda cells: "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                           for i, (c, w) in enumerate(zip(cells, widths))) + " |"
@@ -599,6 +693,8 @@ def check_arguments(args) -> Tuple[List[str], List[str]]:
             except (ValueError, TypeError) as e:
                 raise SystemExit(f"--scale-modes {m}" + (f" (with --configs {c})" if len(configs) > 1 else "")
                                  + f": {_first_line(e)}")
+    if getattr(args, "repeats", 5) < 0:
+        raise SystemExit(f"--repeats {args.repeats}: must be >= 0 (0: no inference times)")
     if args.threads < 0:
         raise SystemExit(f"--threads {args.threads}: must be a number of threads >= 1 (or 0: keep torch's)")
     if bool(args.model) != bool(args.data):
@@ -629,7 +725,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                                     "(weights_only=False), which runs any code the file holds")
     ap.add_argument("--data", help="your own data: torch.save({'calib': [...], 'test': [...], 'targets': [...]}); "
                                    "loaded with weights_only=True (tensors and plain containers only)")
-    ap.add_argument("--no-progress", action="store_true", help="no calibration progress bars")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars (calibration, build)")
+    ap.add_argument("--no-build", action="store_true",
+                    help="with --backend auto: never compile the cpu backend (the reference backend runs "
+                         "where it is not built yet)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="inference timing: best of this many passes over the test split per model "
+                         "(default %(default)s; 0: no inference times)")
 
 
 def main(args) -> int:
@@ -709,20 +811,17 @@ def _run_cli(args, t_start: float, configs: List[str], modes: List[str]) -> Resu
         calib, test = [to_device(b, device) for b in calib], [to_device(b, device) for b in test]
         targets = None if targets is None else [to_device(t, device) for t in targets]
     result = run(model, calib, test, targets, configs, modes, backend=args.backend,
-                 progress=not args.no_progress)
+                 progress=not args.no_progress, build=not getattr(args, "no_build", False),
+                 timing_repeats=getattr(args, "repeats", 5))
     write_outputs(result, out)
     total = time.perf_counter() - t_start
     what = "the model's outputs" + (" (logits)" if targets is not None else "")
-    print(f"\nTest split; integer models on the {result.backend} backend; torch {torch.__version__}, "
-          f"{platform.machine()}, {torch.get_num_threads()} thread(s). SQNR against the float model: output = "
-          f"{what}, layer N = that GRU layer's output sequence; time = calibrate + convert + evaluate.\n")
+    print(f"\nTest split; integer models on {result.where}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread(s). SQNR against the float model: output = {what}, layer N = that "
+          f"GRU layer's output sequence; inference = one pass over the test split (best of {args.repeats}, "
+          f"this run), speed = the float (or dynamic-quant) model's inference time / this one's; "
+          f"quantize+eval = calibrate + convert + evaluate.\n")
     print(format_table(result))
-    # ---- qgru.compare ------------------------------------------------------------------------
-    # PLACEHOLDER: qgru.compare(float_model, quant_model, batches) (a detailed error report, being
-    # written separately) is meant to be printed here for the chosen config, e.g.
-    #     print(qgru.compare(model, result.models["qgru w8a16 (pow2)"], test))
-    # It is not called yet: the demo does not depend on it.
-    # ------------------------------------------------------------------------------------------
     for n in result.notes:
         print(f"\nnote: {n}")
     print(f"\nwritten to {out}/:")

@@ -256,3 +256,69 @@ def test_run_api_with_targets():
     assert r.row("float").accuracy == 100.0
     q = r.row("qgru w16a16 (pow2)")
     assert q.accuracy >= 75.0 and q.sqnr > 50.0 and set(q.layer_sqnr) == {("enc.rnn", 0)}
+
+
+# ---- the demo's speed columns and its backend choice ----------------------------------------------
+def test_table_times_inference_against_float_and_dynamic_quant(full):
+    """Every row has an inference time measured in this run, and each speed column is the float (or
+    dynamic-quant) row's time over this row's, as printed."""
+    result, text, _ = full
+    head = next(l for l in text.splitlines() if l.startswith("| model"))
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    assert "inference (ms)" in cols and "speed vs float" in cols
+    fl = result.row("float").infer_ms
+    for r in result.rows:
+        assert r.infer_ms is not None and r.infer_ms > 0, r.name
+        line = next(l for l in text.splitlines() if re.match(rf"^\| {re.escape(r.name)} +\|", l))
+        cells = dict(zip(cols, (c.strip() for c in line.strip("|").split("|"))))
+        assert float(cells["inference (ms)"]) == pytest.approx(r.infer_ms, abs=0.006)
+        assert cells["speed vs float"] == f"{fl / r.infer_ms:.2f}x"
+        if "speed vs dyn-quant" in cols:
+            assert cells["speed vs dyn-quant"] == f"{result.row('torch dynamic-quant int8').infer_ms / r.infer_ms:.2f}x"
+    # the header names the CPU and, on the cpu backend, its path
+    from qgru.native.build import cpu_model_name
+    assert f"CPU {cpu_model_name()}" in text
+    if result.backend == "cpu":
+        from qgru.native.cpu import resolve_cpu_isa
+        assert f"cpu backend path {resolve_cpu_isa()['name']}" in text
+
+
+def test_auto_backend_builds_the_cpu_backend_when_a_compiler_is_there(monkeypatch):
+    """A fresh clone has no built cpu backend: "auto" compiles it (with a line saying so) instead of
+    running every integer model on the reference backend; without a compiler, or with --no-build,
+    it says why it runs the reference backend."""
+    calls, lines = [], []
+    monkeypatch.setattr(demo, "_native_ready", lambda kind: False)
+    monkeypatch.setattr(demo, "_compiler", lambda: "/usr/bin/c++")
+    monkeypatch.delenv("QGRU_NO_BUILD", raising=False)
+    monkeypatch.setattr(demo, "build_native", lambda kind, progress=True, log=print: calls.append(kind) or "")
+    assert demo.choose_backend("auto", "cpu", log=lines.append) == ("cpu", "")
+    assert calls == ["cpu"]
+    # the build fails: reference, with the reason
+    monkeypatch.setattr(demo, "build_native", lambda kind, progress=True, log=print: "the compiler crashed")
+    name, note = demo.choose_backend("auto", "cpu")
+    assert name == "reference" and "the compiler crashed" in note
+    monkeypatch.setattr(demo, "_compiler", lambda: None)
+    name, note = demo.choose_backend("auto", "cpu")
+    assert name == "reference" and "no C++ compiler" in note
+    monkeypatch.setattr(demo, "_compiler", lambda: "/usr/bin/c++")
+    calls.clear()
+    name, note = demo.choose_backend("auto", "cpu", build=False)
+    assert name == "reference" and "--no-build" in note and calls == []
+    monkeypatch.setenv("QGRU_NO_BUILD", "1")
+    name, note = demo.choose_backend("auto", "cpu")
+    assert name == "reference" and "QGRU_NO_BUILD=1" in note and calls == []
+    assert demo.choose_backend("reference", "cpu") == ("reference", "")
+
+
+def test_build_native_reports_progress_and_the_outcome(monkeypatch, capsys):
+    from qgru import native
+    monkeypatch.setattr(native, "why_unavailable", lambda kind: (__import__("time").sleep(0.6), "")[1])
+    lines = []
+    assert demo.build_native("cpu", progress=True, log=lines.append) == ""
+    assert "building the cpu backend" in lines[0] and "is ready" in lines[-1]
+    assert "qgru build cpu" in capsys.readouterr().err  # the progress line (tqdm, on stderr)
+    monkeypatch.setattr(native, "why_unavailable", lambda kind: "no ninja")
+    lines.clear()
+    assert demo.build_native("cpu", progress=False, log=lines.append) == "no ninja"
+    assert "did not build: no ninja" in lines[-1]
