@@ -44,3 +44,18 @@ def test_readme_examples_run(tmp_path, monkeypatch):
     x = torch.randn(2, 5, 256)
     assert torch.equal(m(x)[0], m2(x)[0])
     assert namespace["cfg"]["h"].bits == 16 and namespace["cfg"].scale_mode == "multiplier"
+
+
+def test_readme_is_short_and_user_facing_text_names_no_project_issue():
+    """The README stays a short page of current facts (dated figures live in BENCHMARKS.md), and no
+    user-facing text (README, docs/, BENCHMARKS.md, the package's docstrings and messages, the
+    scripts and configs users run) cites the project's internal issue numbers, which mean nothing
+    to a reader."""
+    root = README.parent
+    assert len(README.read_text().splitlines()) < 300
+    files = [README, root / "BENCHMARKS.md", *(root / "docs").glob("*.md"), *(root / "qgru").rglob("*.py"),
+             *(root / "scripts").glob("*"), *(root / "configs").glob("*.toml")]
+    hits = [f"{f.relative_to(root)}:{i}: {line.strip()}" for f in files if f.is_file()
+            for i, line in enumerate(f.read_text(errors="replace").splitlines(), 1)
+            if re.search(r"\bissues? \d+", line, flags=re.I)]
+    assert not hits, "\n".join(hits)
