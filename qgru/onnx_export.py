@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
@@ -201,6 +202,7 @@ def export_onnx(model: nn.Module, args, path: Union[str, os.PathLike], *,
         for m in patched:
             m.__dict__.pop("_forward_integer", None)
     proto = onnx.load_from_string(buf.getvalue())
+    _bfloat16_constant_of_shape(proto.graph)
     _splice(proto, slots, Graph, gru_nodes, ONNXExportError, integer_gemm)
     meta = {"qgru_version": __version__, "qgru_opset": str(OPSET),
             "qgru_grus": json.dumps([{"module": s.name, "meta": s.params.meta} for s in slots], sort_keys=True)}
@@ -226,6 +228,32 @@ def _qgru_version() -> str:
         from importlib.metadata import version
         v = version("qgru")
     return str(v)
+
+
+def _bfloat16_constant_of_shape(graph) -> None:
+    """Each bfloat16 ConstantOfShape (the zero h0 a QuantGRU makes for bfloat16 input without one, or
+    any the model's own code traces) as a float32 ConstantOfShape and a Cast to bfloat16, in place:
+    opset 17's ConstantOfShape has no bfloat16 output (opset 20 adds it), and the checker refuses
+    the model. Every bfloat16 value is a float32 value, so the Cast gives the same tensor."""
+    import onnx
+    from onnx import numpy_helper
+    BF16 = onnx.TensorProto.BFLOAT16
+    nodes = []
+    for node in graph.node:
+        value = next((a for a in node.attribute if a.name == "value"), None)
+        if node.op_type != "ConstantOfShape" or node.domain not in ("", "ai.onnx") or value is None \
+                or value.t.data_type != BF16:
+            nodes.append(node)
+            continue
+        v = numpy_helper.to_array(value.t)  # (float32 or ml_dtypes.bfloat16, by onnx version)
+        f32 = numpy_helper.from_array(np.asarray(v, dtype=np.float32).reshape(1), value.t.name or "value")
+        mid = f"{node.output[0]}_float32"
+        nodes.append(onnx.helper.make_node("ConstantOfShape", list(node.input), [mid], name=f"{node.name}_float32",
+                                           value=f32))
+        nodes.append(onnx.helper.make_node("Cast", [mid], list(node.output), name=f"{node.name}_to_bfloat16",
+                                           to=BF16))
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 _DTYPES = {torch.float32: 1, torch.float64: 11, torch.float16: 10, torch.bfloat16: 16}

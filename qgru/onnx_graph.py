@@ -28,7 +28,8 @@ operation is golden.py's, written with the default ONNX domain only:
   integers where the entries fit; the scan output is the state in float32 (17 bits: exact).
 
 Parts: Graph (names, constants, nodes); Form / apply_rescale (the exact rescales); quantize (the
-float boundary); _Layer (one layer and direction: GEMMs, requantization, the step, the Scan);
+float boundary); _checked_h0 (h0 of another shape than [L*D, N, H] fails at run time); _Layer
+(one layer and direction: GEMMs, requantization, the step, the Scan);
 gru_nodes (every layer and direction between the float boundaries); build_model (a standalone
 model of one QuantParams, for tests and benchmarks).
 
@@ -605,6 +606,27 @@ def _gate_cols(v, cols: slice) -> np.ndarray:
     return a[cols] if a.ndim else a
 
 
+def _checked_h0(g: Graph, x: str, h0: str, rows: int, H: int) -> str:
+    """h0 [rows, N, H] (N: x's batch) unchanged, or a run-time error for any other shape: the module
+    raises QGRUInputError there, and a Gather of each layer's row alone would silently take the
+    first rows of an h0 with too many (and broadcast a batch or rows of 1). ONNX has no assert: h0
+    goes through a Reshape to its own shape when Shape(h0) equals [rows, N, H], else to
+    [Size(h0) + 1, 1, 1], which no tensor of Size(h0) elements can take (Reshape fails in every
+    conforming runtime). The node's name says what h0 must be; a rank other than 3 fails at the
+    Equal (shape vectors of different lengths) or at the Reshape."""
+    i64 = np.int64
+    want = g.op("Concat", [g.const(np.array([rows]), i64), g.op("Shape", [x], start=1, end=2),
+                           g.const(np.array([H]), i64)], axis=0)
+    same = g.op("ReduceMin", [g.cast(g.op("Equal", [g.op("Shape", [h0]), want]), 7)], keepdims=1)  # [1], 0 or 1
+    wrong = g.op("Concat", [g.op("Unsqueeze", [g.add(g.op("Size", [h0]), g.const(i64(1), i64)),
+                                              g.const(np.array([0]), i64)]),
+                            g.const(np.array([1, 1]), i64)], axis=0)
+    target = g.op("Where", [g.cast(same, 9), want, wrong])
+    out = g.op("Reshape", [h0, target], hint="h0_checked")
+    g.nodes[-1].name = g.name(f"h0_must_be_{rows}xNx{H}")
+    return out
+
+
 def gru_nodes(params: QuantParams, g: Graph, x: str, h0: str, out: str, h_n: str, out_dtype: int,
               where: str = "QuantGRU", integer_gemm: bool = True) -> None:
     """Append to ``g`` the nodes computing integer_forward: x [T, N, I] and h0 [L*D, N, H] (float
@@ -614,7 +636,7 @@ def gru_nodes(params: QuantParams, g: Graph, x: str, h0: str, out: str, h_n: str
     layers = params.layers
     L, D = len(layers), len(layers[0])
     x64 = g.cast(x, 11)
-    h064 = g.cast(h0, 11)
+    h064 = _checked_h0(g, x, g.cast(h0, 11), L * D, layers[0][0].hidden_size)
     q_prev: List[str] = []
     h_ns: List[str] = []
     for li, row in enumerate(layers):

@@ -399,3 +399,93 @@ def test_errors(tmp_path):
     assert out.shape == (3, 2, 4)
     with pytest.raises(ONNXExportError, match="opset 13"):
         qgru.export_onnx(m, (torch.randn(3, 2, 5),), tmp_path / "e.onnx", opset=13)
+
+
+# ---------------------------------------------------------------------------------------------
+# h0 of another shape than [L*D, N, H] fails at run time (the module raises QGRUInputError)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layers,bidirectional", [(2, False), (1, True)])
+def test_h0_of_another_shape_is_refused(tmp_path, layers, bidirectional):
+    """Each layer reads its row of h0 with a Gather: without the check an h0 of more rows than
+    L*D ran silently on its first rows. Rows, batch of 1 (which would broadcast) or of another size
+    than x's, on a graph with a dynamic batch axis: each fails in the check, and the module refuses
+    every one of them too."""
+    m = _quant_gru("w8a8", "multiplier", 5, 6, layers, bidirectional)
+    rows = layers * (2 if bidirectional else 1)
+    x, h0 = _inputs(m, 6, 3, 1.0, seed=1)
+    sess = _session(str(qgru.export_onnx(m, (x, h0), tmp_path / "h0.onnx")))
+    x2, h02 = _inputs(m, 4, 2, 2.0, seed=2)  # another batch than the example's: still exact
+    _assert_exact(sess, m, {"input0": x2.numpy(), "input1": h02.numpy()}, x2, h02)
+    g = torch.Generator().manual_seed(3)
+    bad = [((6, 3, 5), (rows + 1, 3, 6)), ((6, 3, 5), (1, 3, 6)), ((6, 3, 5), (rows + 3, 3, 6)),
+           ((6, 3, 5), (rows, 4, 6)), ((6, 3, 5), (rows, 1, 6)), ((6, 1, 5), (rows, 3, 6))]
+    for xs, hs in bad:
+        xb, hb = torch.randn(*xs, generator=g), torch.randn(*hs, generator=g)
+        with pytest.raises(qgru.QGRUInputError, match="h0 must have shape"):
+            m(xb, hb)
+        with pytest.raises(Exception, match=f"h0_must_be_{rows}xNx6"):
+            sess.run(None, {"input0": xb.numpy(), "input1": hb.numpy()})
+
+
+def test_h0_check_in_the_graph_itself():
+    """build_model's graph with an h0 input of unknown shape (as inside a larger model, where no
+    input declaration checks it): a wrong hidden size or row count fails in the check, another rank
+    fails too, the right shape gives the module's outputs."""
+    from qgru.onnx_graph import build_model
+    m = _quant_gru("w8a16", "multiplier", 4, 5, 2, True)
+    model = build_model(m.export())
+    h0_in = next(i for i in model.graph.input if i.name == "h0")
+    h0_in.type.tensor_type.ClearField("shape")
+    sess = _session(model)
+    x, h0 = _inputs(m, 5, 2, 1.0, seed=4)
+    _assert_exact(sess, m, {"x": x.numpy(), "h0": h0.numpy()}, x, h0)
+    for hs in ((4, 2, 6), (4, 2, 4), (4, 2, 1), (3, 2, 5), (2, 4, 5), (4, 10)):  # (2, 4, 5): same size
+        with pytest.raises(Exception, match="h0_must_be_4xNx5" if len(hs) == 3 else None):
+            sess.run(None, {"x": x.numpy(), "h0": np.zeros(hs, np.float32)})
+
+
+# ---------------------------------------------------------------------------------------------
+# bfloat16 input, with and without h0
+# ---------------------------------------------------------------------------------------------
+def _run_bf16(sess, feeds, shapes):
+    """sess on bfloat16 torch tensors (numpy has no bfloat16: the bits as uint16 OrtValues, typed
+    bfloat16), the outputs of ``shapes`` back as bfloat16 torch tensors."""
+    BF16 = onnx.TensorProto.BFLOAT16
+    io = sess.io_binding()
+    for name, t in feeds.items():
+        io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+            t.contiguous().view(torch.int16).numpy().view(np.uint16), BF16))
+    bufs = [np.zeros(s, np.uint16) for s in shapes]
+    for o, b in zip(sess.get_outputs(), bufs):
+        io.bind_ortvalue_output(o.name, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(b, BF16))
+    sess.run_with_iobinding(io)
+    return [torch.from_numpy(b.view(np.int16)).view(torch.bfloat16) for b in bufs]
+
+
+def test_bfloat16_input(tmp_path):
+    """The zero h0 a QuantGRU makes for bfloat16 input without one is a bfloat16 ConstantOfShape in
+    torch's trace, which opset 17 does not have (the checker refused the model): the export writes it
+    in float32 and casts. With and without h0, the outputs are the module's, bfloat16 bit for bit."""
+    m = _quant_gru("w8a8", "multiplier", 5, 6, 2, True, batch_first=True)
+    x = (torch.randn(3, 6, 5) * 2).bfloat16()
+    path = qgru.export_onnx(m, (x,), tmp_path / "bf16.onnx")
+    model = onnx.load(str(path))
+    cos = [n for n in model.graph.node if n.op_type == "ConstantOfShape"]
+    assert cos and all(a.t.data_type != onnx.TensorProto.BFLOAT16 for n in cos for a in n.attribute)
+    assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
+    sess = _session(str(path))
+    for N, T, seed in ((3, 6, 1), (2, 9, 2)):
+        x = (torch.randn(N, T, 5, generator=torch.Generator().manual_seed(seed)) * 3).bfloat16()
+        with torch.no_grad():
+            want = m(x)
+            with qgru.backend("reference"):
+                gold = m(x)
+        got = _run_bf16(sess, {"input0": x}, [w.shape for w in want])
+        for a, w, gd in zip(got, want, gold):
+            assert w.dtype == torch.bfloat16 and torch.equal(a, w) and torch.equal(a, gd)
+    h0 = torch.randn(4, 2, 6).bfloat16()
+    sess = _session(str(qgru.export_onnx(m, (x, h0), tmp_path / "bf16_h0.onnx")))
+    with torch.no_grad():
+        want = m(x, h0)
+    got = _run_bf16(sess, {"input0": x, "input1": h0}, [w.shape for w in want])
+    assert all(torch.equal(a, w) for a, w in zip(got, want))
