@@ -7,6 +7,9 @@ from .convert import RescaleError
 from .export import ParamsFileError, QuantParams, load_params
 from .native import cuda_nan_seen
 from .module import CalibrationWarning, QGRUDtypeError, QGRUInputError, QuantGRU
+from .errors import (DistributedCalibrationError, ShardedWeightError, WeightRoundingMemoryError,
+                     WeightRoundingWarning)
+from .distributed import sync_calibration
 from . import ops as _ops  # registers torch.ops.qgru.integer_gru (torch.compile / torch.export)
 from .onnx_export import export_onnx
 from .onnx_graph import ONNXExportError
@@ -22,4 +25,6 @@ __all__ = ["QuantGRU", "QuantConfig", "TensorSpec", "QuantParams", "calibrate", 
            "load_params", "backends", "backend", "compare", "CompareReport", "NonFiniteCalibrationError",
            "NonFiniteWeightError", "CalibrationWarning", "ParamsFileError", "QGRUInputError", "QGRUDtypeError",
            "cuda_nan_seen", "RescaleError", "summary", "Summary", "GRUSummary", "export_onnx", "ONNXExportError",
-           "WeightOnlyGRU", "WeightOnlyConfig", "WeightOnlyError", "WeightOnlyFileError", "__version__"]
+           "WeightOnlyGRU", "WeightOnlyConfig", "WeightOnlyError", "WeightOnlyFileError",
+           "WeightRoundingWarning", "WeightRoundingMemoryError", "sync_calibration", "DistributedCalibrationError",
+           "ShardedWeightError", "__version__"]

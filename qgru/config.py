@@ -12,7 +12,15 @@ inference inputs beyond the calibration extremes from saturating; the shipped co
 headroom 1.5 on every 16-bit activation and none on 8-bit ones, where resolution matters more.
 
 Top-level ``weight_rounding`` ("gptq", the default, or "nearest") says how W and R are rounded
-onto their grids at convert() (qgru.convert.gptq_round; docs/spec.md section 8).
+onto their grids at convert() (qgru.convert.gptq_round; docs/spec.md section 8). gptq keeps, per
+layer and direction, a K x K float64 second moment of each GEMM operand (K: the input size I for
+layer 0's x, H for h) and factors it at convert() in O(K^3) time. Top-level ``gptq_max_size``
+(default 4096) caps K: the weights of a wider operand (a one-hot or bag-of-words input x) are
+rounded to nearest, no moment collected, with a qgru.WeightRoundingWarning at calibration naming
+the operand; the others keep gptq. Choose explicitly: ``weight_rounding = "nearest"`` (no
+warning), or a ``gptq_max_size`` >= I for gptq on that W (~8 I^2 bytes during calibration, a few
+times that and minutes at convert() for I of 16384; an allocation that fails raises
+qgru.WeightRoundingMemoryError).
 
 Unknown keys are errors, never ignored. The tensors (names as in docs/spec.md):
 
@@ -68,6 +76,9 @@ GRANULARITIES = {
 SCALE_MODES = ("pow2", "multiplier")
 OBSERVER_KINDS = ("mse", "percentile", "minmax", "ema", "ema_step")
 WEIGHT_ROUNDINGS = ("gptq", "nearest")
+# gptq rounds the weights of GEMM operands at most this wide (config gptq_max_size's default): a
+# 4096-wide operand's second moment is 134 MB of float64, factored at convert() in a few seconds
+GPTQ_MAX_SIZE = 4096
 BUILTIN_CONFIGS = ("w8a8", "w8a16", "w16a16")
 # the weight-only configs' names (qgru/weight_only/format.py: w4g128, w8pc, w4g128s ...), named in errors
 _WEIGHT_ONLY_NAME = re.compile(r"w(2|4|8)(g[0-9]+|pc)s?\Z")
@@ -126,6 +137,9 @@ class QuantConfig:
     # E[x x^T], E[h h^T] to make the products' error small (qgru.convert.gptq_round); "nearest"
     # rounds each weight alone. The scales are the same (max |w| / qmax) either way.
     weight_rounding: str = "gptq"
+    # gptq only: the widest operand (K features: x's I, h's H) whose K x K float64 moment calibration
+    # collects; the weights of a wider one are rounded to nearest, with a WeightRoundingWarning
+    gptq_max_size: int = GPTQ_MAX_SIZE
 
     def __getitem__(self, tensor: str) -> TensorSpec:
         return self.tensors[tensor]
@@ -174,7 +188,7 @@ class QuantConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping, default_name: str = "custom") -> "QuantConfig":
-        _check_keys(d, {"name", "scale_mode", "observer", "tensors", "weight_rounding"}, "config")
+        _check_keys(d, {"name", "scale_mode", "observer", "tensors", "weight_rounding", "gptq_max_size"}, "config")
         scale_mode = d.get("scale_mode", "pow2")
         if scale_mode not in SCALE_MODES:
             raise ValueError(f"config: scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
@@ -194,6 +208,10 @@ class QuantConfig:
         weight_rounding = d.get("weight_rounding", "gptq")
         if weight_rounding not in WEIGHT_ROUNDINGS:
             raise ValueError(f"config: weight_rounding must be one of {WEIGHT_ROUNDINGS}, got {weight_rounding!r}")
+        gptq_max_size = d.get("gptq_max_size", GPTQ_MAX_SIZE)
+        if isinstance(gptq_max_size, bool) or not isinstance(gptq_max_size, int) or gptq_max_size < 1:
+            raise ValueError(f"config: gptq_max_size must be a positive integer (the widest GEMM operand whose "
+                             f"weights gptq rounds), got {gptq_max_size!r}")
         raw = d.get("tensors", {})
         _check_keys(raw, set(TENSOR_NAMES + OPTIONAL_TENSORS), "config.tensors")
         # an optional tensor set to None (overrides={"tensors": {"h_gemm": None}}) is left out
@@ -206,14 +224,18 @@ class QuantConfig:
             raise ValueError(f"config.tensors.h_gemm: the R.h operand ({tensors['h_gemm'].bits} bits) is h "
                              f"requantized to fewer bits; it cannot have more than h ({tensors['h'].bits})")
         return cls(name=str(d.get("name", default_name)), scale_mode=scale_mode,
-                   observer=observer, tensors=tensors, weight_rounding=weight_rounding)
+                   observer=observer, tensors=tensors, weight_rounding=weight_rounding,
+                   gptq_max_size=gptq_max_size)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"name": self.name, "scale_mode": self.scale_mode, "weight_rounding": self.weight_rounding,
-                "observer": {"kind": self.observer.kind, "momentum": self.observer.momentum,
-                             "percentile": self.observer.percentile},
-                "tensors": {n: ({"bits": s.bits} if n in GATE_OUTPUTS else s.to_dict())
-                            for n, s in self.tensors.items()}}
+        d = {"name": self.name, "scale_mode": self.scale_mode, "weight_rounding": self.weight_rounding,
+             "observer": {"kind": self.observer.kind, "momentum": self.observer.momentum,
+                          "percentile": self.observer.percentile},
+             "tensors": {n: ({"bits": s.bits} if n in GATE_OUTPUTS else s.to_dict())
+                         for n, s in self.tensors.items()}}
+        if self.gptq_max_size != GPTQ_MAX_SIZE:  # (only when set: the default's dict is as before)
+            d["gptq_max_size"] = self.gptq_max_size
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

@@ -12,6 +12,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from .config import QuantConfig, TensorSpec
+from .errors import WeightRoundingMemoryError, is_out_of_memory
 from .golden import LayerParams, Rescale, XLevels
 from .observers import Histogram, Observer, WeightObserver
 from .primitives import (choose_qparams, qrange, quantize, quantize_multipliers, round_half_up,
@@ -63,20 +64,34 @@ def gptq_round(w: torch.Tensor, scale: torch.Tensor, second_moment: torch.Tensor
     qmax = (1 << (bits - 1)) - 1
     W = w.detach().double().clone()
     s = scale.double().reshape(-1, 1)
-    M = second_moment.detach().double().clone()
+    M = second_moment.detach().double()  # (not copied: read only, up to the permuted copy below)
     K = W.shape[1]
     mean_diag = float(M.diagonal().mean()) if K else 0.0
     nearest = lambda v: round_half_up(v / s).clamp(-qmax, qmax).double()
     if not (mean_diag > 0 and torch.isfinite(M).all()):
         return nearest(W).to(torch.int64)
-    M += GPTQ_DAMP * mean_diag * torch.eye(K, dtype=torch.float64, device=M.device)
-    order = torch.argsort(M.diagonal(), descending=True, stable=True)
-    M = M[order][:, order]
+    damp = GPTQ_DAMP * mean_diag
+    order = torch.argsort(M.diagonal() + damp, descending=True, stable=True)
     W = W[:, order]
+    # the K x K buffers one at a time (at most two alive): the damped, permuted M, its Cholesky
+    # factor, M^-1, U (an operand wider than config gptq_max_size never gets here from convert())
     try:
-        U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(M)), upper=True)
-    except RuntimeError:  # numerically not positive definite: no compensation
-        return nearest(w.detach().double()).to(torch.int64)
+        M = M[order.unsqueeze(1), order]
+        M.diagonal().add_(damp)
+        L = torch.linalg.cholesky(M)
+        del M
+        M_inv = torch.cholesky_inverse(L)
+        del L
+        U = torch.linalg.cholesky(M_inv, upper=True)
+        del M_inv
+    except RuntimeError as e:
+        if is_out_of_memory(e):
+            raise WeightRoundingMemoryError(
+                f"weight_rounding 'gptq': the {K} x {K} float64 factors of a weight's operand moment "
+                f"({K * K * 8 / 1e9:.3g} GB each, two at a time) could not be allocated; set the config's "
+                f"gptq_max_size below {K} (those weights then round to nearest) or weight_rounding 'nearest' "
+                f"({e})") from None
+        return nearest(w.detach().double()).to(torch.int64)  # numerically not positive definite: no compensation
     Q = torch.empty_like(W)
     for j in range(K):
         Q[:, j] = nearest(W[:, j:j + 1]).squeeze(1)

@@ -18,14 +18,15 @@ from typing import Dict, List, Optional, Tuple, Union, overload
 
 import torch
 from torch import _VF, nn
-from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence
 
 from . import native
 from .backends import forced_backend_name
 from .config import QuantConfig
 from .convert import (RescaleError, activation_qparams, calibrated_range, derive_layer_params, grid_error,
                       recurrent_operand)
-from .errors import CalibrationWarning, QGRUDtypeError, QGRUInputError, empty_sequence_error  # noqa: F401
+from .errors import (CalibrationWarning, QGRUDtypeError, QGRUInputError, ShardedWeightError,  # noqa: F401
+                     WeightRoundingWarning, empty_sequence_error)
 from .export import ParamsFileError, QuantParams, check_stored_tensors, read_archive_bytes
 from .float_gru import float_direction
 from .golden import LayerParams
@@ -34,7 +35,7 @@ from .ops import flatten_params
 from .primitives import MIN_RANGE, qrange
 from .qat_step import qat_forward
 from .runtime import (_compiled_integer_gru, _integer_forward, integer_forward, integer_inputs,  # noqa: F401
-                      reverse_within_lengths, run_stack)
+                      packed_rows, padded_from_packed, reverse_within_lengths, run_stack)
 
 _ACT_OBSERVED = ("x", "h", "Wx", "Rh", "r_pre", "z_pre", "g_pre")
 
@@ -333,10 +334,25 @@ class QuantGRU(nn.GRU):
         check_stored_tensors({name: t}, (torch.uint8,), what="get_extra_state's bytes")
         return read_archive_bytes(t.detach().cpu().contiguous().numpy().tobytes(), name)
 
+    def _qat_keys(self) -> Dict[str, Tuple[Tuple[int, int], str, int]]:
+        """QAT mode's state_dict entries: the frozen activation ranges, ``_qat_<tensor>_min_l<k>``
+        (and ``_max``, ``_reverse``) -> ((layer, direction), tensor, 0 for min / 1 for max)."""
+        out = {}
+        for (layer, d), r in (self._qat or {}).items():
+            sfx = f"_l{layer}" + ("_reverse" if d else "")
+            for n in r:
+                out[f"_qat_{n}_min{sfx}"] = ((layer, d), n, 0)
+                out[f"_qat_{n}_max{sfx}"] = ((layer, d), n, 1)
+        return out
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if not self.is_converted:  # a float QuantGRU's state_dict is nn.GRU's, key for key
             destination.pop(prefix + _EXTRA_STATE, None)
+        # QAT mode: the frozen grids too (float64 tensors of fixed shape, so that a checkpoint, also a
+        # torch.distributed.checkpoint one loaded in place, resumes training on exactly these grids)
+        for key, (ld, n, i) in self._qat_keys().items():
+            destination[prefix + key] = self._qat[ld][n][i].detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -349,6 +365,41 @@ class QuantGRU(nn.GRU):
         # passes strict=True here whatever the caller asked, and sorts missing keys out itself)
         if not had and not self.is_converted and key in missing_keys:
             missing_keys.remove(key)
+        self._load_qat_grids(state_dict, prefix, missing_keys, unexpected_keys, error_msgs)
+
+    def _load_qat_grids(self, state_dict, prefix, missing_keys, unexpected_keys, error_msgs) -> None:
+        """A QAT model's frozen grids (_save_to_state_dict) into this QAT model. Into a module not in
+        QAT mode they are unexpected keys (strict loading fails naming them)."""
+        mine = self._qat_keys()
+        theirs = [k for k in state_dict if k.startswith(prefix + "_qat_") and "." not in k[len(prefix):]]
+        for k in theirs:
+            if k[len(prefix):] in mine:
+                if k in unexpected_keys:  # (nn.Module's loader lists every key it does not own)
+                    unexpected_keys.remove(k)
+            elif k not in unexpected_keys:
+                unexpected_keys.append(k)
+        loaded = {}
+        for key, (ld, n, i) in mine.items():
+            k = prefix + key
+            if k not in state_dict:
+                missing_keys.append(k)
+                continue
+            v, own = state_dict[k], self._qat[ld][n][i]
+            if not isinstance(v, torch.Tensor) or v.shape != own.shape or not v.is_floating_point():
+                got = f"{v.dtype} of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else _described(v)
+                error_msgs.append(f"QAT grid {k!r}: expected a float tensor of shape {tuple(own.shape)} (the frozen "
+                                  f"range of {n}), got {got}; was the checkpoint saved with another config?")
+                continue
+            v = v.detach().to(device=own.device, dtype=own.dtype)
+            if not bool(torch.isfinite(v).all()):
+                error_msgs.append(f"QAT grid {k!r} holds NaN or Inf")
+                continue
+            loaded[(ld, n, i)] = v.clone()
+        if error_msgs:
+            return
+        for (ld, n, i), v in loaded.items():
+            r = self._qat[ld][n]
+            self._qat[ld][n] = (v, r[1]) if i == 0 else (r[0], v)
 
     @property
     def num_directions(self) -> int:
@@ -380,6 +431,7 @@ class QuantGRU(nn.GRU):
         obs_spec = self.qconfig.observer
         self._observers = {}
         self._moments = {}
+        wide: Dict[Tuple[int, str], int] = {}  # operands too wide for gptq (gptq_max_size)
         for layer in range(self.num_layers):
             for d in range(self.num_directions):
                 obs = {}
@@ -392,19 +444,51 @@ class QuantGRU(nn.GRU):
                 if self.qconfig.weight_rounding == "gptq":
                     label = f"layer {layer}{' reverse' if d else ''}"
                     size_x = self.input_size if layer == 0 else self.hidden_size * self.num_directions
-                    self._moments[(layer, d)] = {"x": SecondMoment(label + " x", size_x),
-                                                 "h": SecondMoment(label + " h", self.hidden_size)}
+                    sizes = {"x": size_x, "h": self.hidden_size}
+                    # an operand wider than gptq_max_size gets no K x K moment: its weights round to nearest
+                    self._moments[(layer, d)] = {n: SecondMoment(f"{label} {n}", k) for n, k in sizes.items()
+                                                 if k <= self.qconfig.gptq_max_size}
+                    for n, k in sizes.items():
+                        if k > self.qconfig.gptq_max_size and (layer, n) not in wide:
+                            wide[(layer, n)] = k
+        if wide:
+            self._warn_wide_operands(wide)
         self._calibrating = True
+
+    def _warn_wide_operands(self, wide: Dict[Tuple[int, str], int]) -> None:
+        """The WeightRoundingWarning of start_calibration(): gptq skips the operands ``wide`` ((layer,
+        "x" or "h") -> width), whose weights convert() rounds to nearest."""
+        cap = self.qconfig.gptq_max_size
+        rev = " and its _reverse" if self.num_directions == 2 else ""
+        what = ", ".join(f"{'weight_ih' if n == 'x' else 'weight_hh'}_l{layer}{rev} (its operand {n} is {k} wide)"
+                         for (layer, n), k in wide.items())
+        k = max(wide.values())
+        warnings.warn(f"QuantGRU(input_size={self.input_size}, hidden_size={self.hidden_size}): weight_rounding "
+                      f"'gptq' keeps a K x K float64 second moment of each GEMM operand and factors it at convert() "
+                      f"in O(K^3) time; the config's gptq_max_size is {cap}, so {what} "
+                      f"{'is' if len(wide) == 1 else 'are'} rounded to nearest instead (no moment collected; the "
+                      f"other weights keep gptq). To choose explicitly: "
+                      f"overrides={{'weight_rounding': 'nearest'}} rounds every weight to nearest without this "
+                      f"warning; overrides={{'gptq_max_size': {k}}} uses gptq (a {k} x {k} moment is "
+                      f"{k * k * 8 / 1e9:.2g} GB, convert() needs a few times that)",
+                      WeightRoundingWarning, stacklevel=3)
 
     def stop_calibration(self) -> None:
         self._calibrating = False
 
-    def convert(self) -> "QuantGRU":
+    def convert(self, sync: bool = True, group=None) -> "QuantGRU":
         """Freeze integer parameters from the observers; forward then runs integer-only. Returns self.
+
+        Under torch.distributed (a process group of more than one rank), convert() first reduces
+        the calibration statistics over the ranks of ``group`` (default: the default group), as
+        qgru.sync_calibration does: a collective, so every rank must call it. If they were reduced
+        already (qgru.sync_calibration on every rank), convert() runs no collective: convert on one
+        rank alone then. ``sync=False`` never reduces: it converts the statistics as they are (a
+        CalibrationWarning says so when a group is running and they were not reduced).
 
         In QAT mode (qgru.prepare_qat) the activation ranges are the ones frozen when QAT started
         (the same the observers give), and the weights are the trained ones: the integer model is
-        then exactly the QAT model's forward (docs/spec.md section 14)."""
+        then exactly the QAT model's forward (docs/spec.md section 14); nothing is reduced."""
         if self.is_converted:
             raise RuntimeError("this QuantGRU is already converted")
         if self._observers is None:
@@ -413,6 +497,7 @@ class QuantGRU(nn.GRU):
         if self._qat is not None:  # QAT's forward rounds the weights to nearest: so does its convert
             ranges = self._qat
         else:
+            self._sync_statistics(sync, group, "convert()")
             ranges = self._observed_ranges()
             for (layer, d), r in ranges.items():
                 self._warn_degenerate(layer, d, r)
@@ -436,17 +521,28 @@ class QuantGRU(nn.GRU):
             return None
         out = {}
         for key, mom in self._moments.items():
-            for m in mom.values():
-                m.sync()
             out[key] = {n: v for n, v in ((n, m.value()) for n, m in mom.items()) if v is not None}
         return out
 
+    def _sync_statistics(self, sync: bool, group, who: str) -> None:
+        """convert() / start_qat(): reduce the statistics over the ranks of ``group`` unless ``sync``
+        is False or they were reduced already (qgru/distributed.py)."""
+        from .distributed import running, sync_grus
+        if not running(group):
+            return
+        if all(o._synced for obs in self._observers.values() for o in obs.values()):
+            return  # qgru.sync_calibration ran on every rank: no collective here
+        if sync:
+            sync_grus([("", self)], group, f"QuantGRU.{who}")
+        else:
+            warnings.warn(f"QuantGRU.{who} with sync=False under torch.distributed: the calibration statistics "
+                          "were not reduced over the ranks (qgru.sync_calibration(model) on every rank does "
+                          "that), so this rank converts from its own calibration data alone",
+                          CalibrationWarning, stacklevel=3)
+
     def _observed_ranges(self) -> Dict[Tuple[int, int], Dict[str, Tuple[torch.Tensor, torch.Tensor]]]:
-        """The calibrated activation ranges per (layer, direction), on the CPU, after reducing the
-        observers over torch.distributed ranks (once per call: call it once per calibration)."""
-        for obs in self._observers.values():
-            for o in obs.values():
-                o.sync()
+        """The calibrated activation ranges per (layer, direction), on the CPU, from the observers
+        (reduced over torch.distributed ranks before: _sync_statistics)."""
         q = self.qconfig
         return {key: {n: calibrated_range(o, q[n], self.hidden_size, q.power_of_two, q.observer.kind)
                       for n, o in self._calibrated(obs).items()}
@@ -464,6 +560,7 @@ class QuantGRU(nn.GRU):
         _observed_ranges gives them). QAT calls it on every forward, so that its grids are exactly
         convert()'s; ``scales``, if given, receives every tensor's scale per (layer, direction);
         ``moments`` (convert(), weight_rounding "gptq"): E[x x^T], E[h h^T] per (layer, direction)."""
+        self._check_unsharded()
         params: List[List[LayerParams]] = []
         for layer in range(self.num_layers):
             row = []
@@ -492,10 +589,25 @@ class QuantGRU(nn.GRU):
             params.append(row)
         return params
 
-    def start_qat(self) -> "QuantGRU":
+    def _check_unsharded(self) -> None:
+        """Integer parameters need whole weight matrices: a DTensor (FSDP2, tensor parallel) is one
+        rank's shard, which derive_layer_params cannot mix with plain tensors."""
+        sharded = [n for n, p in self.named_parameters(recurse=False) if type(p).__name__ == "DTensor"
+                   or type(getattr(p, "data", None)).__name__ == "DTensor"]
+        if sharded:
+            raise ShardedWeightError(
+                f"QuantGRU.convert(): the parameters {', '.join(sharded)} are sharded torch.distributed DTensors "
+                "(FSDP2's fully_shard, or tensor parallelism); integer parameters are derived from the whole "
+                "weights: unshard them first, e.g. copy the full weights (p.full_tensor(), on every rank) or a "
+                "full state dict (torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
+                "options=StateDictOptions(full_state_dict=True))) into an unsharded model, then convert_qat / "
+                "convert it")
+
+    def start_qat(self, group=None) -> "QuantGRU":
         """Quantization-aware training mode (qgru.prepare_qat does this for a whole model): the
         calibrated activation ranges are frozen, and forward becomes the integer GRU's values with
-        the float GRU's straight-through gradients (qgru/qat.py). Needs calibration; returns self."""
+        the float GRU's straight-through gradients (qgru/qat.py). Needs calibration; returns self.
+        Under torch.distributed the statistics are first reduced over ``group``, as by convert()."""
         if self.is_converted:
             raise RuntimeError("this QuantGRU is already converted: QAT trains the float weights of a "
                                "calibrated, unconverted QuantGRU (start from the float model)")
@@ -504,13 +616,15 @@ class QuantGRU(nn.GRU):
         if self._observers is None:
             raise RuntimeError("QAT needs calibration first: run qgru.calibrate(model, batches), or pass "
                                "calibration batches to qgru.prepare_qat(model, batches)")
+        self._sync_statistics(True, group, "start_qat()")
         ranges = self._observed_ranges()
         for (layer, d), r in ranges.items():
             self._warn_degenerate(layer, d, r)
         # what convert() would refuse (a grid it cannot rescale to) fails here, not in the first
         # training step; every forward derives the parameters again from the weights it then has
         self._derive_params(ranges)
-        self._qat = ranges
+        # (own copies: the state_dict hands these out, and a checkpoint may load into them in place)
+        self._qat = {k: {n: (lo.clone(), hi.clone()) for n, (lo, hi) in r.items()} for k, r in ranges.items()}
         return self
 
     @property
@@ -794,7 +908,7 @@ class QuantGRU(nn.GRU):
         unbatched = False
         lengths = None
         if packed:
-            x, lengths = pad_packed_sequence(input, batch_first=False)
+            x, lengths = padded_from_packed(input)  # what pad_packed_sequence gives, one index_copy
         else:
             x = input
             if x.dim() == 2:
@@ -810,13 +924,8 @@ class QuantGRU(nn.GRU):
 
     def _finish(self, out, h_n, input, unbatched, packed):
         if packed:
-            idx = input.sorted_indices
-            rows = []
-            for t, bs in enumerate(input.batch_sizes.tolist()):
-                sel = torch.arange(bs, device=out.device) if idx is None else idx[:bs]
-                rows.append(out[t, sel.to(out.device)])
-            data = torch.cat(rows) if rows else out.new_zeros(0, out.shape[-1])
-            return PackedSequence(data, input.batch_sizes, input.sorted_indices, input.unsorted_indices), h_n
+            return PackedSequence(packed_rows(out, input.batch_sizes, input.sorted_indices), input.batch_sizes,
+                                  input.sorted_indices, input.unsorted_indices), h_n
         if unbatched:
             return out.squeeze(1), h_n.squeeze(1)
         if self.batch_first:

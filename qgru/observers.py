@@ -49,13 +49,18 @@ If ``torch.distributed`` is initialised, ``sync()`` reduces the statistics acros
 histograms and zero counts are summed on common bins, so ``mse`` and ``percentile`` give what one
 process would; min of mins
 and max of maxes for ``minmax``; the mean over ranks that saw data for the averages) so that
-calibration can be spread over processes and every rank converts to the same parameters.
+calibration can be spread over processes and every rank converts to the same parameters. The
+collectives, their checks and their order are qgru/distributed.py's (qgru.sync_calibration for a
+whole model, in one fingerprint exchange and three reductions); a reduced observer is marked
+``_synced`` (a second reduction would count every value again) and observes no more values.
 """
 from __future__ import annotations
 
 from typing import List, NamedTuple, Optional
 
 import torch
+
+from .errors import WeightRoundingMemoryError, is_out_of_memory
 
 
 class NonFiniteCalibrationError(ValueError):
@@ -77,6 +82,16 @@ _PENDING_LIMIT = 1 << 20  # percentile: values held before they are binned
 HISTOGRAM_KINDS = ("percentile", "mse")  # kinds whose statistic is the histogram alone
 _CPU = torch.device("cpu")  # where the statistics are read (factories name their device: never the default one)
 _EXP_NONE = -1100  # exponent of a channel that saw only zeros: below every double's (2^-1074)
+
+
+def rebin_counts(hist: torch.Tensor, exp: torch.Tensor, new_exp: torch.Tensor, half_bins: int) -> torch.Tensor:
+    """Histogram counts [C, 2B] with bins covering [-2^exp, 2^exp) per row, rebinned (exactly, by
+    merging bins) to cover [-2^new_exp, 2^new_exp) (new_exp >= exp); a new tensor."""
+    k = (new_exp - exp).clamp(max=62)
+    B = half_bins
+    i = torch.arange(2 * B, dtype=torch.int64, device=hist.device).unsqueeze(0) - B
+    idx = (i >> k.to(hist.device).unsqueeze(1)) + B
+    return torch.zeros_like(hist).scatter_add_(1, idx, hist)
 
 
 def _times_pow2(v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -106,6 +121,8 @@ class Observer:
     does not contain its own calibration data.
     """
 
+    _synced = False  # (class default: see __init__)
+
     def __init__(self, name: str, kind: str = "percentile", momentum: float = 0.1, channels: int = 0,
                  percentile: float = 99.99):
         self.name = name
@@ -127,6 +144,7 @@ class Observer:
         self._pending_numel = 0
         self.zeros: Optional[torch.Tensor] = None  # int64 [C]: values exactly 0 (in bin [0, width))
         self.half_bins = HIST_HALF_BINS if channels else HIST_HALF_BINS_TENSOR
+        self._synced = False  # reduced over torch.distributed ranks (sync()): holds every rank's values
 
     def _reduce(self, v: torch.Tensor):
         v = v.detach().double()
@@ -139,6 +157,9 @@ class Observer:
         """Observe one time step's (or one call's) values; rows already restricted to valid ones."""
         if v.numel() == 0:
             return
+        if self._synced:
+            raise RuntimeError(f"observer {self.name!r} was reduced over torch.distributed ranks already: a "
+                               "second reduction would count its values again; start a fresh calibration")
         if not torch.isfinite(v).all():
             raise NonFiniteCalibrationError(f"non-finite value (NaN or Inf) in tensor {self.name!r}")
         self.count += v.numel()
@@ -253,13 +274,9 @@ class Observer:
 
     def _rebin(self, exp: torch.Tensor) -> None:
         """Widen each channel's bins to cover [-2^exp, 2^exp) (exp >= the current one)."""
-        k = (exp - self.exp).clamp(max=62)
-        if bool((k == 0).all()):
+        if bool((exp == self.exp).all()):
             return
-        B = self.half_bins
-        i = torch.arange(2 * B, dtype=torch.int64, device=self.hist.device).unsqueeze(0) - B
-        idx = (i >> k.unsqueeze(1)) + B
-        self.hist = torch.zeros_like(self.hist).scatter_add_(1, idx, self.hist)
+        self.hist = rebin_counts(self.hist, self.exp, exp, self.half_bins)
         self.exp = exp
 
     def _percentile_range(self):
@@ -314,55 +331,14 @@ class Observer:
                             _times_pow2(torch.ones_like(exp, dtype=torch.float64), exp - self._log2_b))
         return Histogram(counts, width, zeros.double(), seen_lo, seen_hi)
 
-    def sync(self) -> None:
-        """Reduce the statistics over torch.distributed ranks, when a process group is running."""
+    def sync(self, group=None) -> None:
+        """Reduce the statistics over the torch.distributed ranks of ``group`` (default: the default
+        group), when a process group of more than one rank is running; every rank calls it, with
+        observers of the same kind and shape (checked first: qgru/distributed.py)."""
+        from .distributed import reduce_statistics
         self._flush()
         self._to_cpu()
-        import torch.distributed as dist
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return
-        shape = (self.channels,) if self.channels else ()
-        count = torch.tensor(float(self.count), dtype=torch.float64, device=_CPU)
-        dist.all_reduce(count, op=dist.ReduceOp.SUM)
-        if count.item() == 0:
-            return
-        # every kind: the exact extremes and the histogram (summed on common bins: what one process
-        # binning all the data would hold)
-        big = torch.finfo(torch.float64).max
-        seen_lo = self.seen_min.clone() if self.seen_min is not None else torch.full(shape, big, dtype=torch.float64, device=_CPU)
-        seen_hi = self.seen_max.clone() if self.seen_max is not None else torch.full(shape, -big, dtype=torch.float64, device=_CPU)
-        dist.all_reduce(seen_lo, op=dist.ReduceOp.MIN)
-        dist.all_reduce(seen_hi, op=dist.ReduceOp.MAX)
-        C = self.channels or 1
-        if self.hist is None:
-            self.hist = torch.zeros(C, 2 * self.half_bins, dtype=torch.int64, device=_CPU)
-            self.exp = torch.full((C,), _EXP_NONE, dtype=torch.int64, device=_CPU)
-            self.zeros = torch.zeros(C, dtype=torch.int64, device=_CPU)
-        exp = self.exp.clone()
-        dist.all_reduce(exp, op=dist.ReduceOp.MAX)
-        self._rebin(exp)
-        dist.all_reduce(self.hist, op=dist.ReduceOp.SUM)
-        dist.all_reduce(self.zeros, op=dist.ReduceOp.SUM)
-        self.seen_min, self.seen_max, self.count = seen_lo, seen_hi, int(count.item())
-        if self.kind in HISTOGRAM_KINDS:
-            return
-        saw = torch.tensor(1.0 if self.min is not None else 0.0, dtype=torch.float64, device=_CPU)  # 0-dim: keeps shapes
-        lo = self.min if self.min is not None else torch.zeros(shape, dtype=torch.float64, device=_CPU)
-        hi = self.max if self.max is not None else torch.zeros(shape, dtype=torch.float64, device=_CPU)
-        ranks_with_data = saw.clone()
-        dist.all_reduce(ranks_with_data, op=dist.ReduceOp.SUM)
-        if self.kind == "minmax":
-            lo = lo if self.min is not None else torch.full(shape, big, dtype=torch.float64, device=_CPU)
-            hi = hi if self.max is not None else torch.full(shape, -big, dtype=torch.float64, device=_CPU)
-            lo, hi = lo.clone(), hi.clone()
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        else:  # mean of the ranks' moving averages, over ranks that saw data
-            lo, hi = lo * saw, hi * saw
-            dist.all_reduce(lo, op=dist.ReduceOp.SUM)
-            dist.all_reduce(hi, op=dist.ReduceOp.SUM)
-            lo, hi = lo / ranks_with_data, hi / ranks_with_data
-        self.min, self.max = lo, hi
+        reduce_statistics([self], [], group, who=f"observer {self.name!r} sync()")
 
     def range(self):
         """(min, max) as float64 tensors; raises if nothing was observed."""
@@ -420,32 +396,45 @@ class SecondMoment:
     ``weight_rounding = "gptq"``, qgru.convert.gptq_round). Reduced over torch.distributed ranks
     by summing, like the histograms."""
 
+    _synced = False  # (class default: see __init__)
+
     def __init__(self, name: str, size: int):
         self.name = name
         self.size = size
         self.count = 0
         self.sum: Optional[torch.Tensor] = None  # float64 [size, size]
+        self._synced = False  # reduced over torch.distributed ranks (sync())
 
     def observe(self, v: torch.Tensor) -> None:
         """Rows v [..., size] (already restricted to valid ones)."""
         v = v.detach().reshape(-1, self.size)
         if v.shape[0] == 0:
             return
-        v = v.to(dtype=torch.float64)  # on the data's device; read on the CPU (value())
-        s = v.t() @ v
-        self.sum = s if self.sum is None else self.sum + s.to(self.sum.device)
+        if self._synced:
+            raise RuntimeError(f"second moment {self.name!r} was reduced over torch.distributed ranks already; "
+                               "start a fresh calibration")
+        try:
+            v = v.to(dtype=torch.float64)  # on the data's device; read on the CPU (value())
+            s = v.t() @ v
+            if self.sum is None:
+                self.sum = s
+            else:
+                self.sum += s.to(self.sum.device)  # (in place: no third K x K buffer)
+        except RuntimeError as e:
+            if not is_out_of_memory(e):
+                raise
+            k = self.size
+            raise WeightRoundingMemoryError(
+                f"weight_rounding 'gptq': the {k} x {k} float64 second moment of {self.name} "
+                f"({k * k * 8 / 1e9:.3g} GB, twice that while a batch is added) could not be allocated; set the "
+                f"config's gptq_max_size below {k} (those weights then round to nearest) or weight_rounding "
+                f"'nearest' ({e})") from None
         self.count += v.shape[0]
 
-    def sync(self) -> None:
-        import torch.distributed as dist
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return
-        s = self.sum.to(_CPU) if self.sum is not None else torch.zeros(self.size, self.size, dtype=torch.float64,
-                                                                        device=_CPU)
-        n = torch.tensor(float(self.count), dtype=torch.float64, device=_CPU)
-        dist.all_reduce(s, op=dist.ReduceOp.SUM)
-        dist.all_reduce(n, op=dist.ReduceOp.SUM)
-        self.sum, self.count = s, int(n.item())
+    def sync(self, group=None) -> None:
+        """Sum over the torch.distributed ranks of ``group`` (qgru/distributed.py), when running."""
+        from .distributed import reduce_statistics
+        reduce_statistics([], [self], group, who=f"second moment {self.name!r} sync()")
 
     def value(self) -> Optional[torch.Tensor]:
         """E[v v^T] (float64 [size, size]), or None if nothing was observed."""
