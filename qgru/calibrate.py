@@ -10,6 +10,7 @@ from torch.nn.utils.rnn import PackedSequence
 from tqdm.auto import tqdm
 
 from .config import QuantConfig
+from .distributed import running, sync_grus
 from .module import QGRUDtypeError, QGRUInputError, QuantGRU
 from .observers import NonFiniteCalibrationError, NonFiniteWeightError
 from .weight_only.format import is_weight_only
@@ -26,6 +27,10 @@ def calibrate(model: nn.Module, batches: Iterable, progress: bool = True) -> nn.
     A tuple or list batch is called as ``model(*batch)``, anything else as ``model(batch)``.
     Runs in eval mode and without gradients (the previous mode is restored). Observers start fresh,
     so calling calibrate() again recalibrates from scratch. Returns ``model``.
+
+    Under torch.distributed (a process group of more than one rank) each rank calibrates on its
+    own shard, which may be empty (the rank then joins the reduction with no data); convert(),
+    or qgru.sync_calibration on every rank, reduces the statistics (qgru/distributed.py).
     """
     grus = _quant_grus(model)
     if not grus:
@@ -73,13 +78,13 @@ def _calibrate(model: nn.Module, grus: List[QuantGRU], batches: Iterable, progre
             g.stop_calibration()
         for m, training in modes.items():
             m.training = training
-    if seen == 0:
+    if seen == 0 and not running():  # (under torch.distributed an empty shard joins with no data)
         raise ValueError("calibrate(): the batches iterable was empty; calibration needs at least one batch")
     return model
 
 
 def quantize_model(model: nn.Module, batches: Iterable, config: Union[str, dict, QuantConfig] = "w8a8",
-                   progress: bool = True) -> nn.Module:
+                   progress: bool = True, group=None) -> nn.Module:
     """A deep copy of ``model`` with every torch.nn.GRU replaced by a calibrated, converted QuantGRU.
 
     ``model`` itself is left untouched. ``batches`` is iterated once (see calibrate()). QuantGRUs
@@ -90,6 +95,10 @@ def quantize_model(model: nn.Module, batches: Iterable, config: Union[str, dict,
     A weight-only config (``"w4g128"``, ``"w8pc"``, ... or a qgru.WeightOnlyConfig; qgru/weight_only/format.py)
     makes every nn.GRU a qgru.WeightOnlyGRU instead: packed weights, float activations; ``batches``
     then feed only gptq rounding (docs/weight_only.md).
+
+    Under torch.distributed every rank of ``group`` (default: the default group) calls it with its
+    own shard of the batches; the statistics of all the model's QuantGRUs are reduced together
+    (qgru.sync_calibration) and every rank gets the same converted model.
     """
     if is_weight_only(config):
         return quantize_model_weight_only(model, batches, config, None if progress else False)
@@ -114,8 +123,11 @@ def quantize_model(model: nn.Module, batches: Iterable, config: Union[str, dict,
                 f"calibration, but its forward never reached QuantGRU's: it must run nn.GRU's computation "
                 f"through super().forward(...) (calling torch's kernels itself, e.g. _VF.gru or "
                 f"nn.GRU.forward(self, ...), bypasses quantization)")
+    if running(group):
+        where = {id(m): n for n, m in qmodel.named_modules()}
+        sync_grus([(where.get(id(g), ""), g) for g in todo], group, "quantize_model()")
     for g in todo:
-        g.convert()
+        g.convert(group=group)
     return qmodel
 
 

@@ -39,6 +39,7 @@ from typing import List
 from torch import nn
 
 from .calibrate import _calibrate, prepare_model
+from .distributed import running, sync_grus
 from .module import QuantGRU
 from .qat_step import _BOUNDARY, _Golden, _dequant, _direction, _fake, _within, qat_forward  # noqa: F401
 
@@ -47,7 +48,7 @@ def _quant_grus(model: nn.Module) -> List[QuantGRU]:
     return [m for m in model.modules() if isinstance(m, QuantGRU)]
 
 
-def prepare_qat(model: nn.Module, batches=None, config="w8a8", progress: bool = True) -> nn.Module:
+def prepare_qat(model: nn.Module, batches=None, config="w8a8", progress: bool = True, group=None) -> nn.Module:
     """A copy of ``model`` ready for quantization-aware training (``model`` itself is untouched).
 
     Every torch.nn.GRU in the copy becomes a QuantGRU with ``config`` (as qgru.prepare_model does);
@@ -58,6 +59,12 @@ def prepare_qat(model: nn.Module, batches=None, config="w8a8", progress: bool = 
     float ``nn.Parameter``s, trainable with any optimizer (build it on the returned model's
     parameters). Afterwards ``qgru.convert_qat(model)`` gives the integer model, whose outputs
     equal the QAT model's eval-mode forward exactly. QuantGRUs converted already stay as they are.
+
+    Under torch.distributed every rank of ``group`` calls it (each with its shard of ``batches``):
+    the statistics are reduced over the ranks first (qgru.sync_calibration), so every rank freezes
+    the same grids. The frozen grids are part of the QAT model's state_dict (keys
+    ``_qat_<tensor>_min_l<k>`` / ``_max``): loading a checkpoint into a fresh prepare_qat model
+    restores them, so training resumes exactly.
     """
     if batches is None:
         plain = [m for m in model.modules() if isinstance(m, nn.GRU) and not isinstance(m, QuantGRU)]
@@ -80,7 +87,11 @@ def prepare_qat(model: nn.Module, batches=None, config="w8a8", progress: bool = 
     for g in todo:
         if g.is_qat:
             raise RuntimeError("prepare_qat(): the model is already in QAT mode")
-        g.start_qat()
+    if running(group):
+        where = {id(m): n for n, m in qmodel.named_modules()}
+        sync_grus([(where.get(id(g), ""), g) for g in todo], group, "prepare_qat()")
+    for g in todo:
+        g.start_qat(group=group)
     return qmodel
 
 
