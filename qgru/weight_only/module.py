@@ -506,11 +506,9 @@ def _warn_once(key: str, msg: str) -> None:
 
 def _repack(out: torch.Tensor, like: PackedSequence) -> PackedSequence:
     """out [T, B, F] in original batch order -> a PackedSequence with ``like``'s batch sizes and order."""
-    order = like.sorted_indices if like.sorted_indices is not None else \
-        torch.arange(out.shape[1], device=out.device)
-    order = order.to(out.device)
-    rows = [out[t, order[:int(n)]] for t, n in enumerate(like.batch_sizes)]
-    return PackedSequence(torch.cat(rows, 0), like.batch_sizes, like.sorted_indices, like.unsorted_indices)
+    from ..runtime import packed_rows  # one gather, not a Python loop over the steps
+    return PackedSequence(packed_rows(out, like.batch_sizes, like.sorted_indices), like.batch_sizes,
+                          like.sorted_indices, like.unsorted_indices)
 
 
 # ---------------------------------------------------------------------------------------------
