@@ -104,12 +104,19 @@ QGRU_ISA_END
 // operands (one limb pair), in two forms (the template flag POW2; qgru/native.py, _add_acc32,
 // derives the fields and checks every bound below per layer, else the int64 path runs):
 //
-// * pow2 scales, where the rescale is a right shift by R = shift - 1 - log2(mult) with
-//   1 <= R <= 30 and K < 2^16. With bias = bias_hi 2^R + bias_lo, 0 <= bias_lo < 2^R:
-//     floor((G + bias) / 2^R) = floor((G + bias_lo) / 2^R) + bias_hi.
-//   |G| <= K 2^14 <= 2^30 and |bias| <= 2^31 give |G + bias_lo| <= 2^30 + 2^R - 1 < 2^31 and
-//   |v| <= (2^30 + 2^R) / 2^R + 2^31 / 2^R <= 2^29 + 1 + 2^30 < 2^31 - 1: every term fits int32.
-//   Then round half up as in rounding_mul_shift: ((v >> (s-1)) + 1) >> 1 with v >> (s-1) the above.
+// * pow2 scales, where the rescale is ((v << L) >> (s - 1) + 1) >> 1 (rounding_mul_shift with
+//   m = 2^L), i.e. v >> R rounded, R = shift - 1 - log2(mult), and K < 2^16. In int32:
+//     v' = ((G + a1) << lsh) >> rsh) + a0, then (v' + 1) >> 1, with fields a0 = bias_hi,
+//   a1 = bias_lo, rsh = rshift and lsh = mult (the multiplier form's mult field; no multiplier here):
+//   - 1 <= R <= 30: lsh = 0, rsh = R, bias = bias_hi 2^R + bias_lo with 0 <= bias_lo < 2^R:
+//       floor((G + bias) / 2^R) = floor((G + bias_lo) / 2^R) + bias_hi.
+//     |G| <= K 2^14 <= 2^30 and |bias| <= 2^31 give |G + bias_lo| <= 2^30 + 2^R - 1 < 2^31 and
+//     |v'| <= (2^30 + 2^R) / 2^R + 2^31 / 2^R <= 2^29 + 1 + 2^30 < 2^31 - 1: every term fits int32.
+//   - R <= 0 (a factor of at least 1/2: the Wx / Rh grid as fine as the products', seen in pow2
+//     layers with few inputs and on the wider x levels): lsh = -R, rsh = 0, bias_hi = 0,
+//     bias_lo = bias, so v' = (G + bias) 2^(-R) = (v << L) >> (s - 1) exactly; prepare checks
+//     (K 2^14 + |bias|) 2^(-R) <= 2^31 - 2 (so v' and v' + 1 fit int32), which also bounds lsh <= 16.
+//   Then round half up as in rounding_mul_shift: (v' + 1) >> 1.
 // * multiplier scales (m < 2^31, shift s): floor(v m / 2^(s-1)) = floor(mul_hi32(v 2^lsh, m) / 2^rsh)
 //   with lsh = max(0, 33 - s), rsh = max(0, s - 33) (both floors are exact: floor(floor(y / 2^32)
 //   / 2^rsh) = floor(y / 2^(32 + rsh)), and 32 + rsh - lsh = s - 1), where v = G + bias and
@@ -119,7 +126,7 @@ struct AccRequant32 {
   const int32_t* bias_lo;  // pow2: bias_lo; multiplier: lsh
   const int32_t* rshift;   // pow2: R; multiplier: rsh
   const int32_t* zp;
-  const int32_t* mult;     // multiplier: m (pow2: unused)
+  const int32_t* mult;     // multiplier: m; pow2: lsh (the narrow form's; the wide form's are 0, unused)
   int32_t lo, hi;
 };
 QGRU_ISA_BEGIN
@@ -172,25 +179,27 @@ QGRU_HD QGRU_INLINE V rescale32(V v, V m, V lsh, V rsh) {
 }
 
 // The int32 requantization of one accumulator from its channel's fields (AccRequant32's meaning
-// of a0, a1, rsh per form; mul(u) = mul_hi32(u, m) only in multiplier form), relative to its zero
+// of a0, a1, rsh per form; mul(u) = mul_hi32(u, m) in multiplier form, shl32(u, lsh) in pow2
+// form, lsh the mult field), relative to its zero
 // point Z: clamp(round + Z, lo, hi) - Z, taken as clamp(round, lo - Z, hi - Z) from lo_z = lo - Z
 // and hi_z = hi - Z (the same integers, every term far inside int32; the channel fields hold lo_z
 // and hi_z themselves: two vector instructions fewer per requantization).
 template <bool POW2, typename V, typename Mul>
 QGRU_HD QGRU_INLINE V requant32_by(V product, V a0, V a1, V rsh, Mul mul, V lo_z, V hi_z) {
-  const V v = POW2 ? ((product + a1) >> rsh) + a0 : mul(shl32(product + a0, a1)) >> rsh;
+  const V v = POW2 ? (mul(product + a1) >> rsh) + a0 : mul(shl32(product + a0, a1)) >> rsh;
   return clamp32((v + 1) >> 1, lo_z, hi_z);
 }
 
+// m: the mult field (multiplier form: the multiplier; pow2: lsh).
 template <bool POW2, typename V = int32_t>
 QGRU_HD QGRU_INLINE V requant32(V product, V a0, V a1, V rsh, V zp, V m, int32_t lo, int32_t hi) {
-  return requant32_by<POW2, V>(product, a0, a1, rsh, [m](V u) { return mul_hi32(u, m); }, V(lo) - zp, V(hi) - zp);
+  return requant32_by<POW2, V>(product, a0, a1, rsh, [m](V u) { return POW2 ? shl32(u, m) : mul_hi32(u, m); },
+                               V(lo) - zp, V(hi) - zp);
 }
 
 template <bool POW2>
 QGRU_HD int32_t requantize_acc32(const AccRequant32& a, int64_t c, int32_t product) {
-  return requant32<POW2>(product, a.bias_hi[c], a.bias_lo[c], a.rshift[c], a.zp[c], POW2 ? 0 : a.mult[c], a.lo,
-                         a.hi);
+  return requant32<POW2>(product, a.bias_hi[c], a.bias_lo[c], a.rshift[c], a.zp[c], a.mult[c], a.lo, a.hi);
 }
 
 // requantize_acc of the limb products at (row, c), for the kernels' template flags (ACC32, set
@@ -217,8 +226,7 @@ QGRU_HD AccRequant at_level(const AccRequant& a, int64_t offset) {
 
 QGRU_HD AccRequant32 at_level(const AccRequant32& a, int64_t offset) {
   if (a.bias_hi == nullptr) return a;  // no int32 form
-  return AccRequant32{a.bias_hi + offset, a.bias_lo + offset, a.rshift + offset, a.zp,
-                      a.mult == nullptr ? nullptr : a.mult + offset, a.lo, a.hi};
+  return AccRequant32{a.bias_hi + offset, a.bias_lo + offset, a.rshift + offset, a.zp, a.mult + offset, a.lo, a.hi};
 }
 
 // requantize_acc32 in V lanes from the flat arrays of an AccRequant32 (channels c .. c + lanes - 1):
@@ -226,8 +234,8 @@ QGRU_HD AccRequant32 at_level(const AccRequant32& a, int64_t offset) {
 template <bool POW2, typename V = int32_t>
 QGRU_HD QGRU_INLINE V requant32_flat(const AccRequant32& a, int64_t c, V product) {
   return requant32<POW2, V>(product, lanes_load<V>(a.bias_hi + c), lanes_load<V>(a.bias_lo + c),
-                            lanes_load<V>(a.rshift + c), lanes_load<V>(a.zp + c),
-                            POW2 ? V(0) : lanes_load<V>(a.mult + c), a.lo, a.hi);
+                            lanes_load<V>(a.rshift + c), lanes_load<V>(a.zp + c), lanes_load<V>(a.mult + c), a.lo,
+                            a.hi);
 }
 
 QGRU_ISA_END
@@ -269,7 +277,7 @@ QGRU_ISA_BEGIN
 //
 // Every per-channel value the int32 cell reads (the rescales' shifts, multipliers and the int32
 // requantization of Wx and Rh for each gate, 47 in all, then a padding row; pow2 layers leave the
-// multiplier-only fields at 0) lives in one channel-blocked array, [ceil(H / 128)][field][128]
+// rescales' multiplier fields at 0 and keep the requantizations' lsh in theirs) lives in one channel-blocked array, [ceil(H / 128)][field][128]
 // (qgru/native.py, CELL32_FIELDS, in the order of Cell32Field). A CPU loop over the channels of
 // one block then reads every field at a constant offset from one pointer. As 35 separate arrays
 // they took 35 base registers, which gcc kept on the stack and reloaded in every iteration
@@ -285,9 +293,11 @@ enum Cell32Field : int {
                     // (multiplier: {0 bias, 1 lsh, 2 rsh, 3 lo_z}, see AccRequant32); lo_z = lo - Z and
                     // hi_z = hi - Z (at kHiZ + q), the clamp's range relative to the zero point
   kWxRequant = 23,  // the same for Wx
-  kMult = 35,       // multiplier form only: m of the rescale whose lsh is field f at kMult + f / 2
+  kMult = 35,       // multiplier form: m of the rescale whose lsh is field f at kMult + f / 2
                     // (f = kRWxLsh ... kGWxLsh), of r * Rh_g at kMult + 5, of gate q's Rh
-                    // requantization at kMult + 6 + q and of its Wx requantization at kMult + 9 + q
+                    // requantization at kMult + 6 + q and of its Wx requantization at kMult + 9 + q;
+                    // pow2 form: 0 at kMult + 0 .. 5, the requantizations' lsh at kMult + 6 .. 11
+                    // (AccRequant32; 0 in the wide form)
   kHiZ = 47,        // hi_z of gate q's Rh requantization at kHiZ + q, of its Wx requantization at kHiZ + 3 + q
   kPad = 53,        // zeros: a vector's read of the last multiplier field one lane on (mul_hi32_at)
                     // stays inside the array
@@ -320,8 +330,8 @@ template <bool POW2, typename V = int32_t>
 QGRU_HD QGRU_INLINE V requant32_at(Channel32 c, int group, int q, V product) {
   const int f = group + 4 * q, gq = (group - kRhRequant) / 4 + q, fm = kMult + 6 + gq;
   return requant32_by<POW2, V>(product, field<V>(c, f), field<V>(c, f + 1), field<V>(c, f + 2),
-                               [c, fm](V u) { return mul_hi32_field<V>(u, c, fm); }, field<V>(c, f + 3),
-                               field<V>(c, kHiZ + gq));
+                               [c, fm](V u) { return POW2 ? shl32(u, field<V>(c, fm)) : mul_hi32_field<V>(u, c, fm); },
+                               field<V>(c, f + 3), field<V>(c, kHiZ + gq));
 }
 
 // The rescale whose shifts are fields lsh_field (lsh) and lsh_field + 1 (rsh).

@@ -308,9 +308,10 @@ struct LayerTensors {
     for (const std::string k : {"Wx", "Wxl"}) {
       const int64_t n = (k == "Wx" ? 1 : x_levels()) * 3 * H;
       if (n == 0) continue;
-      if (pow2) {
+      if (pow2) {  // narrow: R in [1, 30] with lsh 0, or R <= 0 as lsh = -R <= 30 with rshift 0
         for (const char* f : {"_bias_hi", "_bias_lo"}) host(k + f, at::kInt, n);
-        check_values(k + "_rshift", host(k + "_rshift", at::kInt, n), 1, 30);
+        check_values(k + "_rshift", host(k + "_rshift", at::kInt, n), wide ? 1 : 0, 30);
+        check_values(k + "_mult32", host(k + "_mult32", at::kInt, n), 0, wide ? 0 : 30);
       } else {
         host(k + "_bias_hi", at::kInt, n);  // the whole bias (wide: B1)
         check_values(k + "_bias_lo", host(k + "_bias_lo", at::kInt, n), 0, lsh_hi);  // lsh (wide: B0)
@@ -340,11 +341,12 @@ struct LayerTensors {
       } else if (f == kGRRhRsh) {
         lo = pow2 ? 8 : 0, hi = pow2 ? 39 : 47;  // a shift of int32 (pow2, by R - 8) or int64
       } else if (f < kMult && (f - kRhRequant) % 4 == 2) {
-        lo = pow2 ? 1 : 0, hi = pow2 ? 30 : rsh_hi;  // R (pow2) or rsh of a requantization
+        lo = pow2 && wide ? 1 : 0, hi = pow2 ? 30 : rsh_hi;  // R (pow2; narrow: 0 where R <= 0) or rsh
       } else if (f < kMult && (f - kRhRequant) % 4 == 1 && !pow2) {
         lo = 0, hi = lsh_hi;  // lsh of a requantization (wide: B0)
       } else if (f >= kMult && f < kHiZ) {
-        lo = 0;  // multipliers (0 in pow2 layers)
+        lo = 0;  // multipliers; pow2: 0, but the narrow requantizations' lsh (<= 30; AccRequant32)
+        if (pow2) hi = (f >= kMult + 6 && !wide) ? 30 : 0;
       } else if (f == kPad) {
         lo = hi = 0;  // the padding row
       }
@@ -386,9 +388,8 @@ struct LayerTensors {
   // The int32 form, when prepare_layer found it exact for this layer ("acc32" = 1).
   AccRequant32 acc32(const std::string& k) const {
     if (value("acc32") == 0) return AccRequant32{nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0};
-    const bool pow2 = value("pow2") != 0;
     return AccRequant32{i32(k + "_bias_hi"), i32(k + "_bias_lo"), i32(k + "_rshift"), i32(k + "_zp32"),
-                        pow2 ? nullptr : i32(k + "_mult32"), (int32_t)value(k + "_lo"), (int32_t)value(k + "_hi")};
+                        i32(k + "_mult32"), (int32_t)value(k + "_lo"), (int32_t)value(k + "_hi")};
   }
   // W.x's requantization as the kernels take it: a layer with x levels, every level's bias and
   // rescale ([J, 3H] flat, qgru_cell.h at_level), else the static grid's ([3H], level 0 only).
@@ -398,9 +399,8 @@ struct LayerTensors {
   }
   AccRequant32 acc32_x() const {
     if (x_levels() == 0 || value("acc32") == 0) return acc32("Wx");
-    const bool pow2 = value("pow2") != 0;
     return AccRequant32{i32("Wxl_bias_hi"), i32("Wxl_bias_lo"), i32("Wxl_rshift"), i32("Wx_zp32"),
-                        pow2 ? nullptr : i32("Wxl_mult32"), (int32_t)value("Wx_lo"), (int32_t)value("Wx_hi")};
+                        i32("Wxl_mult32"), (int32_t)value("Wx_lo"), (int32_t)value("Wx_hi")};
   }
   SigmoidGate sigmoid(const std::string& k) const {  // k = "r" or "z"
     return SigmoidGate{rescale(k + "_from_wx"), rescale(k + "_from_rh"), value(k + "_pre_zp"), range(k + "_pre"),

@@ -33,13 +33,15 @@ Scenarios (issue targets in brackets):
     python scripts/bench.py --T 50 --N 32 --hidden 256 --threads 4 --out /tmp/b.md
     python scripts/bench.py --sweep quick             # the CPU sweep, a subset (a few minutes)
     python scripts/bench.py --sweep full --sweep-peers   # every size; OpenVINO / ONNX Runtime rows if installed
+    python scripts/bench.py --sweep quick --sweep-rows modes   # every shipped config x scale mode instead
 
 --sweep: H (= I) in 32, 64, 128, 256, 512, 1024 x batch 1, 8, 64 at T=100, 1 and 2 threads
 (--sweep-threads), plus streaming (100 single-step calls at batch 1 carrying h); float nn.GRU, torch
 dynamic quant, qgru w8a8 (the default: x levels), w8a16 and w8a8 with a static x, timed together at
 each point; torch._int_mm's int8 rate (2048^3) measured in the same run, and each w8a8 row's
 multiply-adds per second as a fraction of it. `quick`: H 64 and 512 x batch 1 and 64. Written to
-BENCHMARKS.md in a section of its own (`sweep-cpu-KIND`).
+BENCHMARKS.md in a section of its own (`sweep-cpu-KIND`). `--sweep-rows modes` times every shipped
+config in both scale modes instead (a table with each config's pow2 / multiplier time), `all` both.
 
 The cpu backend is timed once per instruction-set path the CPU runs (rows `cpu:amx`, `cpu:avx2`,
 ...; `--paths` picks some), so one run shows each path against both peers. A CPU run's notes also
@@ -66,6 +68,7 @@ import torch
 
 import qgru
 from qgru import native
+from qgru.config import BUILTIN_CONFIGS
 from qgru.native import cpu_model_name
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -562,6 +565,12 @@ SWEEP_TARGET_MS = 400.0  # each model's timed calls at one point take about this
 SWEEP_MODELS = ("float", "dyn", "w8a8", "w8a16", "w8a8 static x")
 SWEEP_CONFIGS = {"w8a8": ("w8a8", None), "w8a16": ("w8a16", None),
                  "w8a8 static x": ("w8a8", {"tensors": {"x": {"dynamic": False}}})}
+# --sweep-rows: the qgru models timed at each sweep point. "default": SWEEP_CONFIGS; "modes": every
+# shipped config (qgru.config.BUILTIN_CONFIGS) in both scale modes, as shipped otherwise, and a table
+# of their times with each config's pow2 / multiplier ratio (the pow2 scheme's every rescale is a
+# shift: it should never be the slower one); "all": both sets.
+SWEEP_MODE_CONFIGS = {f"{c} {m}": (c, {"scale_mode": m}) for c in BUILTIN_CONFIGS for m in ("multiplier", "pow2")}
+SWEEP_ROW_SETS = {"default": SWEEP_CONFIGS, "modes": SWEEP_MODE_CONFIGS, "all": {**SWEEP_CONFIGS, **SWEEP_MODE_CONFIGS}}
 SWEEP_TARGETS = ("benchmark call (T=100 N=64 I=256 H=512, 2 threads) >= 70% of the int8 rate and >= 2x dynamic "
                  "quant; every point: w8a8 >= 2x dynamic quant and >= 3x float, w8a16 >= 1.5x float and within 1.6x "
                  "of w8a8; x levels (w8a8 against w8a8 static x) <= 3%; streaming T=1 calls >= 3x dynamic quant")
@@ -619,14 +628,14 @@ def optional_peers(gru, x):
     return peers, notes
 
 
-def sweep_models(H: int, I: int, seed: int):
-    """float nn.GRU, torch dynamic quant and the qgru configs of SWEEP_CONFIGS for one size,
+def sweep_models(H: int, I: int, seed: int, rows: str = "default"):
+    """float nn.GRU, torch dynamic quant and the qgru configs of SWEEP_ROW_SETS[rows] for one size,
     calibrated on two small random batches (the sweep times speed, not accuracy)."""
     torch.manual_seed(seed)
     gru = torch.nn.GRU(I, H).eval()
     calib = [torch.randn(20, 8, I) for _ in range(2)]
     models = {"float": gru, "dyn": dynamic_quant_gru(gru)}
-    for name, (cfg, over) in SWEEP_CONFIGS.items():
+    for name, (cfg, over) in SWEEP_ROW_SETS[rows].items():
         models[name] = qgru.quantize_model(gru, calib, config=qgru.QuantConfig.load(cfg, overrides=over), progress=False)
     return models
 
@@ -659,7 +668,7 @@ def bench_sweep(args):
     rows, stream_rows, notes = [], [], []
     for H in Hs:
         I = H
-        models = sweep_models(H, I, args.seed)
+        models = sweep_models(H, I, args.seed, args.sweep_rows)
         for t in threads:
             torch.set_num_threads(t)
             for N in Ns:
@@ -692,7 +701,8 @@ def sweep_section(args, rows, stream_rows, rate, notes):
                                      "x levels cost", "w8a8 % int8 rate"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
     summary = []
-    for r in rows:
+    default_rows = args.sweep_rows in ("default", "all")
+    for r in rows if default_rows else []:
         m = r["ms"]
         g = lambda k: m.get(k)  # noqa: E731
         frac = (r["macs"] / (g("w8a8") * 1e-3)) / rate[r["threads"]] if rate.get(r["threads"]) else None
@@ -708,18 +718,21 @@ def sweep_section(args, rows, stream_rows, rate, notes):
     sh = ["H (=I)", "thr", "float µs", "dyn µs", "w8a8 µs", "w8a16 µs", "w8a8 static x µs", "w8a8 vs dyn",
           "w8a8 vs float", "w8a16 vs float"]
     slines = ["| " + " | ".join(sh) + " |", "|" + "|".join("---:" for _ in sh) + "|"]
-    for r in stream_rows:
+    for r in stream_rows if default_rows else []:
         m = r["ms"]
         cells = [str(r["H"]), str(r["threads"])] + [f"{m[k] * 1e3:.1f}" if m.get(k) else "—" for k in SWEEP_MODELS] + \
             [_ratio(m.get("dyn"), m.get("w8a8")), _ratio(m.get("float"), m.get("w8a8")),
              _ratio(m.get("float"), m.get("w8a16"))]
         slines.append("| " + " | ".join(cells) + " |")
         summary.append(f"stream H={r['H']:>4} thr={r['threads']}  w8a8/dyn {cells[-3]:>6}  w8a8/float {cells[-2]:>6}")
-    key = "sweep-" + cpu_kind(args)
+    mode_lines = mode_table(rows, stream_rows, summary) if args.sweep_rows in ("modes", "all") else []
+    # a row set other than the default keeps a section of its own (sweep-cpu-KIND-modes)
+    key = "sweep-" + cpu_kind(args) + ("" if args.sweep_rows == "default" else "-" + args.sweep_rows)
     rate_text = ", ".join(f"{t} thread{'s' if t > 1 else ''} {v / 1e12:.3f} T" for t, v in rate.items())
     body = "\n".join([
         f"<!-- bench:{key}:start -->",
-        f"## CPU sweep ({key[10:]} machine, `--sweep {args.sweep}`)",
+        f"## CPU sweep ({cpu_kind(args)[4:]} machine, `--sweep {args.sweep}"
+        f"{'' if args.sweep_rows == 'default' else ' --sweep-rows ' + args.sweep_rows}`)",
         "",
         f"- date: {now}",
         f"- machine: {cpu_model_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}, qgru {qgru.__version__}",
@@ -728,14 +741,15 @@ def sweep_section(args, rows, stream_rows, rate, notes):
         f"- command: `{shlex.join(['python', 'scripts/bench.py', *args.argv])}`",
         f"- int8 GEMM rate (torch._int_mm 2048^3, median of 7, this run): {rate_text} multiply-adds/s",
         "",
-        f"T={SWEEP_T}, input size = hidden size, one call per timing (ms per call, median):",
-        "",
-        *lines,
-        "",
-        f"Streaming: {SWEEP_T} single-step calls at batch 1 carrying h (`out, h = m(x_t, h)`), µs per call:",
-        "",
-        *slines,
-        "",
+        *([f"T={SWEEP_T}, input size = hidden size, one call per timing (ms per call, median):",
+           "",
+           *lines,
+           "",
+           f"Streaming: {SWEEP_T} single-step calls at batch 1 carrying h (`out, h = m(x_t, h)`), µs per call:",
+           "",
+           *slines,
+           ""] if default_rows else []),
+        *mode_lines,
         "- models of a point timed together (interleaved rounds, the same input); 1-thread points in the "
         "calling thread's CPU time (time.thread_time: robust to a shared machine; the 1-thread int8 rate too), "
         "2-thread points in wall time; ratios are speedups "
@@ -749,6 +763,26 @@ def sweep_section(args, rows, stream_rows, rate, notes):
         f"<!-- bench:{key}:end -->",
     ])
     return body, summary
+
+
+def mode_table(rows, stream_rows, summary):
+    """--sweep-rows modes: every shipped config in both scale modes at each point (ms per call;
+    streaming in µs per call), with each config's pow2 / multiplier time (<= 1: pow2 no slower)."""
+    names = list(SWEEP_MODE_CONFIGS)
+    head = ["H (=I)", "N", "thr"] + [f"{k} ms" for k in names] + [f"{c} pow2 / mult" for c in BUILTIN_CONFIGS]
+    out = [f"Config x scale mode, T={SWEEP_T} (ms per call, median; streaming rows N=1s: {SWEEP_T} single-step "
+           "calls, µs per call):", "", "| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
+    for r, streaming in [(r, False) for r in rows] + [(r, True) for r in stream_rows]:
+        m, scale = r["ms"], (1e3 if streaming else 1.0)
+        ratios = [m[f"{c} pow2"] / m[f"{c} multiplier"] if m.get(f"{c} pow2") and m.get(f"{c} multiplier") else None
+                  for c in BUILTIN_CONFIGS]
+        cells = [str(r["H"]), f"{r['N']}s" if streaming else str(r["N"]), str(r["threads"])] + \
+            [f"{m[k] * scale:.{1 if streaming else 3}f}" if m.get(k) else "—" for k in names] + \
+            [f"{x:.2f}" if x else "—" for x in ratios]
+        out.append("| " + " | ".join(cells) + " |")
+        summary.append(f"{'stream ' if streaming else ''}H={r['H']:>4} N={r['N']:>2} thr={r['threads']}  pow2/mult " +
+                       "  ".join(f"{c} {x:.2f}" if x else f"{c} —" for c, x in zip(BUILTIN_CONFIGS, ratios)))
+    return out + [""]
 
 
 def main(argv=None) -> None:
@@ -776,6 +810,9 @@ def main(argv=None) -> None:
                          "T=100, 1 and 2 threads, plus streaming; full: every size (~10-20 min on 2 cores), quick: "
                          "H 64 and 512 x batch 1 and 64 (a few minutes)")
     ap.add_argument("--sweep-threads", default="", help="--sweep: thread counts, comma-separated (default 1,2)")
+    ap.add_argument("--sweep-rows", choices=sorted(SWEEP_ROW_SETS), default="default",
+                    help="--sweep: the qgru rows; default: w8a8, w8a16, w8a8 static x; modes: every shipped config "
+                         "in both scale modes (multiplier, pow2) with each config's pow2 / multiplier time; all: both")
     ap.add_argument("--sweep-peers", action="store_true",
                     help="--sweep: also OpenVINO's and ONNX Runtime's GRU where installed (optional extras)")
     args = ap.parse_args(argv)

@@ -491,6 +491,64 @@ def test_int32_multiplier_cell_taken_and_exact(kind, k, j):
         _check_integer(kind, p, T, N, lengths, seed=T * 10 + N + k)
 
 
+@settings(max_examples=_examples(2000), **_SETTINGS)
+@given(g=st.integers(-(2 ** 30), 2 ** 30), bias=st.integers(-(2 ** 31), 2 ** 31), L=st.integers(0, 30),
+       s=st.integers(1, 62))
+def test_int32_pow2_requant_identity(g, bias, L, s):
+    """The int32 cell's pow2 accumulator requantization (csrc/qgru_cell.h AccRequant32, requant32_by;
+    the fields of qgru/native/prepare.py _pow2_parts) equals rounding_mul_shift(G + bias, 2^L, s)
+    for every net shift R = s - 1 - L the int32 form takes: R in [1, 30] (bias split into
+    bias_hi 2^R + bias_lo, a right shift) and R <= 0 (a left shift by -R of G + bias) wherever
+    |G + bias| 2^-R <= 2^31 - 2; every intermediate inside int32. Python integers are exact: this
+    checks the identity and the fields, not the C++."""
+    from qgru.native.prepare import _pow2_parts
+    R = s - 1 - L
+    if R > 30:
+        reject()
+    want = int(primitives.rounding_mul_shift(torch.tensor(g + bias), torch.tensor(1 << L), torch.tensor(s)))
+    f = {k.split("_", 1)[1]: int(v) for k, v in _pow2_parts("Wx", torch.tensor([bias]), torch.tensor([R])).items()}
+    lsh, rsh, a0, a1 = f["mult32"], f["rshift"], f["bias_hi"], f["bias_lo"]
+    assert (lsh, rsh) == (max(-R, 0), max(R, 0))
+    if R <= 0 and abs(g + bias) * 2 ** lsh > 2 ** 31 - 2:
+        reject()  # prepare refuses the int32 form
+    u = (g + a1) * 2 ** lsh
+    assert -(2 ** 31) <= g + a1 < 2 ** 31 and -(2 ** 31) <= u < 2 ** 31 - 1
+    v = (u >> rsh) + a0
+    assert -(2 ** 31) <= v < 2 ** 31 - 1
+    assert (v + 1) >> 1 == want
+
+
+# (Wx / Rh grids 2^k times a plain grid, biases ~ 2^b_exp, whether the int32 cell takes the layer):
+# k <= 0 makes W.x's and R.h's net shifts R <= 0 (down to -11: left shifts), the bias the
+# (K 2^14 + |bias|) 2^-R <= 2^31 - 2 bound's other term; each refused case is one step past it
+_POW2_LEFT = [(-10, -2, 1), (-11, -2, 0), (-7, 8, 1), (-8, 8, 0), (-1, 14, 1), (-2, 14, 0), (0, -2, 1),
+              (1, 8, 1), (2, 14, 1)]
+
+
+@pytest.mark.parametrize("k,b_exp,taken", _POW2_LEFT)
+def test_int32_pow2_left_shift_cell_taken_and_exact(kind, k, b_exp, taken):
+    """8-bit x, h, W, R in pow2 scale mode take the int32 cell where W.x's and R.h's requantizations
+    shift left (net shift R <= 0: a Wx / Rh grid as fine as the products', as calibrated pow2
+    layers with few inputs and the wider x levels have) as long as the left-shifted sum stays in
+    int32, and the int64 cell one step past that; both equal the golden model on inputs at the
+    grids' ends."""
+    config = QuantConfig.load("w8a8", overrides={"scale_mode": "pow2", **_STATIC})
+    I, H = 40, 24
+    one = lambda lo, hi: (torch.tensor(float(lo), dtype=torch.float64), torch.tensor(float(hi), dtype=torch.float64))
+    per = lambda lo, hi: (torch.full((3 * H,), float(lo), dtype=torch.float64),
+                          torch.full((3 * H,), float(hi), dtype=torch.float64))
+    f = 2.0 ** k
+    ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-4 * f, 5 * f), "Rh": per(-3 * f, 2 * f),
+              "r_pre": one(-6 * f, 6 * f), "z_pre": one(-6 * f, 6 * f), "g_pre": one(-5 * f, 7 * f)}
+    p = _random_layer(config, I, H, ranges, w_exp=-2, b_exp=b_exp, zero_row=False, seed=k + 100)
+    t, v = native.prepare_layer(p)
+    assert v["pow2"] == 1 and v["acc32"] == taken, (k, b_exp)
+    if k <= 0:
+        assert int(native.prepare._net_shift(t, "Wx").min()) <= 0 and int(native.prepare._net_shift(t, "Rh").min()) <= 0
+    for T, N, lengths in ((6, 3, True), (1, 1, False), (4, 37, True)):
+        _check_integer(kind, p, T, N, lengths, seed=T * 10 + N + k)
+
+
 @pytest.mark.parametrize("mode", ["multiplier", "pow2"])
 @pytest.mark.parametrize("h_range", [(-1, 1), (-0.3, 1.0), (-1.0, 0.1)])
 def test_state16_with_h_gemm_takes_the_int32_cell(kind, mode, h_range):
@@ -1495,11 +1553,10 @@ def test_x_levels_tiles_on_level_0_run_as_static_and_mixed_tiles_per_row(kind, c
 
 def test_x_levels_int32_cell_taken(cpu_backend):
     """Calibrated w8a8 layers with x levels take the int32 cell where the same layer without levels
-    does: always in multiplier mode (the shipped w8a8's), where a level's wider grid only lowers its
-    shift; in pow2 mode a level lowers W.x's right shift R by exponent / 4 (up to 3) and a static R
-    of 1 to 3 can leave the int32 form's R >= 1 (then the whole layer runs the int64 cell: 1 of ~100
-    calibrated pow2 layers with an int32 cell, sizes 8 to 512, x at 0.03 to 10, 2026-11-27). Level
-    0's int32 fields are the static grid's."""
+    does, in both scale modes: a level's wider grid only lowers its shift (multiplier), or W.x's
+    net right shift R by exponent / 4, up to 3 (pow2: R <= 0 is a left shift by -R in the int32
+    form, csrc/qgru_cell.h AccRequant32; before 2026-12-01 such a level sent the whole layer to the
+    int64 cell). Level 0's int32 fields are the static grid's."""
     from qgru.native.prepare import prepare_layer
     taken = 0
     for mode in ("pow2", "multiplier"):
@@ -1515,8 +1572,7 @@ def test_x_levels_int32_cell_taken(cpu_backend):
                 t, v = prepare_layer(p)
             J = p.x_levels.exponent.numel()
             was = prepare_layer(static)[1]["acc32"]
-            assert v["x_levels"] == J and (v["acc32"] == was if mode == "multiplier" else v["acc32"] <= was), \
-                (mode, I, H)
+            assert v["x_levels"] == J and v["acc32"] == was == 1, (mode, I, H)
             if v["acc32"]:
                 taken += 1
                 assert t["Wxl_bias_hi"].shape == (J * 3 * H,)
@@ -1526,14 +1582,19 @@ def test_x_levels_int32_cell_taken(cpu_backend):
 
 
 def test_x_levels_int32_fallback_warns_and_stays_exact(cpu_backend, monkeypatch):
-    """A calibrated pow2 layer whose static W.x right shift is 1 to 2 (the int32 form holds) and its
-    widest levels' 0 to -2 (it does not): the layer runs the int64 cell, says so once, and is still
-    bit-exact."""
+    """A calibrated pow2 layer whose static W.x requantization fits the int32 form and whose x levels'
+    forms are refused (here by a _requant32 that refuses every x level's: since left shifts are taken, a
+    calibrated layer's levels do not fail its bounds, 2026-12-01): the layer runs the int64 cell,
+    says so once, and is still bit-exact."""
     from qgru.native import prepare
     torch.manual_seed(192)
     m = qgru.QuantGRU(64, 128, config=_dynamic("w8a8", "pow2"))
     qgru.calibrate(m, [torch.randn(20, 8, 64) * 0.1 for _ in range(2)], progress=False)
     p = m.convert()._qparams[0][0]
+    assert prepare.prepare_layer(p)[1]["acc32"] == 1  # its widest levels' W.x shifts left (R <= 0)
+    assert int(prepare._net_shift(prepare.prepare_layer(p)[0], "Wxl").min()) <= 0
+    real = prepare._requant32
+    monkeypatch.setattr(prepare, "_requant32", lambda t, name, pow2, K: None if name == "Wxl" else real(t, name, pow2, K))
     monkeypatch.setattr(prepare, "_warned_levels_int64", False)
     with pytest.warns(RuntimeWarning, match="int64 cell"):
         t, v = prepare.prepare_layer(p)

@@ -77,5 +77,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &qgru::cpu_api::Layer::forward, pybind11::arg("qx"), pybind11::arg("qh0"),
            pybind11::arg("lengths") = pybind11::none(), pybind11::arg("level") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def_property_readonly("x_levels", &qgru::cpu_api::Layer::x_levels);
+      .def_property_readonly("x_levels", &qgru::cpu_api::Layer::x_levels)
+      .def_property_readonly("cell", &qgru::cpu_api::Layer::cell_kind,
+                             "the cell it runs: int32, int32-wide (wide accumulators) or int64");
 }

@@ -141,6 +141,10 @@ constexpr int64_t kGemmGroups = 6;             // column groups of one GEMM task
 constexpr int64_t kMinParallelWork = 4096;     // cell elements per thread, at least
 constexpr int64_t kMinStepMacs = 1 << 18;      // fused path: a step's multiply-adds per thread, at least
 constexpr int kQuantizeBuffers = 4;            // quantize outputs reused per thread (reuse_or_empty)
+// A calling thread keeps its own int32 buffers (stack_forward's scratch, quantize's outputs) only up to
+// this size each; larger ones come from the process's BufferPool, which keeps kPoolBytes in all.
+constexpr int64_t kThreadBufferBytes = 256 << 10;
+constexpr int64_t kPoolBytes = 32 << 20;
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 int64_t ceil_div(int64_t v, int64_t m) { return (v + m - 1) / m; }
@@ -386,6 +390,9 @@ class CpuLayer {
 
   // The path's name, and "-fused" where each step is one fused pass.
   std::string gemm_path() const { return std::string(k_->name) + (fused_ ? "-fused" : ""); }
+  // The cell this layer runs: "int32" (qgru_cell.h's int32 cell), "int32-wide" (the same from wide
+  // accumulators) or "int64" (the int64 cell: prepare_layer found an int32 bound that fails).
+  std::string cell_kind() const { return !acc32_ ? "int64" : (wide_ ? "int32-wide" : "int32"); }
 
   // The path whose Layer runs one-step calls of a batch of one ("" where it is this one).
   std::string one_row_path() {
@@ -524,7 +531,6 @@ class CpuLayer {
     const int64_t H3 = 3 * H_;
     for (const char* f : {"bias_hi", "bias_lo", "rshift", "mult32"}) {
       const std::string lv = std::string("Wxl_") + f, st = std::string("Wx_") + f;
-      if (pow2_ && std::string(f) == "mult32") continue;
       if (!lt_.t.count(lv) || !lt_.t.count(st)) return false;
       const at::Tensor a = lt_.t.at(lv).reshape(-1), b = lt_.t.at(st).reshape(-1);
       if (a.numel() < H3 || b.numel() != H3 || !at::equal(a.narrow(0, 0, H3), b)) return false;
@@ -812,9 +818,80 @@ void quantize_into(const at::Tensor& xc, int64_t first, int64_t n, double scale,
                     "(out-of-range and infinite values saturate)");
 }
 
+// The int32 buffers of more than kThreadBufferBytes that calls reuse (stack_forward's scratch,
+// quantize's outputs): one pool for the process, not one set per calling thread, which kept each
+// thread's largest call's buffers until the thread ended (eight pool threads that had each made
+// one call of T=1000 N=64 I=H=128 kept 254 MB, never given back). The pool holds at most
+// kPoolBytes of buffers, the most recently used kept; a buffer is free while the pool holds the
+// only reference to it and to its storage (no call's handle, no caller's tensor or view of it
+// alive), so dropping one that a call still uses only frees it once that call lets go. A buffer
+// larger than kPoolBytes is not kept: its call frees it. Reused buffers spare large calls their
+// pages' faults (reuse_or_empty).
+class BufferPool {
+ public:
+  static BufferPool& instance() {
+    static BufferPool* pool = new BufferPool();  // never destroyed: thread_local buffers may outlive statics
+    return *pool;
+  }
+  // A 1-D int32 buffer of at least n values (64-byte aligned, rounded up to 16 values), the caller's
+  // until it drops it: the smallest free one that holds n, or (exact) one of exactly this size; else
+  // fresh. Made outside InferenceMode (reuse_or_empty says why).
+  at::Tensor take(int64_t n, bool exact) {
+    const int64_t len = round_up(std::max<int64_t>(n, 16), 16);
+    std::vector<at::Tensor> evicted;  // freed after the lock is released
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      int64_t best = -1;
+      for (int64_t i = 0; i < (int64_t)bufs_.size(); ++i) {
+        const int64_t m = bufs_[i].numel();
+        if (m < len || (exact && m != len) || !free(bufs_[i])) continue;
+        if (best < 0 || m < bufs_[best].numel()) best = i;
+      }
+      if (best >= 0) {
+        at::Tensor buf = std::move(bufs_[best]);
+        bufs_.erase(bufs_.begin() + best);
+        bufs_.push_back(buf);  // the most recently used last
+        return buf;
+      }
+    }
+    at::Tensor buf;
+    {
+      c10::InferenceMode normal_tensors(false);
+      buf = at::empty({len}, at::TensorOptions().dtype(at::kInt));
+    }
+    if (len * (int64_t)sizeof(int32_t) > kPoolBytes) return buf;
+    std::lock_guard<std::mutex> lock(mu_);
+    bufs_.push_back(buf);
+    bytes_ += len * (int64_t)sizeof(int32_t);
+    while (bytes_ > kPoolBytes) {  // the least recently used go (the new one fits alone)
+      bytes_ -= bufs_.front().numel() * (int64_t)sizeof(int32_t);
+      evicted.push_back(std::move(bufs_.front()));
+      bufs_.erase(bufs_.begin());
+    }
+    return buf;
+  }
+
+ private:
+  BufferPool() = default;
+  // Only the pool holds b: no copy of its handle (a Scratch32 holds one while its call runs) and no
+  // other tensor or view on its storage (quantize hands out views).
+  static bool free(const at::Tensor& b) { return b.use_count() == 1 && b.storage().use_count() == 1; }
+  std::mutex mu_;
+  std::vector<at::Tensor> bufs_;
+  int64_t bytes_ = 0;
+};
+
 // An int32 tensor of `sizes` from one of a calling thread's kQuantizeBuffers cached buffers
 // (reuse_or_empty): the one of these sizes that no caller holds any more, else a free one replaced.
+// Above kThreadBufferBytes, a view of a BufferPool buffer of just that size instead (a thread keeps
+// no large buffer).
 at::Tensor reuse_slot(at::Tensor (&cache)[kQuantizeBuffers], at::IntArrayRef sizes) {
+  const int64_t n = c10::multiply_integers(sizes);
+  if (n * (int64_t)sizeof(int32_t) > kThreadBufferBytes) {
+    const at::Tensor buf = BufferPool::instance().take(n, /*exact=*/true);
+    c10::InferenceMode normal_tensors(false);
+    return buf.narrow(0, 0, n).view(sizes);
+  }
   at::Tensor* slot = &cache[0];
   for (auto& c : cache) {
     if (c.defined() && c.sizes() == sizes && c.storage().use_count() == 1) { slot = &c; break; }
@@ -823,11 +900,17 @@ at::Tensor reuse_slot(at::Tensor (&cache)[kQuantizeBuffers], at::IntArrayRef siz
   return reuse_or_empty(*slot, sizes);
 }
 
-// A calling thread's int32 scratch buffer (thread_local, never handed out): grown when asked for
-// more, else kept; 64-byte aligned.
+// A calling thread's int32 scratch buffer (thread_local, never handed out), 64-byte aligned. Up
+// to kThreadBufferBytes its own, grown when asked for more, else kept: a streaming step makes,
+// locks and frees nothing. Larger: a BufferPool buffer, held until release() (stack_forward's
+// end), so that a thread keeps no large buffer between calls.
 class Scratch32 {
  public:
   int32_t* get(int64_t n) {
+    if (n * (int64_t)sizeof(int32_t) > kThreadBufferBytes) {
+      big_ = BufferPool::instance().take(n, /*exact=*/false);
+      return big_.data_ptr<int32_t>();
+    }
     if (n > cap_) {
       const int64_t cap = round_up(std::max<int64_t>(n, 16), 16);
       int32_t* p = static_cast<int32_t*>(std::aligned_alloc(64, (size_t)cap * sizeof(int32_t)));
@@ -838,6 +921,7 @@ class Scratch32 {
     }
     return p_;
   }
+  void release() { big_.reset(); }
   Scratch32() = default;
   Scratch32(const Scratch32&) = delete;
   Scratch32& operator=(const Scratch32&) = delete;
@@ -846,6 +930,7 @@ class Scratch32 {
  private:
   int32_t* p_ = nullptr;
   int64_t cap_ = 0;
+  at::Tensor big_;  // this call's BufferPool buffer, if it needed one
 };
 
 // float -> int32 on (scale, zp, bits), into a buffer reused per calling thread.
@@ -980,9 +1065,17 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(const std::vector<std::shared_p
   if (profiling()) g_profile_calls.fetch_add(1, std::memory_order_relaxed);
   const int64_t T = x.size(0), I = x.size(2);
   // the quantized input, each layer's state and output: the calling thread's scratch buffers,
-  // kept from call to call (none leaves this function; a tensor made or aliased per call costs a
-  // streaming step ~0.3 us each)
+  // kept from call to call up to kThreadBufferBytes each, larger ones the BufferPool's for this
+  // call (none leaves this function; a tensor made or aliased per call costs a streaming step
+  // ~0.3 us each)
   thread_local Scratch32 s_qx, s_level, s_state, s_out;
+  // their large buffers go back to the pool when this call ends, whichever way it ends
+  struct Release {
+    Scratch32* s[4];
+    ~Release() {
+      for (Scratch32* p : s) p->release();
+    }
+  } release{{&s_qx, &s_level, &s_state, &s_out}};
   int64_t tq = profiling() ? now_ns() : -1;
   const at::Tensor xc = float_contiguous(x, "input");
   int32_t* qx = s_qx.get(T * N * std::max(I, H));  // layer 0's input, then each later layer's
@@ -1203,6 +1296,7 @@ std::tuple<at::Tensor, at::Tensor> Layer::forward(const at::Tensor& qx, const at
   return impl->layer->forward(qx, qh0, lengths, level);
 }
 int64_t Layer::x_levels() const { return impl->layer->x_levels(); }
+std::string Layer::cell_kind() const { return impl->layer->cell_kind(); }
 
 struct Stack::Impl {
   qgru::Stack stack;

@@ -16,7 +16,7 @@ class NativeLayer:
 
     ``isa`` (CPU only): the instruction-set path (None: QGRU_CPU_ISA, default "auto", the fastest
     usable one). ``gemm`` says which path the layer took, as the built Layer reports it ("avx2-fused",
-    "portable", ...; "-fused": one pass per step; "cublas" on CUDA)."""
+    "portable", ...; "-fused": one pass per step; "cublas" on CUDA); ``cell`` (CPU) which cell."""
 
     def __init__(self, kind: str, p: LayerParams, device: torch.device, isa: Optional[str] = None) -> None:
         mod = load(kind)
@@ -30,6 +30,9 @@ class NativeLayer:
         self.gemm = self.layer.gemm
         # CPU: the path whose Layer runs one-step calls of a batch of one ("": this one, one_row_path)
         self.one_row_gemm = self.layer.one_row_gemm if kind == "cpu" else ""
+        # CPU: the cell the built Layer runs, "int32", "int32-wide" (wide accumulators) or "int64"
+        # (prepare_layer found an int32 bound that fails: correct, slower); "" on CUDA
+        self.cell = self.layer.cell if kind == "cpu" else ""
 
     def __call__(self, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor],
                  level: Optional[torch.Tensor] = None):

@@ -239,24 +239,31 @@ def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, in
 
 
 def _pow2_parts(name: str, bias: torch.Tensor, r: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """The pow2 fields of an accumulator requantization with right shift r (both int32 forms,
-    _requant32 and _requant_wide; their callers check the bounds): bias = bias_hi 2^r + bias_lo with
-    0 <= bias_lo < 2^r, rshift r, and no multiplier."""
-    hi = torch.div(bias, 1 << r, rounding_mode="floor")
-    return {name + "_bias_hi": hi.to(torch.int32), name + "_bias_lo": (bias - hi * (1 << r)).to(torch.int32),
-            name + "_rshift": r.to(torch.int32), name + "_mult32": torch.zeros_like(r, dtype=torch.int32)}
+    """The pow2 fields of an accumulator requantization with net shift r (both int32 forms,
+    _requant32 and _requant_wide; their callers check the bounds, and only _requant32 takes r <= 0).
+    r >= 1: bias = bias_hi 2^r + bias_lo with 0 <= bias_lo < 2^r, rshift r and lsh 0; r <= 0:
+    bias_hi 0, bias_lo the whole bias, rshift 0 and lsh -r. The lsh is kept in the multiplier
+    form's mult32 field (csrc/qgru_cell.h AccRequant32)."""
+    right = r.clamp(min=0)
+    hi = torch.where(r > 0, torch.div(bias, 1 << right, rounding_mode="floor"), torch.zeros_like(bias))
+    return {name + "_bias_hi": hi.to(torch.int32), name + "_bias_lo": (bias - hi * (1 << right)).to(torch.int32),
+            name + "_rshift": right.to(torch.int32), name + "_mult32": (-r).clamp(min=0).to(torch.int32)}
 
 
 def _requant32(t: Dict[str, torch.Tensor], name: str, pow2: bool, K: int) -> Optional[Dict[str, torch.Tensor]]:
     """The int32 form of the accumulator requantization ``name`` (Wx, Rh, or Wxl: every x level's,
     [J 3H]) over K products of int8 operands (|G| <= K 2^14), or None where its bounds fail (csrc
-    AccRequant32: pow2, 1 <= R <= 30 and |bias| <= 2^31; multiplier, (K 2^14 + |bias|) 2^lsh < 2^31 and
+    AccRequant32: pow2, R <= 30 and |bias| <= 2^31, and where R <= 0 (a left shift by -R)
+    (K 2^14 + |bias|) 2^-R <= 2^31 - 2; multiplier, (K 2^14 + |bias|) 2^lsh < 2^31 and
     |bias| < 2^31)."""
     bias = t[name + "_bias"]
     parts = {}
     if pow2:
         r = _net_shift(t, name)
-        if bool((r < 1).any()) or bool((r > 30).any()) or bool((bias.abs() > (1 << 31)).any()):
+        if bool((r > 30).any()) or bool((bias.abs() > (1 << 31)).any()):
+            return None
+        lsh = (-r).clamp(min=0)
+        if bool(((r <= 0) & ((K * (1 << 14) + bias.abs()) << lsh.clamp(max=32) > (1 << 31) - 2)).any()):
             return None
         return _pow2_parts(name, bias, r)
     m, s = t[name + "_mult"], t[name + "_shift"].to(torch.int64)
