@@ -871,6 +871,16 @@ class BufferPool {
     return buf;
   }
 
+  // In a child of fork (cpu_api::mark_forked_child, while the child has one thread): a fresh
+  // mutex and no buffers. The parent's other threads may have held the lock, or been changing the
+  // list, when it forked; they do not exist here. The old list is left as it is, never freed (its
+  // buffers would be freed under a thread that no longer exists), as build.py leaves old Layers.
+  void after_fork() {
+    new (&mu_) std::mutex();
+    new (&bufs_) std::vector<at::Tensor>();
+    bytes_ = 0;
+  }
+
  private:
   BufferPool() = default;
   // Only the pool holds b: no copy of its handle (a Scratch32 holds one while its call runs) and no
@@ -1229,7 +1239,10 @@ at::Tensor kernel_gemm(const std::string& isa, const at::Tensor& a_in, const at:
 // ---------------------------------------------------------------------------------------------
 namespace cpu_api {
 
-void mark_forked_child() { qgru::mark_forked_child(); }
+void mark_forked_child() {
+  qgru::mark_forked_child();
+  qgru::BufferPool::instance().after_fork();
+}
 
 void profile_enable(bool on) { g_profile.store(on, std::memory_order_relaxed); }
 std::vector<int64_t> profile_read(bool reset) {
