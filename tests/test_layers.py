@@ -42,8 +42,8 @@ LAYERS = {
     "native.stacks": 3,
     # L4 the modules: QuantGRU, WeightOnlyGRU
     "module": 4,
-    # L5 workflows: calibrate / quantize_model, QAT, compare
-    "calibrate": 5, "qat": 5, "compare": 5, "summary": 5, "onnx_export": 5,
+    # L5 workflows: calibrate / quantize_model, QAT, compare, calibration across torch.distributed ranks
+    "distributed": 5, "calibrate": 5, "qat": 5, "compare": 5, "summary": 5, "onnx_export": 5,
     # L6 apps and the public namespace
     "demo": 6, "__main__": 6, "__init__": 6,
 }
@@ -55,6 +55,10 @@ ALLOWED_LAZY = {
     ("export", "module"): "QuantParams.to_module() forwards to QuantGRU.from_params (module imports export)",
     # QuantParams.to_c() -> export_c.write_c: export_c imports export at the top (QuantParams, load_params)
     ("export", "export_c"): "QuantParams.to_c() forwards to export_c.write_c (export_c imports export)",
+    # Observer.sync() / SecondMoment.sync() -> distributed.reduce_statistics: distributed imports observers
+    ("observers", "distributed"): "Observer.sync() forwards to distributed.reduce_statistics (distributed imports observers)",
+    # QuantGRU.convert()'s reduction -> distributed.sync_grus: the collective code lives in the workflow layer
+    ("module", "distributed"): "QuantGRU.convert() forwards its reduction to distributed.sync_grus",
 }
 
 
