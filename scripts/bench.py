@@ -385,7 +385,7 @@ def layer_counters(q) -> dict:
 
 
 def bench_cuda(args, configs) -> Bench:
-    """Issue 34's rows: cuDNN fp32 and fp16 and each qgru config (cuda backend) on the same input,
+    """The GPU rows: cuDNN fp32 and fp16 and each qgru config (cuda backend) on the same input,
     timed together with CUDA events (median), peak memory per call, and qgru's outputs checked bit
     for bit against one untimed call of the reference backend on the GPU. The qgru models are
     calibrated on the CPU (a short calibration: the rows time speed, not accuracy) and moved."""
@@ -659,7 +659,7 @@ def sweep_point(models: dict, x: torch.Tensor, streaming: bool, extra=None):
 
 
 def bench_sweep(args):
-    """Issue 40's sweep: (markdown section, summary lines)."""
+    """The CPU sweep: (markdown section, summary lines)."""
     size = args.sweep
     Hs, Ns = SWEEP_H[size], SWEEP_N[size]
     threads = [int(t) for t in args.sweep_threads.split(",")] if args.sweep_threads else list(SWEEP_THREADS)

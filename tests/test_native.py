@@ -499,7 +499,7 @@ def test_int32_pow2_requant_identity(g, bias, L, s):
     the fields of qgru/native/prepare.py _pow2_parts) equals rounding_mul_shift(G + bias, 2^L, s)
     for every net shift R = s - 1 - L the int32 form takes: R in [1, 30] (bias split into
     bias_hi 2^R + bias_lo, a right shift) and R <= 0 (a left shift by -R of G + bias) wherever
-    |G + bias| 2^-R <= 2^31 - 2; every intermediate inside int32. Python integers are exact: this
+    (|G| + |bias|) 2^-R <= 2^31 - 2 (prepare's bound); every intermediate inside int32. Python integers are exact: this
     checks the identity and the fields, not the C++."""
     from qgru.native.prepare import _pow2_parts
     R = s - 1 - L
@@ -509,8 +509,8 @@ def test_int32_pow2_requant_identity(g, bias, L, s):
     f = {k.split("_", 1)[1]: int(v) for k, v in _pow2_parts("Wx", torch.tensor([bias]), torch.tensor([R])).items()}
     lsh, rsh, a0, a1 = f["mult32"], f["rshift"], f["bias_hi"], f["bias_lo"]
     assert (lsh, rsh) == (max(-R, 0), max(R, 0))
-    if R <= 0 and abs(g + bias) * 2 ** lsh > 2 ** 31 - 2:
-        reject()  # prepare refuses the int32 form
+    if R <= 0 and (abs(g) + abs(bias)) * 2 ** lsh > 2 ** 31 - 2:
+        reject()  # prepare refuses the int32 form: its bound is (max |G| + |bias|) 2^-R, |G| <= K 2^14
     u = (g + a1) * 2 ** lsh
     assert -(2 ** 31) <= g + a1 < 2 ** 31 and -(2 ** 31) <= u < 2 ** 31 - 1
     v = (u >> rsh) + a0
