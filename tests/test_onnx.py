@@ -489,3 +489,53 @@ def test_bfloat16_input(tmp_path):
         want = m(x, h0)
     got = _run_bf16(sess, {"input0": x, "input1": h0}, [w.shape for w in want])
     assert all(torch.equal(a, w) for a, w in zip(got, want))
+
+
+# ---------------------------------------------------------------------------------------------
+# serving: ONNX Runtime in a process where torch and qgru cannot be imported
+# ---------------------------------------------------------------------------------------------
+_SERVE = r"""
+import sys
+sys.modules["torch"] = None  # `import torch` (by anything below) now raises ImportError
+sys.modules["qgru"] = None
+try:
+    import torch  # noqa: F401
+except ImportError:
+    pass
+else:
+    raise SystemExit("torch was importable")
+import numpy as np
+import onnxruntime as ort
+folder = sys.argv[1]
+sess = ort.InferenceSession(folder + "/net.onnx", providers=["CPUExecutionProvider"])
+n = int(open(folder + "/count").read())
+for i in range(n):
+    x = np.load(f"{folder}/x{i}.npy")
+    h0 = np.load(f"{folder}/h0{i}.npy")
+    y, h = sess.run(None, {"x": x, "h0": h0})
+    assert np.array_equal(y, np.load(f"{folder}/y{i}.npy")), f"outputs of set {i} differ"
+    assert np.array_equal(h, np.load(f"{folder}/h{i}.npy")), f"h_n of set {i} differs"
+print("served", n, "torch" in sys.modules and sys.modules["torch"] is not None)
+"""
+
+
+def test_served_bit_exact_in_a_process_without_torch(tmp_path):
+    import subprocess
+    import sys
+
+    m = _quant_gru("w8a8", "multiplier", 5, 6, 2, True, batch_first=True, seed=3)
+    x, h0 = _inputs(m, 7, 2, 1.0, seed=4)
+    path = qgru.export_onnx(m, (x, h0), tmp_path / "net.onnx", input_names=["x", "h0"], output_names=["y", "h"])
+    sets = [(x, h0)] + [_inputs(m, T, N, 2.0, seed=T) for T, N in ((1, 1), (23, 5))]
+    for i, (xi, hi) in enumerate(sets):
+        with torch.no_grad():
+            y, h = m(xi, hi)
+            with qgru.backend("reference"):
+                gy, gh = m(xi, hi)
+        assert torch.equal(y, gy) and torch.equal(h, gh)  # the vectors are the golden model's too
+        for name, t in (("x", xi), ("h0", hi), ("y", y), ("h", h)):
+            np.save(tmp_path / f"{name}{i}.npy", t.numpy())
+    (tmp_path / "count").write_text(str(len(sets)))
+    r = subprocess.run([sys.executable, "-c", _SERVE, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["served", "3", "False"]
