@@ -28,3 +28,27 @@ def _no_leaked_torch_state():
         torch.set_default_dtype(before[2])
         pytest.fail(f"the test changed torch's global state (grad, inference mode, default dtype, default device) "
                     f"from {before} to {after}", pytrace=False)
+
+
+def spawn_ranks(worker, folder, nprocs: int = 2, timeout_s: float = 120.0):
+    """Run ``worker(rank, nprocs, init_method, folder)`` in ``nprocs`` spawned processes (a
+    torch.distributed group over a file in ``folder``) and return what each rank saved to
+    ``folder/rank<r>.pt``; a rank still running after ``timeout_s`` (a hang) fails the test."""
+    import time
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    ctx = mp.start_processes(worker, args=(nprocs, f"file://{folder / 'pg_init'}", str(folder)), nprocs=nprocs,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {nprocs} ranks did not finish in {timeout_s:.0f} s (a hang)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]

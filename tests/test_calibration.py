@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import datetime
 import os
-import time
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import qgru
+from conftest import spawn_ranks
 from qgru.observers import Observer
 
 I, H = 3, 4
@@ -691,24 +691,7 @@ def _dist_worker(rank: int, world: int, init_method: str, outdir: str) -> None:
 
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory):
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    d = tmp_path_factory.mktemp("dist")
-    init = f"file://{d / 'pg_init'}"
-    ctx = mp.start_processes(_dist_worker, args=(2, init, str(d)), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 120
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                pytest.fail("distributed calibration workers did not finish in 120 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    return [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_ranks(_dist_worker, tmp_path_factory.mktemp("dist"))
 
 
 def _assert_export_equal(a, b):

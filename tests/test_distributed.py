@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import datetime
 import os
-import time
 import warnings
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 import qgru
+from conftest import spawn_ranks
 
 I, H = 3, 4
 N_BATCHES = 4
@@ -187,23 +187,7 @@ def _worker(rank: int, world: int, init_method: str, outdir: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    d = tmp_path_factory.mktemp("qgru_dist")
-    ctx = mp.start_processes(_worker, args=(2, f"file://{d / 'pg_init'}", str(d)), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 120
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                pytest.fail("distributed calibration workers did not finish in 120 s (a hang)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    return [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("qgru_dist"))
 
 
 def _single(model: qgru.QuantGRU, batches) -> dict:
