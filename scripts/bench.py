@@ -33,6 +33,8 @@ Scenarios (issue targets in brackets):
     python scripts/bench.py --T 50 --N 32 --hidden 256 --threads 4 --out /tmp/b.md
     python scripts/bench.py --sweep quick             # the CPU sweep, a subset (a few minutes)
     python scripts/bench.py --sweep full --sweep-peers   # every size; OpenVINO / ONNX Runtime rows if installed
+    python scripts/bench.py --peers                # I=16 H=64, I=64 H=128 (1 thread), the benchmark call (2):
+                                                   # OpenVINO (default, fp32), ONNX Runtime, float, dyn, w8a8, w8a16
     python scripts/bench.py --sweep quick --sweep-rows modes   # every shipped config x scale mode instead
 
 --sweep: H (= I) in 32, 64, 128, 256, 512, 1024 x batch 1, 8, 64 at T=100, 1 and 2 threads
@@ -594,19 +596,27 @@ def int8_rate(threads: int, size: int = 2048, repeats: int = 7) -> float:
         torch.set_num_threads(before)
 
 
-def optional_peers(gru, x):
-    """{name: callable} for OpenVINO's GRU (default settings: bf16 where the CPU has it) and ONNX
-    Runtime's float GRU on an export of ``gru``, each only where its package is installed (an
-    optional benchmark extra, never a qgru dependency); and notes on what was skipped or failed."""
+def optional_peers(gru, x, fp32: bool = False):
+    """{name: callable} for OpenVINO's GRU (default settings: bf16 where the CPU has it; with
+    ``fp32`` also "openvino fp32", its f32 precision hint) and ONNX Runtime's float GRU on an export
+    of ``gru``, each on torch.get_num_threads() threads and only where its package is installed (an
+    optional benchmark extra, never a qgru dependency); and notes on what was skipped or failed.
+    Each callable returns the GRU's output as a float32 tensor."""
     peers, notes = {}, []
+    threads = torch.get_num_threads()
     try:
         import openvino as ov  # noqa: F401
     except ImportError:
         notes.append("OpenVINO not installed: no OpenVINO rows")
     else:
         try:
-            compiled = ov.compile_model(ov.convert_model(gru, example_input=(x,)), "CPU")
-            peers["openvino"] = lambda: compiled((x.numpy(),))
+            model = ov.convert_model(gru, example_input=(x,))
+            hints = {"openvino": {}}
+            if fp32:
+                hints["openvino fp32"] = {"INFERENCE_PRECISION_HINT": "f32"}
+            for name, hint in hints.items():
+                compiled = ov.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": threads, **hint})
+                peers[name] = (lambda c: lambda: torch.from_numpy(c((x.numpy(),))[0]))(compiled)
         except Exception as e:  # noqa: BLE001
             notes.append(f"OpenVINO GRU failed: {type(e).__name__}: {e}")
     try:
@@ -619,10 +629,10 @@ def optional_peers(gru, x):
             f = io.BytesIO()
             torch.onnx.export(gru, (x,), f, dynamo=False)
             opts = ort.SessionOptions()
-            opts.intra_op_num_threads = torch.get_num_threads()
+            opts.intra_op_num_threads = threads
             sess = ort.InferenceSession(f.getvalue(), opts, providers=["CPUExecutionProvider"])
             name = sess.get_inputs()[0].name
-            peers["onnxruntime"] = lambda: sess.run(None, {name: x.numpy()})
+            peers["onnxruntime"] = lambda: torch.from_numpy(sess.run(None, {name: x.numpy()})[0])
         except Exception as e:  # noqa: BLE001
             notes.append(f"ONNX Runtime GRU failed: {type(e).__name__}: {e}")
     return peers, notes
@@ -687,6 +697,84 @@ def bench_sweep(args):
     torch.set_num_threads(args.threads)
     notes.append(steadiness_note(probe_before, steadiness_probe()))
     return sweep_section(args, rows, stream_rows, rate, notes)
+
+
+PEER_SHAPES = ((16, 64, 32, 1), (64, 128, 16, 1), (256, 512, 64, 2))  # (I, H, N, threads), T = 100
+PEER_TARGETS = ("1 thread, I=16 H=64 N=32 and I=64 H=128 N=16: w8a8 >= 1.5x OpenVINO's default GRU, w8a16 >= 1.0x; "
+                "the benchmark call (I=256 H=512 N=64, 2 threads): w8a8 >= 1.5x OpenVINO and >= 2x dynamic quant")
+
+
+def _sqnr(ref: torch.Tensor, y: torch.Tensor) -> float:
+    ref, y = ref.double(), y.double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - y).pow(2).sum().clamp(min=1e-30)))
+
+
+def bench_peers(args):
+    """--peers: small GRUs and the benchmark call against OpenVINO (default and fp32) and ONNX
+    Runtime as well as float and dynamic quant, all timed together in wall time (the peers run
+    their own thread pools) at the thread count of each shape; SQNR of each output against float.
+    Returns (markdown section, summary lines)."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    names = ["float", "dyn", "openvino", "openvino fp32", "onnxruntime", "w8a8", "w8a16"]
+    head = ["I", "H", "N", "thr"] + [f"{k} ms" for k in names] + [f"{k} dB" for k in names[1:]] + \
+        ["w8a8 vs OpenVINO", "w8a16 vs OpenVINO", "w8a8 vs dyn"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
+    summary, notes = [], []
+    before = steadiness_probe()
+    for I, H, N, thr in PEER_SHAPES:
+        torch.manual_seed(args.seed)
+        torch.set_num_threads(thr)
+        gru = torch.nn.GRU(I, H).eval()
+        calib = [torch.randn(args.T, N, I) for _ in range(4)]
+        x = torch.randn(args.T, N, I)
+        fns = {"float": (lambda: gru(x)[0]), "dyn": (lambda m: lambda: m(x)[0])(dynamic_quant_gru(gru))}
+        peers, peer_notes = optional_peers(gru, x, fp32=True)
+        notes.extend(n for n in peer_notes if n not in notes)
+        fns.update(peers)
+        for c in ("w8a8", "w8a16"):
+            q = qgru.quantize_model(gru, calib, config=c, progress=False)
+            fns[c] = (lambda m: lambda: m(x)[0])(q)
+        with torch.inference_mode():
+            first = time_once(fns["float"], "cpu")
+            repeats = int(max(5, min(args.repeats * 3, 3000 / max(first, 1e-3))))
+            times, outs = timed_together(list(fns.values()), "cpu", args.warmup, repeats)
+        ms = dict(zip(fns, times))
+        out = dict(zip(fns, outs))
+        db = {k: _sqnr(out["float"], out[k]) for k in out if k != "float"}
+        g = ms.get
+        cells = [str(I), str(H), str(N), str(thr)] + [f"{g(k):.3f}" if g(k) else "—" for k in names] + \
+            [f"{db[k]:.1f}" if k in db else "—" for k in names[1:]] + \
+            [_ratio(g("openvino"), g("w8a8")), _ratio(g("openvino"), g("w8a16")), _ratio(g("dyn"), g("w8a8"))]
+        lines.append("| " + " | ".join(cells) + " |")
+        summary.append(f"I={I:>3} H={H:>3} N={N:>2} thr={thr}  w8a8/OpenVINO {cells[-3]:>6}  "
+                       f"w8a16/OpenVINO {cells[-2]:>6}  w8a8/dyn {cells[-1]:>6}")
+        print("  peers " + summary[-1], flush=True)
+    torch.set_num_threads(args.threads)
+    notes.append(steadiness_note(before, steadiness_probe()))
+    key = "peers-" + cpu_kind(args)
+    body = "\n".join([
+        f"<!-- bench:{key}:start -->",
+        f"## CPU peers ({cpu_kind(args)[4:]} machine, `--peers`)",
+        "",
+        f"- date: {now}",
+        f"- machine: {cpu_model_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}, qgru {qgru.__version__}",
+        f"- qgru cpu backend (auto): {qgru.backends()['cpu']['detail']}" if qgru.backends()["cpu"]["available"] else
+        "- qgru cpu backend unavailable",
+        f"- command: `{shlex.join(['python', 'scripts/bench.py', *args.argv])}`",
+        "",
+        f"T={args.T}, one call per timing, ms per call (median, wall time, every model timed together on the same "
+        "input at the row's thread count); dB: SQNR of the output against float nn.GRU's; ratios are speedups:",
+        "",
+        *lines,
+        "",
+        "- openvino: OpenVINO's converted nn.GRU with its default settings (bf16 inference where the CPU has it), "
+        "openvino fp32: the f32 precision hint; onnxruntime: torch.onnx.export of the float GRU on ONNX Runtime's "
+        "CPU provider; qgru: quantize_model calibrated on 4 random batches of the row's shape",
+        f"- targets: {PEER_TARGETS}",
+        *[f"- {n}" for n in notes],
+        f"<!-- bench:{key}:end -->",
+    ])
+    return body, summary
 
 
 def _ratio(a, b) -> str:
@@ -815,6 +903,9 @@ def main(argv=None) -> None:
                          "in both scale modes (multiplier, pow2) with each config's pow2 / multiplier time; all: both")
     ap.add_argument("--sweep-peers", action="store_true",
                     help="--sweep: also OpenVINO's and ONNX Runtime's GRU where installed (optional extras)")
+    ap.add_argument("--peers", action="store_true",
+                    help="small GRUs and the benchmark call against OpenVINO and ONNX Runtime (where installed), "
+                         "float and dynamic quant, with SQNR (a section of its own)")
     args = ap.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.quick:
@@ -830,6 +921,14 @@ def main(argv=None) -> None:
             config_of(c)
         except (ValueError, TypeError) as e:
             sys.exit(f"--configs {c}: {e}")
+
+    if args.peers:
+        body, summary = bench_peers(args)
+        print("\n" + body + "\n\nsummary:\n" + "\n".join(summary), flush=True)
+        if not args.no_write:
+            write(args.out, {"peers": body})
+            print(f"\nwrote {args.out} (peers section)")
+        return
 
     if args.sweep:
         body, summary = bench_sweep(args)
