@@ -5,8 +5,10 @@
 // lengths share a shape: a plan holds plan_steps(T) steps (qgru_cuda_launch.h) and a shorter call
 // caps its rows' lengths at T. A layer keeps the plans of its last few shapes (plans_to_keep), so
 // alternating shapes replay their graphs. A shape whose plan would keep more than
-// QGRU_CUDA_PLAN_MAX_BYTES (default 256 MiB: its T-sized qx and out above all) gets none: it runs
-// eagerly in buffers of its own call, and the layer keeps nothing of it.
+// QGRU_CUDA_PLAN_MAX_BYTES (default: a quarter of the device's free memory when the plan would be
+// made, at least 256 MiB: qgru_cuda_launch.h plan_max_bytes; its T-sized qx and out above all,
+// which share one buffer) gets none: it runs eagerly in buffers of its own call, and the layer keeps
+// nothing of it.
 //
 // Ordering: calls may come from several threads and streams. A mutex orders the host side; on the
 // device every use of a plan's buffers waits for the previous call's last use (an event), and a
@@ -17,6 +19,7 @@
 //
 // Its Python binding is bind_cuda.cpp, which sees this file through qgru_cuda_backend.h only.
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -164,23 +167,40 @@ cuda::GemmDesc gemm_desc(const LayerTensors& lt, const std::string& k) {
 // Device buffers for one forward of shape (T, N): a plan's (kept between calls), or one call's
 // own inside a foreign graph capture.
 struct Buffers {
-  at::Tensor qx, state, out, lengths, x_limbs, Gx, h_limbs, Gh, dwx;
+  // qx [T, N, I] and out [T, N, H]: views of `steps`, one int16 buffer (qgru_cuda_launch.h
+  // step_buffer: out overwrites only x the forward has read)
+  at::Tensor steps, qx, state, out, lengths, x_limbs, Gx, h_limbs, Gh, dwx;
   at::Tensor pk_h, pk_counter;  // the persistent recurrence's (ws.pk.blocks > 0)
   at::Tensor level;  // a layer with x levels: int32 [T, N], each token's (zeros: see plan_steps)
   cuda::Workspace ws{};
 };
 
+cuda::LayerDims layer_dims(const cuda::LayerDesc& d) {
+  return {d.H, d.I, d.x_levels, d.wx.P, d.wx.M_pad, d.wx.K_pad, d.rh.P, d.rh.M_pad, d.rh.K_pad};
+}
+
+// The plan's sizes (qgru_cuda_launch.h plan_sizes), checked against the driver's workspace_sizes.
+cuda::PlanSizes plan_sizes(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_lengths, const cuda::PkPlan& pk) {
+  const cuda::PlanSizes p = cuda::plan_sizes(layer_dims(d), T, N, has_lengths, pk.blocks > 0 ? pk.h_buffer : 0);
+  const cuda::WorkspaceSizes s = cuda::workspace_sizes(d, T, N);
+  QGRU_CHECK(p.window_steps == s.window_steps && p.chunk_rows == s.chunk_rows && p.N_pad == s.N_pad &&
+                  p.x_limb == s.x_limb && p.Gx == s.Gx && p.h_limb == s.h_limb && p.Gh == s.Gh && p.dwx == s.dwx,
+              "qgru cuda: internal error: plan_sizes and workspace_sizes disagree");
+  return p;
+}
+
 // pk: the layer's persistent plan for N rows (pk.blocks == 0: none; CudaLayer::persistent_plan).
 Buffers make_buffers(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_lengths, const cuda::PkPlan& pk,
                      const at::TensorOptions& opts) {
   Buffers b;
-  const cuda::WorkspaceSizes s = cuda::workspace_sizes(d, T, N);
+  const cuda::PlanSizes s = plan_sizes(d, T, N, has_lengths, pk);
   auto i8 = opts.dtype(at::kChar), i32 = opts.dtype(at::kInt), i64 = opts.dtype(at::kLong);
   auto i16 = opts.dtype(at::kShort);  // T-sized: activations of at most 16 bits (qgru_cuda.h)
-  b.qx = at::zeros({T, N, d.I}, i16);  // quantized x (zeros: see plan_steps)
+  b.steps = at::zeros({s.steps.elems}, i16);  // quantized x (zeros: see plan_steps) and the output
+  b.qx = b.steps.narrow(0, s.steps.qx_offset, T * N * d.I).view({T, N, d.I});
+  b.out = b.steps.narrow(0, s.steps.out_offset, T * N * d.H).view({T, N, d.H});
   if (d.x_levels > 0) b.level = at::zeros({T, N}, i32);
   b.state = at::empty({N, d.H}, i32);
-  b.out = at::empty({T, N, d.H}, i16);
   if (has_lengths) b.lengths = at::empty({N}, i64);
   // limb buffers zeroed once: their padding (K and rows) must read as 0 in every GEMM
   b.x_limbs = at::zeros({2, s.x_limb}, i8);
@@ -211,8 +231,8 @@ Buffers make_buffers(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_le
 
 int64_t buffer_bytes(const Buffers& b) {
   int64_t n = 0;
-  for (const at::Tensor* t :
-       {&b.qx, &b.level, &b.state, &b.out, &b.lengths, &b.x_limbs, &b.Gx, &b.h_limbs, &b.Gh, &b.dwx, &b.pk_h,
+  for (const at::Tensor* t :  // (qx and out are views of steps)
+       {&b.steps, &b.level, &b.state, &b.lengths, &b.x_limbs, &b.Gx, &b.h_limbs, &b.Gh, &b.dwx, &b.pk_h,
         &b.pk_counter})
     if (t->defined()) n += (int64_t)t->nbytes();
   return n;
@@ -221,17 +241,14 @@ int64_t buffer_bytes(const Buffers& b) {
 // buffer_bytes(make_buffers(d, T, N, has_lengths, ...)) before allocating them (make_plan checks
 // that the two agree).
 int64_t buffer_bytes(const cuda::LayerDesc& d, int64_t T, int64_t N, bool has_lengths, const cuda::PkPlan& pk) {
-  const cuda::WorkspaceSizes s = cuda::workspace_sizes(d, T, N);
-  return 2 * T * N * (d.I + d.H) + (d.x_levels > 0 ? 4 * T * N : 0) + 4 * N * d.H + (has_lengths ? 8 * N : 0) +
-         2 * (s.x_limb + s.h_limb) + 4 * (d.wx.P * s.Gx + d.rh.P * s.Gh + s.dwx) +
-         (pk.blocks > 0 ? pk.h_buffer + 4 : 0);
+  return plan_sizes(d, T, N, has_lengths, pk).bytes;
 }
 
-// QGRU_CUDA_PLAN_MAX_BYTES: the most bytes a plan may keep between calls (default
-// kPlanCacheBytes); a non-negative integer or a clear error.
+// QGRU_CUDA_PLAN_MAX_BYTES: the most bytes a plan may keep between calls, a non-negative integer
+// or a clear error; unset or "": -1, a share of the device's free memory (plan_max_bytes).
 int64_t plan_max_bytes_from_env() {
   const char* env = std::getenv("QGRU_CUDA_PLAN_MAX_BYTES");
-  if (env == nullptr || *env == '\0') return cuda::kPlanCacheBytes;
+  if (env == nullptr || *env == '\0') return -1;
   char* end = nullptr;
   errno = 0;
   const long long v = std::strtoll(env, &end, 10);
@@ -345,7 +362,7 @@ class CudaLayer {
     device_ = lt_.tensor("Wx_bias").device();
     const char* env = std::getenv("QGRU_CUDA_GRAPH");
     use_graph_ = env == nullptr || std::string(env) != "0";
-    plan_max_bytes_ = plan_max_bytes_from_env();
+    plan_env_bytes_ = plan_max_bytes_from_env();
     persistent_ = persistent_from_env();
     // qgru's own cuBLAS handle exists from here on: creating it inside a graph capture would fail
     c10::cuda::CUDAGuard guard(device_);
@@ -384,8 +401,7 @@ class CudaLayer {
     run_call(
         T, N, lengths, qx.options(),
         [&](Buffers& b, cudaStream_t) {
-          // steps T .. Tp - 1 of a plan's qx keep an earlier call's (or the plan's zero) values:
-          // valid operands whose results are never read
+          // (steps T .. Tp - 1 of a plan's qx: run_call zeroes them)
           b.qx.narrow(0, 0, T).copy_(qx);
           if (level.has_value()) b.level.narrow(0, 0, T).copy_(*level);
           else if (b.level.defined()) b.level.narrow(0, 0, T).zero_();  // level 0: the static grid
@@ -426,20 +442,25 @@ class CudaLayer {
     const bool bucketed = use_graph_ && T > cuda::kExactPlanSteps;
     const int64_t Tp = bucketed ? cuda::plan_steps(T) : T;
     const bool masked = has_lengths || bucketed;
-    // A shape whose plan would keep more than plan_max_bytes_ between calls (its T-sized qx and out
-    // above all: at T = 1000, N = 4096, H = I = 1024, 16 GB) runs without one: its buffers are this
-    // call's, from PyTorch's caching allocator, and nothing stays with the layer. A graph saves
-    // little there: at such sizes each step's GEMM takes far longer than its launch.
-    // A call of more than kMaxGraphSteps steps runs without a plan too: its graph would be too
-    // large to capture and instantiate quickly, and launches matter little over so many steps.
-    const int64_t ws_bytes = use_graph_ ? cublas_workspace_bytes(device_.index()) : 0;
-    if (buffer_bytes(d_, Tp, N, masked, persistent_plan(N)) + ws_bytes > plan_max_bytes_ ||
-        (use_graph_ && Tp > cuda::kMaxGraphSteps))
-      return run_unplanned(T, N, lengths, opts, cur, false, fill, drain);
-
-    std::lock_guard<std::mutex> lock(mu_);  // one call at a time enqueues work on the plan
-    bool fresh = false;
-    Plan& p = plan_for(Tp, N, masked, opts, &fresh);
+    // A call of more than kMaxGraphSteps steps runs without a plan: its graph would be too large to
+    // capture and instantiate quickly, and launches matter little over so many steps.
+    if (use_graph_ && Tp > cuda::kMaxGraphSteps) return run_unplanned(T, N, lengths, opts, cur, false, fill, drain);
+    std::unique_lock<std::mutex> lock(mu_);  // one call at a time enqueues work on the plan
+    Plan* found = find_plan(Tp, N, masked);
+    const bool fresh = found == nullptr;
+    if (fresh) {
+      // A shape whose plan would keep more than the plan bound between calls (its T-sized buffers
+      // above all: at T = 1000, N = 4096, H = I = 1024, 8 GB) runs without one: its buffers are
+      // this call's, from PyTorch's caching allocator, and nothing stays with the layer. Decided
+      // when the plan would be made (the device's free memory then), not on every call.
+      const int64_t ws_bytes = use_graph_ ? cublas_workspace_bytes(device_.index()) : 0;
+      if (buffer_bytes(d_, Tp, N, masked, persistent_plan(N)) + ws_bytes > plan_max_bytes()) {
+        lock.unlock();
+        return run_unplanned(T, N, lengths, opts, cur, false, fill, drain);
+      }
+      found = &add_plan(Tp, N, masked, opts);
+    }
+    Plan& p = *found;
     if (p.b.ws.pk.blocks > 0) ++counters_.persistent_calls;
     // The mutex orders only the host side. On the device, every use of the plan's buffers (the
     // copies in, the run, eager or graph, and the copies out) is ordered after the previous call's
@@ -447,6 +468,9 @@ class CudaLayer {
     check_cuda(cudaStreamWaitEvent(cur, p.last_use, 0), "cudaStreamWaitEvent");
     RecordOnExit last_use(p.last_use, cur);
     fill(p.b, cur);
+    // steps T .. Tp - 1 of the plan's qx: zeros (valid operands whose results are never read; an
+    // earlier call's output, which shares their memory, need not be a valid x)
+    if (Tp != T) p.b.qx.narrow(0, T, Tp - T).zero_();
     if (has_lengths) {
       p.b.lengths.copy_(*lengths);
       if (Tp != T) p.b.lengths.clamp_max_(T);  // the plan's extra steps leave every row's state as it is
@@ -528,12 +552,13 @@ class CudaLayer {
 
   std::map<std::string, int64_t> counters() const {
     std::lock_guard<std::mutex> lock(mu_);
-    // the bytes the newest plan keeps for its steps between calls (qx and out, int16)
+    // the bytes the newest plan keeps for its steps between calls (qx and out, one int16 buffer)
     const Plan* newest = plans_.empty() ? nullptr : plans_.front().get();
-    const int64_t step_bytes = newest ? (int64_t)(newest->b.qx.nbytes() + newest->b.out.nbytes()) : 0;
+    const int64_t step_bytes = newest ? (int64_t)newest->b.steps.nbytes() : 0;
     return {{"plans", counters_.plans.load()},
             {"plans_kept", (int64_t)plans_.size()},
             {"plan_step_bytes", step_bytes},
+            {"plan_bytes", newest ? newest->bytes : 0},  // all the newest plan keeps (plans_to_keep's measure)
             {"eager_runs", counters_.eager_runs.load()},
             {"captures", counters_.captures.load()},
             {"replays", counters_.replays.load()},
@@ -550,7 +575,7 @@ class CudaLayer {
     std::atomic<int64_t> captures{0};            // graphs captured (each launched at once)
     std::atomic<int64_t> replays{0};             // launches of a graph captured by an earlier call
     std::atomic<int64_t> in_foreign_capture{0};  // calls inside a capture of the caller's
-    std::atomic<int64_t> unplanned_runs{0};      // calls of a shape too large for a plan (plan_max_bytes_)
+    std::atomic<int64_t> unplanned_runs{0};      // calls of a shape too large for a plan (plan_max_bytes)
     std::atomic<int64_t> persistent_calls{0};    // calls whose recurrence ran persistent (qgru_cuda_persistent.cu)
   };
 
@@ -601,7 +626,7 @@ class CudaLayer {
   //   run on qgru's own handle (made with the Layer, outside any capture) with a workspace from the
   //   same pool, so nothing depends on whether or how PyTorch's handle for this thread and stream
   //   was set up.
-  // * else a shape too large for a plan (plan_max_bytes_): run eagerly on PyTorch's handle, as
+  // * else a shape too large for a plan (plan_max_bytes()): run eagerly on PyTorch's handle, as
   //   QGRU_CUDA_GRAPH=0 does (no graph keeps its workspace).
   void run_unplanned(int64_t T, int64_t N, const c10::optional<at::Tensor>& lengths, const at::TensorOptions& opts,
                      cudaStream_t cur, bool in_capture, const Fill& fill, const Drain& drain) {
@@ -638,22 +663,37 @@ class CudaLayer {
     return side_;
   }
 
-  // The plan of shape (T, N, has_lengths), moved to the front (newest); made if there is none
-  // (*fresh = true), and then the plans past plans_to_keep dropped, each after its last use (~Plan).
-  Plan& plan_for(int64_t T, int64_t N, bool has_lengths, const at::TensorOptions& opts, bool* fresh) {
+  // The plan of shape (T, N, has_lengths), moved to the front (newest), or nullptr (under mu_).
+  Plan* find_plan(int64_t T, int64_t N, bool has_lengths) {
     for (auto it = plans_.begin(); it != plans_.end(); ++it) {
       if ((*it)->T == T && (*it)->N == N && (*it)->has_lengths == has_lengths) {
         if (it != plans_.begin()) plans_.splice(plans_.begin(), plans_, it);
-        *fresh = false;
-        return *plans_.front();
+        return plans_.front().get();
       }
     }
+    return nullptr;
+  }
+
+  // A new plan of shape (T, N, has_lengths) as the newest, then the plans past plans_to_keep
+  // dropped, each after its last use (~Plan) (under mu_).
+  Plan& add_plan(int64_t T, int64_t N, bool has_lengths, const at::TensorOptions& opts) {
     plans_.push_front(make_plan(T, N, has_lengths, opts));
     std::vector<int64_t> bytes;
     for (const auto& p : plans_) bytes.push_back(p->bytes);
     plans_.resize((size_t)cuda::plans_to_keep(bytes.data(), (int64_t)bytes.size()));
-    *fresh = true;
     return *plans_.front();
+  }
+
+  // The bound on a new plan's bytes (qgru_cuda_launch.h plan_max_bytes): QGRU_CUDA_PLAN_MAX_BYTES,
+  // else a share of the device's free memory now, counting what PyTorch's caching allocator holds
+  // unallocated (the plan's buffers come from it).
+  int64_t plan_max_bytes() const {
+    if (plan_env_bytes_ >= 0) return plan_env_bytes_;
+    size_t free_bytes = 0, total_bytes = 0;
+    check_cuda(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
+    const int64_t cached = stats.reserved_bytes[0].current - stats.allocated_bytes[0].current;  // [0]: all pools
+    return cuda::plan_max_bytes(-1, (int64_t)free_bytes + (cached > 0 ? cached : 0));
   }
 
   std::unique_ptr<Plan> make_plan(int64_t T, int64_t N, bool has_lengths, const at::TensorOptions& opts) {
@@ -678,7 +718,7 @@ class CudaLayer {
   bool persistent_ = false;  // QGRU_CUDA_PERSISTENT
   mutable std::mutex pk_mu_;
   mutable std::map<int64_t, cuda::PkPlan> pk_plans_;  // persistent_plan, by N
-  int64_t plan_max_bytes_ = cuda::kPlanCacheBytes;
+  int64_t plan_env_bytes_ = -1;  // QGRU_CUDA_PLAN_MAX_BYTES (-1: unset, plan_max_bytes)
   cudaStream_t side_ = nullptr;   // side_stream()
   bool kept_for_graphs_ = false;  // keep_for_foreign_graphs()
   mutable std::mutex mu_;

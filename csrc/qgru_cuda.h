@@ -8,24 +8,13 @@
 #include <cuda_runtime.h>
 
 #include "qgru_cell.h"
+#include "qgru_cuda_launch.h"
 #include "qgru_persistent.h"
 
 namespace qgru {
 namespace cuda {
 
-constexpr int kPad = 16;  // rows, channels and K are padded to multiples of 16 (int8 tensor cores)
-// ...and to at least 32: every GEMM dimension (m = channels, n = rows, k) is >= 32. PyTorch's own
-// int8 GEMM (_int_mm) refuses 16 or fewer rows ("cuBLAS is currently broken for some combination
-// of transposed inputs") and a K of 16 or less; rather than prove those shapes safe on every cuBLAS
-// version, qgru never asks for them. The weight limbs come padded by prepare_layer (gemm_min);
-// the row counts are padded here (gemm_rows).
-constexpr int64_t kMinGemmDim = 32;
-
-// Rows of a GEMM over `rows` rows of activations: a multiple of kPad, at least kMinGemmDim.
-inline int64_t gemm_rows(int64_t rows) {
-  const int64_t r = (rows + kPad - 1) / kPad * kPad;
-  return r < kMinGemmDim ? kMinGemmDim : r;
-}
+// kPad, kMinGemmDim and gemm_rows: qgru_cuda_launch.h
 
 struct GemmDesc {              // one product (W.x or R.h) as int8 limb GEMMs
   const int8_t* weight_limbs;  // [n_weight_limbs, M_pad, K_pad], row-major, zero padded

@@ -12,6 +12,20 @@ namespace cuda {
 
 constexpr int kThreads = 256;  // threads per block
 
+constexpr int kPad = 16;  // rows, channels and K are padded to multiples of 16 (int8 tensor cores)
+// ...and to at least 32: every GEMM dimension (m = channels, n = rows, k) is >= 32. PyTorch's own
+// int8 GEMM (_int_mm) refuses 16 or fewer rows ("cuBLAS is currently broken for some combination
+// of transposed inputs") and a K of 16 or less; rather than prove those shapes safe on every cuBLAS
+// version, qgru never asks for them. The weight limbs come padded by prepare_layer (gemm_min);
+// the row counts are padded here (gemm_rows).
+constexpr int64_t kMinGemmDim = 32;
+
+// Rows of a GEMM over `rows` rows of activations: a multiple of kPad, at least kMinGemmDim.
+inline int64_t gemm_rows(int64_t rows) {
+  const int64_t r = (rows + kPad - 1) / kPad * kPad;
+  return r < kMinGemmDim ? kMinGemmDim : r;
+}
+
 // A [rows, cols] array: x (threads and blocks) along the columns, which cover cols exactly once,
 // y along the rows, with a grid-stride loop over them. Each kernel thread takes
 //   column c = blockIdx.x * blockDim.x + threadIdx.x (and returns if c >= cols),
@@ -87,22 +101,38 @@ inline int64_t plan_steps(int64_t T) {
   return (T + q - 1) / q * q;
 }
 
-// Steps per W.x window (qgru_cuda_kernels.cu, workspace_sizes): as many as keep the window's
-// buffers (W.x GEMM outputs, Wx - Z_Wx and x limbs: row_bytes per input row) within
-// kWindowBytes, and its rows within kMaxWindowRows (one cuBLAS GEMM's m), at least one step and at
-// most T. A fixed row count made the window of a large layer the largest thing a plan keeps
-// (H = I = 1024, N = 64: 400 MB of W.x outputs and Wx for 16384 rows), past the bound a plan may
-// keep (kPlanCacheBytes); 32 MiB still gives the W.x GEMM hundreds of rows there.
+// Steps per W.x window (qgru_cuda_kernels.cu, workspace_sizes). A window costs 3 graph nodes (the
+// x limbs, the W.x GEMM, its epilogue) next to the 2 of each of its steps (R.h GEMM, cell), so a
+// window of s steps adds 3 / s nodes per step: what a longer window saves is nodes, and past a few
+// dozen steps little (32 -> 64 steps saves 0.05 nodes per step, ~0.15 us on an H200 at ~3.3 us per
+// dependent node). Its buffers (W.x GEMM outputs, Wx - Z_Wx and x limbs: row_bytes per input row)
+// grow with every step. So a window holds:
+//   * at least as many steps as kWindowBytes of buffers hold (cheap: a small layer or batch gets
+//     long windows, up to all T steps in one), and at least kWindowTargetSteps where those stay
+//     within kMaxWindowBytes (a large layer at a large batch: H = I = 1024, N = 256 took 4-step
+//     windows at 32 MiB, 26 windows per 104 steps; now 6);
+//   * at most kMaxWindowRows rows (one cuBLAS GEMM's m), at least one step and at most T;
+//   * then the fewest windows those counts allow, each as short as that many windows can be
+//     (T = 104 in windows of at most 19 steps: 6 windows of 18, not 5 of 19 and one of 9): the
+//     same nodes, smaller buffers.
 constexpr int64_t kWindowBytes = int64_t(32) << 20;
+constexpr int64_t kWindowTargetSteps = 32;
+constexpr int64_t kMaxWindowBytes = int64_t(128) << 20;
 constexpr int64_t kMaxWindowRows = 16384;
 
 inline int64_t window_steps(int64_t row_bytes, int64_t N, int64_t T) {
-  const int64_t n = N > 0 ? N : 1;
-  int64_t rows = kWindowBytes / (row_bytes > 0 ? row_bytes : 1);
-  if (rows > kMaxWindowRows) rows = kMaxWindowRows;
-  int64_t steps = rows / n;
+  const int64_t n = N > 0 ? N : 1, rb = row_bytes > 0 ? row_bytes : 1;
+  const int64_t by_bytes = kWindowBytes / rb / n;  // what kWindowBytes holds
+  int64_t target = kMaxWindowBytes / rb / n;       // kWindowTargetSteps, within kMaxWindowBytes
+  if (target > kWindowTargetSteps) target = kWindowTargetSteps;
+  int64_t steps = by_bytes > target ? by_bytes : target;
+  if (steps > kMaxWindowRows / n) steps = kMaxWindowRows / n;
   if (steps < 1) steps = 1;
-  if (T > 0 && steps > T) steps = T;
+  if (T > 0) {
+    if (steps > T) steps = T;
+    const int64_t windows = (T + steps - 1) / steps;
+    steps = (T + windows - 1) / windows;  // as short as the same number of windows allows
+  }
   return steps;
 }
 
@@ -124,6 +154,81 @@ inline int64_t plans_to_keep(const int64_t* bytes, int64_t n) {
   int64_t keep = 1, total = bytes[0];
   while (keep < n && keep < kMaxPlans && total + bytes[keep] <= kPlanCacheBytes) total += bytes[keep++];
   return keep;
+}
+
+
+// What a plan (qgru_cuda.cpp make_buffers) allocates, from plain sizes, so that the bound on plans,
+// the window and the per-call memory can be computed and tested on the host. LayerDims: a layer's
+// sizes (LayerDesc's, qgru_cuda.h); wx / rh: the W.x and R.h products' limb pairs and padded
+// [M_pad, K_pad] weight limbs.
+struct LayerDims {
+  int64_t H, I, x_levels;
+  int64_t wx_P, wx_M_pad, wx_K_pad;
+  int64_t rh_P, rh_M_pad, rh_K_pad;
+};
+
+// A W.x window's bytes per input row (workspace_sizes): its GEMM outputs (int32, one block per
+// pair), Wx - Z_Wx (int32, 3H) and the two x limb buffers.
+inline int64_t window_row_bytes(const LayerDims& d) { return 4 * d.wx_P * d.wx_M_pad + 4 * 3 * d.H + 2 * d.wx_K_pad; }
+
+// The T-sized int16 buffer of a plan, shared by qx [T, N, I] and out [T, N, H]: out at element 0,
+// qx at element T N max(0, H - I), T N max(I, H) elements in all (not T N (I + H): half at I = H).
+// Valid because the forward reads step t's qx (its window's x limbs, all of them before the
+// window's first step) before it writes out[t], and out[t] = elements [t N H, (t + 1) N H) ends at
+// or before qx[t + 1]'s first element, T N max(0, H - I) + (t + 1) N I (for t < T): a step's
+// output overwrites only x of its own or earlier steps, which every later read has no use for.
+struct StepBuffer {
+  int64_t elems, qx_offset, out_offset;
+};
+
+inline StepBuffer step_buffer(int64_t T, int64_t N, int64_t I, int64_t H) {
+  const int64_t wide = I > H ? I : H;
+  return {T * N * wide, H > I ? T * N * (H - I) : 0, 0};
+}
+
+// A plan's buffers for a forward of T steps and N rows (element counts: WorkspaceSizes, qgru_cuda.h,
+// which qgru_cuda.cpp checks against these), and their bytes (buffer_bytes): the step buffer, the
+// x levels [T, N] int32 (a layer with levels), the state [N, H] int32, lengths [N] int64, the limb
+// buffers (two each, int8), the products' pair buffers and Wx - Z_Wx (int32), and the persistent
+// recurrence's operand buffer and counter (pk_h_buffer > 0).
+struct PlanSizes {
+  int64_t window_steps, chunk_rows, N_pad, x_limb, Gx, h_limb, Gh, dwx;
+  StepBuffer steps;
+  int64_t bytes;
+};
+
+inline PlanSizes plan_sizes(const LayerDims& d, int64_t T, int64_t N, bool has_lengths, int64_t pk_h_buffer) {
+  PlanSizes s;
+  const int64_t n = N > 0 ? N : 1;
+  s.window_steps = window_steps(window_row_bytes(d), n, T);
+  const int64_t window_rows = s.window_steps * n;
+  s.chunk_rows = gemm_rows(window_rows);
+  s.N_pad = gemm_rows(n);
+  s.x_limb = s.chunk_rows * d.wx_K_pad;
+  s.Gx = s.chunk_rows * d.wx_M_pad;
+  s.h_limb = s.N_pad * d.rh_K_pad;
+  s.Gh = s.N_pad * d.rh_M_pad;
+  s.dwx = window_rows * 3 * d.H;
+  s.steps = step_buffer(T, N, d.I, d.H);
+  s.bytes = 2 * s.steps.elems + (d.x_levels > 0 ? 4 * T * N : 0) + 4 * N * d.H + (has_lengths ? 8 * N : 0) +
+            2 * (s.x_limb + s.h_limb) + 4 * (d.wx_P * s.Gx + d.rh_P * s.Gh + s.dwx) +
+            (pk_h_buffer > 0 ? pk_h_buffer + 4 : 0);
+  return s;
+}
+
+// The most bytes a plan may keep between calls (qgru_cuda.cpp run_call): QGRU_CUDA_PLAN_MAX_BYTES
+// where it is set (env_bytes >= 0), else a share of the memory the device has free when the plan
+// would be made (free_bytes: cudaMemGetInfo's, plus what PyTorch's caching allocator holds
+// unallocated), 1 / kPlanFreeDivisor of it, and never less than kPlanCacheBytes. A fixed 256 MiB
+// left H = I = 1024, T = 1000, N = 64 without a plan (its T-sized buffers alone were 256 MiB): it
+// ran eagerly, two host launches per step, in buffers of each call's own. A shape over the bound
+// runs so still. (Which of its plans a layer keeps is plans_to_keep's: the newest always.)
+constexpr int64_t kPlanFreeDivisor = 4;
+
+inline int64_t plan_max_bytes(int64_t env_bytes, int64_t free_bytes) {
+  if (env_bytes >= 0) return env_bytes;
+  const int64_t share = (free_bytes > 0 ? free_bytes : 0) / kPlanFreeDivisor;
+  return share > kPlanCacheBytes ? share : kPlanCacheBytes;
 }
 
 }  // namespace cuda

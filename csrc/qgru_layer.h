@@ -11,7 +11,7 @@
 // when they are loaded; this is the backstop in front of the raw pointers.)
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // (no torch/extension.h: the cpu library that holds the operator has no Python)
 
 #include <cmath>
 #include <cstdlib>

@@ -3,7 +3,8 @@
 * ``python -m qgru demo [--out DIR] [--configs ...]``: quantize a GRU trained on a real data set
   (shipped with qgru) with every config and print the accuracy/SQNR table (qgru/demo.py).
 * ``python -m qgru build [--kind cpu|cuda|all]`` compiles the native backends ahead of time (into
-  the cache folder qgru/native/build.py describes) and prints what ``qgru.backends()`` says."""
+  the cache folder qgru/native/build.py describes) and prints what ``qgru.backends()`` says;
+  ``--print-path``: only the path of the cpu library that defines the operator qgru::integer_gru."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,14 @@ import sys
 def _build(args) -> int:
     from . import native
     from .backends import backends
+    if args.print_path:
+        # the cpu library without Python (qgru::integer_gru): torch.ops.load_library or dlopen it
+        try:
+            print(native.library_path())
+        except RuntimeError as e:
+            print(f"cpu: unavailable: {e}", file=sys.stderr)
+            return 1
+        return 0
     kinds = ["cpu", "cuda"] if args.kind == "all" else [args.kind]
     failed = False
     for kind in kinds:
@@ -39,6 +48,9 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="compile the C++/CUDA backends ahead of time")
     b.add_argument("--kind", choices=["cpu", "cuda", "all"], default="all")
+    b.add_argument("--print-path", action="store_true",
+                   help="build the cpu backend if needed and print only the path of its library without Python "
+                        "(the operator qgru::integer_gru, for torch.ops.load_library or a C++ program's dlopen)")
     b.set_defaults(func=_build)
     d = sub.add_parser("demo", help="float vs torch dynamic-quant vs every qgru config on a real data set, one table",
                        description="Quantize every nn.GRU of a small model trained on the Japanese Vowels data "

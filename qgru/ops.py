@@ -1,20 +1,37 @@
-"""The integer forward of a converted QuantGRU as a torch.library custom operator.
+"""The integer forward of a converted QuantGRU as one operator, ``qgru::integer_gru``.
 
 ``torch.ops.qgru.integer_gru(x, h0, lengths, params, spec) -> (out, h_n)`` runs what
 ``QuantGRU._forward_integer`` runs eagerly (runtime.integer_forward: quantize, every layer and
-direction on the current backend, dequantize), with a fake kernel that gives the output shapes.
-torch.compile and torch.export see one opaque operator instead of qgru's Python and native kernels,
-which they could not trace; the results are the eager ones, bit for bit (the same function runs).
+direction, dequantize). torch.compile and torch.export see one opaque operator instead of qgru's
+Python and native kernels; the results are the eager ones, bit for bit.
+
+The operator is defined and implemented for CPU tensors in C++ (csrc/cpu/op_cpu.cpp, in the cpu
+backend's library without Python, qgru.native.library_path()): a saved torch.export program or an
+AOTInductor package runs in a process that only loaded that library (torch.ops.load_library, or
+dlopen from C++), without qgru's Python. This module adds what must be Python: the fake kernel
+(shapes, for tracing), the sequence-length-0 error as eager mode raises it (QGRUInputError), the
+kernel for other devices (CUDA: runtime.integer_forward on the current backend) and, where the cpu
+backend cannot be built, the whole operator in Python (the same integers, slower).
 
 Arguments: x time-major float [T, N, I], h0 [L*D, N, H], lengths (PackedSequence input) or None;
-``params`` and ``spec`` are a converted module's integer parameters as QuantParams.to_dict()
-gives them, split into the tensors (``params``, in key order) and a JSON string with the keys and
-the other entries (``spec``). A QuantGRU makes them once, when it is converted (``_op_params``).
+``params`` and ``spec``, made once when a QuantGRU is converted (``flatten_params``). ``spec`` is
+text (format 2), whitespace-separated words that the C++ reads without a JSON parser::
 
-The operator rebuilds the LayerParams from ``params`` once per set of tensors and device: a small
-cache keyed by the tensors' identities and versions, holding them (so no identity is reused while
-cached). Eager calls do not go through the operator (its dispatch and argument checks would cost a
-1-step streaming call several microseconds); inside torch.compile / torch.export they do.
+    qgru.integer_gru 2
+    layers L D H I NT                       (NT: how many params the C++ reads: the first NT)
+    then per layer l and direction d:
+    unit l d grid S_x Z_x bits_x S_h Z_h bits_h      (scales as float.hex(): exact)
+    in E [n m_1..m_n s_1..s_n]*E            (layer > 0: each source direction's requantization)
+    levels J scale_1..J lo_1..J hi_1..J     (layer 0's x levels, J = 0 without)
+    paths W P                               (cpu.py _avx2_takes_whole, one_limb_pair(act16=False))
+    variants V [variant A nt (key index)*nt nv (key value)*nv]*V
+    python {json}                            (ignored by the C++)
+
+A variant is prepare_layer's output (the native Layer's tensors and values) for CPU paths with
+int16 activations (A = 1) or without (A = 0), or for any (A = 2, V = 1: where both are the same);
+the kernel picks the one of the path it runs on (QGRU_CPU_ISA as qgru/native/cpu.py resolves it).
+After the NT prepared tensors come the QuantParams.to_dict() tensors (named in the JSON), which
+the Python kernel (other devices, or no cpu backend) rebuilds LayerParams from.
 """
 from __future__ import annotations
 
@@ -29,29 +46,93 @@ from .errors import empty_sequence_error
 from .export import QuantParams
 from .runtime import integer_forward
 
+SPEC_FORMAT = 2
+SCHEMA = "integer_gru(Tensor x, Tensor hx, Tensor? lengths, Tensor[] params, str spec) -> (Tensor, Tensor)"
 _CACHE_SIZE = 8
 _cache: "OrderedDict[Tuple, Dict[str, Any]]" = OrderedDict()
-_lock = threading.Lock()
+_lock = threading.RLock()
+_state: Dict[str, Any] = {"ready": False, "where": None, "libs": []}
+
+
+def _hex(v) -> str:
+    return float(v).hex()
+
+
+def _unit_words(p, layer: int, d: int, prev_dirs: int, index: List[int], tensors: List[torch.Tensor]) -> List[str]:
+    """One layer and direction's words of the spec (its prepared tensors appended to ``tensors``)."""
+    from .native.cpu import _avx2_takes_whole
+    from .native.prepare import one_limb_pair, prepare_layer
+    w = ["unit", str(layer), str(d), "grid", _hex(p.scale["x"]), str(int(p.zp["x"])), str(int(p.bits["x"])),
+         _hex(p.scale["h"]), str(int(p.zp["h"])), str(int(p.bits["h"])), "in", str(prev_dirs)]
+    for e in range(prev_dirs):
+        r = p.rescale[f"in_{e}"]
+        m, s = r.multiplier.reshape(-1).tolist(), r.shift.reshape(-1).tolist()
+        w += [str(len(m))] + [str(int(v)) for v in m] + [str(int(v)) for v in s]
+    lv = p.x_levels
+    if lv is None:
+        w += ["levels", "0"]
+    else:
+        w += ["levels", str(int(lv.exponent.numel()))] + [_hex(v) for t in (lv.scale, lv.lo, lv.hi)
+                                                          for v in t.reshape(-1).tolist()]
+    w += ["paths", str(int(_avx2_takes_whole(p))), str(int(one_limb_pair(p, act16=False)))]
+    q = p.to("cpu")
+    plain, wide = prepare_layer(q, act16=False), prepare_layer(q, act16=True)
+    same = wide[1]["x_direct16"] == 0 and wide[1]["h_direct16"] == 0  # act16 changes nothing else
+    variants = [(2, plain)] if same else [(0, plain), (1, wide)]
+    w += ["variants", str(len(variants))]
+    mine: Dict[str, Tuple[torch.Tensor, int]] = {}  # the variants share their equal tensors
+    for flag, (t, v) in variants:
+        w += ["variant", str(flag), str(len(t))]
+        for k in sorted(t):
+            x = t[k].contiguous()
+            old = mine.get(k)
+            if old is not None and old[0].dtype == x.dtype and old[0].shape == x.shape and torch.equal(old[0], x):
+                i = old[1]
+            else:
+                i = index[0]
+                index[0] += 1
+                tensors.append(x)
+                mine[k] = (x, i)
+            w += [k, str(i)]
+        w += [str(len(v))] + [f"{k} {int(v[k])}" for k in sorted(v)]
+    return w
 
 
 def flatten_params(flat: Dict[str, Any]) -> Tuple[List[torch.Tensor], str]:
-    """QuantParams.to_dict() -> (its tensors in key order, a JSON string of everything else)."""
+    """QuantParams.to_dict() -> the operator's (params, spec): see the module docstring."""
+    ensure_operator()
+    layers = QuantParams.from_dict(dict(flat)).layers
+    L, D = len(layers), len(layers[0])
+    p0 = layers[0][0]
+    tensors: List[torch.Tensor] = []
+    index = [0]
+    words: List[str] = []
+    for layer, row in enumerate(layers):
+        for d, p in enumerate(row):
+            words += _unit_words(p, layer, d, 0 if layer == 0 else D, index, tensors)
     keys = sorted(k for k, v in flat.items() if isinstance(v, torch.Tensor))
-    meta = json.loads(flat["meta"])
-    spec = {"format": 1, "keys": keys, "values": {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)},
-            "layers": meta["num_layers"], "dirs": 2 if meta["bidirectional"] else 1, "hidden": meta["hidden_size"]}
-    return [flat[k].contiguous() for k in keys], json.dumps(spec, sort_keys=True)
+    py = {"keys": keys, "values": {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}}
+    head = ["qgru.integer_gru", str(SPEC_FORMAT), "layers", str(L), str(D), str(p0.hidden_size), str(p0.input_size),
+            str(len(tensors))]
+    spec = " ".join(head) + "\n" + " ".join(words) + "\npython " + json.dumps(py, sort_keys=True)
+    return tensors + [flat[k].contiguous() for k in keys], spec
 
 
 def _spec(spec: str) -> Dict[str, Any]:
-    s = json.loads(spec)
-    if not isinstance(s, dict) or s.get("format") != 1:
-        raise ValueError("qgru::integer_gru: spec is not one made by qgru.ops.flatten_params")
+    """The spec's header and its JSON (the Python kernel's part)."""
+    words = spec.split(None, 8)
+    if len(words) < 8 or words[0] != "qgru.integer_gru" or words[1] != str(SPEC_FORMAT) or "\npython " not in spec:
+        raise ValueError("qgru::integer_gru: spec is not one made by qgru.ops.flatten_params (format "
+                         f"{SPEC_FORMAT})")
+    s = json.loads(spec.rsplit("\npython ", 1)[1])
+    s.update(layers=int(words[3]), dirs=int(words[4]), hidden=int(words[5]), prepared=int(words[7]))
     return s
 
 
 def _layers(params: List[torch.Tensor], spec: str, device: torch.device):
-    """LayerParams [layer][direction] on ``device``, rebuilt once per set of parameter tensors."""
+    """LayerParams [layer][direction] on ``device`` from params' QuantParams tensors, rebuilt once
+    per set of parameter tensors (a small cache keyed by their identities and versions, holding them
+    so that no identity is reused while cached)."""
     key = (spec, tuple(id(t) for t in params))
     versions = tuple(t._version for t in params)
     with _lock:
@@ -60,10 +141,11 @@ def _layers(params: List[torch.Tensor], spec: str, device: torch.device):
             entry = None
         if entry is None:
             s = _spec(spec)
-            if len(params) != len(s["keys"]):
-                raise ValueError(f"qgru::integer_gru: {len(params)} parameter tensors, the spec names {len(s['keys'])}")
+            raw = params[s["prepared"]:]
+            if len(raw) != len(s["keys"]):
+                raise ValueError(f"qgru::integer_gru: {len(raw)} parameter tensors, the spec names {len(s['keys'])}")
             d = dict(s["values"])
-            d.update({k: t.cpu() for k, t in zip(s["keys"], params)})
+            d.update({k: t.cpu() for k, t in zip(s["keys"], raw)})
             entry = {"params": list(params), "versions": versions, "on": {"cpu": QuantParams.from_dict(d).layers}}
             _cache[key] = entry
             while len(_cache) > _CACHE_SIZE:
@@ -76,21 +158,71 @@ def _layers(params: List[torch.Tensor], spec: str, device: torch.device):
         return on[dev]
 
 
-@torch.library.custom_op("qgru::integer_gru", mutates_args=())
-def integer_gru(x: torch.Tensor, hx: torch.Tensor, lengths: Optional[torch.Tensor], params: List[torch.Tensor],
-                spec: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A converted QuantGRU's integer forward (runtime.integer_forward), as one operator."""
+def _python_kernel(x, hx, lengths, params, spec):
+    """The operator in Python (CUDA tensors; every device where the cpu backend cannot be built)."""
     if x.shape[0] == 0:
-        # eager mode refuses it in the module (_check_input); an exported program whose sequence
-        # length is dynamic traced that check for lengths >= 2 (torch's size rule) and runs only
-        # this operator: it refuses it here, as eager mode does
         raise empty_sequence_error(tuple(x.shape))
     return integer_forward(_layers(params, spec, x.device), x, hx, lengths)
 
 
-@integer_gru.register_fake
-def _integer_gru_fake(x, hx, lengths, params, spec):
-    s = _spec(spec)
+def _fake(x, hx, lengths, params, spec):
+    words = spec.split(None, 7)
+    if len(words) < 7 or words[0] != "qgru.integer_gru" or words[1] != str(SPEC_FORMAT):
+        raise ValueError(f"qgru::integer_gru: spec is not one made by qgru.ops.flatten_params (format {SPEC_FORMAT})")
+    L, D, H = int(words[3]), int(words[4]), int(words[5])
     T, N = x.shape[0], x.shape[1]
-    return (x.new_empty((T, N, s["dirs"] * s["hidden"])),
-            x.new_empty((s["layers"] * s["dirs"], N, s["hidden"])))
+    return x.new_empty((T, N, D * H)), x.new_empty((L * D, N, H))
+
+
+def _checked(x, hx, lengths, params, spec):
+    """The Autograd kernel qgru's Python adds for CPU and CUDA tensors: a real (not fake) input of
+    sequence length 0 raises QGRUInputError as eager mode does (the C++ raises a ValueError of the
+    same text); the rest is the C++ Autograd kernel's (no gradient), then the device's kernel."""
+    if type(x) is torch.Tensor and x.shape[0] == 0:
+        # eager mode refuses it in the module (_check_input); an exported program whose sequence
+        # length is dynamic traced that check for lengths >= 2 (torch's size rule) and runs only
+        # this operator: it refuses it here, as eager mode does
+        raise empty_sequence_error(tuple(x.shape))
+    if torch.is_grad_enabled() and (x.requires_grad or hx.requires_grad):
+        raise RuntimeError("qgru::integer_gru has no gradient: a converted QuantGRU runs integer inference only "
+                           "(train the float model, or use qgru's QAT, and convert again)")
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.qgru.integer_gru.default(x, hx, lengths, params, spec)
+
+
+def _has_schema() -> bool:
+    try:
+        torch._C._get_schema("qgru::integer_gru", "")
+        return True
+    except RuntimeError:
+        return False
+
+
+def ensure_operator() -> str:
+    """Register qgru::integer_gru in this process, once: the cpu backend's C++ operator (building
+    the backend if needed) with this module's Python parts, else the whole operator in Python.
+    Returns where its CPU kernel is: "c++" or "python"."""
+    with _lock:
+        if _state["ready"]:
+            return _state["where"]
+        from . import native
+        where = "c++"
+        if not _has_schema():
+            try:
+                native.load("cpu")  # loads the library that defines it (qgru/native/build.py)
+            except RuntimeError:
+                pass
+        if not _has_schema():
+            where = "python"
+            lib = torch.library.Library("qgru", "FRAGMENT")
+            lib.define(SCHEMA)
+            lib.impl("integer_gru", _python_kernel, "CPU")
+            _state["libs"].append(lib)
+        lib = torch.library.Library("qgru", "IMPL")
+        lib.impl("integer_gru", _python_kernel, "CUDA")
+        for key in ("AutogradCPU", "AutogradCUDA"):
+            lib.impl("integer_gru", _checked, key)
+        _state["libs"].append(lib)
+        torch.library.register_fake("qgru::integer_gru", _fake, lib=lib)
+        _state.update(ready=True, where=where)
+        return where

@@ -7,9 +7,12 @@
 # QGRU_CUDA_PERSISTENT=1, both weight-only Triton kernels on CUDA, and native calls that raise),
 # 2b. if a native call that raises crashed its process, triages it (scripts/cuda_triage.py),
 # 3. runs the CUDA benchmark (scripts/bench.py --device cuda, into the log folder's BENCHMARKS.md,
-# not the repository's) and the weight-only GPU table (scripts/weight_only.py --only-gpu), keeps
+# not the repository's), 3b. the CUDA plans at the benchmark's sequence shapes (scripts/gpu_plan_check.py
+# --ab: path taken, W.x windows against the host model, memory kept and per call against cuDNN fp16,
+# us/step, bit-exact; and H=1024 T=1000 B=64 without a plan for comparison), and the weight-only GPU
+# table (scripts/weight_only.py --only-gpu), keeps
 # each stage's log, and prints a summary last, with what each of
-# those groups of tests gave. Each stage has a time limit so the whole check ends within 8 minutes
+# those groups of tests gave. Each stage has a time limit so the whole check ends within 10 minutes
 # on an H100 or H200.
 # It installs nothing: it uses the Python that holds torch with CUDA (python3, or $PYTHON) and
 # needs pytest, hypothesis, numpy and tqdm there (the GPU machines we test on have them, with
@@ -30,7 +33,7 @@ if [ -z "${QGRU_BUILD_DIR:-}" ]; then
   rm -rf "$QGRU_BUILD_DIR"
 fi
 # stage limits (measured on the H200, 2026-11-28: build 67-72 s, tests 119-124 s, bench 43-49 s, weight-only
-# table 43 s warm): at most 520 s in all
+# table 43 s warm; the plan check not yet run on a GPU, limited to 80 s): at most 600 s in all
 T_BUILD="${QGRU_GPU_BUILD_S:-120}" T_TESTS="${QGRU_GPU_TESTS_S:-170}" T_BENCH="${QGRU_GPU_BENCH_S:-90}"
 start=$(date +%s)
 stage() { echo "== $1 ($(($(date +%s) - start)) s)"; }
@@ -90,6 +93,14 @@ if [ "$build_rc" -eq 0 ] && [ -z "${QGRU_GPU_NO_BENCH:-}" ]; then
   bench_rc=$?
 fi
 
+# the plans at the benchmark's sequence shapes (each in a fresh model: counters, windows, memory, us/step)
+plan_rc=99
+if [ "$build_rc" -eq 0 ] && [ -z "${QGRU_GPU_NO_BENCH:-}" ]; then
+  stage "CUDA plans (scripts/gpu_plan_check.py --ab)"
+  timeout "${QGRU_GPU_PLAN_S:-80}" "$PY" scripts/gpu_plan_check.py --ab > "$LOG/plan.log" 2>&1
+  plan_rc=$?
+fi
+
 # the weight-only mode on the GPU: cuDNN fp16 against w4g128 float16 through
 # both Triton kernels (one launch per step; one per layer direction), plain calls and graph replays
 wo_rc=99
@@ -127,6 +138,8 @@ if [ -f "$LOG/bench.log" ]; then
   grep -E '^\|' "$LOG/bench.log" | tail -n 40
   [ "$bench_rc" -ne 0 ] && tail -n 8 "$LOG/bench.log"
 fi
+echo "plans:      rc=$plan_rc (table in $LOG/plan.log)"
+[ -f "$LOG/plan.log" ] && grep -E '^(\||  |#)' "$LOG/plan.log" | tail -n 16
 echo "weight-only: rc=$wo_rc (table in $LOG/weight_only.log)"
 [ -f "$LOG/weight_only.log" ] && grep -E '^\|' "$LOG/weight_only.log" | tail -n 20
 echo "total:      $(($(date +%s) - start)) s; logs in $LOG/"

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "qgru_fused_step.h"
 #include "qgru_layer.h"
 #include "qgru_persistent.h"
 
@@ -50,26 +51,17 @@ at::Tensor limbs(const at::Tensor& v, int64_t K_pad, int32_t bits, const qgru::H
   return out;
 }
 
-}  // namespace
-
-// out [T, N, H] int32 and the final state [N, H] of the persistent schedule, windows of
-// `window` steps, on a device of `sm_count` SMs with `smem_per_block` bytes of shared memory per
-// block; `reverse`: blocks run in reverse order within each step. Also returns the plan's fields.
-std::tuple<at::Tensor, at::Tensor, std::map<std::string, int64_t>> run(
-    qgru::TensorMap tensors, qgru::IntMap values, const at::Tensor& qx_in, const at::Tensor& qh0,
-    const c10::optional<at::Tensor>& lengths_in, int64_t window, int64_t sm_count, int64_t smem_per_block,
-    bool reverse) {
-  const qgru::LayerTensors lt(std::move(tensors), std::move(values));
+// W.x - Z_Wx of every step [T N, 3H]: the exact int32 products of every limb pair (float64
+// matmuls of the int8 limbs: the values cuBLAS's int8 GEMM gives), then the shared epilogue
+// (requantize_product), as the CUDA forward's windows compute it.
+at::Tensor wx_of(const qgru::LayerTensors& lt, const at::Tensor& qx_in) {
   const int64_t H = lt.value("H"), I = lt.value("I"), T = qx_in.size(0), N = qx_in.size(1);
-  const int32_t x_bits = (int32_t)lt.value("x_bits"), h_bits = (int32_t)lt.value("h_bits");
+  const int32_t x_bits = (int32_t)lt.value("x_bits");
   const bool pow2 = lt.value("pow2") != 0, acc32 = lt.value("acc32") != 0;
-  const Gemm gx = gemm_of(lt, "x", x_bits), gh = gemm_of(lt, "h", h_bits);
-  const qgru::CellParams cell = lt.cell();
+  const Gemm gx = gemm_of(lt, "x", x_bits);
   const qgru::AccRequant acc_x = lt.acc("Wx");
   const qgru::AccRequant32 acc_x32 = lt.acc32("Wx");
   const int64_t M_pad = gx.w.size(1);
-
-  // W.x of every step: the exact int32 products of every pair, then the shared epilogue
   const qgru::HOperand none{0, qgru::Rescale{nullptr, nullptr, nullptr}, 0, 0, qgru::Range{0, 0}};
   const at::Tensor xl = limbs(qx_in.reshape({T * N, I}).to(at::kLong), gx.w.size(2), x_bits, none);
   std::vector<at::Tensor> Gx;
@@ -92,6 +84,25 @@ std::tuple<at::Tensor, at::Tensor, std::map<std::string, int64_t>> run(
         dw[r * 3 * H + c] = (int32_t)qgru::requantize_product<decltype(np)::value, decltype(p2)::value,
                                                               decltype(a32)::value>(acc_x, acc_x32, lx, r, c);
   });
+  return dwx;
+}
+
+}  // namespace
+
+// out [T, N, H] int32 and the final state [N, H] of the persistent schedule, windows of
+// `window` steps, on a device of `sm_count` SMs with `smem_per_block` bytes of shared memory per
+// block; `reverse`: blocks run in reverse order within each step. Also returns the plan's fields.
+std::tuple<at::Tensor, at::Tensor, std::map<std::string, int64_t>> run(
+    qgru::TensorMap tensors, qgru::IntMap values, const at::Tensor& qx_in, const at::Tensor& qh0,
+    const c10::optional<at::Tensor>& lengths_in, int64_t window, int64_t sm_count, int64_t smem_per_block,
+    bool reverse) {
+  const qgru::LayerTensors lt(std::move(tensors), std::move(values));
+  const int64_t H = lt.value("H"), T = qx_in.size(0), N = qx_in.size(1);
+  const int32_t h_bits = (int32_t)lt.value("h_bits");
+  const bool pow2 = lt.value("pow2") != 0, acc32 = lt.value("acc32") != 0;
+  const Gemm gh = gemm_of(lt, "h", h_bits);
+  const qgru::CellParams cell = lt.cell();
+  const at::Tensor dwx = wx_of(lt, qx_in);  // W.x of every step
 
   // the plan
   qgru::cuda::PkShape s{};
@@ -144,8 +155,69 @@ std::tuple<at::Tensor, at::Tensor, std::map<std::string, int64_t>> run(
   return {out.to(at::kInt), state, info};
 }
 
+// out [T, N, H] int32 and the final state [N, H] of the fused step (csrc/qgru_fused_step.h), one
+// step at a time on the host (fs_step_on_host: the emulated mma.sync fragments, `warps` warps per
+// CTA), each (unit, row) pair's cell in the lane holding its gates (fs_cell), the next step's
+// operand written into the other half of a double buffer [2][N][K_pad]. One limb pair only (w8a8's
+// R.h): the accumulators are the exact products.
+std::tuple<at::Tensor, at::Tensor> run_fused(qgru::TensorMap tensors, qgru::IntMap values, const at::Tensor& qx_in,
+                                             const at::Tensor& qh0, const c10::optional<at::Tensor>& lengths_in,
+                                             int64_t warps) {
+  const qgru::LayerTensors lt(std::move(tensors), std::move(values));
+  const int64_t H = lt.value("H"), T = qx_in.size(0), N = qx_in.size(1);
+  const int32_t h_bits = (int32_t)lt.value("h_bits");
+  const bool pow2 = lt.value("pow2") != 0, acc32 = lt.value("acc32") != 0;
+  const Gemm gh = gemm_of(lt, "h", h_bits);
+  TORCH_CHECK(gh.P == 1 && gh.w.size(0) == 1 && h_bits <= 8, "the fused step takes one limb pair (w8a8's R.h)");
+  const qgru::CellParams cell = lt.cell();
+  const int64_t K_pad = gh.w.size(2);
+  const at::Tensor dwx = wx_of(lt, qx_in);
+  const int32_t* dw = dwx.data_ptr<int32_t>();
+  at::Tensor state = qh0.to(at::kInt).contiguous().clone();
+  at::Tensor out = at::full({T, N, H}, -12345, at::kShort);  // every element must be written
+  at::Tensor hbuf = at::zeros({2, N, K_pad}, at::kChar);     // padding k >= H stays zero
+  hbuf[0].copy_(limbs(qh0.to(at::kLong), K_pad, h_bits, cell.op)[0]);
+  at::Tensor lengths;
+  if (lengths_in.has_value()) lengths = lengths_in->to(at::kLong).contiguous();
+  const int64_t* len = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
+  int32_t* st = state.data_ptr<int32_t>();
+  int16_t* o = out.data_ptr<int16_t>();
+  const qgru::cuda::FsShape s = qgru::cuda::fs_shape(H, N, K_pad, warps);
+  for (int64_t t = 0; t < T; ++t) {
+    const int8_t* h_in = hbuf[t & 1].data_ptr<int8_t>();
+    int8_t* h_out = hbuf[(t + 1) & 1].data_ptr<int8_t>();
+    std::vector<int> done((size_t)(N * H), 0);
+    bool ok = false;
+    qgru::dispatch_kernel(1, pow2, acc32, [&](auto, auto p2, auto a32) {
+      constexpr bool POW2 = decltype(p2)::value, ACC32 = decltype(a32)::value;
+      ok = qgru::cuda::fs_step_on_host(s, gh.w.data_ptr<int8_t>(), h_in, [&](int64_t j, int64_t n, const int32_t* a0,
+                                                                              const int32_t* a1, int p) {
+        const int64_t idx = n * H + j;
+        ++done[(size_t)idx];
+        const int32_t q_h = st[idx];
+        if (len != nullptr && t >= len[n]) {  // a row past its length carries its state and operand
+          o[t * N * H + idx] = (int16_t)q_h;
+          h_out[n * K_pad + j] = h_in[n * K_pad + j];
+          return;
+        }
+        const qgru::Channel32 ch = qgru::cell32_channel<ACC32>(cell, j);
+        const int32_t h_new =
+            (int32_t)qgru::cuda::fs_cell<POW2, ACC32>(cell, j, ch, a0, a1, p, dw + (t * N + n) * 3 * H, q_h);
+        st[idx] = h_new;
+        o[t * N * H + idx] = (int16_t)h_new;
+        h_out[n * K_pad + j] = qgru::act_limb(qgru::gemm_operand(cell.op, h_new), h_bits, 0);
+      });
+    });
+    TORCH_CHECK(ok, "the fused step's fragment maps are not a bijection");
+    for (int v : done) TORCH_CHECK(v == 1, "a (unit, row) pair's cell ran ", v, " times in one step");
+  }
+  return {out.to(at::kInt), state};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run, pybind11::arg("tensors"), pybind11::arg("values"), pybind11::arg("qx"), pybind11::arg("qh0"),
         pybind11::arg("lengths"), pybind11::arg("window"), pybind11::arg("sm_count"),
         pybind11::arg("smem_per_block"), pybind11::arg("reverse"));
+  m.def("run_fused", &run_fused, pybind11::arg("tensors"), pybind11::arg("values"), pybind11::arg("qx"),
+        pybind11::arg("qh0"), pybind11::arg("lengths"), pybind11::arg("warps"));
 }

@@ -345,26 +345,44 @@ _WINDOW_CHECK = r"""
 #include <cstdint>
 #include "qgru_cuda_launch.h"
 
-int main() {
-  using namespace qgru::cuda;
-  int bad = 0;
-  auto fail = [&](const char* what, long long a, long long b) {
-    std::printf("%s: %lld %lld\n", what, a, b);
-    bad = 1;
+using namespace qgru::cuda;
+
+// The rule of window_steps, by brute force: a step count s is allowed when one step, or when its
+// rows fit kMaxWindowRows and its buffers kWindowBytes, or kMaxWindowBytes for at most
+// kWindowTargetSteps steps; the window takes the fewest windows any allowed count gives, and of
+// the counts giving that many, the smallest.
+static long long reference(long long rb, long long N, long long T) {
+  auto allowed = [&](long long s) {
+    const long long bytes = s * N * rb;
+    return s == 1 || (s * N <= kMaxWindowRows &&
+                      (bytes <= kWindowBytes || (s <= kWindowTargetSteps && bytes <= kMaxWindowBytes)));
   };
-  const int64_t rows_bytes[] = {1, 64, 816, 26880, 63744, 1 << 20, kWindowBytes, 2 * kWindowBytes};
-  const int64_t Ns[] = {1, 2, 25, 64, 4096, 20000};
-  const int64_t Ts[] = {1, 3, 700, 100000};
-  for (int64_t rb : rows_bytes)
-    for (int64_t N : Ns)
-      for (int64_t T : Ts) {
-        const int64_t s = window_steps(rb, N, T);
-        if (s < 1 || s > T) fail("steps outside [1, T]", s, T);
-        // within the bytes and the row cap, unless one step alone is more
-        if (s > 1 && (s * N * rb > kWindowBytes || s * N > kMaxWindowRows)) fail("window too large", s, N);
-        // as many as allowed: one more step would pass a bound (or T)
-        if (s < T && (s + 1) * N * rb <= kWindowBytes && (s + 1) * N <= kMaxWindowRows) fail("window too small", s, N);
+  long long best = 1;
+  for (long long s = 1; s <= T; ++s)
+    if (allowed(s)) best = s;
+  const long long windows = (T + best - 1) / best;
+  for (long long s = 1; s <= T; ++s)
+    if ((T + s - 1) / s == windows) return s;
+  return -1;
+}
+
+int main() {
+  int bad = 0;
+  const long long rows_bytes[] = {1, 64, 816, 13312, 19968, 26624, 38912, 63744, 1 << 20, kWindowBytes, 2 * kWindowBytes};
+  const long long Ns[] = {1, 2, 25, 64, 256, 4096, 20000};
+  const long long Ts[] = {1, 3, 16, 33, 104, 700, 1024, 4096};
+  for (long long rb : rows_bytes)
+    for (long long N : Ns)
+      for (long long T : Ts) {
+        const long long s = window_steps(rb, N, T), want = reference(rb, N, T);
+        if (s != want) {
+          std::printf("row_bytes %lld N %lld T %lld: %lld steps, want %lld\n", rb, N, T, s, want);
+          bad = 1;
+        }
       }
+  // the large layer at a large batch (H = I = 1024, w8a8: 26624 bytes a row, N = 256, T = 104):
+  // 6 windows of 18 steps (32 MiB gave 26 of 4)
+  if (window_steps(26624, 256, 104) != 18) { std::printf("H=1024 N=256: %lld\n", (long long)window_steps(26624, 256, 104)); bad = 1; }
   if (!bad) std::printf("WINDOW-OK\n");
   return bad;
 }
@@ -372,8 +390,356 @@ int main() {
 
 
 def test_cuda_window_steps(tmp_path):
-    """Item 4 of issue 13: a W.x window (csrc/qgru_cuda_launch.h, window_steps) holds at least one
-    step and at most T, keeps its buffers within kWindowBytes and its rows within kMaxWindowRows
-    (unless one step alone is more), and is as long as those bounds allow. Compiled for the host
-    and run here, over row sizes from a tiny layer's to a 16-bit H = 1024 layer's and beyond."""
+    """A W.x window (csrc/qgru_cuda_launch.h, window_steps) costs 3 graph nodes, so it is sized by
+    the nodes it saves: at least what kWindowBytes holds, at least kWindowTargetSteps steps where
+    those fit kMaxWindowBytes, within kMaxWindowRows rows, one step at least and T at most, and then
+    the fewest windows at the shortest length giving that many. Compiled for the host and checked
+    against a brute-force search over the allowed step counts, for row sizes from a tiny layer's to
+    past the byte bounds, batches 1-20000 and T 1-4096."""
     _host_check(tmp_path, "window_check", _WINDOW_CHECK, "WINDOW-OK")
+
+
+_STEP_BUFFER_CHECK = r"""
+#include <cstdio>
+#include <cstdint>
+#include <vector>
+#include "qgru_cuda_launch.h"
+
+using namespace qgru::cuda;
+
+// The forward's order of reads and writes on a plan's step buffer (qgru_cuda_kernels.cu forward):
+// per window of `steps` steps, first the x limbs of all its steps (reads of qx [t, n, i]), then each
+// step's cell (writes of out [t, n, h]). qx and out share one int16 buffer (step_buffer): every read
+// must see the x written before the run, and out must hold every step's output at the end.
+static int check(long long T, long long N, long long I, long long H, long long steps) {
+  const StepBuffer b = step_buffer(T, N, I, H);
+  const long long wide = I > H ? I : H;
+  if (b.elems != T * N * wide || b.qx_offset + T * N * I > b.elems || b.out_offset + T * N * H > b.elems) {
+    std::printf("T %lld N %lld I %lld H %lld: qx or out outside the buffer\n", T, N, I, H);
+    return 1;
+  }
+  std::vector<int> buf((size_t)b.elems, -1);
+  auto x_value = [&](long long e) { return (int)(e % 30011); };  // qx element e
+  auto out_value = [&](long long e) { return 30011 + (int)(e % 2729); };
+  for (long long e = 0; e < T * N * I; ++e) buf[(size_t)(b.qx_offset + e)] = x_value(e);
+  for (long long t0 = 0; t0 < T; t0 += steps) {
+    const long long t1 = t0 + steps < T ? t0 + steps : T;
+    for (long long e = t0 * N * I; e < t1 * N * I; ++e)
+      if (buf[(size_t)(b.qx_offset + e)] != x_value(e)) {
+        std::printf("T %lld N %lld I %lld H %lld window %lld: x of step %lld overwritten\n", T, N, I, H, steps,
+                    e / (N * I));
+        return 1;
+      }
+    for (long long t = t0; t < t1; ++t)
+      for (long long e = t * N * H; e < (t + 1) * N * H; ++e) buf[(size_t)(b.out_offset + e)] = out_value(e);
+  }
+  for (long long e = 0; e < T * N * H; ++e)
+    if (buf[(size_t)(b.out_offset + e)] != out_value(e)) {
+      std::printf("T %lld N %lld I %lld H %lld: output of step %lld lost\n", T, N, I, H, e / (N * H));
+      return 1;
+    }
+  return 0;
+}
+
+int main() {
+  int bad = 0;
+  const long long sizes[] = {1, 2, 3, 7, 16, 33};
+  for (long long T : {1LL, 2LL, 5LL, 17LL, 40LL})
+    for (long long N : {1LL, 3LL, 8LL})
+      for (long long I : sizes)
+        for (long long H : sizes)
+          for (long long steps : {1LL, 2LL, 3LL, 16LL, 64LL}) bad |= check(T, N, I, H, steps);
+  // the benchmark's shapes at their windows (I = H) and an input wider and narrower than H
+  bad |= check(104, 4, 64, 64, 18) | check(104, 4, 200, 64, 7) | check(104, 4, 64, 200, 7) | check(1024, 2, 96, 96, 32);
+  if (step_buffer(1024, 64, 1024, 1024).elems * 2 != 128LL << 20) { std::printf("H=1024 T=1024 N=64\n"); bad = 1; }
+  if (!bad) std::printf("STEP-BUFFER-OK\n");
+  return bad;
+}
+"""
+
+
+def test_cuda_step_buffer_shared_by_x_and_output(tmp_path):
+    """A plan's quantized x [T, N, I] and output [T, N, H] share one int16 buffer of T N max(I, H)
+    values (csrc/qgru_cuda_launch.h, step_buffer; half the T-sized memory at I = H). The forward's
+    order of reads and writes on it (each window's x limbs before its steps' outputs) is emulated
+    on the host for every small T, N, I, H and window length and at the benchmark's shapes: no x is
+    overwritten before it is read, and the output holds every step's values at the end."""
+    _host_check(tmp_path, "step_buffer_check", _STEP_BUFFER_CHECK, "STEP-BUFFER-OK")
+
+
+_BENCH_PLAN_CHECK = r"""
+#include <cstdio>
+#include <cstdint>
+#include "qgru_cuda_launch.h"
+
+using namespace qgru::cuda;
+typedef long long ll;
+static const ll MiB = 1LL << 20, kCublasWs = 32 * MiB;  // the plan's cuBLAS workspace on Hopper
+
+// PyTorch's caching allocator: a block is the request rounded up to 512 bytes; one over 1 MiB (the
+// large pool) can hold up to 1 MiB more (a segment's remainder of at most 1 MiB is not split off).
+struct Bytes { ll lo = 0, hi = 0; };
+static void alloc(Bytes& b, ll n) {
+  const ll r = (n + 511) / 512 * 512;
+  b.lo += r;
+  b.hi += r + (n > MiB ? MiB : 0);
+}
+
+// The configs the benchmark times (configs/*.toml; qgru/native/prepare.py: M_pad = 3H and K_pad = H
+// for 8-bit weights and I = H): w8a8's x and R.h operand are 8 bits (one limb each), w8a16's x and
+// h 16 bits (two limbs: two pairs per product); both have x levels.
+static LayerDims dims(bool a16, ll H) { return {H, H, 13, a16 ? 2 : 1, 3 * H, H, a16 ? 2 : 1, 3 * H, H}; }
+
+// What one call of QuantGRU's one-call path (CudaStack, one layer, h0 None) allocates beyond the
+// layer's kept plan: h0 zeros, the float32 output [T, N, H] and h_n.
+static Bytes call_bytes(ll T, ll N, ll H) {
+  Bytes b;
+  alloc(b, 4 * N * H);
+  alloc(b, 4 * T * N * H);
+  alloc(b, 4 * N * H);
+  return b;
+}
+
+// The code measured on the H200 (2026-11-28): windows of 32 MiB, qx and out apart, plans within
+// 256 MiB; a shape over it allocated its buffers in every call (make_buffers, no lengths).
+static ll old_window(ll rb, ll N, ll T) {
+  ll rows = kWindowBytes / rb;
+  if (rows > kMaxWindowRows) rows = kMaxWindowRows;
+  ll s = rows / N;
+  if (s < 1) s = 1;
+  return s > T ? T : s;
+}
+static Bytes old_call_bytes(const LayerDims& d, ll T, ll N, bool* planned) {
+  const ll Tp = T > kExactPlanSteps ? plan_steps(T) : T;
+  const PlanSizes p = plan_sizes(d, Tp, N, Tp != T, 0);
+  const ll steps = old_window(window_row_bytes(d), N, Tp), rows = steps * N, chunk = gemm_rows(rows);
+  const ll plan = p.bytes - 2 * p.steps.elems + 2 * Tp * N * (d.I + d.H) +
+                  4 * (d.wx_P * chunk * d.wx_M_pad + rows * 3 * d.H) + 2 * chunk * d.wx_K_pad -
+                  4 * (d.wx_P * p.Gx + p.dwx) - 2 * p.x_limb;
+  *planned = plan + kCublasWs <= kPlanCacheBytes;
+  Bytes b = call_bytes(T, N, d.H);
+  if (!*planned) {  // make_buffers for the call's own T
+    const ll n[] = {2 * T * N * d.I, 4 * T * N, 4 * N * d.H, 2 * T * N * d.H, 2 * chunk * d.wx_K_pad,
+                    2 * gemm_rows(N) * d.rh_K_pad, 4 * d.wx_P * chunk * d.wx_M_pad,
+                    4 * d.rh_P * gemm_rows(N) * d.rh_M_pad, 4 * rows * 3 * d.H};
+    for (ll v : n) alloc(b, v);
+  }
+  return b;
+}
+
+struct Row { ll H, T, N; bool streaming; double fp16, w8a8, w8a16; };  // measured peak MiB per call
+
+int main() {
+  // BENCHMARKS.md "GPU", NVIDIA H200, 2026-11-28 08:47 (scripts/bench.py --device cuda): peak MiB
+  // of one call (of one step for the streaming rows) above what was allocated before it
+  const Row rows[] = {
+      {512, 1000, 64, false, 246.9, 126.2, 126.2}, {512, 1000, 1, false, 14.7, 2.0, 2.0},
+      {512, 100, 256, false, 162.8, 51.0, 51.0},   {512, 100, 1, true, 11.0, 0.0, 0.0},
+      {512, 100, 64, true, 11.8, 0.4, 0.4},        {1024, 1000, 64, false, 491.9, 533.4, 534.5},
+      {1024, 1000, 1, false, 27.4, 3.9, 3.9},      {1024, 100, 256, false, 323.5, 102.0, 102.0},
+      {1024, 100, 1, true, 20.0, 0.0, 0.0},        {1024, 100, 64, true, 21.6, 0.8, 0.8}};
+  int bad = 0;
+  std::printf("| H | T | B | config | plan steps | windows x steps | nodes/step | plan MiB (kept) | per call MiB |"
+              " fp16 est. MiB | fp16 meas. MiB | plan + call MiB | 2026-11-28 model / meas. MiB |\n");
+  // (nodes/step: the graph's kernels and GEMMs per step, h0's limbs and each window's three included)
+  for (const Row& r : rows)
+    for (int a16 = 0; a16 < 2; ++a16) {
+      const LayerDims d = dims(a16, r.H);
+      const ll T = r.streaming ? 1 : r.T, N = r.N, H = r.H;
+      const ll Tp = T > kExactPlanSteps ? plan_steps(T) : T;
+      const PlanSizes p = plan_sizes(d, Tp, N, Tp != T, 0);
+      const ll plan = p.bytes + kCublasWs, windows = (Tp + p.window_steps - 1) / p.window_steps;
+      // a plan for every row, whatever the device has free (the bound's floor, 256 MiB)
+      if (plan > plan_max_bytes(-1, 0)) { std::printf("H=%lld T=%lld B=%lld: no plan (%lld bytes)\n", H, T, N, plan); bad = 1; }
+      const Bytes call = call_bytes(T, N, H);
+      // fp16 cuDNN's per call, estimated: its output and h_n (fp16), h0 zeros, and its workspace's
+      // input projection of every step (3H fp16 per row)
+      const double est = (2.0 * T * N * H + 4.0 * N * H + 6.0 * T * N * H) / MiB;
+      const double ours = (double)call.hi / MiB;
+      if (ours > r.fp16 || (!r.streaming && ours > est)) {
+        std::printf("H=%lld T=%lld B=%lld a16=%d: %.1f MiB per call, fp16 %.1f (est. %.1f)\n", H, T, N, a16, ours, r.fp16, est);
+        bad = 1;
+      }
+      bool old_planned = false;
+      const Bytes old = old_call_bytes(d, T, N, &old_planned);
+      const double meas = a16 ? r.w8a16 : r.w8a8;
+      if (meas < (double)old.lo / MiB - 0.05 || meas > (double)old.hi / MiB + 0.05) {
+        std::printf("H=%lld T=%lld B=%lld a16=%d: the model of the measured code gives %.2f-%.2f MiB, measured %.1f\n",
+                    H, T, N, a16, (double)old.lo / MiB, (double)old.hi / MiB, meas);
+        bad = 1;
+      }
+      std::printf("| %lld | %lld%s | %lld | %s | %lld | %lld x %lld | %.3f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f%s / %.1f |\n",
+                  H, T, r.streaming ? " (x100 calls)" : "", N, a16 ? "w8a16" : "w8a8", Tp, windows, (ll)p.window_steps,
+                  (2.0 * Tp + 3.0 * windows + 1) / Tp, (double)plan / MiB, ours, est, r.fp16, (double)(plan + call.hi) / MiB,
+                  (double)old.hi / MiB, old_planned ? "" : " (no plan)", meas);
+    }
+  // the bound: QGRU_CUDA_PLAN_MAX_BYTES where set (0 too), else a quarter of what is free, at least 256 MiB
+  if (plan_max_bytes(5, 1LL << 40) != 5 || plan_max_bytes(0, 1LL << 40) != 0 ||
+      plan_max_bytes(-1, 8LL << 30) != 2LL << 30 || plan_max_bytes(-1, 100 * MiB) != kPlanCacheBytes ||
+      plan_max_bytes(-1, -1) != kPlanCacheBytes) {
+    std::printf("plan_max_bytes\n");
+    bad = 1;
+  }
+  if (!bad) std::printf("BENCH-PLAN-OK\n");
+  return bad;
+}
+"""
+
+
+def test_cuda_benchmark_shapes_plan_and_memory(tmp_path):
+    """Every GPU benchmark row (scripts/bench.py CUDA_SCENARIOS, w8a8 and w8a16) gets a CUDA-graph
+    plan whatever the device has free (within the plan bound's 256 MiB floor,
+    csrc/qgru_cuda_launch.h plan_sizes / plan_max_bytes), and a call's memory beyond the kept plan
+    (h0 zeros, the float32 output, h_n; PyTorch's allocator rounding bounded above) is at most
+    cuDNN fp16's measured peak on the H200 and, for the sequence rows, its estimate (output +
+    h0/h_n + a 3H fp16 input projection per step). The same memory model applied to the code that
+    ran then (32 MiB windows, qx and out apart, a fixed 256 MiB bound) brackets the peaks measured
+    for qgru in that run, including the 533 MiB of H=1024 T=1000 B=64, which had no plan."""
+    _host_check(tmp_path, "bench_plan_check", _BENCH_PLAN_CHECK, "BENCH-PLAN-OK")
+
+
+_FUSED_STEP_CHECK = r"""
+#include <cstdio>
+#include <cstdint>
+#include <vector>
+#include "qgru_fused_step.h"
+
+using namespace qgru::cuda;
+typedef long long ll;
+
+static unsigned rng = 2024u;
+static int8_t rand8() { rng = rng * 1103515245u + 12345u; return (int8_t)((int)((rng >> 16) % 255) - 127); }
+
+// One step's schedule (fs_step_on_host: every CTA, pass and warp, the fragments through the
+// emulated mma.sync, the split-K partials summed): each lane's cell callback must see the r, z and
+// g of its (unit, row) pairs, every pair exactly once, equal to the exact int8 product
+// R[q H + j] . h[n] (the cuBLAS / golden R.h integer). Without `numeric` (the benchmark's sizes, too
+// large to emulate here), the same walk without the MMA: which lane holds which accumulator.
+static int check(ll H, ll N, ll K_pad, ll warps, bool numeric) {
+  const FsShape s = fs_shape(H, N, K_pad, warps);
+  std::vector<int> seen((size_t)(3 * H * N), 0);
+  std::vector<int> ksteps((size_t)(s.nt_count * s.k_steps), 0);
+  for (ll pass = 0; pass < s.passes; ++pass)  // every k step of every n tile once, in any CTA
+    for (ll w = 0; w < s.warps; ++w) {
+      const FsItem it = fs_item(s, w, pass);
+      for (ll kstep = it.ks; it.nt >= 0 && kstep < s.k_steps; kstep += s.k_split) ++ksteps[(size_t)(it.nt * s.k_steps + kstep)];
+    }
+  for (size_t i = 0; i < ksteps.size(); ++i)
+    if (ksteps[i] != 1) { std::printf("H %lld N %lld K %lld warps %lld: n tile %lld k step %lld taken %d times\n", H, N, K_pad, warps, (ll)(i / s.k_steps), (ll)(i % s.k_steps), ksteps[i]); return 1; }
+  if (!numeric) {
+    for (ll cta = 0; cta < s.ctas; ++cta)
+      for (ll pass = 0; pass < s.passes; ++pass)
+        for (ll w = 0; w < s.warps; ++w) {
+          const FsItem it = fs_item(s, w, pass);
+          if (it.nt < 0 || it.ks != 0) continue;
+          for (int tile = 0; tile < kFsTiles; ++tile)
+            for (int lane = 0; lane < 32; ++lane)
+              for (int i = 0; i < 4; ++i) {
+                const FsAcc t = fs_acc(s, cta, tile, it.nt, lane, i);
+                if (t.gate >= 0) ++seen[(size_t)((t.gate * N + t.n) * H + t.j)];
+              }
+        }
+    for (size_t i = 0; i < seen.size(); ++i)
+      if (seen[i] != 1) { std::printf("H %lld N %lld: accumulator %lld held %d times\n", H, N, (ll)i, seen[i]); return 1; }
+    return 0;
+  }
+  std::vector<int8_t> R((size_t)(3 * H * K_pad)), h((size_t)(N * K_pad));
+  for (ll c = 0; c < 3 * H; ++c)
+    for (ll k = 0; k < K_pad; ++k) R[(size_t)(c * K_pad + k)] = k < H ? rand8() : 0;
+  for (ll n = 0; n < N; ++n)
+    for (ll k = 0; k < K_pad; ++k) h[(size_t)(n * K_pad + k)] = k < H ? rand8() : 0;
+  std::vector<int32_t> got((size_t)(3 * H * N), 0);
+  int twice = 0;
+  const bool ok = fs_step_on_host(s, R.data(), h.data(), [&](int64_t j, int64_t n, const int32_t* a0, const int32_t* a1, int p) {
+    const int32_t gates[3] = {a0[p], a0[2 + p], a1[p]};  // fs_cell's reading of the lane's accumulators
+    for (int q = 0; q < 3; ++q) {
+      const size_t at = (size_t)((q * N + n) * H + j);
+      twice |= seen[at]++ != 0;
+      got[at] = gates[q];
+    }
+  });
+  if (!ok) { std::printf("fragment maps are not a bijection\n"); return 1; }
+  if (twice) { std::printf("H %lld N %lld: a (unit, row) pair's cell ran twice\n", H, N); return 1; }
+  for (ll q = 0; q < 3; ++q)
+    for (ll n = 0; n < N; ++n)
+      for (ll j = 0; j < H; ++j) {
+        const size_t at = (size_t)((q * N + n) * H + j);
+        if (seen[at] != 1) { std::printf("H %lld N %lld: gate %lld unit %lld row %lld never held\n", H, N, q, j, n); return 1; }
+        ll want = 0;
+        for (ll k = 0; k < K_pad; ++k) want += (ll)R[(size_t)((q * H + j) * K_pad + k)] * h[(size_t)(n * K_pad + k)];
+        if (got[at] != want) { std::printf("H %lld N %lld K %lld warps %lld: gate %lld unit %lld row %lld: %d, want %lld\n", H, N, K_pad, warps, q, j, n, got[at], want); return 1; }
+      }
+  return 0;
+}
+
+int main() {
+  int bad = 0;
+  // the emulated MMA against the exact product: small layers, partial CTAs and n tiles, K_pad not
+  // a multiple of 32, one to many warps per CTA (K split, several passes)
+  const ll shapes[][3] = {{1, 1, 32}, {7, 3, 32}, {8, 8, 32}, {9, 9, 48}, {20, 17, 32}, {37, 5, 48},
+                          {64, 64, 64}, {100, 70, 112}, {33, 130, 48}};
+  for (const auto& sh : shapes)
+    for (ll warps : {1LL, 3LL, 8LL, 16LL}) bad |= check(sh[0], sh[1], sh[2], warps, true);
+  // the benchmark's shapes (H = I = K_pad, 8 warps): every accumulator held once, every k step once
+  for (ll H : {512LL, 1024LL})
+    for (ll N : {1LL, 64LL, 256LL}) bad |= check(H, N, H, 8, false);
+  const FsShape b1 = fs_shape(1024, 1, 1024, 8), b256 = fs_shape(1024, 256, 1024, 8);
+  if (b1.ctas != 128 || b1.k_split != 8 || b1.passes != 1 || b256.k_split != 1 || b256.passes != 4) {
+    std::printf("schedule at H=1024: %lld CTAs, k_split %lld, passes %lld / %lld\n", (ll)b1.ctas, (ll)b1.k_split,
+                (ll)b1.passes, (ll)b256.passes);
+    bad = 1;
+  }
+  if (!bad) std::printf("FUSED-STEP-OK\n");
+  return bad;
+}
+"""
+
+
+def test_cuda_fused_step_fragments_and_schedule(tmp_path):
+    """The fused step's design (csrc/qgru_fused_step.h, not yet a kernel): the mma.sync.m16n8k32
+    s8 fragment maps are bijections onto A, B and the accumulators, and the whole schedule (CTAs of
+    8 units with the gates in two m16 tiles, warps over n tiles and split K, the partials summed)
+    run on the host through an emulated MMA puts every gate of every (unit, batch row) in exactly
+    one lane, equal to the exact int8 R.h product, for partial tiles, K not a multiple of 32 and
+    1-16 warps; at the benchmark's shapes every k step of every n tile is taken once."""
+    _host_check(tmp_path, "fused_step_check", _FUSED_STEP_CHECK, "FUSED-STEP-OK")
+
+
+_FUSED_STEP_DEVICE = r"""
+#include "qgru_fused_step.h"
+
+// The fused step's maps, loads and cell compiled for the device (a stand-in kernel, not the step).
+template <bool POW2, bool ACC32>
+__global__ void fused_step_maps(qgru::CellParams cp, const int8_t* R, const int8_t* h, const int32_t* d_wx,
+                                int32_t* out, int64_t H, int64_t N, int64_t K_pad) {
+  using namespace qgru::cuda;
+  const int lane = threadIdx.x & 31;
+  const FsShape s = fs_shape(H, N, K_pad, blockDim.x / 32);
+  const FsItem it = fs_item(s, threadIdx.x / 32, 0);
+  if (it.nt < 0) return;
+  int8_t a[16], b[8];
+  fs_load_a(R, K_pad, H, blockIdx.x, 0, it.ks, lane, a);
+  fs_load_b(h, K_pad, N, it.nt, it.ks, lane, b);
+  int32_t acc0[4] = {a[0] * b[0], a[1] * b[1], a[2] * b[2], a[3] * b[3]}, acc1[4] = {a[4], a[5], a[6], a[7]};
+  const FsAcc t = fs_acc(s, blockIdx.x, 0, it.nt, lane, 0);
+  if (t.gate < 0) return;
+  const qgru::Channel32 ch = qgru::cell32_channel<ACC32>(cp, t.j);
+  out[t.n * H + t.j] = (int32_t)fs_cell<POW2, ACC32>(cp, t.j, ch, acc0, acc1, 0, d_wx + t.n * 3 * H, 0);
+}
+
+template __global__ void fused_step_maps<false, true>(qgru::CellParams, const int8_t*, const int8_t*, const int32_t*,
+                                                      int32_t*, int64_t, int64_t, int64_t);
+template __global__ void fused_step_maps<true, false>(qgru::CellParams, const int8_t*, const int8_t*, const int32_t*,
+                                                      int32_t*, int64_t, int64_t, int64_t);
+"""
+
+
+def test_cuda_fused_step_header_compiles_with_nvcc(tmp_path):
+    """csrc/qgru_fused_step.h (host-tested above) is device code too: its maps, fragment loads and
+    cell compile with nvcc for sm_90 in a stand-in kernel, warnings as errors."""
+    src = tmp_path / "fused_step_maps.cu"
+    src.write_text(_FUSED_STEP_DEVICE)
+    cmd = [NVCC, "-std=c++17", "-O1", "-c", str(src), "-o", str(tmp_path / "f.o"), "-I", str(csrc_dir()),
+           "-Werror", "all-warnings", "-gencode", "arch=compute_90,code=sm_90"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"nvcc failed:\n{' '.join(cmd)}\n{r.stdout}\n{r.stderr}"

@@ -268,7 +268,7 @@ def host_ext():
     from torch.utils.cpp_extension import load
     src = Path(__file__).with_name("cuda_persistent_host.cpp")
     h = hashlib.sha256(src.read_bytes())
-    for name in ("qgru_persistent.h", "qgru_cell.h", "qgru_fixedpoint.h", "qgru_layer.h"):
+    for name in ("qgru_persistent.h", "qgru_fused_step.h", "qgru_cell.h", "qgru_fixedpoint.h", "qgru_layer.h"):
         h.update((csrc_dir() / name).read_bytes())
     root = Path(os.environ.get("QGRU_BUILD_DIR", Path.home() / ".cache" / "qgru"))
     d = root / f"pk-host-{torch.__version__}-{h.hexdigest()[:12]}".replace("+", "_")

@@ -30,7 +30,7 @@ LAYERS = {
     # L1 convert: float weights and calibrated ranges -> integer parameters; the float reference step
     "convert": 1, "float_gru": 1,
     # L2 parameters and files: QuantParams and the .qgru format, C export, weight-only packing
-    "export": 2, "export_c": 2, "onnx_graph": 2,
+    "export": 2, "export_c": 2, "export_mcu": 2, "onnx_graph": 2,
     # the weight-only package (qgru/weight_only/): format -> quantize, golden (L2) -> cpu, triton_kernels (L3)
     # -> module (L4); its __init__ re-exports all of them, so it sits with the module
     "weight_only.format": 2, "weight_only.quantize": 2, "weight_only.golden": 2,

@@ -17,7 +17,7 @@
 // Large per-call buffers (the layer's output, the quantized input) reuse their memory from call
 // to call once the caller has dropped the previous result (reuse_or_empty).
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <atomic>

@@ -33,7 +33,7 @@ _KINDS = ("cpu", "cuda")
 # (csrc/cpu/kernels.h describes them), each of which sets its own target
 _CPU_PATHS = ("portable", "avx2", "avxvnni", "avx512vnni", "amx")
 _SOURCES = {
-    "cpu": ["cpu/qgru_cpu.cpp", "cpu/bind_cpu.cpp", "cpu/isa.cpp"] + [f"cpu/kernel_{p}.cpp" for p in _CPU_PATHS],
+    "cpu": ["cpu/qgru_cpu.cpp", "cpu/bind_cpu.cpp", "cpu/isa.cpp", "cpu/op_cpu.cpp"] + [f"cpu/kernel_{p}.cpp" for p in _CPU_PATHS],
     "cuda": ["qgru_cuda.cpp", "bind_cuda.cpp", "qgru_cuda_kernels.cu", "qgru_cuda_persistent.cu"],
 }
 # every header the sources include: the build's cache key hashes them, so an edit to any of them
@@ -159,6 +159,25 @@ def build_dir(kind: str) -> Path:
 
 def _ext_name(kind: str) -> str:
     return f"qgru_{kind}_ext"
+
+
+# The cpu backend is two files: a library without Python (every source but the binding: the kernels,
+# the Layer, and the operator qgru::integer_gru, csrc/cpu/op_cpu.cpp), which torch.ops.load_library
+# or a C++ program's dlopen loads, and the pybind11 module (bind_cpu.cpp), linked against it.
+CPU_LIBRARY = "qgru_cpu_ops"
+_CPU_BINDING = "cpu/bind_cpu.cpp"
+
+
+def library_path(build: bool = True) -> Path:
+    """The cpu backend's library without Python (qgru::integer_gru and the kernels), building it if
+    needed: ``torch.ops.load_library(path)`` in a process that never imports qgru, or dlopen in a
+    C++ program, registers the operator; ``python -m qgru build --print-path`` prints it."""
+    load("cpu", build=build)
+    return _cpu_library_file(build_dir("cpu"))
+
+
+def _cpu_library_file(d: Path) -> Path:
+    return d / "lib" / f"{CPU_LIBRARY}.so"
 
 
 class _State:
@@ -302,6 +321,17 @@ def _compile(kind: str, verbose: bool):
         kw["extra_cuda_cflags"] = ["-O3"] + define
         kw["extra_ldflags"] = ["-fopenmp"] + _cublas_link_flags()
     print(f"qgru: compiling the {kind} backend into {d} (once; about a minute)...", file=sys.stderr, flush=True)
+    if kind == "cpu":
+        # first the library without Python (--as-needed drops the libtorch_python that
+        # cpp_extension links: nothing in it uses Python), loaded into this process as it is built
+        lib = _cpu_library_file(d)
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(**dict(kw, name=CPU_LIBRARY, sources=[str(src / s) for s in _SOURCES[kind] if s != _CPU_BINDING],
+                                  build_directory=str(lib.parent), is_python_module=False,
+                                  extra_ldflags=["-Wl,--as-needed", "-fopenmp"]))
+        # then the binding, linked by the library's full path (the same object once loaded)
+        kw["sources"] = [str(src / _CPU_BINDING)]
+        kw["extra_ldflags"] = ["-fopenmp", str(lib), f"-Wl,-rpath,{lib.parent}"]
     mod = cpp_extension.load(**kw)
     _prune_stale(kind, d)
     return mod

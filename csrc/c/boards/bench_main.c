@@ -1,0 +1,33 @@
+/* bench_main.c: QGRU_BENCH_STEPS streaming steps (one qgru_rt_run call each, the state carried)
+ * of an exported model; prints the SysTick count (boards/cortex_m.c) and a checksum of the state.
+ * scripts/bench_mcu.py builds it with two step counts and counts the instructions between them. */
+#include "board.h"
+#include "qgru_rt_kernel.h"
+#include QGRU_MODEL_HEADER
+
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#define MODEL CAT(QGRU_MODEL, _model)
+
+static uint32_t work[512];
+static int16_t state[4096], x[1024];
+
+int main(void)
+{
+    const qgru_rt_model *m = &MODEL;
+    int32_t t, i, rc = 0;
+    long sum = 0;
+    uint32_t ticks;
+    for (i = 0; i < m->input_size; i++)
+        x[i] = (int16_t)((i * 37) % 200 - 100);
+    qgru_board_ticks_start();
+    for (t = 0; t < QGRU_BENCH_STEPS && !rc; t++)
+        rc = qgru_rt_run(m, x, 1, state, 0, work, sizeof work);
+    ticks = qgru_board_ticks();
+    for (i = 0; i < m->hidden_size; i++)
+        sum += state[i];
+    qgru_board_put_int("rc ", rc);
+    qgru_board_put_int("ticks ", (long)ticks);
+    qgru_board_put_int("checksum ", sum);
+    return rc != 0;
+}

@@ -1,0 +1,75 @@
+/* kernel_neon.c: AArch64 Advanced SIMD on interleaved weights (16 bytes: four columns of four
+ * rows). int8 activations: SDOT by lane (Armv8.2 +dotprod, e.g. Cortex-A55, A76) sums four int8
+ * products into the row's int32 lane; without dotprod (Cortex-A53, A72) SMULL gives exact int16
+ * products (|w a| <= 2^14) and SADALP adds their pairs into int32 lanes. int16 activations: the
+ * weights widened to int16 and SMLAL into int32 lanes. */
+#include "qgru_rt_kernel.h"
+
+#if QGRU_RT_KERNEL == QGRU_RT_KERNEL_NEON
+#include <arm_neon.h>
+#include <string.h>
+
+#if defined(__ARM_FEATURE_DOTPROD)
+const char qgru_rt_kernel_name[] = "neon-dotprod";
+#else
+const char qgru_rt_kernel_name[] = "neon";
+#endif
+
+static inline void reduce4(int32x4_t s0, int32x4_t s1, int32x4_t s2, int32x4_t s3, int32_t out[4])
+{
+    vst1q_s32(out, vpaddq_s32(vpaddq_s32(s0, s1), vpaddq_s32(s2, s3)));
+}
+
+void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, int32_t out[4])
+{
+    int32_t k;
+    (void)stride;
+#if defined(__ARM_FEATURE_DOTPROD)
+    /* a group (16 bytes: four columns of the four rows) against four activations: one SDOT by
+     * lane adds row r's four products to lane r; four groups per 16 activations. Past k_pad the
+     * loads read the next block (or the 64 padding bytes) against zero activations. */
+    int32x4_t s = vdupq_n_s32(0);
+    for (k = 0; k < k_pad; k += 16, w += 64) {
+        const int8x16_t x = vld1q_s8(a + k);
+        s = vdotq_laneq_s32(s, vld1q_s8(w), x, 0);
+        s = vdotq_laneq_s32(s, vld1q_s8(w + 16), x, 1);
+        s = vdotq_laneq_s32(s, vld1q_s8(w + 32), x, 2);
+        s = vdotq_laneq_s32(s, vld1q_s8(w + 48), x, 3);
+    }
+    vst1q_s32(out, s);
+#else
+    /* SMULL: exact int16 products of a group and its four activations (repeated), rows 0-1 in
+     * the low half, 2-3 in the high half; SADALP adds their pairs into int32 lanes */
+    int32x4_t s01 = vdupq_n_s32(0), s23 = s01;
+    for (k = 0; k < k_pad; k += 4, w += 16) {
+        int32_t x4;
+        int8x16_t v = vld1q_s8(w), x;
+        memcpy(&x4, a + k, 4);
+        x = vreinterpretq_s8_s32(vdupq_n_s32(x4));
+        s01 = vpadalq_s16(s01, vmull_s8(vget_low_s8(v), vget_low_s8(x)));
+        s23 = vpadalq_s16(s23, vmull_high_s8(v, x));
+    }
+    vst1q_s32(out, vpaddq_s32(s01, s23));
+#endif
+}
+
+void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t k_pad, int32_t out[4])
+{
+    /* a group's rows widened to int16, each SMLAL'd against the four activations lane by lane */
+    int32x4_t s0 = vdupq_n_s32(0), s1 = s0, s2 = s0, s3 = s0;
+    int32_t k;
+    (void)stride;
+    for (k = 0; k < k_pad; k += 4, w += 16) {
+        const int8x16_t v = vld1q_s8(w);
+        const int16x8_t lo = vmovl_s8(vget_low_s8(v)), hi = vmovl_high_s8(v);
+        const int16x4_t x = vld1_s16(a + k);
+        s0 = vmlal_s16(s0, vget_low_s16(lo), x);
+        s1 = vmlal_s16(s1, vget_high_s16(lo), x);
+        s2 = vmlal_s16(s2, vget_low_s16(hi), x);
+        s3 = vmlal_s16(s3, vget_high_s16(hi), x);
+    }
+    reduce4(s0, s1, s2, s3, out);
+}
+#else
+typedef int qgru_rt_kernel_neon_unused;
+#endif

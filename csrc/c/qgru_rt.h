@@ -1,0 +1,117 @@
+/* qgru_rt.h: the qgru integer GRU runtime for microcontrollers and ARM boards (C99, no torch).
+ *
+ * One fixed library (csrc/c/: this header, qgru_rt.c and one kernel file per instruction set,
+ * chosen at compile time) runs a whole converted QuantGRU (every layer and direction, stacked,
+ * bidirectional) from the data that qgru.export_mcu writes (a .c and .h with a qgru_rt_model).
+ * Every result is the integer of the golden model (qgru/golden.py) bit for bit: docs/mcu.md.
+ *
+ * Build: compile csrc/c/qgru_rt.c, csrc/c/kernel_*.c and the exported model .c together; the
+ * kernel is picked from the compiler's target macros (qgru_rt_kernel.h), or forced with
+ * -DQGRU_RT_KERNEL=QGRU_RT_KERNEL_REF (plain C).
+ *
+ * Integers: x_q is the model's input on layer 0's x grid (each value in [x_min, x_max]; values
+ * beyond are saturated, as quantize() saturates), the state and the outputs are on each
+ * direction's h grid, held in int16_t (the export refuses grids wider than 16 bits).
+ */
+#ifndef QGRU_RT_H_
+#define QGRU_RT_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define QGRU_RT_ABI 1 /* the layout of the structs below; the exported data checks it */
+
+#if defined(__GNUC__) || defined(__clang__)
+#define QGRU_RT_ALIGN16 __attribute__((aligned(16))) /* weight arrays: whole-word loads */
+#else
+#define QGRU_RT_ALIGN16
+#endif
+
+/* signed saturation range of a stored tensor */
+typedef struct {
+    int32_t lo, hi;
+} qgru_rt_range;
+
+/* A sigmoid / tanh table (docs/spec.md section 7): entries int16_t (t16) where they fit, else
+ * int32_t (t32); k: segment bits, frac: fraction bits, in_lo: the input range's lowest value. */
+typedef struct {
+    const int16_t *t16;
+    const int32_t *t32;
+    int32_t in_lo;
+    int32_t out_zp;
+    qgru_rt_range out;
+    uint8_t k, frac;
+} qgru_rt_table;
+
+/* Weight layouts: rows (row-major, for MVE's 16-byte row loads) or interleaved (each block of 4
+ * rows stored as groups of 4 columns, 16 bytes a group: row 0 k..k+3, row 1 k..k+3, ..., what one
+ * LDM feeds four SMLAD rows, and one SDOT-by-lane reads). */
+#define QGRU_RT_LAYOUT_ROWS 0
+#define QGRU_RT_LAYOUT_INTERLEAVED 1
+
+/* One layer and direction. Weights: 3 gates [r | z | g] of rows_per_gate (H rounded up to 4)
+ * rows each (rows >= H are zero), each row k_pad (K rounded up to 4) int8_t values (int16_t in
+ * w16/r16 when the weights have more than 8 bits), zero past K, 64 zero bytes after the last row,
+ * in `layout`.
+ * bias_*: b - Z * rowsum(q) per channel (3H), int32_t where it fits (else the *64 pointer). */
+typedef struct {
+    uint16_t input_size, hidden_size, rows_per_gate, k_pad_x, k_pad_h;
+    uint8_t x_bits, op_bits;  /* bits of x and of R.h's operand (h_gemm, or h) */
+    uint8_t wide_x, wide_h;   /* 1: the int32 accumulation bound does not hold: int64 loop */
+    uint8_t layout;           /* QGRU_RT_LAYOUT_*: the kernel's (qgru_rt_run checks) */
+    uint8_t cell32;           /* 1: the export proved every bound of the 32-bit cell (docs/mcu.md) */
+    const int8_t *w8, *r8;
+    const int16_t *w16, *r16;
+    const int32_t *bias_x, *bias_h;
+    const int64_t *bias_x64, *bias_h64;
+    const int32_t *zp_wx, *zp_rh;                        /* [3H] */
+    const int32_t *m_wx, *m_rh;                          /* [3H] acc -> Wx, Rh */
+    const uint8_t *s_wx, *s_rh;
+    const int32_t *m_gate[6];                            /* [H] Wx_r, Rh_r, Wx_z, Rh_z, Wx_g, rRh_g */
+    const uint8_t *s_gate[6];
+    qgru_rt_range r_x, r_h, r_op, r_wx, r_rh, r_rpre, r_zpre, r_gpre;
+    int32_t zp_x, zp_h, zp_op, zp_rpre, zp_zpre, zp_gpre, zp_r, zp_z, zp_g, one_z;
+    int32_t m_zh, m_zg, m_hg;                            /* z h -> h, (1 - z) g -> h, h -> h_gemm */
+    uint8_t s_zh, s_zg, s_hg, has_h_gemm;
+    qgru_rt_table t_r, t_z, t_g;
+    int32_t m_in[2], zp_hprev[2];                        /* layer > 0: previous directions -> x */
+    uint8_t s_in[2];
+    double x_scale, h_scale;                             /* only for the float boundary */
+} qgru_rt_dir;
+
+typedef struct {
+    uint16_t abi, num_layers, num_directions, input_size, hidden_size;
+    const qgru_rt_dir *dirs; /* [num_layers * num_directions], torch's h_n order */
+} qgru_rt_model;
+
+enum { QGRU_RT_OK = 0, QGRU_RT_EARG = -1, QGRU_RT_EWORK = -2, QGRU_RT_EABI = -3, QGRU_RT_ELAYOUT = -4 };
+
+/* Bytes of work memory qgru_rt_run needs for T steps (T = 1: a streaming step). A unidirectional
+ * model needs a fixed few hundred bytes whatever T; a stacked bidirectional one also holds one
+ * layer's outputs, T * 2 * hidden_size int16_t. */
+size_t qgru_rt_work_bytes(const qgru_rt_model *m, int32_t T);
+
+/* Run T steps. x_q: [T][input_size] integers on layer 0's x grid. state: [layers * directions]
+ * [hidden_size], h0 on entry, h_n on return (caller-owned: a stream keeps it between calls, and
+ * chunked calls give exactly the integers of one whole call). out: [T][directions * hidden_size]
+ * (the last layer's outputs, [forward | reverse]), may be NULL for a unidirectional model.
+ * work: qgru_rt_work_bytes(m, T) bytes, 4-byte aligned. Returns QGRU_RT_OK or a negative error
+ * (QGRU_RT_ELAYOUT: the data was exported for another kernel's weight layout). */
+int qgru_rt_run(const qgru_rt_model *m, const int16_t *x_q, int32_t T, int16_t *state, int16_t *out,
+                void *work, size_t work_bytes);
+
+/* The float boundary (golden quantize / dequantize, float64 arithmetic: soft-float where the FPU
+ * is single precision, the same integers). x: [n] floats of layer 0's input -> x_q on its static
+ * grid (NaN -> the zero point; returns the number of NaN seen). */
+int32_t qgru_rt_quantize_input(const qgru_rt_model *m, const float *x, int32_t n, int16_t *x_q);
+/* h values of direction dir (index into dirs) -> floats: (q - Z_h) * S_h */
+void qgru_rt_dequantize(const qgru_rt_model *m, int32_t dir, const int16_t *q, int32_t n, float *y);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* QGRU_RT_H_ */

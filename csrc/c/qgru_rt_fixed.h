@@ -1,0 +1,86 @@
+/* qgru_rt_fixed.h: the fixed-point primitives of qgru/primitives.py and qgru/tables.py in C99.
+ *
+ * The same functions as csrc/qgru_fixedpoint.h (C++/CUDA), written for C99 compilers for
+ * microcontrollers: docs/mcu.md says why this is its own header. Each returns the golden
+ * model's integer for every operand docs/spec.md section 6 allows.
+ */
+#ifndef QGRU_RT_FIXED_H_
+#define QGRU_RT_FIXED_H_
+
+#include <stdint.h>
+
+#include "qgru_rt.h"
+
+#if defined(__GNUC__) || defined(__clang__)
+#define QGRU_RT_INLINE static inline __attribute__((always_inline))
+#else
+#define QGRU_RT_INLINE static inline
+#endif
+
+/* floor(v / 2^s), 0 <= s <= 62. C99 leaves >> of a negative value implementation-defined: GCC
+ * and Clang define it as the arithmetic shift (their manuals), elsewhere a negative v is shifted
+ * through its complement (~v >= 0, two's complement by definition of intN_t). */
+#if defined(__GNUC__) || defined(__clang__)
+QGRU_RT_INLINE int64_t qgru_rt_shr64(int64_t v, int s) { return v >> s; }
+QGRU_RT_INLINE int32_t qgru_rt_shr32(int32_t v, int s) { return v >> s; }
+#else
+QGRU_RT_INLINE int64_t qgru_rt_shr64(int64_t v, int s) { return v < 0 ? ~(~v >> s) : v >> s; }
+QGRU_RT_INLINE int32_t qgru_rt_shr32(int32_t v, int s) { return v < 0 ? ~(~v >> s) : v >> s; }
+#endif
+
+/* round_half_up(p / 2^s) = floor((p + 2^(s-1)) / 2^s) of a product p (|p| < 2^62, 1 <= s <= 62).
+ * With s >= 33 the rounding constant only adds 2^(s-33) to the high word hi = floor(p / 2^32),
+ * and floor(floor(x / 2^32) / 2^(s-32)) = floor(x / 2^s): the result is (hi + 2^(s-33)) >> (s-32)
+ * in 32-bit arithmetic (|hi| < 2^30, the sum cannot overflow), the high word of one SMULL on a
+ * 32-bit core. Below 33 the 64-bit form (its result may exceed int32 before saturation). */
+QGRU_RT_INLINE int64_t qgru_rt_round_product(int64_t p, int s)
+{
+    if (s >= 33)
+        return qgru_rt_shr32((int32_t)qgru_rt_shr64(p, 32) + (1 << (s - 33)), s - 32);
+    return qgru_rt_shr64(p + ((int64_t)1 << (s - 1)), s);
+}
+
+/* round_half_up(v m / 2^s) in 32-bit words, for |v| 2^pre < 2^31 (pre = max(0, 33 - s), the
+ * export checks the bound: cell32): v 2^pre m / 2^(s + pre) with s + pre >= 33, so the rounding
+ * constant only adds 2^(post-1) to the high word of one SMULL, post = s + pre - 32 (as in
+ * qgru_rt_round_product). Exact for every such v. */
+QGRU_RT_INLINE int32_t qgru_rt_rescale32(int32_t v, int32_t m, int s)
+{
+    const int pre = s < 33 ? 33 - s : 0, post = s < 33 ? 1 : s - 32;
+    const int32_t hi = (int32_t)qgru_rt_shr64((int64_t)(v * (1 << pre)) * m, 32);
+    return qgru_rt_shr32(hi + (1 << (post - 1)), post);
+}
+
+/* rounding_mul_shift: round_half_up(v m / 2^s), 1 <= s <= 62, |v m| < 2^62 (spec section 3). */
+QGRU_RT_INLINE int64_t qgru_rt_mul_shift(int64_t v, int32_t m, int s) { return qgru_rt_round_product(v * m, s); }
+
+/* The same for an int32 operand: one 32x32 -> 64 multiply (SMULL on Cortex-M3 and up). */
+QGRU_RT_INLINE int64_t qgru_rt_mul_shift32(int32_t v, int32_t m, int s) { return qgru_rt_round_product((int64_t)v * m, s); }
+
+QGRU_RT_INLINE int64_t qgru_rt_sat64(int64_t v, qgru_rt_range r) { return v < r.lo ? r.lo : v > r.hi ? r.hi : v; }
+QGRU_RT_INLINE int32_t qgru_rt_sat32(int32_t v, qgru_rt_range r) { return v < r.lo ? r.lo : v > r.hi ? r.hi : v; }
+
+/* tables.lookup: q already saturated to the table's input range; u = q - lo, segment u >> k,
+ * position f, T[i] 2^k + (T[i+1] - T[i]) f (a multiplication: T[i] may be negative), a rounding
+ * shift by k + frac (none when 0), the output zero point and saturation. The export checks that
+ * |T| 2^(k+1) < 2^31, so the interpolation is exact in int32. */
+QGRU_RT_INLINE int32_t qgru_rt_lookup(int32_t q, const qgru_rt_table *t)
+{
+    const int32_t u = q - t->in_lo;
+    const int32_t i = u >> t->k, f = u & ((1 << t->k) - 1);
+    int32_t lo, hi, v;
+    const int s = t->k + t->frac;
+    if (t->t16) {
+        lo = t->t16[i];
+        hi = t->t16[i + 1];
+    } else {
+        lo = t->t32[i];
+        hi = t->t32[i + 1];
+    }
+    v = lo * (1 << t->k) + (hi - lo) * f;
+    if (s)
+        v = qgru_rt_shr32(v + (1 << (s - 1)), s);
+    return qgru_rt_sat32(v + t->out_zp, t->out);
+}
+
+#endif /* QGRU_RT_FIXED_H_ */

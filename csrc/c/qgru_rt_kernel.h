@@ -1,0 +1,65 @@
+/* qgru_rt_kernel.h: the matrix-vector kernels' interface and their compile-time choice.
+ *
+ * A kernel computes four int32 dot products (a block of four weight rows of k_pad columns, in
+ * QGRU_RT_LAYOUT; `stride` = k_pad) against one activation vector: sum_k w[r][k] a[k], k < k_pad.
+ * It may read weights up to 64 bytes past the block (the export pads the arrays) and activations up to qgru_rt_pad16(k_pad) (the
+ * runtime zero-fills them). The runtime calls it only where the export proved every partial sum
+ * fits int32 (docs/mcu.md), so any summation order gives the golden integers.
+ *
+ * QGRU_RT_KERNEL (override with -DQGRU_RT_KERNEL=...): chosen from the compiler's macros:
+ *   QGRU_RT_KERNEL_MVE   Armv8.1-M Helium (Cortex-M55, M85): __ARM_FEATURE_MVE     kernel_mve.c
+ *   QGRU_RT_KERNEL_NEON  AArch64 Advanced SIMD (SDOT with +dotprod)                 kernel_neon.c
+ *   QGRU_RT_KERNEL_DSP   Cortex-M4, M7, M33 with DSP: SMLAD (__ARM_FEATURE_DSP)     kernel_dsp.c
+ *   QGRU_RT_KERNEL_REF   plain C (Cortex-M0, M3, any host)                          kernel_ref.c
+ */
+#ifndef QGRU_RT_KERNEL_H_
+#define QGRU_RT_KERNEL_H_
+
+#include <stdint.h>
+
+#include "qgru_rt.h"
+
+#define QGRU_RT_KERNEL_REF 0
+#define QGRU_RT_KERNEL_DSP 1
+#define QGRU_RT_KERNEL_MVE 2
+#define QGRU_RT_KERNEL_NEON 3
+
+#ifndef QGRU_RT_KERNEL
+#if defined(__ARM_FEATURE_MVE) && (__ARM_FEATURE_MVE & 1)
+#define QGRU_RT_KERNEL QGRU_RT_KERNEL_MVE
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define QGRU_RT_KERNEL QGRU_RT_KERNEL_NEON
+#elif defined(__ARM_FEATURE_DSP) && __ARM_FEATURE_DSP
+#define QGRU_RT_KERNEL QGRU_RT_KERNEL_DSP
+#else
+#define QGRU_RT_KERNEL QGRU_RT_KERNEL_REF
+#endif
+#endif
+
+/* Where activation k is stored in the buffer the kernel reads. SMLAD multiplies halfword pairs:
+ * SXTB16 of a weight word (bytes k0 k1 k2 k3) gives the pair (k0, k2), SXTB16 of it rotated by
+ * 8 gives (k1, k3), so the int16 activations of each group of four are stored x0 x2 x1 x3. */
+#if QGRU_RT_KERNEL == QGRU_RT_KERNEL_DSP
+#define QGRU_RT_ACT_POS(k) (((k) & ~3) | (((k) & 1) << 1) | (((k) >> 1) & 1))
+#define QGRU_RT_HAS_A8 0 /* int8 activations are widened to int16 (one SXTB16 pair per word) */
+#else
+#define QGRU_RT_ACT_POS(k) (k)
+#define QGRU_RT_HAS_A8 (QGRU_RT_KERNEL != QGRU_RT_KERNEL_REF)
+#endif
+
+/* the weight layout the kernel reads (the export writes it: export_mcu.write_mcu(layout=...)) */
+#if QGRU_RT_KERNEL == QGRU_RT_KERNEL_MVE
+#define QGRU_RT_LAYOUT QGRU_RT_LAYOUT_ROWS
+#else
+#define QGRU_RT_LAYOUT QGRU_RT_LAYOUT_INTERLEAVED
+#endif
+
+#define qgru_rt_pad16(n) (((n) + 15) & ~15)
+
+/* int16 activations (every kernel) and int8 activations (kernels with QGRU_RT_HAS_A8) */
+void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t k_pad, int32_t out[4]);
+void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, int32_t out[4]);
+
+extern const char qgru_rt_kernel_name[];
+
+#endif /* QGRU_RT_KERNEL_H_ */

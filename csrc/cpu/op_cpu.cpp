@@ -1,0 +1,459 @@
+// qgru C++ CPU backend: the operator qgru::integer_gru, defined here (TORCH_LIBRARY) and run on the
+// CPU (TORCH_LIBRARY_IMPL), so that a saved torch.export program or an AOTInductor package of a
+// model with converted QuantGRUs runs wherever this library is loaded: a Python process that never
+// imports qgru (torch.ops.load_library), or a libtorch-only C++ program (dlopen).
+//
+// It is the whole integer GRU between its float boundaries, as qgru/runtime.py _integer_forward
+// runs it on the cpu backend, with the same C++ functions (cpu_backend.h: quantize,
+// quantize_levels, requantize, dequantize and the Layer): quantize x (on each token's x level
+// where layer 0 has levels) and every h0, run every layer and direction (a backward direction on
+// its input reversed within each sequence's length, and its output reversed back), move each
+// layer's outputs onto the next layer's x grid, dequantize the last layer's outputs and every h_n.
+//
+// Arguments: x [T, N, I] float, hx [L D, N, H] float, lengths int64 [N] or None, params (tensors)
+// and spec (text), both made at convert time by qgru/ops.py flatten_params (format 2, described
+// there): per layer and direction its grid values and the native Layer's arguments (what
+// qgru/native/prepare.py prepare_layer gives), once or, where a 16-bit activation taken whole makes
+// them differ, for both kinds of CPU path; the kernel picks the path of this CPU (QGRU_CPU_ISA as
+// in qgru/native/cpu.py) and builds the Layers once per set of parameter tensors.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cpu_backend.h"
+#include "isa.h"
+#include "qgru_check.h"
+#include "qgru_fixedpoint.h"
+
+namespace qgru {
+namespace op {
+namespace {
+
+constexpr int kSpecFormat = 2;
+constexpr size_t kCacheSize = 8;
+
+// One variant of a layer's native arguments: for act16 CPU paths (1), the others (0), or any (2).
+struct Variant {
+  int act16 = 2;
+  std::vector<std::pair<std::string, int64_t>> tensors;  // key, index into params
+  IntMap values;
+};
+
+// One layer and direction.
+struct Unit {
+  double sx = 0, sh = 0;
+  int64_t zx = 0, bx = 0, zh = 0, bh = 0;
+  std::vector<std::vector<int64_t>> in_mult, in_shift;  // per source direction e (layer > 0): [1] or [H]
+  std::vector<double> lv_scale, lv_lo, lv_hi;           // x levels (layer 0), or empty
+  bool takes_whole = false;  // qgru/native/cpu.py _avx2_takes_whole
+  bool one_pair8 = false;    // qgru/native/prepare.py one_limb_pair(p, act16=False)
+  std::vector<Variant> variants;
+};
+
+struct Spec {
+  int64_t L = 0, D = 0, H = 0, I = 0, n_tensors = 0;
+  std::vector<Unit> units;  // [l D + d]
+};
+
+class Reader {
+ public:
+  explicit Reader(const std::string& s) : in_(s) {}
+  std::string word() {
+    std::string w;
+    QGRU_CHECK_VALUE(bool(in_ >> w), "qgru::integer_gru: the spec ends early (not one made by qgru.ops.flatten_params)");
+    return w;
+  }
+  void expect(const char* w) {
+    const std::string got = word();
+    QGRU_CHECK_VALUE(got == w, "qgru::integer_gru: the spec has '", got, "' where '", w, "' belongs");
+  }
+  int64_t integer(int64_t lo, int64_t hi) {
+    const std::string w = word();
+    char* end = nullptr;
+    const long long v = std::strtoll(w.c_str(), &end, 10);
+    QGRU_CHECK_VALUE(end != w.c_str() && *end == '\0' && v >= lo && v <= hi, "qgru::integer_gru: spec value '", w,
+                     "' is not an integer in [", lo, ", ", hi, "]");
+    return v;
+  }
+  double real() {  // float.hex() (exact), inf, -inf
+    const std::string w = word();
+    char* end = nullptr;
+    const double v = std::strtod(w.c_str(), &end);
+    QGRU_CHECK_VALUE(end != w.c_str() && *end == '\0' && !std::isnan(v), "qgru::integer_gru: spec value '", w,
+                     "' is not a number");
+    return v;
+  }
+
+ private:
+  std::istringstream in_;
+};
+
+Spec parse_spec(const std::string& text, int64_t n_params) {
+  Reader r(text);
+  Spec s;
+  r.expect("qgru.integer_gru");
+  const int64_t format = r.integer(0, 1 << 20);
+  QGRU_CHECK_VALUE(format == kSpecFormat, "qgru::integer_gru: spec format ", format, ", this library reads format ",
+                   kSpecFormat, " (convert the model again with this qgru)");
+  r.expect("layers");
+  s.L = r.integer(1, 1 << 16);
+  s.D = r.integer(1, 2);
+  s.H = r.integer(1, 1 << 24);
+  s.I = r.integer(1, 1 << 24);
+  s.n_tensors = r.integer(0, n_params);
+  for (int64_t l = 0; l < s.L; ++l)
+    for (int64_t d = 0; d < s.D; ++d) {
+      Unit u;
+      r.expect("unit");
+      QGRU_CHECK_VALUE(r.integer(0, s.L - 1) == l && r.integer(0, s.D - 1) == d,
+                       "qgru::integer_gru: the spec's units are out of order");
+      r.expect("grid");
+      u.sx = r.real(), u.zx = r.integer(-(1 << 16), 1 << 16), u.bx = r.integer(2, 16);
+      u.sh = r.real(), u.zh = r.integer(-(1 << 16), 1 << 16), u.bh = r.integer(2, 16);
+      check_quantize_args("qgru::integer_gru (x grid)", u.sx, u.zx, u.bx);
+      check_quantize_args("qgru::integer_gru (h grid)", u.sh, u.zh, u.bh);
+      r.expect("in");
+      const int64_t E = r.integer(0, 2);
+      QGRU_CHECK_VALUE(E == (l == 0 ? 0 : s.D), "qgru::integer_gru: unit (", l, ", ", d, ") has ", E,
+                       " input requantizations");
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t n = r.integer(1, s.H);
+        QGRU_CHECK_VALUE(n == 1 || n == s.H, "qgru::integer_gru: a requantization of ", n, " factors (1 or H)");
+        std::vector<int64_t> m((size_t)n), sh((size_t)n);
+        for (auto& v : m) v = r.integer(0, (int64_t(1) << 31) - 1);
+        for (auto& v : sh) v = r.integer(1, 62);
+        u.in_mult.push_back(std::move(m));
+        u.in_shift.push_back(std::move(sh));
+      }
+      r.expect("levels");
+      const int64_t J = r.integer(0, 64);
+      QGRU_CHECK_VALUE(J == 0 || l == 0, "qgru::integer_gru: only the first layer has x levels");
+      for (auto* v : {&u.lv_scale, &u.lv_lo, &u.lv_hi})
+        for (int64_t j = 0; j < J; ++j) v->push_back(r.real());
+      r.expect("paths");
+      u.takes_whole = r.integer(0, 1) != 0;
+      u.one_pair8 = r.integer(0, 1) != 0;
+      r.expect("variants");
+      const int64_t V = r.integer(1, 2);
+      for (int64_t k = 0; k < V; ++k) {
+        Variant v;
+        r.expect("variant");
+        v.act16 = (int)r.integer(0, 2);
+        QGRU_CHECK_VALUE((V == 1) == (v.act16 == 2), "qgru::integer_gru: a unit has one variant for any path or two");
+        const int64_t nt = r.integer(1, 256);
+        for (int64_t i = 0; i < nt; ++i) {
+          std::string key = r.word();
+          const int64_t idx = r.integer(0, s.n_tensors - 1);
+          v.tensors.emplace_back(std::move(key), idx);
+        }
+        const int64_t nv = r.integer(1, 1024);
+        for (int64_t i = 0; i < nv; ++i) {
+          std::string key = r.word();
+          v.values[key] = r.integer(INT64_MIN + 1, INT64_MAX);
+        }
+        u.variants.push_back(std::move(v));
+      }
+      s.units.push_back(std::move(u));
+    }
+  return s;
+}
+
+std::string trim_lower(const char* v) {
+  std::string s = v == nullptr ? "" : v;
+  s.erase(0, s.find_first_not_of(" \t\n\r"));
+  s.erase(s.find_last_not_of(" \t\n\r") + 1);
+  for (auto& c : s) c = (char)std::tolower((unsigned char)c);
+  return s.empty() ? "auto" : s;
+}
+
+// What qgru/native/cpu.py decides for a layer, from the path table (isa.cpp): the path it runs on
+// (resolve_cpu_isa, layer_path), its act16 flag (layer_act16) and its one-row path (one_row_path).
+struct PathRow {
+  bool usable;
+  int act_bytes;
+  bool act16;
+};
+
+PathRow path_row(const std::string& name) {
+  for (const auto& i : cpu::isa_table())
+    if (i.name == name)
+      return PathRow{i.supported, i.kernels ? i.kernels->act_bytes : 0,
+                     i.kernels != nullptr && (i.kernels->act_bytes == 2 || i.kernels->act16 != nullptr)};
+  return PathRow{false, 0, false};
+}
+
+std::string resolve_path(const std::string& request) {
+  for (const auto& i : cpu::isa_table()) {
+    if (request == "auto" && i.supported) return i.name;
+    if (i.name == request) {
+      QGRU_CHECK_VALUE(i.supported, "qgru cpu: the '", request, "' path (QGRU_CPU_ISA) cannot run here: ", i.why);
+      return i.name;
+    }
+  }
+  QGRU_CHECK_VALUE(false, "qgru cpu: unknown path '", request, "' (QGRU_CPU_ISA)");
+  return "";
+}
+
+bool layer_act16(const Unit& u, const std::string& path) {
+  const PathRow p = path_row(path);
+  return p.act_bytes == 2 || (p.act16 && u.takes_whole);
+}
+
+const Variant& variant_for(const Unit& u, bool act16) {
+  for (const Variant& v : u.variants)
+    if (v.act16 == 2 || v.act16 == (int)act16) return v;
+  QGRU_CHECK_VALUE(false, "qgru::integer_gru: no parameter variant for this CPU path");
+  return u.variants[0];
+}
+
+std::pair<TensorMap, IntMap> layer_args(const Variant& v, const std::vector<at::Tensor>& params) {
+  TensorMap t;
+  for (const auto& kv : v.tensors) {
+    const at::Tensor& p = params[(size_t)kv.second];
+    QGRU_CHECK(p.device().is_cpu(), "qgru::integer_gru: parameter '", kv.first, "' is not on the CPU");
+    t[kv.first] = p.is_contiguous() ? p : p.contiguous();
+  }
+  return {t, v.values};
+}
+
+std::shared_ptr<cpu_api::Layer> make_layer(const Unit& u, const std::vector<at::Tensor>& params,
+                                           const std::string& request) {
+  std::string path = resolve_path(request);
+  if (request == "auto" && path == "avxvnni" && u.takes_whole && path_row("avx2").usable) path = "avx2";
+  const bool act16 = layer_act16(u, path);
+  auto args = layer_args(variant_for(u, act16), params);
+  auto layer = std::make_shared<cpu_api::Layer>(std::move(args.first), std::move(args.second), path);
+  std::string other;
+  const PathRow here = path_row(path);
+  if (path == "amx" && path_row("avx512vnni").usable && u.one_pair8)
+    other = "avx512vnni";
+  else if (here.act_bytes == 1 && !here.act16 && path_row("avx2").usable && u.takes_whole)
+    other = "avx2";
+  if (!other.empty()) {
+    auto o = layer_args(variant_for(u, layer_act16(u, other)), params);
+    layer->set_one_row(std::move(o.first), std::move(o.second), other);
+  }
+  return layer;
+}
+
+// A spec and its Layers, for one set of parameter tensors (held: no storage is freed and reused
+// while cached) at their versions, on one path request.
+struct Entry {
+  std::string spec, request;
+  std::vector<at::Tensor> params;
+  std::vector<int64_t> versions;
+  Spec parsed;
+  std::vector<std::shared_ptr<cpu_api::Layer>> layers;
+};
+
+std::mutex g_mu;
+std::list<std::shared_ptr<Entry>> g_cache;  // most recently used first
+
+bool same_params(const Entry& e, const std::vector<at::Tensor>& params) {
+  if (e.params.size() != params.size()) return false;
+  for (size_t i = 0; i < params.size(); ++i)
+    if (!e.params[i].is_same(params[i]) || e.versions[i] != params[i]._version()) return false;
+  return true;
+}
+
+std::shared_ptr<Entry> entry_for(const std::vector<at::Tensor>& params, const std::string& spec) {
+  const std::string request = trim_lower(std::getenv("QGRU_CPU_ISA"));
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (auto it = g_cache.begin(); it != g_cache.end(); ++it)
+    if ((*it)->request == request && (*it)->spec == spec && same_params(**it, params)) {
+      auto e = *it;
+      g_cache.erase(it);
+      g_cache.push_front(e);
+      return e;
+    }
+  auto e = std::make_shared<Entry>();
+  e->spec = spec, e->request = request, e->params = params;
+  for (const auto& p : params) e->versions.push_back(p._version());
+  e->parsed = parse_spec(spec, (int64_t)params.size());
+  {
+    // the Layers keep tensors (workspaces): made as normal tensors (qgru/native/layer.py says why)
+    c10::InferenceMode normal(false);
+    for (const Unit& u : e->parsed.units) e->layers.push_back(make_layer(u, params, request));
+  }
+  g_cache.push_front(e);
+  while (g_cache.size() > kCacheSize) g_cache.pop_back();
+  return e;
+}
+
+// qgru/runtime.py reverse_within_lengths on a time-major [T, N, ...] tensor.
+at::Tensor reverse_within(const at::Tensor& q, const at::Tensor& lengths) {
+  if (!lengths.defined()) return q.flip(0);
+  const int64_t T = q.size(0), N = q.size(1);
+  at::Tensor idx = at::empty({T * N}, at::TensorOptions().dtype(at::kLong));
+  int64_t* p = idx.data_ptr<int64_t>();
+  const int64_t* L = lengths.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = 0; n < N; ++n) p[t * N + n] = (t < L[n] ? L[n] - 1 - t : t) * N + n;
+  const int64_t rest = q.numel() / std::max<int64_t>(T * N, 1);
+  return q.reshape({T * N, rest}).index_select(0, idx).reshape(q.sizes());
+}
+
+// golden.requantize_input: per-tensor on the backend's one pass, per channel (the last axis) here.
+at::Tensor requantize(const at::Tensor& q, int64_t from_zp, const std::vector<int64_t>& m,
+                      const std::vector<int64_t>& s, int64_t to_zp, int64_t to_bits) {
+  if (m.size() == 1) return cpu_api::requantize(q, from_zp, m[0], s[0], to_zp, to_bits);
+  for (size_t c = 0; c < m.size(); ++c)
+    check_requantize_args("qgru::integer_gru requantize", from_zp, m[c], s[c], to_zp, to_bits);
+  const at::Tensor src = q.to(at::kInt).contiguous();
+  at::Tensor out = at::empty(src.sizes(), src.options());
+  const int32_t* a = src.data_ptr<int32_t>();
+  int32_t* b = out.data_ptr<int32_t>();
+  const int64_t C = (int64_t)m.size(), n = src.numel();
+  const Range r = signed_range((int32_t)to_bits);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t c = i % C;
+    b[i] = (int32_t)saturate(rounding_mul_shift((int64_t)a[i] - from_zp, m[c], (int32_t)s[c]) + to_zp, r);
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> run(const Entry& e, const at::Tensor& x, const at::Tensor& hx,
+                                       const at::Tensor& lengths) {
+  const Spec& s = e.parsed;
+  const int64_t T = x.size(0), N = x.size(1), L = s.L, D = s.D;
+  const std::string& isa = e.request;
+  std::vector<at::Tensor> prev;  // the previous layer's integer outputs, per direction
+  std::vector<at::Tensor> h_n;
+  const c10::optional<at::Tensor> len = lengths.defined() ? c10::optional<at::Tensor>(lengths) : c10::nullopt;
+  for (int64_t l = 0; l < L; ++l) {
+    std::vector<at::Tensor> outs;
+    at::Tensor qx0, level0;  // layer 0's quantized input (both directions read it)
+    if (l == 0) {
+      const Unit& u = s.units[0];
+      if (!u.lv_scale.empty()) {
+        std::tie(qx0, level0) = cpu_api::quantize_levels(x, u.lv_scale, u.lv_lo, u.lv_hi, u.zx, u.bx, "input", isa);
+      } else {
+        qx0 = cpu_api::quantize(x, u.sx, u.zx, u.bx, "input", isa);
+      }
+      // (a call's quantize output is a reused buffer: held here until the layer has read it)
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      const Unit& u = s.units[(size_t)(l * D + d)];
+      at::Tensor qx, level;
+      if (l == 0) {
+        QGRU_CHECK_VALUE(u.sx == s.units[0].sx && u.zx == s.units[0].zx && u.bx == s.units[0].bx &&
+                             u.lv_scale == s.units[0].lv_scale && u.lv_lo == s.units[0].lv_lo &&
+                             u.lv_hi == s.units[0].lv_hi,
+                         "qgru::integer_gru: the first layer's directions quantize x on different grids");
+        qx = qx0, level = level0;
+      } else {
+        std::vector<at::Tensor> parts;
+        for (int64_t src = 0; src < D; ++src)
+          parts.push_back(requantize(prev[(size_t)src], s.units[(size_t)((l - 1) * D + src)].zh, u.in_mult[(size_t)src],
+                                     u.in_shift[(size_t)src], u.zx, u.bx));
+        qx = parts.size() == 1 ? parts[0] : at::cat(parts, -1);
+      }
+      if (d == 1) {
+        qx = reverse_within(qx, lengths);
+        if (level.defined()) level = reverse_within(level, lengths);
+      }
+      at::Tensor qh0 = cpu_api::quantize(hx.select(0, l * D + d), u.sh, u.zh, u.bh, "h0", isa);
+      const c10::optional<at::Tensor> lv = level.defined() ? c10::optional<at::Tensor>(level) : c10::nullopt;
+      at::Tensor o, h;
+      std::tie(o, h) = e.layers[(size_t)(l * D + d)]->forward(qx, qh0, len, lv);
+      if (d == 1) o = reverse_within(o, lengths);
+      outs.push_back(o);  // (the Layer reuses its output buffer only once the caller has let go of it)
+      h_n.push_back(h);
+    }
+    prev = std::move(outs);
+  }
+  std::vector<at::Tensor> fo, fh;
+  for (int64_t d = 0; d < D; ++d) {
+    const Unit& u = s.units[(size_t)((L - 1) * D + d)];
+    fo.push_back(cpu_api::dequantize(prev[(size_t)d], u.sh, u.zh).to(x.scalar_type()));
+  }
+  for (int64_t k = 0; k < L * D; ++k) {
+    const Unit& u = s.units[(size_t)k];
+    fh.push_back(cpu_api::dequantize(h_n[(size_t)k], u.sh, u.zh).to(x.scalar_type()));
+  }
+  return {fo.size() == 1 ? fo[0] : at::cat(fo, -1), at::stack(fh)};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> integer_gru_cpu(const at::Tensor& x_in, const at::Tensor& hx_in,
+                                                   const c10::optional<at::Tensor>& lengths_in,
+                                                   at::TensorList params_in, c10::string_view spec_in) {
+  const std::string spec(spec_in.data(), spec_in.size());
+  const std::vector<at::Tensor> params(params_in.begin(), params_in.end());
+  auto e = entry_for(params, spec);
+  const Spec& s = e->parsed;
+  QGRU_CHECK_VALUE(x_in.dim() == 3 && x_in.is_floating_point() && x_in.device().is_cpu(),
+                   "qgru::integer_gru: x must be a float CPU tensor [T, N, I], got ", x_in.scalar_type(), " ",
+                   x_in.sizes(), " on ", x_in.device());
+  QGRU_CHECK_VALUE(x_in.size(0) >= 1, "QuantGRU expects a sequence of at least one step, got an input of shape ",
+                   x_in.sizes(), " (sequence length 0; torch.nn.GRU refuses it too)");
+  const int64_t T = x_in.size(0), N = x_in.size(1);
+  QGRU_CHECK_VALUE(x_in.size(2) == s.I, "qgru::integer_gru: x must be [T, N, ", s.I, "], got ", x_in.sizes());
+  QGRU_CHECK_VALUE(hx_in.dim() == 3 && hx_in.size(0) == s.L * s.D && hx_in.size(1) == N && hx_in.size(2) == s.H &&
+                       hx_in.is_floating_point() && hx_in.device().is_cpu(),
+                   "qgru::integer_gru: hx must be a float CPU tensor [", s.L * s.D, ", ", N, ", ", s.H, "], got ",
+                   hx_in.sizes());
+  at::Tensor lengths;
+  if (lengths_in.has_value()) {
+    QGRU_CHECK_VALUE(lengths_in->dim() == 1 && lengths_in->size(0) == N && !lengths_in->is_floating_point() &&
+                         lengths_in->device().is_cpu(),
+                     "qgru::integer_gru: lengths must be an integer CPU tensor [", N, "]");
+    lengths = lengths_in->resolve_neg().to(at::kLong).contiguous();
+    const int64_t* p = lengths.data_ptr<int64_t>();
+    for (int64_t n = 0; n < N; ++n)
+      QGRU_CHECK_VALUE(p[n] >= 1 && p[n] <= T, "qgru::integer_gru: lengths[", n, "] = ", p[n], " is outside [1, ", T,
+                       "]");
+  }
+  const at::Tensor x = x_in.resolve_conj().resolve_neg(), hx = hx_in.resolve_conj().resolve_neg();
+  if (c10::InferenceMode::is_enabled()) {
+    // the Layers' reused buffers must stay normal tensors (qgru/native/layer.py gru_direction)
+    c10::InferenceMode normal(false);
+    return run(*e, x, hx, lengths);
+  }
+  return run(*e, x, hx, lengths);
+}
+
+}  // namespace op
+}  // namespace qgru
+
+TORCH_LIBRARY(qgru, m) {
+  m.def("integer_gru(Tensor x, Tensor hx, Tensor? lengths, Tensor[] params, str spec) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(qgru, CPU, m) { m.impl("integer_gru", &qgru::op::integer_gru_cpu); }
+
+// No gradient: a converted QuantGRU is inference only (QAT trains the float model). Inputs that
+// ask for one are refused; otherwise the call goes on below autograd, and its outputs need none.
+namespace qgru {
+namespace op {
+namespace {
+std::tuple<at::Tensor, at::Tensor> integer_gru_autograd(const at::Tensor& x, const at::Tensor& hx,
+                                                        const c10::optional<at::Tensor>& lengths,
+                                                        at::TensorList params, c10::string_view spec) {
+  QGRU_CHECK(!(at::GradMode::is_enabled() && (x.requires_grad() || hx.requires_grad())),
+             "qgru::integer_gru has no gradient: a converted QuantGRU runs integer inference only "
+             "(train the float model, or use qgru's QAT, and convert again)");
+  at::AutoDispatchBelowADInplaceOrView below;
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("qgru::integer_gru", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                       const c10::optional<at::Tensor>&,
+                                                                       at::TensorList, c10::string_view)>();
+  return op.call(x, hx, lengths, params, spec);
+}
+}  // namespace
+}  // namespace op
+}  // namespace qgru
+
+TORCH_LIBRARY_IMPL(qgru, Autograd, m) { m.impl("integer_gru", &qgru::op::integer_gru_autograd); }

@@ -1,0 +1,436 @@
+"""Export a whole converted QuantGRU as data for the C runtime in csrc/c/ (microcontrollers, ARM boards).
+
+``write_mcu(params, "out/gru")`` writes ``out/gru.h`` and ``out/gru.c``: every layer and direction
+(stacked, bidirectional) as one ``const qgru_rt_model <prefix>_model`` for csrc/c/qgru_rt.h, the
+integers in the widths they need (int8 weights, rows padded to 4 for the SIMD loops; int16 tables
+where the entries fit, else int32; 32-bit multipliers, 8-bit shifts; biases with the zero-point
+term folded in, int32 where they fit), and golden vectors (qgru.golden on an integer sequence) with
+``int <prefix>_selftest(void *work, size_t bytes)``, compiled only with ``-D<PREFIX>_GOLDEN``.
+
+At export each GEMM is checked against the int32 bound the kernels need (docs/mcu.md): every
+partial sum of |q_W| |q_x| fits int32. Where it does not (or the weights have more than 8 bits)
+that layer's GEMM takes the runtime's int64 loop (``wide``), the same integers, slower.
+
+The runtime takes integer x on layer 0's static grid (``qgru_rt_quantize_input`` quantizes floats
+onto it). A first layer with x levels (config ``x.dynamic``) is exported on its static grid, level 0,
+with a UserWarning, as qgru.export_c does.
+
+CLI: ``python -m qgru.export_mcu params.qgru out/gru [--prefix NAME] [--golden-steps 8]``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pickle
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+
+from .export import QuantParams, load_params
+from .export_c import _IDENT, _lit
+from .golden import LayerParams, gru_direction, requantize_input
+from .primitives import qrange, saturate
+from .tables import table_geometry
+
+ABI = 1  # csrc/c/qgru_rt.h QGRU_RT_ABI
+INT32_MAX = (1 << 31) - 1
+LAYOUTS = ("interleaved", "rows")  # csrc/c/qgru_rt.h QGRU_RT_LAYOUT_*; "rows": Helium (kernel_mve.c)
+_GATE_RESCALES = ("Wx_r", "Rh_r", "Wx_z", "Rh_z", "Wx_g", "rRh_g")
+
+
+def _pad4(n: int) -> int:
+    return (n + 3) & ~3
+
+
+def golden_model(params: QuantParams, qx: torch.Tensor, qh0: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """qgru.golden on the whole stack: integer qx [T, I] on layer 0's static grid, qh0 [L*D, H] ->
+    (out [T, D*H] of the last layer, on each direction's h grid; h_n [L*D, H])."""
+    layers = params.layers
+    D = len(layers[0])
+    inp: List[torch.Tensor] = [qx]
+    h_n = []
+    for li, row in enumerate(layers):
+        outs = []
+        for d, p in enumerate(row):
+            p = dataclasses.replace(p, x_levels=None)
+            if li == 0:
+                x = qx
+            else:
+                x = torch.cat([requantize_input(q, layers[li - 1][e].zp["h"], p.rescale[f"in_{e}"], p.zp["x"],
+                                                p.bits["x"]) for e, q in enumerate(inp)], dim=-1)
+            if d == 1:
+                x = x.flip(0)
+            o, h = gru_direction(p, x.unsqueeze(1), qh0[li * D + d].unsqueeze(0))
+            o = o.squeeze(1)
+            outs.append(o.flip(0) if d == 1 else o)
+            h_n.append(h.squeeze(0))
+        inp = outs
+    return torch.cat(inp, dim=-1), torch.stack(h_n)
+
+
+def golden_inputs(params: QuantParams, steps: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(qx [T, I], qh0 [L*D, H]): x around its zero point with a quarter of its range as spread
+    (a few percent saturate), step 0 at both extremes alternately; h0 uniform over h's range."""
+    cpu = torch.device("cpu")
+    g = torch.Generator(device=cpu).manual_seed(seed)
+    p0 = params.layers[0][0]
+    lo, hi = qrange(p0.bits["x"])
+    d = torch.randn(steps, p0.input_size, generator=g, dtype=torch.float64, device=cpu) * ((hi - lo) / 4)
+    qx = saturate(d.round().to(torch.int64) + p0.zp["x"], p0.bits["x"])
+    if steps:
+        qx[0, 0::2], qx[0, 1::2] = lo, hi
+    h0 = [torch.randint(*_incl(qrange(p.bits["h"])), (p.hidden_size,), generator=g, dtype=torch.int64, device=cpu)
+          for row in params.layers for p in row]
+    return qx, torch.stack(h0)
+
+
+def _incl(r):
+    return r[0], r[1] + 1
+
+
+def write_mcu(params: QuantParams, path: Union[str, Path], prefix: Optional[str] = None,
+              golden_steps: int = 8, seed: int = 0, layout: str = "interleaved") -> Tuple[Path, Path]:
+    """Write ``<stem>.h`` and ``<stem>.c`` (the whole model for csrc/c/); returns their paths.
+
+    ``layout``: the weight order of the target's kernel: "interleaved" (plain C, Cortex-M DSP,
+    NEON) or "rows" (Helium MVE); the runtime refuses data of the other (QGRU_RT_ELAYOUT)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"write_mcu: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    for name, v in (("golden_steps", golden_steps), ("seed", seed)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"write_mcu: {name} must be an int, got {type(v).__name__} {v!r}")
+    if golden_steps < 1:
+        raise ValueError(f"golden_steps must be >= 1, got {golden_steps}")
+    if prefix is not None and not isinstance(prefix, str):
+        raise TypeError(f"write_mcu: prefix must be a str (a C identifier) or None, got {type(prefix).__name__}")
+    stem = Path(path)
+    if stem.suffix in (".h", ".c"):
+        stem = stem.with_suffix("")
+    bad = sorted({c for c in stem.name if not c.isprintable() or c in '"\\'})
+    if bad:
+        raise ValueError(f"write_mcu: the file name {stem.name!r} cannot be written into C: it holds "
+                         f"{', '.join(map(repr, bad))}")
+    if prefix is None:
+        prefix = re.sub(r"\W", "_", stem.name, flags=re.ASCII) or "gru"
+        if prefix[0].isdigit():
+            prefix = "qgru_" + prefix
+    if not _IDENT.match(prefix):
+        raise ValueError(f"prefix {prefix!r} is not a C identifier")
+    params.validate()
+    if params.layers[0][0].x_levels is not None:
+        warnings.warn("write_mcu: layer 0's x levels are not exported (config x.dynamic, docs/spec.md section 4b): "
+                      "the runtime takes x on the static grid (level 0), where inputs beyond calibration saturate. "
+                      "For a host model that runs the same, convert with overrides={\"tensors\": {\"x\": "
+                      "{\"dynamic\": False}}}", UserWarning, stacklevel=2)
+    qx, qh0 = golden_inputs(params, golden_steps, seed)
+    out, h_n = golden_model(params, qx, qh0)
+    text_c, text_h = _Writer(params, prefix, stem.name, (qx, qh0, out, h_n), layout).files()
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    h_path, c_path = stem.with_name(stem.name + ".h"), stem.with_name(stem.name + ".c")
+    h_path.write_text(text_h)
+    c_path.write_text(text_c)
+    return h_path, c_path
+
+
+def _fits(t: torch.Tensor, bits: int) -> bool:
+    lo, hi = qrange(bits)
+    return t.numel() == 0 or (int(t.min()) >= lo and int(t.max()) <= hi)
+
+
+class _Writer:
+    def __init__(self, params: QuantParams, prefix: str, stem_name: str, golden, layout: str):
+        self.layout = layout
+        self.params, self.pre, self.P, self.stem_name, self.golden = params, prefix, prefix.upper(), stem_name, golden
+        self.parts: List[str] = []
+        self.sizes: Dict[str, int] = {}  # bytes of flash by kind (reported in the header)
+        self.notes: List[str] = []
+
+    def _arr(self, ctype: str, name: str, values, kind: str, per_line: int = 16, align: bool = False) -> str:
+        vals = [_lit(v) for v in values]
+        width = {"int8_t": 1, "uint8_t": 1, "int16_t": 2, "int32_t": 4, "int64_t": 8}[ctype]
+        self.sizes[kind] = self.sizes.get(kind, 0) + width * len(vals)
+        lines = [", ".join(vals[i:i + per_line]) for i in range(0, len(vals), per_line)]
+        al = " QGRU_RT_ALIGN16" if align else ""
+        self.parts.append(f"static const {ctype} {name}[{len(vals)}]{al} = {{\n    " + ",\n    ".join(lines) + "\n};\n")
+        return name
+
+    def _weights(self, name: str, q: torch.Tensor, bits: int, H: int) -> Tuple[str, str, int]:
+        """rows of each gate padded to a multiple of 4 (zero rows), each row to k_pad, in the kernel's
+        layout (interleaved: each block of 4 rows as groups of 4 columns), 64 zero bytes after"""
+        K = q.shape[1]
+        kp, G = _pad4(K), _pad4(H)
+        w = torch.zeros(3, G, kp, dtype=torch.int64)
+        w[:, :H, :K] = q.reshape(3, H, K)
+        if self.layout == "interleaved":  # [gate][block][row 4][group][col 4] -> [gate][block][group][row][col]
+            w = w.reshape(3, G // 4, 4, kp // 4, 4).permute(0, 1, 3, 2, 4)
+        flat = w.reshape(-1).tolist() + [0] * 64
+        if bits <= 8:
+            return self._arr("int8_t", name, flat, "weights", 32, align=True), "0", kp
+        return "0", self._arr("int16_t", name, flat, "weights", 16, align=True), kp
+
+    def _dir(self, li: int, d: int, p: LayerParams) -> str:
+        b, zp, rs = p.bits, p.zp, p.rescale
+        I, H = p.input_size, p.hidden_size
+        n = f"{self.pre}_l{li}{'r' if d else 'f'}"
+        op = "h_gemm" if "h_gemm" in b else "h"
+        where = f"layer {li} {'reverse' if d else 'forward'}"
+        for t in ("x", "h", op):
+            if b[t] > 16:
+                raise ValueError(f"write_mcu: {where}: {t} has {b[t]} bits; the runtime holds x and h in int16_t "
+                                 "(at most 16 bits)")
+        for t in ("W", "R"):
+            if b[t] > 16:
+                raise ValueError(f"write_mcu: {where}: {t} has {b[t]} bits (at most 16)")
+        for t in ("Wx", "Rh", "r_pre", "z_pre", "g_pre", "r", "z", "g"):
+            if b[t] > 30:
+                raise ValueError(f"write_mcu: {where}: {t} has {b[t]} bits; the runtime's int32 intermediates "
+                                 "take at most 30")
+        # the int32 bound of the kernels: every partial sum of |q_W| |q_x| below 2^31
+        wide = {}
+        for t, q, a in (("x", p.W, "x"), ("h", p.R, op)):
+            lo, hi = qrange(b[a])
+            bound = int(q.abs().sum(1).max()) * max(-lo, hi) if q.numel() else 0
+            wide[t] = int(b["W" if t == "x" else "R"] > 8 or bound > INT32_MAX)
+            if wide[t]:
+                wb = b["W" if t == "x" else "R"]
+                why = f"{wb}-bit weights" if wb > 8 else f"bound {bound} >= 2^31"
+                self.notes.append(f"{where}: {'W x' if t == 'x' else 'R h'} takes the int64 loop ({why})")
+        cell32 = self._cell32(p, li, op, wide)
+        if not cell32:
+            self.notes.append(f"{where}: the cell takes the 64-bit path (a 32-bit bound fails, docs/mcu.md)")
+        self.parts.append(f"\n/* ---- {where}: {I} -> {H} ---- */\n")
+        w8, w16, kpx = self._weights(f"{n}_W", p.W, b["W"], H)
+        r8, r16, kph = self._weights(f"{n}_R", p.R, b["R"], H)
+        fields = [f".input_size = {I}", f".hidden_size = {H}", f".rows_per_gate = {_pad4(H)}",
+                  f".k_pad_x = {kpx}", f".k_pad_h = {kph}", f".x_bits = {b['x']}", f".op_bits = {b[op]}",
+                  f".wide_x = {wide['x']}", f".wide_h = {wide['h']}",
+                  f".layout = QGRU_RT_LAYOUT_{self.layout.upper()}", f".cell32 = {int(cell32)}",
+                  f".w8 = {w8}", f".w16 = {w16}", f".r8 = {r8}", f".r16 = {r16}"]
+        for t, bias, comp in (("x", p.b_x, p.W_zp_comp), ("h", p.b_h, p.R_zp_comp)):
+            v = bias - comp
+            if _fits(v, 32):
+                fields += [f".bias_{t} = {self._arr('int32_t', f'{n}_bias_{t}', v.tolist(), 'biases')}",
+                           f".bias_{t}64 = 0"]
+            else:
+                fields += [f".bias_{t} = 0", f".bias_{t}64 = {self._arr('int64_t', f'{n}_bias_{t}64', v.tolist(), 'biases')}"]
+        for t in ("Wx", "Rh"):
+            fields.append(f".zp_{t.lower()} = {self._arr('int32_t', f'{n}_zp_{t}', zp[t].expand(3 * H).tolist(), 'rescales')}")
+        for t in ("Wx", "Rh"):
+            r = rs[t]
+            fields.append(f".m_{t.lower()} = {self._arr('int32_t', f'{n}_m_{t}', r.multiplier.expand(3 * H).tolist(), 'rescales')}")
+            fields.append(f".s_{t.lower()} = {self._arr('uint8_t', f'{n}_s_{t}', r.shift.expand(3 * H).tolist(), 'rescales')}")
+        ms, ss = [], []
+        for t in _GATE_RESCALES:
+            r = rs[t]
+            ms.append(self._arr("int32_t", f"{n}_m_{t}", r.multiplier.expand(H).tolist(), "rescales"))
+            ss.append(self._arr("uint8_t", f"{n}_s_{t}", r.shift.expand(H).tolist(), "rescales"))
+        fields += [".m_gate = {" + ", ".join(ms) + "}", ".s_gate = {" + ", ".join(ss) + "}"]
+
+        def rng(t):
+            lo, hi = qrange(b[t])
+            return "{" + f"{_lit(lo)}, {_lit(hi)}" + "}"
+        fields += [f".r_x = {rng('x')}", f".r_h = {rng('h')}", f".r_op = {rng(op)}", f".r_wx = {rng('Wx')}",
+                   f".r_rh = {rng('Rh')}", f".r_rpre = {rng('r_pre')}", f".r_zpre = {rng('z_pre')}",
+                   f".r_gpre = {rng('g_pre')}"]
+        for f, t in (("x", "x"), ("h", "h"), ("op", op), ("rpre", "r_pre"), ("zpre", "z_pre"), ("gpre", "g_pre"),
+                     ("r", "r"), ("z", "z"), ("g", "g")):
+            fields.append(f".zp_{f} = {_lit(zp[t])}")
+        fields.append(f".one_z = {int(p.one_z)}")
+        for f, t in (("zh", "zh"), ("zg", "zg")) + ((("hg", "h_gemm"),) if op == "h_gemm" else ()):
+            r = rs[t]
+            m, s = int(r.multiplier), int(r.shift)
+            if not (0 <= m <= INT32_MAX and 1 <= s <= 62):
+                raise ValueError(f"write_mcu: {where}: rescale {t} ({m}, {s}) outside int32 / [1, 62]")
+            fields += [f".m_{f} = {_lit(m)}", f".s_{f} = {s}"]
+        fields.append(f".has_h_gemm = {int(op == 'h_gemm')}")
+        for g in ("r", "z", "g"):
+            fields.append(f".t_{g} = {self._table(n, g, p, where)}")
+        if li > 0:
+            prev = self.params.layers[li - 1]
+            fields.append(".m_in = {" + ", ".join(_lit(rs[f"in_{e}"].multiplier) for e in range(len(prev))) + "}")
+            fields.append(".s_in = {" + ", ".join(str(int(rs[f"in_{e}"].shift)) for e in range(len(prev))) + "}")
+            fields.append(".zp_hprev = {" + ", ".join(_lit(q.zp["h"]) for q in prev) + "}")
+        fields += [f".x_scale = {float(p.scale['x'])!r}", f".h_scale = {float(p.scale['h'])!r}"]
+        for t in [k for k in rs if k.startswith("in_")] + ["Wx", "Rh", *_GATE_RESCALES]:
+            r = rs[t]
+            if int(r.multiplier.max()) > INT32_MAX or int(r.multiplier.min()) < 0 or not (
+                    1 <= int(r.shift.min()) <= int(r.shift.max()) <= 62):
+                raise ValueError(f"write_mcu: {where}: rescale {t} outside int32 multipliers / shifts [1, 62]")
+        return "    {\n        " + ",\n        ".join(fields) + "\n    }"
+
+    def _cell32(self, p: LayerParams, li: int, op: str, wide) -> bool:
+        """Whether the runtime's 32-bit cell (qgru_rt.c unit32, qgru_rt_rescale32) is exact here:
+        every rescale operand v has |v| 2^pre < 2^31, pre = max(0, 33 - shift), and the
+        accumulators with their biases fit int32 (docs/mcu.md)."""
+        b, rs = p.bits, p.rescale
+        if wide["x"] or wide["h"]:
+            return False
+        H = p.hidden_size
+
+        def pre(shift: torch.Tensor) -> torch.Tensor:
+            return (33 - shift).clamp(min=0)
+
+        def ok(bound: torch.Tensor, shift: torch.Tensor) -> bool:
+            return bool(((bound.to(torch.int64) << pre(shift)) <= INT32_MAX).all())
+
+        for q, a, bias, comp, name in ((p.W, "x", p.b_x, p.W_zp_comp, "Wx"), (p.R, op, p.b_h, p.R_zp_comp, "Rh")):
+            lo, hi = qrange(b[a])
+            acc = q.abs().sum(1) * max(-lo, hi) + (bias - comp).abs()
+            if not ok(acc, rs[name].shift.expand(3 * H)):
+                return False
+        span = {t: (1 << b[t]) - 1 for t in ("Wx", "Rh", "h")}
+        for t, src in (("Wx_r", "Wx"), ("Rh_r", "Rh"), ("Wx_z", "Wx"), ("Rh_z", "Rh"), ("Wx_g", "Wx")):
+            if not ok(torch.tensor(span[src]), rs[t].shift):
+                return False
+        if op == "h_gemm" and not ok(torch.tensor(span["h"]), rs["h_gemm"].shift):
+            return False
+        if li > 0:
+            for e, q in enumerate(self.params.layers[li - 1]):
+                if not ok(torch.tensor((1 << q.bits["h"]) - 1), rs[f"in_{e}"].shift):
+                    return False
+        return True
+
+    def _table(self, n: str, g: str, p: LayerParams, where: str) -> str:
+        t = p.tables[g]
+        in_bits = p.bits[f"{g}_pre"]
+        k, frac = table_geometry(in_bits)
+        mx = int(t.abs().max())
+        if 3 * mx * (1 << k) + (1 << (k + frac)) > INT32_MAX:
+            raise ValueError(f"write_mcu: {where}: table {g} ({mx}, k = {k}) does not interpolate in int32")
+        ctype = "int16_t" if _fits(t, 16) else "int32_t"
+        name = self._arr(ctype, f"{n}_table_{g}", t.tolist(), "tables")
+        lo, hi = qrange(p.bits[g])
+        t16, t32 = (name, "0") if ctype == "int16_t" else ("0", name)
+        return (f"{{.t16 = {t16}, .t32 = {t32}, .in_lo = {_lit(qrange(in_bits)[0])}, .out_zp = {_lit(p.zp[g])}, "
+                f".out = {{{_lit(lo)}, {_lit(hi)}}}, .k = {k}, .frac = {frac}}}")
+
+    def files(self) -> Tuple[str, str]:
+        params, pre, P = self.params, self.pre, self.P
+        meta = params.meta
+        L, D = len(params.layers), len(params.layers[0])
+        I, H = meta["input_size"], meta["hidden_size"]
+        dirs = [self._dir(li, d, p) for li, row in enumerate(params.layers) for d, p in enumerate(row)]
+        p0 = params.layers[0][0]
+        body = "".join(self.parts)
+        qx, qh0, out, h_n = self.golden
+        cfg = meta.get("config", {})
+        src = f"""/* {self.stem_name}.c: written by qgru.export_mcu: the data of a converted QuantGRU for the
+ * runtime in csrc/c/ (qgru_rt.h). Config "{cfg.get('name', '?')}", scale_mode "{cfg.get('scale_mode', '?')}". */
+#include "{self.stem_name}.h"
+
+#if QGRU_RT_ABI != {ABI}
+#error "{self.stem_name}.c was written for qgru_rt ABI {ABI}: export it again with this qgru"
+#endif
+{body}
+static const qgru_rt_dir {pre}_dirs[{L * D}] = {{
+{(","+chr(10)).join(dirs)}
+}};
+
+const qgru_rt_model {pre}_model = {{{ABI}, {L}, {D}, {I}, {H}, {pre}_dirs}};
+
+#ifdef {P}_GOLDEN
+/* ---- golden vectors: qgru.golden on these integers ---- */
+static const int16_t {pre}_golden_x[{qx.numel()}] = {{{", ".join(map(str, qx.reshape(-1).tolist()))}}};
+static const int16_t {pre}_golden_h0[{qh0.numel()}] = {{{", ".join(map(str, qh0.reshape(-1).tolist()))}}};
+static const int16_t {pre}_golden_out[{out.numel()}] = {{{", ".join(map(str, out.reshape(-1).tolist()))}}};
+static const int16_t {pre}_golden_hn[{h_n.numel()}] = {{{", ".join(map(str, h_n.reshape(-1).tolist()))}}};
+
+/* Runs the golden sequence in one call (and, unidirectional, one step per call too): the number
+ * of integers (outputs and h_n) that differ from qgru.golden's, 0 = bit-exact; < 0: an error. */
+int {pre}_selftest(void *work, size_t work_bytes)
+{{
+    int16_t state[{L * D * H}], out[{qx.shape[0] * D * H}];
+    int32_t i, t, rc, bad = 0;
+    for (i = 0; i < {L * D * H}; i++)
+        state[i] = {pre}_golden_h0[i];
+    rc = qgru_rt_run(&{pre}_model, {pre}_golden_x, {qx.shape[0]}, state, out, work, work_bytes);
+    if (rc)
+        return rc;
+    for (i = 0; i < {out.numel()}; i++)
+        bad += out[i] != {pre}_golden_out[i];
+    for (i = 0; i < {L * D * H}; i++)
+        bad += state[i] != {pre}_golden_hn[i];
+    if ({D} == 1) {{ /* streaming: one step a call, the state carried by the caller */
+        for (i = 0; i < {L * D * H}; i++)
+            state[i] = {pre}_golden_h0[i];
+        for (t = 0; t < {qx.shape[0]}; t++) {{
+            rc = qgru_rt_run(&{pre}_model, {pre}_golden_x + t * {I}, 1, state, out + t * {D * H}, work, work_bytes);
+            if (rc)
+                return rc;
+        }}
+        for (i = 0; i < {out.numel()}; i++)
+            bad += out[i] != {pre}_golden_out[i];
+        for (i = 0; i < {L * D * H}; i++)
+            bad += state[i] != {pre}_golden_hn[i];
+    }}
+    return bad;
+}}
+#endif /* {P}_GOLDEN */
+"""
+        xlo, xhi = qrange(p0.bits["x"])
+        sizes = ", ".join(f"{k} {v}" for k, v in self.sizes.items())
+        notes = "".join(f" *   {s}\n" for s in self.notes) or " *   none: every GEMM accumulates in int32\n"
+        hdr = f"""/* {self.stem_name}.h: written by qgru.export_mcu (csrc/c/qgru_rt.h runs it; docs/mcu.md).
+ *
+ * {L} layer(s) x {D} direction(s), {I} -> {H}; config "{cfg.get('name', '?')}", scale_mode "{cfg.get('scale_mode', '?')}".
+ * Input: x_q [T][{P}_INPUT_SIZE] int16_t on layer 0's x grid: real = (q - {P}_X_ZERO_POINT) * {P}_X_SCALE.
+ * State: [{P}_STATE_SIZE] int16_t (h0 in, h_n out, torch's h_n order); outputs [T][{D * H}] on each
+ * direction's h grid (qgru_rt_dequantize). Flash bytes of data: {sizes}.
+ * GEMMs on the int64 loop (the int32 bound does not hold, docs/mcu.md):
+{notes} *
+ * Self-test: compile {self.stem_name}.c with -D{P}_GOLDEN for {pre}_selftest().
+ */
+#ifndef {P}_H_
+#define {P}_H_
+
+#include "qgru_rt.h"
+
+#define {P}_INPUT_SIZE {I}
+#define {P}_HIDDEN_SIZE {H}
+#define {P}_NUM_LAYERS {L}
+#define {P}_NUM_DIRECTIONS {D}
+#define {P}_STATE_SIZE {L * D * H}
+#define {P}_X_BITS {p0.bits['x']}
+#define {P}_X_ZERO_POINT ({int(p0.zp['x'])})
+#define {P}_X_MIN ({xlo})
+#define {P}_X_MAX {xhi}
+#define {P}_X_SCALE {float(p0.scale['x'])!r}
+#define {P}_GOLDEN_T {qx.shape[0]}
+
+extern const qgru_rt_model {pre}_model;
+
+#ifdef {P}_GOLDEN
+int {pre}_selftest(void *work, size_t work_bytes);
+#endif
+
+#endif /* {P}_H_ */
+"""
+        return src, hdr
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m qgru.export_mcu", description=__doc__.split("\n")[0])
+    ap.add_argument("params", help="a file written by QuantParams.save()")
+    ap.add_argument("stem", help="output stem: writes STEM.h and STEM.c")
+    ap.add_argument("--prefix", default=None, help="C identifier prefix (default: from the stem's name)")
+    ap.add_argument("--golden-steps", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layout", choices=LAYOUTS, default="interleaved",
+                    help="weight order of the target's kernel: rows for Helium (Cortex-M55), else interleaved")
+    a = ap.parse_args(argv)
+    try:
+        paths = write_mcu(load_params(a.params), a.stem, prefix=a.prefix, golden_steps=a.golden_steps, seed=a.seed,
+                          layout=a.layout)
+    except (OSError, ValueError, pickle.UnpicklingError) as e:
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 1
+    print(*paths)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

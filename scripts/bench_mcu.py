@@ -1,0 +1,116 @@
+"""Instructions per step, flash and RAM of the C runtime (csrc/c/) per target and shape.
+
+For each shape (input -> hidden, one unidirectional layer, config w8a8 on a static x grid) the
+model is exported once and scripts/mcu_build.py builds csrc/c/boards/bench_main.c for each target
+twice (1 and 5 streaming steps). QEMU runs each build one instruction per translation block with
+the execution log on (``-singlestep -d exec,nochain``); the difference of the two logs' line
+counts / 4 is the exact count of instructions a step retires (startup and printing cancel out).
+QEMU models no cycles (an M4 retires at most one instruction a cycle). Flash: arm-none-eabi-size
+of the Cortex-M builds (runtime, model data, board start-up); RAM: the state, the work buffer
+and the deepest stack of qgru_rt_run from -fstack-usage.
+
+    python scripts/bench_mcu.py [--targets m0,m4,m55,a53,a64-dotprod] [--shapes 16x64,33x96,40x128]
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mcu_build as mb  # noqa: E402
+
+ANCHORS = {  # (target, shape): instructions per step before the runtime (export_c), and the goal
+    ("m4", "16x64"): "127,165 before; goal <= 30,000",
+    ("m4", "33x96"): "260,995 before; NNoM+CMSIS-NN 145k cycles (STM32L476); goal <= 72,000",
+    ("m55", "16x64"): "106,299 before; goal <= half the M4's",
+    ("m55", "33x96"): "goal <= half the M4's",
+    ("m0", "16x64"): "949,799 before; goal <= 3x the M4's",
+    ("a64-dotprod", "16x64"): "39,681 before (2.6 / MAC); goal <= 0.4 / MAC",
+}
+
+
+def model(I: int, H: int, folder: Path):
+    import torch
+    import qgru
+    from qgru.export_mcu import write_mcu
+    cfg = qgru.QuantConfig.load("w8a8", overrides={"tensors": {"x": {"dynamic": False}, "h_gemm": {"dynamic": False}}})
+    torch.manual_seed(0)
+    m = qgru.QuantGRU(I, H, config=cfg)
+    qgru.calibrate(m, [torch.randn(20, 4, I) for _ in range(2)], progress=False)
+    p = m.convert().export()
+    out = {}
+    for layout in ("interleaved", "rows"):
+        d = folder / f"{I}x{H}-{layout}"
+        write_mcu(p, d / "gru", layout=layout)
+        out[layout] = d
+    return out
+
+
+def count(t, d: Path, steps: int) -> int:
+    b = mb.build(t, d / "gru.c", mb.BOARDS / "bench_main.c", d / f"bench-{t.name}-{steps}",
+                 defines=['QGRU_MODEL_HEADER="gru.h"', "QGRU_MODEL=gru", f"QGRU_BENCH_STEPS={steps}"],
+                 extra=["-fstack-usage"])
+    log = d / f"exec-{t.name}-{steps}.log"
+    out = mb.run(t, b, timeout=600, extra=["-singlestep", "-d", "exec,nochain", "-D", str(log)])
+    assert "rc 0" in out, out
+    n = sum(1 for line in log.open(errors="replace") if line.startswith("Trace"))
+    log.unlink()
+    return n
+
+
+def flash(t, d: Path) -> str:
+    if not t.bare:
+        return "-"
+    r = subprocess.run(["arm-none-eabi-size", str(d / f"bench-{t.name}-1")], capture_output=True, text=True)
+    text, data = map(int, r.stdout.splitlines()[1].split()[:2])
+    hdr = (d / "gru.h").read_text()
+    w = int(re.search(r"weights (\d+)", hdr).group(1))
+    return f"{text + data} (weights {w}, other {text + data - w})"
+
+
+def stack(d: Path) -> int:
+    """the deepest static frames of qgru_rt_run's chain (qgru_rt_run, dir_step, dot4, the kernel)"""
+    frames = {}
+    for su in d.glob("*.su"):
+        for line in su.read_text().splitlines():
+            m = re.match(r".*:(\w+)(?:\.\w+)*\t(\d+)\t", line)
+            if m:
+                frames[m.group(1)] = max(frames.get(m.group(1), 0), int(m.group(2)))
+    return sum(frames.get(f, 0) for f in ("qgru_rt_run", "dir_step", "dot4", "qgru_rt_dot4_a16", "qgru_rt_dot4_a8"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--targets", default="m0,m4,m55,a53,a64-dotprod")
+    ap.add_argument("--shapes", default="16x64,33x96,40x128")
+    a = ap.parse_args()
+    targets = [mb.TARGETS[n] for n in a.targets.split(",")]
+    print("| target | kernel | shape | instructions / step | per multiply-add | flash bytes | RAM: state + work + stack | anchor |")
+    print("|---|---|---|---:|---:|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in a.shapes.split(","):
+            I, H = map(int, shape.split("x"))
+            dirs = model(I, H, Path(tmp))
+            macs = 3 * H * (I + H)
+            for t in targets:
+                if mb.missing(t):
+                    print(f"| {t.name} | - | {shape} | skipped: {mb.missing(t)} missing | | | | |")
+                    continue
+                d = dirs[t.layout]
+                for su in d.glob("*.su"):
+                    su.unlink()
+                n = (count(t, d, 5) - count(t, d, 1)) / 4
+                kernel = {"m0": "ref", "m4": "dsp (SMLAD)", "m55": "mve", "a53": "neon", "a64-dotprod": "neon SDOT"}.get(t.name, "?")
+                work = 2 * (((max(I, H) + 15) & ~15) + ((H + 15) & ~15) + ((H + 7) & ~7))
+                ram = f"{2 * H} + {work} + {stack(d)}"
+                print(f"| {t.name} | {kernel} | {I} -> {H} | {n:,.0f} | {n / macs:.2f} | {flash(t, d)} | {ram} | "
+                      f"{ANCHORS.get((t.name, shape), '')} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The C runtime for microcontrollers and ARM boards (csrc/c/, qgru/export_mcu.py): bit-exact with
+the golden model on the host and, cross-compiled, under QEMU (aarch64 with and without dotprod,
+Cortex-M0, M4, M55).
+
+Each case is one converted model (stacked, bidirectional, w8a8 with its h_gemm, w8a16, w16a16 on
+the int64 path, an 8-bit state read directly, exact small tables), exported once. On the host a
+harness reads integer inputs on stdin and prints what the runtime computes, in one call and in
+chunks; the test compares every integer with qgru.golden run layer by layer here, and the floats
+with QuantGRU's own forward. On the cross targets the exported golden self-test runs (one whole
+call and, unidirectional, one step per call) and must count 0 mismatches. Targets whose
+toolchain or QEMU is absent skip with the missing tool's name (.ci/run installs them).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import qgru
+from qgru.export_mcu import write_mcu
+from qgru.golden import gru_direction, requantize_input
+from qgru.primitives import dequantize, qrange
+
+_spec = importlib.util.spec_from_file_location("mcu_build", Path(__file__).resolve().parents[1] / "scripts" / "mcu_build.py")
+mb = importlib.util.module_from_spec(_spec)
+sys.modules["mcu_build"] = mb  # its dataclasses look their module up
+_spec.loader.exec_module(mb)
+
+CUSTOM = {"observer": {"kind": "minmax"},  # exact (<= 10-bit) tables, 6-bit R per tensor, per-group W
+          "tensors": {"R": {"bits": 6, "symmetric": True, "granularity": "per_tensor"},
+                      "W": {"bits": 8, "symmetric": True, "granularity": "per_group", "group_size": 4},
+                      "Wx": {"bits": 12, "symmetric": False, "granularity": "per_channel"},
+                      "z_pre": {"bits": 8, "symmetric": False}, "r_pre": {"bits": 10, "symmetric": False},
+                      "g_pre": {"bits": 8, "symmetric": False}, "z": {"bits": 8}, "r": {"bits": 12},
+                      "g": {"bits": 8}}}
+CASES = {  # id: (config, overrides, scale_mode, input, hidden, layers, bidirectional)
+    "w8a8-bidir2": ("w8a8", {}, "multiplier", 5, 6, 2, True),
+    "w8a16-pow2-stack": ("w8a16", {}, "pow2", 7, 9, 2, False),
+    "w16a16-wide-bidir": ("w16a16", {}, "multiplier", 6, 5, 1, True),
+    "w8a8-h8-pow2": ("w8a8", {"tensors": {"h": {"bits": 8, "headroom": 1.0}, "h_gemm": None}}, "pow2", 16, 12, 1, False),
+    "custom-bidir2": ("w8a8", CUSTOM, "multiplier", 9, 7, 2, True),
+}
+GOLDEN = ["GRU_GOLDEN", 'QGRU_MODEL_HEADER="gru.h"', "QGRU_MODEL=gru"]
+
+HARNESS = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include "gru.h"
+
+/* stdin: T, x_q [T][I], h0 [STATE]. stdout: out [T][D H], h_n of one call; then the same from two
+ * calls (the first T/2 steps, then the rest) for a unidirectional model. */
+static long next(void)
+{
+    long v;
+    if (scanf("%ld", &v) != 1) exit(2);
+    return v;
+}
+
+int main(void)
+{
+    const int32_t T = (int32_t)next(), D = GRU_NUM_DIRECTIONS, H = GRU_HIDDEN_SIZE, S = GRU_STATE_SIZE;
+    const size_t nw = qgru_rt_work_bytes(&gru_model, T);
+    int16_t *x = malloc(sizeof(int16_t) * (size_t)(T * GRU_INPUT_SIZE + 1));
+    int16_t *out = malloc(sizeof(int16_t) * (size_t)(T * D * H + 1));
+    int16_t h0[GRU_STATE_SIZE], h[GRU_STATE_SIZE];
+    void *work = malloc(nw);
+    int32_t i, c, rc;
+    for (i = 0; i < T * GRU_INPUT_SIZE; i++) x[i] = (int16_t)next();
+    for (i = 0; i < S; i++) h0[i] = (int16_t)next();
+    for (c = 0; c < (D == 1 ? 2 : 1); c++) {
+        const int32_t first = c ? T / 2 : T;
+        for (i = 0; i < S; i++) h[i] = h0[i];
+        rc = qgru_rt_run(&gru_model, x, first, h, out, work, nw);
+        if (!rc && first < T)
+            rc = qgru_rt_run(&gru_model, x + first * GRU_INPUT_SIZE, T - first, h, out + first * D * H, work, nw);
+        if (rc) return 3;
+        for (i = 0; i < T * D * H; i++) printf("%d\n", out[i]);
+        for (i = 0; i < S; i++) printf("%d\n", h[i]);
+    }
+    free(x), free(out), free(work);
+    return 0;
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def converted(case: str) -> qgru.QuantParams:
+    config, over, mode, I, H, layers, bidir = CASES[case]
+    cfg = qgru.QuantConfig.load(config, overrides={**over, "scale_mode": mode})
+    static = {"x": {"dynamic": False}, **({"h_gemm": {"dynamic": False}} if cfg.h_gemm is not None else {})}
+    cfg = qgru.QuantConfig.load(cfg, overrides={"tensors": static})
+    torch.manual_seed(len(case))
+    m = qgru.QuantGRU(I, H, num_layers=layers, bidirectional=bidir, config=cfg)
+    qgru.calibrate(m, [torch.randn(6, 3, I) * 1.5 for _ in range(2)], progress=False)
+    return m.convert().export()
+
+
+@functools.lru_cache(maxsize=None)
+def exported(case: str, layout: str, folder: str) -> Path:
+    d = Path(folder) / f"{case}-{layout}"
+    write_mcu(converted(case), d / "gru", layout=layout)
+    return d
+
+
+def golden_stack(params, qx, qh0):
+    """qgru.golden layer by layer (written here, apart from export_mcu): out [T, D*H], h_n [L*D, H]"""
+    D = len(params.layers[0])
+    inp, h_n = [qx], []
+    for li, row in enumerate(params.layers):
+        outs = []
+        for d, p in enumerate(row):
+            x = qx if li == 0 else torch.cat(
+                [requantize_input(q, params.layers[li - 1][e].zp["h"], p.rescale[f"in_{e}"], p.zp["x"], p.bits["x"])
+                 for e, q in enumerate(inp)], -1)
+            o, h = gru_direction(p, (x.flip(0) if d else x).unsqueeze(1), qh0[li * D + d].unsqueeze(0))
+            outs.append(o.squeeze(1).flip(0) if d else o.squeeze(1))
+            h_n.append(h.squeeze(0))
+        inp = outs
+    return torch.cat(inp, -1), torch.stack(h_n)
+
+
+def inputs(params, gen, T=11):
+    p0 = params.layers[0][0]
+    xlo, xhi = qrange(p0.bits["x"])
+    qx = torch.randint(xlo, xhi + 1, (T, p0.input_size), generator=gen)
+    qx[0], qx[1, ::2] = xlo, xhi  # the extremes
+    qh0 = torch.stack([torch.randint(*(lambda r: (r[0], r[1] + 1))(qrange(p.bits["h"])), (p.hidden_size,), generator=gen)
+                       for row in params.layers for p in row])
+    return qx, qh0
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("mcu"))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_host_runtime_matches_golden_and_module(case, folder):
+    t = mb.TARGETS["host"]
+    if mb.missing(t):
+        pytest.skip(f"no host C compiler ({mb.missing(t)})")
+    params = converted(case)
+    d = exported(case, "interleaved", folder)
+    (d / "harness.c").write_text(HARNESS)
+    binary = mb.build(t, d / "gru.c", d / "harness.c", d / "harness")
+    L, D, H = len(params.layers), len(params.layers[0]), params.meta["hidden_size"]
+    qx, qh0 = inputs(params, torch.Generator().manual_seed(3))
+    T = qx.shape[0]
+    text = mb.run(t, binary, stdin=" ".join(map(str, [T, *qx.reshape(-1).tolist(), *qh0.reshape(-1).tolist()])))
+    vals = torch.tensor([int(v) for v in text.split()], dtype=torch.int64)
+    n = T * D * H + L * D * H
+    assert vals.numel() == n * (2 if D == 1 else 1)
+    want_out, want_h = golden_stack(params, qx, qh0)
+    for c in range(vals.numel() // n):  # one call, then (unidirectional) two chunks
+        out, h_n = vals[c * n:c * n + T * D * H].reshape(T, D * H), vals[c * n + T * D * H:(c + 1) * n].reshape(L * D, H)
+        assert torch.equal(out, want_out), (c, out, want_out)
+        assert torch.equal(h_n, want_h), (c, h_n, want_h)
+    # the module's own float forward on the same integers (x and h0 as floats on their grids)
+    m = params.to_module()
+    p0 = params.layers[0][0]
+    x = dequantize(qx, p0.scale["x"], p0.zp["x"]).unsqueeze(1)
+    flat = [p for row in params.layers for p in row]
+    h0 = torch.stack([dequantize(qh0[i], p.scale["h"], p.zp["h"]) for i, p in enumerate(flat)]).unsqueeze(1)
+    with torch.no_grad():
+        y, hy = m(x, h0)
+    last = params.layers[-1]
+    c_y = torch.cat([dequantize(want_out[:, e * H:(e + 1) * H], p.scale["h"], p.zp["h"]) for e, p in enumerate(last)], -1)
+    assert torch.equal(y.squeeze(1), c_y)
+    assert torch.equal(hy.squeeze(1), torch.stack([dequantize(want_h[i], p.scale["h"], p.zp["h"])
+                                                   for i, p in enumerate(flat)]))
+
+
+def test_wide_and_narrow_paths_are_both_exercised(folder):
+    """w16a16's GEMMs exceed the int32 bound (16-bit weights): the export sends them to the int64
+    loop and says so; w8a8's all accumulate in int32 (the kernels)"""
+    assert "takes the int64 loop" in (exported("w16a16-wide-bidir", "interleaved", folder) / "gru.h").read_text()
+    assert "none: every GEMM accumulates in int32" in (exported("w8a8-bidir2", "interleaved", folder) / "gru.h").read_text()
+
+
+def test_runtime_refuses_data_of_another_layout(folder):
+    t = mb.TARGETS["host"]
+    if mb.missing(t):
+        pytest.skip(f"no host C compiler ({mb.missing(t)})")
+    d = exported("w8a8-h8-pow2", "rows", folder)
+    b = mb.build(t, d / "gru.c", mb.BOARDS / "selftest_main.c", d / "st-host", defines=GOLDEN)
+    assert mb.mismatches(mb.run(t, b, check=False)) == -4  # QGRU_RT_ELAYOUT
+
+
+def test_export_arguments():
+    p = converted("w8a8-h8-pow2")
+    with pytest.raises(ValueError, match="not a C identifier"):
+        write_mcu(p, "/tmp/x", prefix="1bad")
+    with pytest.raises(ValueError, match="layout"):
+        write_mcu(p, "/tmp/x", layout="columns")
+
+
+CROSS = ["a53", "a64-dotprod", "m0", "m4", "m55"]
+
+
+@pytest.mark.parametrize("target", CROSS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_cross_targets_self_test_bit_exact(case, target, folder):
+    t = mb.TARGETS[target]
+    tool = mb.missing(t)
+    if tool:
+        pytest.skip(f"{target}: {tool} is not installed (.ci/run installs the cross toolchains and QEMU)")
+    d = exported(case, t.layout, folder)
+    b = mb.build(t, d / "gru.c", mb.BOARDS / "selftest_main.c", d / f"st-{target}", defines=GOLDEN)
+    out = mb.run(t, b, timeout=60)
+    kernel = {"a53": "neon", "a64-dotprod": "neon-dotprod", "m0": "ref", "m4": "dsp", "m55": "mve"}[target]
+    assert f"kernel {kernel}\n" in out, out
+    assert mb.mismatches(out) == 0, out
+
+
+QUANTIZE = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include "gru.h"
+
+/* stdin: n, then n floats (%a) -> the integers of qgru_rt_quantize_input, the NaN count, and the
+ * floats of qgru_rt_dequantize of those integers on the last layer's first direction */
+int main(void)
+{
+    int n, i;
+    float x[64], y[64];
+    int16_t q[64];
+    if (scanf("%d", &n) != 1 || n > 64) return 2;
+    for (i = 0; i < n; i++)
+        if (scanf("%a", &x[i]) != 1) return 2;
+    printf("%d\n", (int)qgru_rt_quantize_input(&gru_model, x, n, q));
+    qgru_rt_dequantize(&gru_model, (GRU_NUM_LAYERS - 1) * GRU_NUM_DIRECTIONS, q, n, y);
+    for (i = 0; i < n; i++) printf("%d %a\n", q[i], (double)y[i]);
+    return 0;
+}
+"""
+
+
+def test_float_boundary_matches_quantize_and_dequantize(folder):
+    """qgru_rt_quantize_input is primitives.quantize on layer 0's static grid (round half up in
+    float64, saturation, +-inf), NaN counted; qgru_rt_dequantize is primitives.dequantize"""
+    from qgru.primitives import quantize
+    t = mb.TARGETS["host"]
+    if mb.missing(t):
+        pytest.skip(f"no host C compiler ({mb.missing(t)})")
+    params = converted("w8a16-pow2-stack")
+    d = exported("w8a16-pow2-stack", "interleaved", folder)
+    (d / "quant.c").write_text(QUANTIZE)
+    b = mb.build(t, d / "gru.c", d / "quant.c", d / "quant")
+    p0, last = params.layers[0][0], params.layers[-1][0]
+    s = float(p0.scale["x"])
+    x = torch.tensor([0.0, -0.0, s * 0.5, -s * 0.5, s * 1.5, s * 2.4999999, 1e30, -1e30, float("inf"), float("-inf"),
+                      *(torch.randn(40, generator=torch.Generator().manual_seed(5)) * 3).tolist(), s * 1e4],
+                     dtype=torch.float32)
+    x = torch.cat([x, torch.tensor([float("nan")])])
+    out = mb.run(t, b, stdin=f"{x.numel()} " + " ".join(float(v).hex() for v in x.tolist())).split("\n")
+    assert int(out[0]) == 1  # the NaN
+    q = torch.tensor([int(line.split()[0]) for line in out[1:1 + x.numel()]])
+    y = torch.tensor([float.fromhex(line.split()[1]) for line in out[1:1 + x.numel()]], dtype=torch.float32)
+    want = quantize(x[:-1], p0.scale["x"], p0.zp["x"], p0.bits["x"])
+    assert torch.equal(q[:-1], want) and int(q[-1]) == int(p0.zp["x"])
+    assert torch.equal(y, dequantize(q, last.scale["h"], last.zp["h"]))
