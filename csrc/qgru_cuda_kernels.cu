@@ -256,7 +256,7 @@ void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, const i
   }
   // Windows of steps: W.x of a window's steps in one GEMM (seed 001 steps 1-2), then their
   // recurrence, one R.h GEMM + one cell kernel per step (step 3). Wx - Z_Wx is kept for one window
-  // only (window_steps: at most kWindowBytes of buffers), not for all T steps.
+  // only (window_steps, qgru_cuda_launch.h: sized by the graph nodes a window saves), not for all T steps.
   for (int64_t t0 = 0; t0 < T; t0 += ws.window_steps) {
     const int64_t steps = T - t0 < ws.window_steps ? T - t0 : ws.window_steps;
     const int64_t rows = steps * N;

@@ -1,8 +1,9 @@
 // Host-side shapes of the CUDA backend (qgru_cuda_kernels.cu): the element-wise kernels' launch
-// shapes, the layout of the one GEMM per product and the steps of a plan (qgru_cuda.cpp). Host code without CUDA headers, so that
-// tests/test_cuda_compile.py can compile it with the host compiler and check, for many shapes,
-// that the kernels' index loops visit every element exactly once and that the GEMM's blocks are
-// the limb pairs' products.
+// shapes, the layout of the one GEMM per product, and a plan's steps, W.x windows, buffers and
+// bound (qgru_cuda.cpp). Host code without CUDA headers, so that tests/test_cuda_compile.py can
+// compile it with the host compiler and check, for many shapes, that the kernels' index loops visit
+// every element exactly once, that the GEMM's blocks are the limb pairs' products, and what every
+// GPU benchmark shape's plan keeps and each call allocates.
 #pragma once
 
 #include <cstdint>

@@ -430,7 +430,7 @@ def bench_cuda(args, configs) -> Bench:
                                        "and one cell kernel per step)")
                 if d.get("unplanned_runs", 0) > 0:
                     bench.notes.append(f"{sc} / qgru {cfg}: {d['unplanned_runs']} layer runs without a plan (no "
-                                       "graph: the plan would pass QGRU_CUDA_PLAN_MAX_BYTES, default 256 MiB)")
+                                       "graph: the plan would pass QGRU_CUDA_PLAN_MAX_BYTES, default a quarter of the free device memory, at least 256 MiB)")
             with torch.inference_mode():
                 for r, fn in zip(pending, peaks):
                     if any(r is kept for kept in bench.rows):  # (a row that failed was dropped)

@@ -231,3 +231,30 @@ def test_cpp_program_runs_the_package_bit_exact(artifacts, tmp_path):
     y.write_bytes(bytes(data))
     r = subprocess.run(cmd + [str(bad)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "case 2 output 1 differs" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+_NO_BACKEND = r"""
+import warnings, torch, qgru
+from qgru import ops
+warnings.simplefilter("ignore")  # the fallback's warning (reference backend)
+torch.manual_seed(1)
+m = qgru.QuantGRU(5, 16, num_layers=2, bidirectional=True)
+qgru.calibrate(m, [torch.randn(7, 3, 5) for _ in range(3)], progress=False)
+m.convert()
+params, spec = m._op_params
+x, h0 = torch.randn(6, 2, 5), torch.randn(4, 2, 16)
+got = torch.ops.qgru.integer_gru(x, h0, None, params, spec)
+with torch.no_grad():
+    want = m(x, h0)
+print(ops.ensure_operator(), torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+"""
+
+
+def test_without_the_cpu_backend_the_operator_is_python(tmp_path):
+    """Where the cpu backend cannot be built (here: QGRU_NO_BUILD=1 and an empty build folder) the
+    operator is defined in Python instead, with the same integers (the reference backend's)."""
+    env = dict(os.environ, QGRU_NO_BUILD="1", QGRU_BUILD_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", _NO_BACKEND], capture_output=True, text=True, timeout=300, env=env,
+                       cwd=str(ROOT))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "python True", r.stdout

@@ -263,3 +263,21 @@ def test_float_boundary_matches_quantize_and_dequantize(folder):
     want = quantize(x[:-1], p0.scale["x"], p0.zp["x"], p0.bits["x"])
     assert torch.equal(q[:-1], want) and int(q[-1]) == int(p0.zp["x"])
     assert torch.equal(y, dequantize(q, last.scale["h"], last.zp["h"]))
+
+
+def test_command_line_and_x_levels_warning(tmp_path, capsys):
+    """python -m qgru.export_mcu writes the two files (exit 0) and answers an unreadable file with
+    one error line (exit 1); a first layer with x levels exports on its static grid, with a warning"""
+    from qgru import export_mcu
+    cfg = qgru.QuantConfig.load("w8a8", overrides={"tensors": {"x": {"dynamic": True}}})
+    torch.manual_seed(0)
+    m = qgru.QuantGRU(4, 4, config=cfg)
+    qgru.calibrate(m, [torch.randn(5, 2, 4)], progress=False)
+    params = m.convert().export()
+    params.save(tmp_path / "m.qgru")
+    with pytest.warns(UserWarning, match="x levels are not exported"):
+        assert export_mcu.main([str(tmp_path / "m.qgru"), str(tmp_path / "out" / "net")]) == 0
+    assert (tmp_path / "out" / "net.c").is_file() and "net_model" in (tmp_path / "out" / "net.h").read_text()
+    (tmp_path / "bad.qgru").write_bytes(b"not a parameter file")
+    assert export_mcu.main([str(tmp_path / "bad.qgru"), str(tmp_path / "x")]) == 1
+    assert "python -m qgru.export_mcu: error:" in capsys.readouterr().err

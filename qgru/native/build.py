@@ -39,7 +39,7 @@ _SOURCES = {
 # every header the sources include: the build's cache key hashes them, so an edit to any of them
 # rebuilds (tests/test_native.py checks that this list and _SOURCES cover every file in csrc/)
 _HEADERS = ["qgru_fixedpoint.h", "qgru_cell.h", "qgru_check.h", "qgru_layer.h", "qgru_cuda.h", "qgru_cuda_launch.h",
-            "qgru_persistent.h", "qgru_cuda_backend.h", "cpu/kernels.h", "cpu/cell_loops.h", "cpu/isa.h",
+            "qgru_persistent.h", "qgru_fused_step.h", "qgru_cuda_backend.h", "cpu/kernels.h", "cpu/cell_loops.h", "cpu/isa.h",
             "cpu/quantize_block.h", "cpu/lanes_avx2.h", "cpu/lanes_avx512.h", "cpu/vnni_gemm.h", "cpu/cpu_backend.h",
             "cpu/vnni16_gemm.h", "cpu/gemm_blocks.h"]
 
