@@ -267,6 +267,17 @@ bool persistent_from_env() {
   return true;
 }
 
+// QGRU_CUDA_FUSED: "1": the fused step (qgru_cuda_fused.cu: one kernel per step, R.h by int8 mma.sync
+// and the cell in registers) for the layers it takes (cuda::fused_supported: one R.h limb pair, sm_80
+// or newer) where no persistent plan runs; unset, "" or "0": never. Read once, when a Layer is made.
+// Off by default until a GPU has run it against the golden model (host emulation and SASS checks only).
+bool fused_from_env() {
+  const char* env = std::getenv("QGRU_CUDA_FUSED");
+  if (env == nullptr || *env == '\0' || std::string(env) == "0") return false;
+  QGRU_CHECK_VALUE(std::string(env) == "1", "qgru cuda: QGRU_CUDA_FUSED='", env, "' must be 0 or 1");
+  return true;
+}
+
 // qgru's own cuBLAS handle, one per device, for the runs on a workspace qgru owns (the first call of
 // a shape, the capture of its graph, and calls inside a caller's capture). A graph captured on PyTorch's handle would
 // bake in PyTorch's workspace for that stream, which torch._C._cuda_clearCublasWorkspaces(), a
@@ -364,6 +375,7 @@ class CudaLayer {
     use_graph_ = env == nullptr || std::string(env) != "0";
     plan_env_bytes_ = plan_max_bytes_from_env();
     persistent_ = persistent_from_env();
+    fused_ = fused_from_env() && cuda::fused_supported(d_, device_.index());
     // qgru's own cuBLAS handle exists from here on: creating it inside a graph capture would fail
     c10::cuda::CUDAGuard guard(device_);
     own_handle(device_.index());
@@ -462,6 +474,7 @@ class CudaLayer {
     }
     Plan& p = *found;
     if (p.b.ws.pk.blocks > 0) ++counters_.persistent_calls;
+    if (p.b.ws.fused) ++counters_.fused_calls;
     // The mutex orders only the host side. On the device, every use of the plan's buffers (the
     // copies in, the run, eager or graph, and the copies out) is ordered after the previous call's
     // last use, whichever stream or thread that call ran on.
@@ -564,7 +577,8 @@ class CudaLayer {
             {"replays", counters_.replays.load()},
             {"in_foreign_capture", counters_.in_foreign_capture.load()},
             {"unplanned_runs", counters_.unplanned_runs.load()},
-            {"persistent_calls", counters_.persistent_calls.load()}};
+            {"persistent_calls", counters_.persistent_calls.load()},
+            {"fused_calls", counters_.fused_calls.load()}};
   }
 
  private:
@@ -577,6 +591,7 @@ class CudaLayer {
     std::atomic<int64_t> in_foreign_capture{0};  // calls inside a capture of the caller's
     std::atomic<int64_t> unplanned_runs{0};      // calls of a shape too large for a plan (plan_max_bytes)
     std::atomic<int64_t> persistent_calls{0};    // calls whose recurrence ran persistent (qgru_cuda_persistent.cu)
+    std::atomic<int64_t> fused_calls{0};         // calls whose recurrence ran the fused step (qgru_cuda_fused.cu)
   };
 
   void run(const Buffers& b, cudaStream_t stream, cublasHandle_t handle) const {
@@ -633,7 +648,9 @@ class CudaLayer {
     ++(in_capture ? counters_.in_foreign_capture : counters_.unplanned_runs);
     if (in_capture) keep_for_foreign_graphs();
     Buffers b = make_buffers(d_, T, N, lengths.has_value(), persistent_plan(N), opts);
+    b.ws.fused = fused_ && b.ws.pk.blocks == 0;
     if (b.ws.pk.blocks > 0) ++counters_.persistent_calls;
+    if (b.ws.fused) ++counters_.fused_calls;
     fill(b, cur);
     if (lengths.has_value()) b.lengths.copy_(*lengths);
     if (in_capture) {
@@ -702,6 +719,7 @@ class CudaLayer {
     p->N = N;
     p->has_lengths = has_lengths;
     p->b = make_buffers(d_, T, N, has_lengths, persistent_plan(N), opts);
+    p->b.ws.fused = fused_ && p->b.ws.pk.blocks == 0;  // the fused step where no persistent plan runs
     QGRU_CHECK(buffer_bytes(p->b) == buffer_bytes(d_, T, N, has_lengths, persistent_plan(N)),
                 "qgru cuda: internal error: a plan's buffer size differs from its estimate");
     if (use_graph_) p->cublas_ws = at::empty({cublas_workspace_bytes(device_.index())}, opts.dtype(at::kByte));
@@ -716,6 +734,7 @@ class CudaLayer {
   at::Device device_{at::kCUDA};
   bool use_graph_ = true;
   bool persistent_ = false;  // QGRU_CUDA_PERSISTENT
+  bool fused_ = false;       // QGRU_CUDA_FUSED, for a layer the fused step takes
   mutable std::mutex pk_mu_;
   mutable std::map<int64_t, cuda::PkPlan> pk_plans_;  // persistent_plan, by N
   int64_t plan_env_bytes_ = -1;  // QGRU_CUDA_PLAN_MAX_BYTES (-1: unset, plan_max_bytes)

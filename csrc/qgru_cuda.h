@@ -58,6 +58,10 @@ struct Workspace {
   PkPlan pk;
   int8_t* pk_h;            // [pk.h_buffer] the operand's double buffer, zeroed at allocation
   uint32_t* pk_counter;    // [1] the grid barrier's counter
+  // The fused step (qgru_cuda_fused.cu), where true and pk.blocks == 0: one kernel per step instead
+  // of one R.h GEMM and one cell kernel, the operand double-buffered in h_limbs[0] and h_limbs[1]
+  // (a layer fused_supported accepts has one operand limb, so h_limbs[1] is free).
+  bool fused;
 };
 
 struct WorkspaceSizes {    // element counts
@@ -85,6 +89,14 @@ PkShape persistent_shape(const LayerDesc& d, int64_t N);
 int persistent_plan(const LayerDesc& d, int64_t N, int device, PkPlan* out);
 void persistent_steps(const LayerDesc& d, const PkPlan& p, const PkArgs& args, int64_t t_begin, int64_t t_end,
                       cudaStream_t stream);
+
+// The fused step (qgru_cuda_fused.cu). fused_supported: whether a layer can take it on `device`
+// (one R.h limb pair: 8-bit weights and operand; compute capability 8.0 or newer). fused_step: step
+// t of the recurrence in one launch on `stream`, R.h from the operand limbs h_in [N_pad, K_pad], the
+// cell, and the next step's limbs into h_out (another buffer); capturable in a CUDA graph.
+bool fused_supported(const LayerDesc& d, int device);
+void fused_step(const LayerDesc& d, const int8_t* h_in, int8_t* h_out, const int32_t* dwx_t, int32_t* state,
+                int16_t* out_t, const int64_t* lengths, int64_t t, int64_t N, cudaStream_t stream);
 
 // The float boundary (primitives.quantize / dequantize) and the layer-to-layer requantization,
 // one pass each on `stream`. quantize: x [n] float32 or float64 -> q [n] int32 or int16 on the grid

@@ -280,6 +280,13 @@ void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, const i
       persistent_steps(d, ws.pk, pk, t0, t0 + steps, stream);
       continue;
     }
+    if (ws.fused) {  // one kernel per step (qgru_cuda_fused.cu), the operand in h_limbs[t % 2]
+      if (d.h_bits > 8) throw std::runtime_error("qgru cuda: the fused step takes an operand of one limb");
+      for (int64_t t = t0; t < t0 + steps; ++t)
+        fused_step(d, ws.h_limbs[t & 1], ws.h_limbs[(t + 1) & 1], ws.dwx + (t - t0) * N * H3, state, out + t * N * H,
+                   lengths, t, N, stream);
+      continue;
+    }
     for (int64_t t = t0; t < t0 + steps; ++t) {
       const LimbProducts lp = run_gemms(d.rh, ws.h_limbs, ws.Gh, ws.N_pad, ws.N_pad, d.ones_col, handle);
       dispatch_kernel(d.rh.P, d.pow2, d.acc32, [&](auto np, auto pow2, auto acc32) {

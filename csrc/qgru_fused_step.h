@@ -1,4 +1,4 @@
-// One fused step kernel per time step (a design for the CUDA backend; not used by the runtime yet):
+// One fused step kernel per time step (csrc/qgru_cuda_fused.cu runs it, opt-in: QGRU_CUDA_FUSED=1):
 // the R.h product by int8 mma.sync.m16n8k32 with the three gates of a hidden unit in one thread's
 // accumulators, then the shared cell (qgru_cell.h gru_cell_acc, the function cell_kernel runs) in
 // registers, instead of a cuBLAS GEMM node, a cell node and the Gh int32 round trip between them.
@@ -6,7 +6,10 @@
 // element of A, B and the accumulators, PTX ISA "Matrix Fragments for mma.m16n8k32", .s8) and the
 // schedule (CTAs, warps, n tiles, K split) are compiled for the host by tests/test_cuda_compile.py,
 // which emulates the warp's MMA from these maps and checks every accumulator against the exact int8
-// product for many shapes. A kernel built on it issues the same loads and `mma.sync` per fragment.
+// product for many shapes. The kernel (qgru_cuda_fused.cu) calls these same functions: the word
+// loaders fs_load_a_words / fs_load_b_words (the byte maps' registers, one aligned 32-bit load
+// each: tests/test_cuda_fused_compile.py checks them against fs_load_a / fs_load_b), fs_item,
+// fs_acc and fs_cell; the FsShape is computed on the host (fs_shape divides in 64 bits).
 //
 // Layout. CTA c owns hidden units [8c, 8c + 8) (kFsUnits) of all three gates. Its R rows (channels
 // q H + j of the [M_pad, K_pad] weight limbs, gate q in r, z, g order) form two m16 tiles:
@@ -53,10 +56,12 @@ QGRU_HD int fs_c_col(int lane, int i) { return 2 * (lane & 3) + (i & 1); }
 
 // The R channel (row of the weight limbs, q H + j) of row m of tile `tile` in CTA `cta`, or -1
 // where none (tile 1's rows 8-15, and units past H).
+// fs_tile_gate: the gate (0 r, 1 z, 2 g; -1 none) of row m of tile `tile`, whatever the unit.
+QGRU_HD int fs_tile_gate(int tile, int m) { return tile == 0 ? (m >> 3) : (m < 8 ? 2 : -1); }
 QGRU_HD int64_t fs_tile_channel(int64_t H, int64_t cta, int tile, int m) {
   const int64_t j = cta * kFsUnits + (m & 7);
   if (j >= H) return -1;
-  const int gate = tile == 0 ? (m >> 3) : (m < 8 ? 2 : -1);
+  const int gate = fs_tile_gate(tile, m);
   return gate < 0 ? -1 : gate * H + j;
 }
 
@@ -93,7 +98,8 @@ struct FsItem {
 };
 
 QGRU_HD FsItem fs_item(const FsShape& s, int64_t warp, int64_t pass) {
-  const int64_t slot = warp / s.k_split, ks = warp % s.k_split;
+  // 32-bit division (warps and k_split are small): a 64-bit one is a called routine on the device
+  const int64_t slot = (int)warp / (int)s.k_split, ks = (int)warp % (int)s.k_split;
   if (slot >= s.tiles_per_pass) return {-1, 0};  // warps past the last full group of k_split
   const int64_t nt = pass * s.tiles_per_pass + slot;
   return {nt < s.nt_count ? nt : -1, ks};
@@ -110,6 +116,21 @@ QGRU_HD void fs_load_a(const int8_t* R, int64_t K_pad, int64_t H, int64_t cta, i
   }
 }
 
+// The same fragment as the four 32-bit registers mma.sync takes: register r holds elements
+// 4r .. 4r + 3 (byte b: element 4r + b), which the maps put in one row at 4 consecutive k from a
+// multiple of 4, so with K_pad a multiple of 4 and R 4-byte aligned each is one aligned word
+// load(R + ch K_pad + k) (`load`: a plain or read-only load on the device, memcpy on the host), or 0.
+template <typename Load>
+QGRU_HD void fs_load_a_words(const int8_t* R, int64_t K_pad, int64_t H, int64_t cta, int tile, int64_t kstep,
+                             int lane, uint32_t a[4], Load&& load) {
+  QGRU_UNROLL
+  for (int r = 0; r < 4; ++r) {
+    const int64_t ch = fs_tile_channel(H, cta, tile, fs_a_row(lane, 4 * r));
+    const int64_t k = kstep * kFsMmaK + fs_a_k(lane, 4 * r);
+    a[r] = ch >= 0 && k < K_pad ? load(R + ch * K_pad + k) : 0u;
+  }
+}
+
 // Lane `lane`'s B fragment of n tile nt, k step kstep: the operand's int8 limbs [N, K_pad]
 // (row n, column k), zero for rows n >= N or k >= K_pad.
 QGRU_HD void fs_load_b(const int8_t* h, int64_t K_pad, int64_t N, int64_t nt, int64_t kstep, int lane, int8_t b[8]) {
@@ -117,6 +138,19 @@ QGRU_HD void fs_load_b(const int8_t* h, int64_t K_pad, int64_t N, int64_t nt, in
     const int64_t n = nt * kFsMmaN + fs_b_n(lane, i);
     const int64_t k = kstep * kFsMmaK + fs_b_k(lane, i);
     b[i] = n < N && k < K_pad ? h[n * K_pad + k] : (int8_t)0;
+  }
+}
+
+// The B fragment as mma.sync's two registers (register r: elements 4r .. 4r + 3, one batch row at
+// 4 consecutive k from a multiple of 4: one aligned word of the operand, or 0).
+template <typename Load>
+QGRU_HD void fs_load_b_words(const int8_t* h, int64_t K_pad, int64_t N, int64_t nt, int64_t kstep, int lane,
+                             uint32_t b[2], Load&& load) {
+  QGRU_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int64_t n = nt * kFsMmaN + fs_b_n(lane, 4 * r);
+    const int64_t k = kstep * kFsMmaK + fs_b_k(lane, 4 * r);
+    b[r] = n < N && k < K_pad ? load(h + n * K_pad + k) : 0u;
   }
 }
 
@@ -130,10 +164,11 @@ struct FsAcc {
 
 QGRU_HD FsAcc fs_acc(const FsShape& s, int64_t cta, int tile, int64_t nt, int lane, int i) {
   const int m = fs_c_row(lane, i);
-  const int64_t ch = fs_tile_channel(s.H, cta, tile, m);
+  const int gate = fs_tile_gate(tile, m);  // (fs_tile_channel's gate and unit, without a division)
+  const int64_t j = cta * kFsUnits + (m & 7);
   const int64_t n = nt * kFsMmaN + fs_c_col(lane, i);
-  if (ch < 0 || n >= s.N) return {-1, 0, 0};
-  return {(int)(ch / s.H), ch % s.H, n};
+  if (gate < 0 || j >= s.H || n >= s.N) return {-1, 0, 0};
+  return {gate, j, n};
 }
 
 // The cell of one (unit j, row n) pair in the lane that holds its accumulators (one limb pair:

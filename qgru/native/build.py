@@ -34,7 +34,8 @@ _KINDS = ("cpu", "cuda")
 _CPU_PATHS = ("portable", "avx2", "avxvnni", "avx512vnni", "amx")
 _SOURCES = {
     "cpu": ["cpu/qgru_cpu.cpp", "cpu/bind_cpu.cpp", "cpu/isa.cpp", "cpu/op_cpu.cpp"] + [f"cpu/kernel_{p}.cpp" for p in _CPU_PATHS],
-    "cuda": ["qgru_cuda.cpp", "bind_cuda.cpp", "qgru_cuda_kernels.cu", "qgru_cuda_persistent.cu"],
+    "cuda": ["qgru_cuda.cpp", "bind_cuda.cpp", "qgru_cuda_kernels.cu", "qgru_cuda_persistent.cu",
+             "qgru_cuda_fused.cu"],
 }
 # every header the sources include: the build's cache key hashes them, so an edit to any of them
 # rebuilds (tests/test_native.py checks that this list and _SOURCES cover every file in csrc/)
