@@ -2,7 +2,8 @@
 // mma.sync.m16n8k32 (the three gates of a hidden unit in one lane's accumulators), the cell in
 // registers (qgru_cell.h gru_cell_acc through fs_cell) and writes the next step's int8 operand,
 // instead of a cuBLAS GEMM node, a cell node and the Gh int32 round trip between them. The fragment
-// maps, the schedule and the loads are qgru_fused_step.h's __host__ __device__ functions, which the
+// maps, the schedule, the loads and the end of a pair's step (fs_pair_step) are qgru_fused_step.h's
+// __host__ __device__ functions, which the
 // tests run on the host against the golden model (tests/test_cuda_fused_step.py) and the exact
 // product (tests/test_cuda_compile.py, tests/test_cuda_fused_compile.py); this file is the kernel
 // around them and its launch. Opt-in (QGRU_CUDA_FUSED=1, qgru_cuda.cpp) for layers with one R.h
@@ -94,18 +95,8 @@ __global__ void __launch_bounds__(kFsThreads) fused_step_kernel(CellParams cp, F
     for (int p = 0; p < 2; ++p) {
       const FsAcc u = fs_acc(s, cta, 0, it.nt, lane, p);  // tile 0 c_p: gate r of the pair
       if (u.gate != 0) continue;
-      const int64_t idx = u.n * H + u.j, op = u.n * s.K_pad + u.j;
-      const int32_t q_h = a.state[idx];
-      if (a.lengths != nullptr && a.t >= a.lengths[u.n]) {  // past its length: state and operand carried
-        a.out_t[idx] = (int16_t)q_h;
-        a.h_out[op] = a.h_in[op];
-        continue;
-      }
-      const Channel32 ch = cell32_channel<ACC32>(cp, u.j);
-      const int32_t h_new = (int32_t)fs_cell<POW2, ACC32>(cp, u.j, ch, acc[0], acc[1], p, a.dwx_t + u.n * 3 * H, q_h);
-      a.state[idx] = h_new;
-      a.out_t[idx] = (int16_t)h_new;
-      a.h_out[op] = act_limb(gemm_operand(cp.op, h_new), a.h_bits, 0);
+      fs_pair_step<POW2, ACC32>(cp, s.K_pad, a.h_bits, a.t, a.lengths, u.j, u.n, acc[0], acc[1], p, a.dwx_t, a.state,
+                                a.out_t, a.h_in, a.h_out);
     }
   }
 }

@@ -10,7 +10,7 @@ from .module import CalibrationWarning, QGRUDtypeError, QGRUInputError, QuantGRU
 from .errors import (DistributedCalibrationError, ShardedWeightError, WeightRoundingMemoryError,
                      WeightRoundingWarning)
 from .distributed import sync_calibration
-from . import ops as _ops  # registers torch.ops.qgru.integer_gru (torch.compile / torch.export)
+from . import ops as _ops  # torch.ops.qgru.integer_gru's Python parts (registered when a model is converted)
 from .onnx_export import export_onnx
 from .onnx_graph import ONNXExportError
 from .observers import NonFiniteCalibrationError, NonFiniteWeightError

@@ -15,7 +15,8 @@ The runtime takes integer x on layer 0's static grid (``qgru_rt_quantize_input``
 onto it). A first layer with x levels (config ``x.dynamic``) is exported on its static grid, level 0,
 with a UserWarning, as qgru.export_c does.
 
-CLI: ``python -m qgru.export_mcu params.qgru out/gru [--prefix NAME] [--golden-steps 8]``.
+CLI: ``python -m qgru.export_mcu params.qgru out/gru [--prefix NAME] [--golden-steps 8]``;
+``python -m qgru.export_mcu --runtime-dir`` prints the runtime's folder (``runtime_dir()``).
 """
 from __future__ import annotations
 
@@ -412,8 +413,23 @@ int {pre}_selftest(void *work, size_t work_bytes);
         return src, hdr
 
 
+def runtime_dir() -> Path:
+    """The C runtime's folder (csrc/c/): of an installed wheel (qgru/csrc/c) or of a source checkout."""
+    here = Path(__file__).resolve().parent
+    for d in (here / "csrc" / "c", here.parent / "csrc" / "c"):
+        if (d / "qgru_rt.h").is_file():
+            return d
+    raise FileNotFoundError("qgru's C runtime (csrc/c/) is missing from this installation")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m qgru.export_mcu", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m qgru.export_mcu", description=__doc__.split("\n")[0],
+                                 epilog="python -m qgru.export_mcu --runtime-dir: print the C runtime's folder")
+    if argv is None:
+        argv = sys.argv[1:]
+    if list(argv) == ["--runtime-dir"]:  # where the C runtime's sources are, for a build's -I and sources
+        print(runtime_dir())
+        return 0
     ap.add_argument("params", help="a file written by QuantParams.save()")
     ap.add_argument("stem", help="output stem: writes STEM.h and STEM.c")
     ap.add_argument("--prefix", default=None, help="C identifier prefix (default: from the stem's name)")

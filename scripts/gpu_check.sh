@@ -4,7 +4,8 @@
 # 1. builds the cuda backend from a clean cache (parallel jobs), 2. runs every CUDA test (pytest -k
 # cuda: the CUDA-only tests and every test parametrised over backends or devices on its cuda case;
 # among them x levels, graph captures, the NaN flag, the persistent kernel against golden with
-# QGRU_CUDA_PERSISTENT=1, both weight-only Triton kernels on CUDA, and native calls that raise),
+# QGRU_CUDA_PERSISTENT=1, the fused step against golden and the reference with QGRU_CUDA_FUSED=1
+# (tests/test_cuda_fused.py), both weight-only Triton kernels on CUDA, and native calls that raise),
 # 2b. if a native call that raises crashed its process, triages it (scripts/cuda_triage.py),
 # 3. runs the CUDA benchmark (scripts/bench.py --device cuda, into the log folder's BENCHMARKS.md,
 # not the repository's), 3b. the CUDA plans at the benchmark's sequence shapes (scripts/gpu_plan_check.py
@@ -119,7 +120,7 @@ grep -E '^[0-9.]+s (call|setup)' "$LOG/tests.log" 2>/dev/null | head -n 5 | sed 
 # what the check covers, counted from the junit report: passed / failed / skipped
 [ -f "$LOG/tests.xml" ] && "$PY" - "$LOG/tests.xml" <<'PYEOF'
 import sys, xml.etree.ElementTree as ET
-groups = {"x levels": ("x_levels", "token_level"), "persistent kernel": ("persistent",),
+groups = {"x levels": ("x_levels", "token_level"), "persistent kernel": ("persistent",), "fused step": ("fused",),
           "captures": ("capture", "graph"), "NaN flag": ("nan",), "weight-only Triton": ("triton",),
           "raise, no crash": ("raise",), "stack": ("stack",)}
 count = {g: [0, 0, 0] for g in groups}

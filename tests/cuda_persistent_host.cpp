@@ -192,20 +192,9 @@ std::tuple<at::Tensor, at::Tensor> run_fused(qgru::TensorMap tensors, qgru::IntM
       constexpr bool POW2 = decltype(p2)::value, ACC32 = decltype(a32)::value;
       ok = qgru::cuda::fs_step_on_host(s, gh.w.data_ptr<int8_t>(), h_in, [&](int64_t j, int64_t n, const int32_t* a0,
                                                                               const int32_t* a1, int p) {
-        const int64_t idx = n * H + j;
-        ++done[(size_t)idx];
-        const int32_t q_h = st[idx];
-        if (len != nullptr && t >= len[n]) {  // a row past its length carries its state and operand
-          o[t * N * H + idx] = (int16_t)q_h;
-          h_out[n * K_pad + j] = h_in[n * K_pad + j];
-          return;
-        }
-        const qgru::Channel32 ch = qgru::cell32_channel<ACC32>(cell, j);
-        const int32_t h_new =
-            (int32_t)qgru::cuda::fs_cell<POW2, ACC32>(cell, j, ch, a0, a1, p, dw + (t * N + n) * 3 * H, q_h);
-        st[idx] = h_new;
-        o[t * N * H + idx] = (int16_t)h_new;
-        h_out[n * K_pad + j] = qgru::act_limb(qgru::gemm_operand(cell.op, h_new), h_bits, 0);
+        ++done[(size_t)(n * H + j)];
+        qgru::cuda::fs_pair_step<POW2, ACC32>(cell, K_pad, h_bits, t, len, j, n, a0, a1, p, dw + t * N * 3 * H, st,
+                                              o + t * N * H, h_in, h_out);  // the kernel's own
       });
     });
     TORCH_CHECK(ok, "the fused step's fragment maps are not a bijection");

@@ -696,7 +696,7 @@ int main() {
 
 
 def test_cuda_fused_step_fragments_and_schedule(tmp_path):
-    """The fused step's design (csrc/qgru_fused_step.h, not yet a kernel): the mma.sync.m16n8k32
+    """The fused step's design (csrc/qgru_fused_step.h, run by csrc/qgru_cuda_fused.cu): the mma.sync.m16n8k32
     s8 fragment maps are bijections onto A, B and the accumulators, and the whole schedule (CTAs of
     8 units with the gates in two m16 tiles, warps over n tiles and split K, the partials summed)
     run on the host through an emulated MMA puts every gate of every (unit, batch row) in exactly

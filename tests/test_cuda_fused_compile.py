@@ -58,7 +58,8 @@ static int check(ll H, ll N, ll K_pad) {
           fs_load_a_words(R.data(), K_pad, H, cta, tile, kstep, lane, w, word);
           for (int i = 0; i < 16; ++i)
             if ((uint8_t)a[i] != byte_of(w[i / 4], i % 4)) {
-              std::printf("A: H %lld K %lld cta %lld tile %d k step %lld lane %d element %d\n", H, K_pad, cta, tile, kstep, lane, i);
+              std::printf("A: H %lld K %lld cta %lld tile %d k step %lld lane %d element %d\n", H, K_pad, cta,
+                          tile, kstep, lane, i);
               return 1;
             }
         }
@@ -69,7 +70,8 @@ static int check(ll H, ll N, ll K_pad) {
           fs_load_b_words(h.data(), K_pad, N, nt, kstep, lane, w, word);
           for (int i = 0; i < 8; ++i)
             if ((uint8_t)b[i] != byte_of(w[i / 4], i % 4)) {
-              std::printf("B: N %lld K %lld n tile %lld k step %lld lane %d element %d\n", N, K_pad, nt, kstep, lane, i);
+              std::printf("B: N %lld K %lld n tile %lld k step %lld lane %d element %d\n", N, K_pad, nt, kstep,
+                          lane, i);
               return 1;
             }
         }

@@ -4,7 +4,9 @@ qgru/golden.py bit for bit, without a GPU: tests/cuda_persistent_host.cpp run_fu
 CTA, warp and MMA fragment of each step (fs_step_on_host), runs each (unit, row) pair's cell
 (fs_cell, the shared qgru_cell.h function), and writes the next step's int8 operand into the other
 half of a double buffer. The fragment maps and the schedule alone are checked against the exact
-int8 product in tests/test_cuda_compile.py. Not yet a kernel: the runtime does not use it.
+int8 product in tests/test_cuda_compile.py. The kernel built on them (csrc/qgru_cuda_fused.cu, opt-in:
+QGRU_CUDA_FUSED=1) is compile-checked in tests/test_cuda_fused_compile.py and run on a GPU in
+tests/test_cuda_fused.py.
 """
 from __future__ import annotations
 

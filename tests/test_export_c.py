@@ -342,21 +342,6 @@ def test_cli_writes_the_same_files(tmp_path, capsys):
         assert (tmp_path / "cli" / name).read_text() == (tmp_path / "api" / name).read_text()
 
 
-@needs_cc
-def test_readme_export_section_runs_as_written(tmp_path, monkeypatch):
-    """README's "Export to C": its Python line on a small model, then its compile-and-run line."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("**Export to C.**", 1)[1]
-    section = re.split(r"\n(?:## |\*\*)", section, maxsplit=1)[0]
-    python = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
-    shell = re.search(r"```bash\n(cc .*?)\n```", section, flags=re.S).group(1)
-    monkeypatch.chdir(tmp_path)
-    exec(python, {"params": converted("w8a8-pow2")})
-    r = subprocess.run(shlex.quote(CC) + shell[2:], shell=True, capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.strip() == shell.split("#")[-1].strip() == "gru_selftest: 0 mismatches"
-
-
 def test_bad_arguments(tmp_path):
     params = converted("w8a8-pow2")
     with pytest.raises(ValueError, match="layer 1 out of range"):

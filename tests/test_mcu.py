@@ -281,3 +281,26 @@ def test_command_line_and_x_levels_warning(tmp_path, capsys):
     (tmp_path / "bad.qgru").write_bytes(b"not a parameter file")
     assert export_mcu.main([str(tmp_path / "bad.qgru"), str(tmp_path / "x")]) == 1
     assert "python -m qgru.export_mcu: error:" in capsys.readouterr().err
+
+
+def test_readme_section_runs_as_written(tmp_path, monkeypatch):
+    """README's "Microcontrollers and ARM boards": its export and host self-test commands, as
+    written (with this interpreter as `python`), on a saved two-layer bidirectional w8a8 model."""
+    import re
+    import shutil
+    import subprocess
+    if shutil.which("cc") is None:
+        pytest.skip("no host C compiler (cc)")
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("**Microcontrollers and ARM boards (C runtime).**", 1)[1]
+    shell = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    assert "python -m qgru.export_mcu gru.qgru" in shell
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    m = qgru.QuantGRU(6, 8, num_layers=2, bidirectional=True, config="w8a8")
+    qgru.calibrate(m, [torch.randn(9, 3, 6) for _ in range(2)], progress=False)
+    m.convert().export().save("gru.qgru")
+    script = "set -e\n" + shell.replace("python -m ", f"{sys.executable} -m ")
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "mismatches 0" == shell.split("#")[-1].strip()

@@ -172,7 +172,9 @@ _CPU_BINDING = "cpu/bind_cpu.cpp"
 def library_path(build: bool = True) -> Path:
     """The cpu backend's library without Python (qgru::integer_gru and the kernels), building it if
     needed: ``torch.ops.load_library(path)`` in a process that never imports qgru, or dlopen in a
-    C++ program, registers the operator; ``python -m qgru build --print-path`` prints it."""
+    C++ program, registers the operator; ``python -m qgru build --print-path`` prints it. In a
+    process that also imports qgru, load this very file (not a copy): qgru's binding links it by
+    this path, and a second copy would register the operator twice (an abort)."""
     load("cpu", build=build)
     return _cpu_library_file(build_dir("cpu"))
 
