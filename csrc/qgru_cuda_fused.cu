@@ -12,6 +12,7 @@
 // The operand's double buffer is the layer's two h limb buffers (a one-limb layer uses only the
 // first otherwise): step t reads h_limbs[t % 2] and writes h_limbs[(t + 1) % 2], so no CTA writes
 // what another CTA of the same launch still reads; their padding (k >= H, rows >= N) stays zero.
+// A row past its length writes no operand (fs_pair_step): its products are no longer used.
 #include <stdexcept>
 #include <string>
 
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(kFsThreads) fused_step_kernel(CellParams cp, F
       const FsAcc u = fs_acc(s, cta, 0, it.nt, lane, p);  // tile 0 c_p: gate r of the pair
       if (u.gate != 0) continue;
       fs_pair_step<POW2, ACC32>(cp, s.K_pad, a.h_bits, a.t, a.lengths, u.j, u.n, acc[0], acc[1], p, a.dwx_t, a.state,
-                                a.out_t, a.h_in, a.h_out);
+                                a.out_t, a.h_out);
     }
   }
 }

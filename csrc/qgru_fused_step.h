@@ -184,26 +184,27 @@ QGRU_HD int64_t fs_cell(const CellParams& cp, int64_t j, Channel32 ch, const int
 }
 
 // The end of step t for lane's (unit j, row n) pair p, the kernel's and the host emulation's: a row
-// past its length carries its state and operand (out_t = state, h_out = h_in), else the cell
-// (fs_cell) gives the new state, written to state and out_t, and its operand limb (gemm_operand,
-// one limb: h_bits <= 8) to h_out, the next step's buffer. state, out_t [N, H]; dwx_t [N, 3H] (Wx -
-// Z_Wx of step t); h_in, h_out [N, K_pad]; lengths [N] or nullptr.
+// past its length carries its state (out_t = state), else the cell (fs_cell) gives the new state,
+// written to state and out_t, and its operand limb (gemm_operand, one limb: h_bits <= 8) to h_out,
+// the next step's buffer. A row past its length writes no operand: it stays past its length for
+// the rest of the call, so the products of its stale operand are never used (a call starts from
+// h0's limbs). state, out_t [N, H]; dwx_t [N, 3H] (Wx - Z_Wx of step t); h_out [N, K_pad]; lengths
+// [N] or nullptr.
 template <bool POW2, bool ACC32>
 QGRU_HD void fs_pair_step(const CellParams& cp, int64_t K_pad, int32_t h_bits, int64_t t, const int64_t* lengths,
                           int64_t j, int64_t n, const int32_t acc0[4], const int32_t acc1[4], int p,
-                          const int32_t* dwx_t, int32_t* state, int16_t* out_t, const int8_t* h_in, int8_t* h_out) {
-  const int64_t H = cp.H, idx = n * H + j, op = n * K_pad + j;
+                          const int32_t* dwx_t, int32_t* state, int16_t* out_t, int8_t* h_out) {
+  const int64_t H = cp.H, idx = n * H + j;
   const int32_t q_h = state[idx];
   if (lengths != nullptr && t >= lengths[n]) {
     out_t[idx] = (int16_t)q_h;
-    h_out[op] = h_in[op];
     return;
   }
   const Channel32 ch = cell32_channel<ACC32>(cp, j);
   const int32_t h_new = (int32_t)fs_cell<POW2, ACC32>(cp, j, ch, acc0, acc1, p, dwx_t + n * 3 * H, q_h);
   state[idx] = h_new;
   out_t[idx] = (int16_t)h_new;
-  h_out[op] = act_limb(gemm_operand(cp.op, h_new), h_bits, 0);
+  h_out[n * K_pad + j] = act_limb(gemm_operand(cp.op, h_new), h_bits, 0);
 }
 
 // ---- the host emulation (tests: tests/test_cuda_compile.py, tests/cuda_persistent_host.cpp) ----

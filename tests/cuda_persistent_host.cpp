@@ -194,7 +194,7 @@ std::tuple<at::Tensor, at::Tensor> run_fused(qgru::TensorMap tensors, qgru::IntM
                                                                               const int32_t* a1, int p) {
         ++done[(size_t)(n * H + j)];
         qgru::cuda::fs_pair_step<POW2, ACC32>(cell, K_pad, h_bits, t, len, j, n, a0, a1, p, dw + t * N * 3 * H, st,
-                                              o + t * N * H, h_in, h_out);  // the kernel's own
+                                              o + t * N * H, h_out);  // the kernel's own
       });
     });
     TORCH_CHECK(ok, "the fused step's fragment maps are not a bijection");

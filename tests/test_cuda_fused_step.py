@@ -33,7 +33,7 @@ CASES = [  # I, H, T, N, warps per CTA
 @pytest.mark.parametrize("I,H,T,N,warps", CASES)
 def test_fused_step_schedule_is_the_golden_model(host_ext, mode, I, H, T, N, warps):  # noqa: F811
     """w8a8 (one limb pair: the accumulators are the exact products) in both scale modes, with
-    lengths (rows past their length carry state and operand) and without: the fused step's out and
+    lengths (rows past their length carry their state) and without: the fused step's out and
     h_n equal golden.gru_direction's."""
     config = QuantConfig.load("w8a8", overrides={"scale_mode": mode})
     one = lambda lo, hi: (torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64))  # noqa: E731
