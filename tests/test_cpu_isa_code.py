@@ -122,8 +122,9 @@ def library():
     except Exception as e:  # noqa: BLE001 - the backend's own tests report why it is unavailable
         pytest.skip(f"cpu backend unavailable: {e}")
     compiled = {str(i["name"]) for i in native.cpu_paths() if i["act_bytes"]}
-    text = subprocess.run(["objdump", "-d", "-w", mod.__file__], capture_output=True, text=True,
-                          check=True).stdout
+    # the kernels live in the library without Python (native.library_path()), the binding beside it
+    text = "\n".join(subprocess.run(["objdump", "-d", "-w", str(f)], capture_output=True, text=True,
+                                    check=True).stdout for f in (native.library_path(), mod.__file__))
     return compiled, features(text)
 
 
