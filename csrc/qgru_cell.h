@@ -559,6 +559,18 @@ QGRU_HD int32_t gru_cell32(const Cell32& p, Channel32 ch, int32_t acc_r, int32_t
   return new_state32<POW2>(p, d_g, d_z, q_h);
 }
 
+// gru_cell32 from the gates' Rh - Z_Rh already requantized (d_rh_*): the hybrid cell's int32 part
+// (its accumulators are the int64 exact products of any limb pairs, requantized by requantize_acc;
+// qgru/native/prepare.py _add_hybrid32 checks the gates' bounds, which do not involve them).
+template <bool POW2>
+QGRU_HD int32_t gru_cell32_d(const Cell32& p, Channel32 ch, int32_t d_rh_r, int32_t d_rh_z, int32_t d_rh_g,
+                             int32_t d_wx_r, int32_t d_wx_z, int32_t d_wx_g, int32_t q_h) {
+  const int32_t d_r = lookup32(p.table[0], sigmoid_pre32_d<POW2>(p, ch, 0, d_rh_r, d_wx_r));
+  const int32_t d_z = lookup32(p.table[1], sigmoid_pre32_d<POW2>(p, ch, 1, d_rh_z, d_wx_z));
+  const int32_t d_g = lookup32(p.table[2], candidate_pre32_d<POW2>(p, ch, d_rh_g, d_wx_g, d_r));
+  return new_state32<POW2>(p, d_g, d_z, q_h);
+}
+
 QGRU_ISA_END
 struct CellParams {
   int64_t H;

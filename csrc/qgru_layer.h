@@ -195,7 +195,9 @@ struct LayerTensors {
     }
     QGRU_CHECK(0 <= acc_wide() && acc_wide() <= 1 && (acc_wide() == 0 || value("acc32") != 0),
                 "qgru native layer: 'acc_wide' = ", acc_wide(), " must be 0, or 1 with acc32 = 1");
-    if (value("acc32") != 0) check_acc32(H, I, px, ph, pow2);
+    QGRU_CHECK(0 <= hybrid32() && hybrid32() <= 1 && (hybrid32() == 0 || value("acc32") == 0),
+                "qgru native layer: 'hybrid32' = ", hybrid32(), " must be 0, or 1 with acc32 = 0");
+    if (value("acc32") != 0 || hybrid32() != 0) check_acc32(H, I, px, ph, pow2);
   }
 
   // Wide accumulators (qgru_cell.h requant_wide32; the CPU's cell_tile, WIDE): 1 where the int32 cell
@@ -204,6 +206,14 @@ struct LayerTensors {
   int64_t acc_wide() const {
     auto it = v.find("acc_wide");
     return it == v.end() ? 0 : it->second;
+  }
+  // The hybrid cell (prepare.py _add_hybrid32): the accumulators requantized in int64, the gates
+  // and the new state in the int32 cell ("hybrid32" = 1, with acc32 = 0; maps without it: 0).
+  int64_t hybrid32() const { return value_or("hybrid32", 0); }
+  // An optional value: `fallback` where the map has none.
+  int64_t value_or(const std::string& k, int64_t fallback) const {
+    auto it = v.find(k);
+    return it == v.end() ? fallback : it->second;
   }
 
   // The number of x levels (0: none). Maps made before levels existed have no entry.
@@ -293,20 +303,22 @@ struct LayerTensors {
   // With wide accumulators (acc_wide) a 16-bit GEMM operand taken whole is allowed, and the
   // requantization fields take their wide form's ranges (multiplier: bias_lo = B0 < 2^16,
   // rshift = s - 17 <= 45).
+  // The hybrid cell (hybrid32) takes only the gates' fields: its accumulators are the int64 ones,
+  // any limb pairs and operands, and the requantization fields of c32_channels are unused (0).
   void check_acc32(int64_t H, int64_t I, int64_t px, int64_t ph, bool pow2) const {
-    const bool wide = acc_wide() != 0;
+    const bool wide = acc_wide() != 0, hybrid = value("acc32") == 0;
     const bool operands = wide ? (value("x_bits") <= 8 || value("x_direct16") != 0) &&
                                      (value("h_bits") <= 8 || value("h_direct16") != 0)
                                : value("x_bits") <= 8 && value("h_bits") <= 8;
-    QGRU_CHECK(px == 1 && ph == 1 && operands && I < (1 << 16) && H < (1 << 16),
+    QGRU_CHECK(hybrid || (px == 1 && ph == 1 && operands && I < (1 << 16) && H < (1 << 16)),
                 "qgru native layer: the int32 path needs 8-bit GEMM operands (or, with wide accumulators, 16-bit "
                 "ones taken whole), one limb pair and sizes below 2^16");
     const int64_t lsh_hi = wide ? 65535 : 31, rsh_hi = wide ? 45 : 31;  // multiplier form's requantization
-    host("Wx_zp32", at::kInt, 3 * H);
+    if (!hybrid) host("Wx_zp32", at::kInt, 3 * H);
     const int64_t i32max = INT32_MAX;
     // W.x's int32 form: the static grid's [3H], and every x level's [J 3H] (Wxl_*)
     for (const std::string k : {"Wx", "Wxl"}) {
-      const int64_t n = (k == "Wx" ? 1 : x_levels()) * 3 * H;
+      const int64_t n = hybrid ? 0 : (k == "Wx" ? 1 : x_levels()) * 3 * H;
       if (n == 0) continue;
       if (pow2) {  // narrow: R in [1, 30] with lsh 0, or R <= 0 as lsh = -R <= 30 with rshift 0
         for (const char* f : {"_bias_hi", "_bias_lo"}) host(k + f, at::kInt, n);
@@ -411,10 +423,11 @@ struct LayerTensors {
                    (int32_t)value(k + "_table_frac"), (int32_t)value(k + "_pre_lo"), (int32_t)value(k + "_zp"),
                    (int32_t)value(k + "_lo"), (int32_t)value(k + "_hi")};
   }
-  // The int32 cell, when prepare_layer found it exact for this layer ("acc32" = 1).
+  // The int32 cell, when prepare_layer found it exact for this layer ("acc32" = 1, or its gates
+  // alone: "hybrid32" = 1).
   Cell32 cell32() const {
     Cell32 c{};
-    if (value("acc32") == 0) return c;
+    if (value("acc32") == 0 && hybrid32() == 0) return c;
     const at::Tensor& ch = tensor("c32_channels");
     QGRU_CHECK(ch.dim() == 3 && ch.size(0) == (value("H") + kCell32Block - 1) / kCell32Block &&
                     ch.size(1) == kCell32Fields && ch.size(2) == kCell32Block,

@@ -9,10 +9,12 @@ accumulators, "int32-wide") and whose requantizations pass prepare_layer's int32
 design:
 * w8a8: "int32" on every path, either scale mode, x levels or a static x, with or without h_gemm;
 * w8a16 (16-bit x and h): "int32-wide" on the paths with int16 operands (portable, avx2) or an
-  int16 sibling (avx512vnni); "int64" on amx and avxvnni, whose int8 GEMMs take each 16-bit
-  operand as two limbs (two limb pairs per GEMM: the exact products are int64 sums);
-* w16a16 (16-bit weights): "int64" everywhere: one 16 x 16-bit product reaches 2^30 and a row of
-  K >= 3 of them passes 2^31, so the accumulators themselves are not int32.
+  int16 sibling (avx512vnni); "int32-hybrid" on amx and avxvnni, whose int8 GEMMs take each 16-bit
+  operand as two limbs (two limb pairs per GEMM: the exact products are int64 sums, requantized
+  in int64, the gates and the new state then in the int32 cell);
+* w16a16 (16-bit weights): "int32-hybrid" everywhere: one 16 x 16-bit product reaches 2^30 and a
+  row of K >= 3 of them passes 2^31, so the accumulators themselves are not int32 (two limb pairs
+  on the int16 paths, prepare.limbs16_fits; four on the int8 ones).
 Each layer is calibrated the way a user's is (two random batches; weights rounded to nearest, as
 fast as GPTQ is slow: the rounding moves no scale or shift), at the sweep's small and large shapes
 (pow2 layers with few inputs have requantizations that shift left: seed 001's scheme fell to the
@@ -34,8 +36,8 @@ PATHS = ("portable", "avx2", "avxvnni", "avx512vnni", "amx")
 EXPECTED = {
     "w8a8": {p: "int32" for p in PATHS},
     "w8a16": {"portable": "int32-wide", "avx2": "int32-wide", "avx512vnni": "int32-wide",
-              "avxvnni": "int64", "amx": "int64"},
-    "w16a16": {p: "int64" for p in PATHS},
+              "avxvnni": "int32-hybrid", "amx": "int32-hybrid"},
+    "w16a16": {p: "int32-hybrid" for p in PATHS},
 }
 SHAPES = ((16, 64), (64, 128), (256, 512))  # the large shape for the config as shipped only
 
@@ -111,7 +113,7 @@ def test_cell_kind_reports_the_int64_cell(monkeypatch):
     assert {native.NativeLayer("cpu", p, torch.device("cpu"), isa=path).cell for path in paths} == {"int32"}
 
     def refuse(t, v, bits, bound=None):
-        v["acc_wide"] = 0
+        v["acc_wide"] = v["hybrid32"] = 0
         return False
     monkeypatch.setattr(prepare, "_add_acc32", refuse)
     assert {path: native.NativeLayer("cpu", p, torch.device("cpu"), isa=path).cell for path in paths} == \

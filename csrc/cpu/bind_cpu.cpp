@@ -79,5 +79,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("x_levels", &qgru::cpu_api::Layer::x_levels)
       .def_property_readonly("cell", &qgru::cpu_api::Layer::cell_kind,
-                             "the cell it runs: int32, int32-wide (wide accumulators) or int64");
+                             "the cell it runs: int32, int32-wide (wide accumulators), int32-hybrid (int64 requantization, int32 gates) or int64");
 }

@@ -38,6 +38,63 @@ QGRU_NOINLINE void cell_block(const CellParams p, const LimbProducts lp, int64_t
   }
 }
 
+// LimbRequant32's requantization of one two-pair product (kernels.h gives the identity and bounds):
+// q - Z of Wx or Rh from the lo and hi limbs' sums g0, g1 and the activation row's sum rs.
+QGRU_HD QGRU_INLINE int32_t requant_limbs32(int32_t g0, int32_t g1, int32_t rs, int32_t bias_hi, int32_t bias_lo, int32_t R,
+                                    int32_t zp, int32_t lo, int32_t hi) {
+  const int32_t m8 = shl32(1, R - 8) - 1, m0 = shl32(1, R) - 1, m7 = shl32(1, R - 7) - 1;
+  const int32_t q = (g1 >> (R - 8)) + (g0 >> R) + (rs >> (R - 7)) + bias_hi;
+  const int32_t rem = shl32(g1 & m8, 8) + (g0 & m0) + shl32(rs & m7, 7) + bias_lo;
+  const int32_t v = q + (rem >> R);
+  return clamp32(((v + 1) >> 1) + zp, lo, hi) - zp;
+}
+
+// requant_limbs32 over channels [c0, c1) of row r's two limb products into o[c - c0]; the bias and
+// shift arrays at offset `off` (a row's x level), the zero points at c.
+QGRU_NOINLINE inline void requant_limbs32_row(const LimbRequant32 l, int64_t off, const LimbProducts lp, int64_t r,
+                                              int64_t c0, int64_t c1, int32_t* __restrict o) {
+  const int32_t* __restrict g0 = lp.G[0] + r * lp.ld;
+  const int32_t* __restrict g1 = lp.G[1] + r * lp.ld;
+  const int32_t rs = g0[lp.ones_col];
+  const int32_t* __restrict bh = l.bias_hi + off;
+  const int32_t* __restrict bl = l.bias_lo + off;
+  const int32_t* __restrict sh = l.rshift + off;
+  const int32_t* __restrict zp = l.zp;
+  const int32_t lo = l.lo, hi = l.hi;
+#pragma omp simd
+  for (int64_t c = c0; c < c1; ++c) o[c - c0] = requant_limbs32(g0[c], g1[c], rs, bh[c], bl[c], sh[c], zp[c], lo, hi);
+}
+
+// cell_block's hybrid form (CellRowsArgs.hybrid): each gate's R.h exact product (NP limb pairs, int64)
+// requantized in int64 (requantize_acc), or with L32 (two pairs, pow2) in int32 (requant_limbs32),
+// then the gates and the new state in the int32 cell (gru_cell32_d) from the channel's int32 fields.
+template <int NP, bool POW2, bool L32>
+QGRU_NOINLINE void cell_block_hybrid(const CellParams p, const LimbProducts lp, const LimbRequant32 l32, int64_t n,
+                                     int64_t j0, int64_t j1, const int32_t* __restrict wx, int32_t* __restrict s,
+                                     int32_t* __restrict o) {
+  const int32_t* fields = channel32(p.c32.channels, j0).at;
+  const int64_t H = p.H;
+  int32_t d_rh[3][kCell32Block];
+  for (int q = 0; q < 3; ++q) {
+    if constexpr (L32) {
+      requant_limbs32_row(l32, 0, lp, n, q * H + j0, q * H + j1, d_rh[q]);
+      continue;
+    }
+#pragma omp simd
+    for (int64_t j = j0; j < j1; ++j)
+      d_rh[q][j - j0] = (int32_t)requantize_acc<POW2>(p.rh, q * H + j, exact_product<NP>(lp, n, q * H + j));
+  }
+#pragma omp simd
+  for (int64_t j = j0; j < j1; ++j) {
+    const Channel32 ch{fields + (j - j0)};
+    const int64_t i = j - j0;
+    const int32_t h_new = gru_cell32_d<POW2>(p.c32, ch, d_rh[0][i], d_rh[1][i], d_rh[2][i], wx[j], wx[H + j],
+                                             wx[2 * H + j], s[j]);
+    s[j] = h_new;
+    o[j] = h_new;
+  }
+}
+
 // The R.h operand of the states s[0 .. n) (gemm_operand, for a layer with an h_gemm): in int32
 // lanes with the int32 cell's fields (acc32), else in int64.
 QGRU_NOINLINE inline void operand_of(const CellParams& p, int pow2, int acc32, const int32_t* __restrict s, int64_t n,
@@ -106,6 +163,16 @@ void cell_rows_t(const CellRowsArgs& a) {
     for (int64_t j0 = 0; j0 < H; j0 += kCell32Block) {
       const int64_t j1 = min64(H, j0 + kCell32Block);
       const int32_t* dwx = a.dwx + n * 3 * H;
+      if (a.hybrid && a.l32 != nullptr && a.np == 2) {
+        cell_block_hybrid<2, true, true>(*a.p, *a.rh, *a.l32, n, j0, j1, dwx, s, o);
+        continue;
+      }
+      if (a.hybrid) {
+        dispatch_kernel(a.np, a.pow2, false, [&](auto np, auto pow2, auto) {
+          cell_block_hybrid<np.value, pow2.value, false>(*a.p, *a.rh, LimbRequant32{}, n, j0, j1, dwx, s, o);
+        });
+        continue;
+      }
       dispatch_kernel(a.np, a.pow2, a.acc32, [&](auto np, auto pow2, auto acc32) {
         cell_block<np.value, pow2.value, acc32.value>(*a.p, *a.rh, n, j0, j1, dwx, s, o);
       });
@@ -353,6 +420,11 @@ QGRU_NOINLINE void requantize_row(const AccRequant a, const AccRequant32 a32, co
 
 // Rows [r0, r1), each on its x level (level[r]; nullptr: level 0).
 inline void requant_rows(const RequantRowsArgs& a) {
+  if (a.l32 != nullptr && a.np == 2) {
+    for (int64_t r = a.r0; r < a.r1; ++r)
+      requant_limbs32_row(*a.l32, a.level != nullptr ? a.level[r] * a.H3 : 0, *a.lp, r, 0, a.H3, a.dwx + r * a.H3);
+    return;
+  }
   dispatch_kernel(a.np, a.pow2, a.acc32, [&](auto np, auto pow2, auto acc32) {
     for (int64_t r = a.r0; r < a.r1; ++r) {
       const int64_t off = a.level != nullptr ? a.level[r] * a.H3 : 0;

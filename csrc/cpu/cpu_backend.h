@@ -52,7 +52,7 @@ class Layer {
                                              const c10::optional<at::Tensor>& lengths,
                                              const c10::optional<at::Tensor>& level);
   int64_t x_levels() const;
-  std::string cell_kind() const;  // "int32", "int32-wide" or "int64"
+  std::string cell_kind() const;  // "int32", "int32-wide", "int32-hybrid" or "int64"
   struct Impl;
   std::shared_ptr<Impl> impl;
 };

@@ -45,6 +45,23 @@ struct GemmArgs {
   int64_t ldc, gate_stride;
 };
 
+// The pow2 int32 requantization of a two-pair product (16-bit weights as two int8 limbs times a
+// 16-bit activation taken whole as int16: prepare.py limbs16_fits and _limb32_parts; cell_loops.h
+// requant_limbs32): P = 256 G1 + G0 + 128 Rs, G0 / G1 the lo / hi weight limb's int32 sums and Rs
+// the activation row's sum (the ones column), each exact in int32. With bias = bias_hi 2^R +
+// bias_lo (0 <= bias_lo < 2^R), floor((P + bias) / 2^R) = bias_hi + (G1 >> (R - 8)) + (G0 >> R)
+// + (Rs >> (R - 7)) + (rem >> R), rem = ((G1 mod 2^(R-8)) << 8) + (G0 mod 2^R) + ((Rs mod
+// 2^(R-7)) << 7) + bias_lo in [0, 2^(R+2)), inside int32 for 8 <= R <= 29; |bias_hi| + 2^25 <
+// 2^31 keeps the other sums inside int32 (|G1 >> (R - 8)|, |G0 >> R| <= 2^23). Then as
+// requantize_acc: round half up ((v + 1) >> 1), add Z, saturate, subtract Z.
+struct LimbRequant32 {
+  const int32_t* bias_hi;  // [3H] (W.x with x levels: [J 3H], a row's at its level's offset)
+  const int32_t* bias_lo;
+  const int32_t* rshift;   // R in [8, 29]
+  const int32_t* zp;       // [3H]
+  int32_t lo, hi;
+};
+
 // The non-fused step's cells: rows [n0, n1) of one time step, all H channels.
 struct CellRowsArgs {
   const CellParams* p;
@@ -58,6 +75,8 @@ struct CellRowsArgs {
   const int64_t* lengths;   // rows whose length is reached carry their state (nullptr: none)
   int64_t t;
   int np, pow2, acc32;      // kernel flags (dispatch_kernel)
+  int hybrid = 0;           // the hybrid cell (acc32 = 0): int64 requantization, int32 gates (cell_block_hybrid)
+  const LimbRequant32* l32 = nullptr;  // hybrid, two pairs, pow2: R.h's int32 requantization (else nullptr)
 };
 
 // The fused step's cells of one task (qgru_cpu.cpp fused_steps): rows x nj elements.
@@ -99,6 +118,7 @@ struct RequantRowsArgs {
   int32_t* dwx;
   int np, pow2, acc32;
   const int32_t* level;     // row r's x level at level[r] (nullptr: level 0; a layer without levels)
+  const LimbRequant32* l32 = nullptr;  // two pairs, pow2: the int32 requantization (requant_limbs32)
 };
 
 // Rows [r0, r1) of int32 values of `bits` bits (row stride K) as activation limbs: n_limbs

@@ -238,11 +238,12 @@ struct Gemm {
                 "_weight_limbs must be contiguous int8 [L, M, K]");
     M_pad = w.size(1);
     const int64_t K_pad = w.size(2);
-    if (direct) {  // a whole 16-bit activation: the int32 sums must be exact (native.direct16_fits)
-      // |a . w_c| <= 2^15 sum_k |w_ck| for every row c (in int32: int8's abs leaves -128 at -128)
+    if (direct) {  // a whole 16-bit activation: the int32 sums must be exact (native.direct16_fits,
+      // or limbs16_fits for the two limbs of 16-bit weights): |a . w_c| <= 2^15 sum_k |w_ck| for
+      // every row c of every limb, the ones row included (in int32: int8's abs leaves -128 at -128)
       const int64_t max_row = w.numel() ? w.to(at::kInt).abs().sum(2).max().item<int64_t>() : 0;
-      QGRU_CHECK(w.size(0) == 1 && max_row * 32768 < (int64_t(1) << 31), "qgru: ", k_name,
-                  "_direct16 needs one weight limb with 2^15 sum_k |w_ck| < 2^31 for every row c");
+      QGRU_CHECK(w.size(0) <= 2 && max_row * 32768 < (int64_t(1) << 31), "qgru: ", k_name,
+                  "_direct16 needs at most two weight limbs with 2^15 sum_k |w_ck| < 2^31 for every row c");
     }
     K = K_pad;
     lda = cpu::k_padded(std::max<int64_t>(K, 1));
@@ -356,6 +357,12 @@ class CpuLayer {
     cell_ = lt_.cell();
     level0_static_ = levels_ > 0 && level0_is_static();
     fused_ = rh_.P == 1 && wx_.P == 1;
+    // the hybrid cell (int64 requantization, int32 gates) on the unfused step's cell_rows
+    hybrid_ = !acc32_ && !fused_ && lt_.hybrid32() != 0;
+    // two-pair products requantized in int32 (prepare.py _limb32_parts: pow2, R in [8, 29])
+    if (lt_.value_or("limb32_x", 0) != 0)
+      lx_ = limb32(levels_ > 0 ? "Wxl" : "Wx", "Wx", (levels_ > 0 ? levels_ : 1) * 3 * H_, wx_), lx32_ = true;
+    if (lt_.value_or("limb32_h", 0) != 0) lh_ = limb32("Rh", "Rh", 3 * H_, rh_), lh32_ = true;
     if (fused_) rh_.packed.clear();  // the fused step reads R only in the gates layout
     // nothing reads the weights again but in their packed copies
     lt_.t.erase("x_weight_limbs");
@@ -391,8 +398,12 @@ class CpuLayer {
   // The path's name, and "-fused" where each step is one fused pass.
   std::string gemm_path() const { return std::string(k_->name) + (fused_ ? "-fused" : ""); }
   // The cell this layer runs: "int32" (qgru_cell.h's int32 cell), "int32-wide" (the same from wide
-  // accumulators) or "int64" (the int64 cell: prepare_layer found an int32 bound that fails).
-  std::string cell_kind() const { return !acc32_ ? "int64" : (wide_ ? "int32-wide" : "int32"); }
+  // accumulators), "int32-hybrid" (the accumulators requantized in int64, the rest in the int32
+  // cell: limb products beyond int32, cell_loops.h cell_block_hybrid) or "int64" (the int64 cell:
+  // prepare_layer found an int32 bound that fails).
+  std::string cell_kind() const {
+    return acc32_ ? (wide_ ? "int32-wide" : "int32") : (hybrid_ ? "int32-hybrid" : "int64");
+  }
 
   // The path whose Layer runs one-step calls of a batch of one ("" where it is this one).
   std::string one_row_path() {
@@ -536,6 +547,36 @@ class CpuLayer {
       if (a.numel() < H3 || b.numel() != H3 || !at::equal(a.narrow(0, 0, H3), b)) return false;
     }
     return true;
+  }
+
+  // The int32 requantization of a two-pair product (kernels.h LimbRequant32) from the arrays
+  // `arrays`_l32_* (n values) and the zero points `acc`_l32_zp ([3H]), checked: the GEMM is the
+  // 16-bit activation whole times the lo (offset 128) and hi (scale 256) limbs, pow2, and every
+  // channel's R in [8, 29], 0 <= bias_lo < 2^R and |bias_hi| + 2^25 < 2^31.
+  cpu::LimbRequant32 limb32(const std::string& arrays, const std::string& acc, int64_t n, const Gemm& g) const {
+    QGRU_CHECK(pow2_ && g.direct && g.P == 2 && g.act_limb[0] == 0 && g.act_limb[1] == 0 && g.weight_limb[0] == 0 &&
+                    g.weight_limb[1] == 1 && g.scale[0] == 1 && g.weight_offset[0] == 128 && g.scale[1] == 256 &&
+                    g.weight_offset[1] == 0 && ones_col_ > 0,
+                "qgru cpu: limb32 for ", acc, " needs pow2 and two limb pairs of a 16-bit activation taken whole");
+    const auto arr = [&](const std::string& k, int64_t len) {
+      const at::Tensor& x = lt_.tensor(k);
+      QGRU_CHECK(x.scalar_type() == at::kInt && x.is_contiguous() && x.numel() == len, "qgru cpu: '", k,
+                  "' must be contiguous int32 [", len, "]");
+      return x.data_ptr<int32_t>();
+    };
+    const int32_t* bh = arr(arrays + "_l32_bias_hi", n);
+    const int32_t* bl = arr(arrays + "_l32_bias_lo", n);
+    const int32_t* sh = arr(arrays + "_l32_rshift", n);
+    const int32_t* zp = arr(acc + "_l32_zp", 3 * H_);
+    for (int64_t i = 0; i < n; ++i)
+      QGRU_CHECK(sh[i] >= 8 && sh[i] <= 29 && bl[i] >= 0 && bl[i] < (int32_t(1) << sh[i]) &&
+                      std::abs((int64_t)bh[i]) + (int64_t(1) << 25) < (int64_t(1) << 31),
+                  "qgru cpu: '", arrays, "_l32_*' entry ", i, " is outside the int32 requantization's bounds");
+    const int64_t lo = lt_.value(acc + "_lo"), hi = lt_.value(acc + "_hi");
+    for (int64_t i = 0; i < 3 * H_; ++i)
+      QGRU_CHECK(zp[i] >= lo && zp[i] <= hi, "qgru cpu: '", acc, "_l32_zp' entry ", i, " is outside ", acc, "'s range");
+    QGRU_CHECK(lo >= -(int64_t(1) << 16) && hi < (int64_t(1) << 16), "qgru cpu: limb32 needs ", acc, " of at most 16 bits");
+    return cpu::LimbRequant32{bh, bl, sh, zp, (int32_t)lo, (int32_t)hi};
   }
 
   // Whether the int32 cell reads wide accumulators ("acc_wide" = 1; maps without the value: 0).
@@ -722,7 +763,8 @@ class CpuLayer {
     parallel_for(0, rows, std::max<int64_t>(1, kMinParallelWork * 4 / (3 * H_)), [&](int64_t r0, int64_t r1) {
       k_->requant_rows(
           // (wide accumulators: the int64 requantization, whose integers the wide cell's are)
-          cpu::RequantRowsArgs{&acc_x_, &acc_x32_, &lp, r0, r1, 3 * H_, o, (int)wx_.P, pow2_, acc32_ && !wide_, level});
+          cpu::RequantRowsArgs{&acc_x_, &acc_x32_, &lp, r0, r1, 3 * H_, o, (int)wx_.P, pow2_, acc32_ && !wide_, level,
+                               lx32_ ? &lx_ : nullptr});
     });
   }
 
@@ -742,7 +784,8 @@ class CpuLayer {
       int32_t* out_t = out + t * N * H_;
       parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
         k_->cell_rows(cpu::CellRowsArgs{&cell_, &lp, dwx_t, s, out_t, limb_ptrs.data(), rh_.n_act, h_bits_,
-                                        rh_.direct, rh_.lda, n0, n1, lengths, t, (int)rh_.P, pow2_, acc32_});
+                                        rh_.direct, rh_.lda, n0, n1, lengths, t, (int)rh_.P, pow2_, acc32_,
+                                        hybrid_, lh32_ ? &lh_ : nullptr});
       });
     }
   }
@@ -761,6 +804,9 @@ class CpuLayer {
   int32_t x_bits_, h_bits_;
   bool pow2_, acc32_;
   bool wide_ = false;  // the int32 cell with wide accumulators (cell_loops.h cell_tile, WIDE), acc32_ set too
+  bool hybrid_ = false;  // the hybrid cell (cell_loops.h cell_block_hybrid), acc32_ unset
+  bool lx32_ = false, lh32_ = false;  // W.x's / R.h's two-pair products requantized in int32 (limb32)
+  cpu::LimbRequant32 lx_{}, lh_{};
   Gemm wx_, rh_;
   AccRequant acc_x_;
   AccRequant32 acc_x32_;

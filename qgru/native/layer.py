@@ -30,8 +30,10 @@ class NativeLayer:
         self.gemm = self.layer.gemm
         # CPU: the path whose Layer runs one-step calls of a batch of one ("": this one, one_row_path)
         self.one_row_gemm = self.layer.one_row_gemm if kind == "cpu" else ""
-        # CPU: the cell the built Layer runs, "int32", "int32-wide" (wide accumulators) or "int64"
-        # (prepare_layer found an int32 bound that fails: correct, slower); "" on CUDA
+        # CPU: the cell the built Layer runs, "int32", "int32-wide" (wide accumulators), "int32-hybrid"
+        # (accumulators beyond int32, e.g. 16-bit weights, requantized in int64 or as two limbs in
+        # int32, the gates in the int32 cell) or "int64" (prepare_layer found an int32 bound that
+        # fails: correct, slower); "" on CUDA
         self.cell = self.layer.cell if kind == "cpu" else ""
 
     def __call__(self, qx: torch.Tensor, qh0: torch.Tensor, lengths: Optional[torch.Tensor],

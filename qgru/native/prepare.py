@@ -39,6 +39,24 @@ def direct16_fits(weights: torch.Tensor, w_bits: int, act_bits: int) -> bool:
     return max_row * 32768 < (1 << 31)
 
 
+def limbs16_fits(weights: torch.Tensor, w_bits: int, act_bits: int) -> bool:
+    """Whether a 16-bit activation taken whole times the two int8 limbs of these 16-bit weights
+    (split_int8_limbs) is exact as two int16 x int16 GEMMs with int32 sums: 2^15 sum_k |limb_ck|
+    < 2^31 for every row c of each limb, and for the ones row of the limb offsets (sum_k 1 = K),
+    which bounds every partial sum too (|lo limb| <= 128: any K < 512 fits). The two products
+    are combined exactly in int64 (qgru_cell.h exact_product): two limb pairs, not four."""
+    if act_bits <= 8 or w_bits <= 8 or w_bits > 16:
+        return False
+    K = weights.shape[1] if weights.dim() == 2 else 0
+    if K * 32768 >= (1 << 31):
+        return False
+    for limb, _, _ in split_int8_limbs(weights.to(torch.int64), w_bits):
+        max_row = int(limb.to(torch.int64).abs().sum(1).max()) if limb.numel() else 0
+        if max_row * 32768 >= (1 << 31):
+            return False
+    return True
+
+
 def _gemm_bound(weights: torch.Tensor, act_bits: int) -> torch.Tensor:
     """int64 [rows]: max |a . w_c| over activations of act_bits bits (|a| <= 2^(act_bits - 1))."""
     return weights.to(torch.int64).abs().sum(1) << (act_bits - 1)
@@ -97,7 +115,8 @@ def prepare_layer(p: LayerParams, act16: bool = False,
     """The C++ Layer's arguments for one layer and direction (CPU tensors; move them as needed).
 
     act16: the kernel takes int16 activations (the CPU's avx2 path), so a 16-bit x or h times 8-bit
-    weights is one GEMM where ``direct16_fits`` proves its int32 sums exact. "h_bits" is the bits of
+    weights is one GEMM where ``direct16_fits`` proves its int32 sums exact, and times 16-bit weights
+    two (one per weight limb, not four limb pairs) where ``limbs16_fits`` does. "h_bits" is the bits of
     the R.h GEMM's operand (h_gemm's when the layer has one, "hg" = 1: the cell then writes the
     operand from the new state, golden.recurrent_operand); "h_lo"/"h_hi" the state's range.
     gemm_min: the smallest
@@ -113,8 +132,8 @@ def prepare_layer(p: LayerParams, act16: bool = False,
     op = recurrent_operand(b)  # what R.h reads: "h" or "h_gemm"
     v: Dict[str, int] = {"H": H, "I": I, "M_pad": M_pad, "ones_col": ones_col if needs_ones else 0,
                          "x_bits": b["x"], "h_bits": b[op], "hg": int(op == "h_gemm")}
-    x_direct = act16 and direct16_fits(p.W, b["W"], b["x"])
-    h_direct = act16 and direct16_fits(p.R, b["R"], b[op])
+    x_direct = act16 and (direct16_fits(p.W, b["W"], b["x"]) or limbs16_fits(p.W, b["W"], b["x"]))
+    h_direct = act16 and (direct16_fits(p.R, b["R"], b[op]) or limbs16_fits(p.R, b["R"], b[op]))
     v["x_direct16"], v["h_direct16"] = int(x_direct), int(h_direct)
     gx, const_x = _limb_gemm("x", p.W, b["W"], b["x"], M_pad, ones_col, x_direct, gemm_min)
     gh, const_h = _limb_gemm("h", p.R, b["R"], b[op], M_pad, ones_col, h_direct, gemm_min)
@@ -180,7 +199,50 @@ def prepare_layer(p: LayerParams, act16: bool = False,
     # wide accumulators (a 16-bit operand taken whole): each GEMM output's bound per channel
     bound = {"Wx": _gemm_bound(p.W, b["x"]), "Rh": _gemm_bound(p.R, b[op])}
     v["acc32"] = int(_add_acc32(t, v, b, bound))
+    _add_limb32(t, v, b, op, x_direct, h_direct)
     return t, v
+
+
+# the limb pairs of a 16-bit activation taken whole times 16-bit weights (_limb_gemm, limbs16_fits)
+_LIMB16_PAIRS = [[0, 0, 1, 128], [0, 1, 256, 0]]
+
+
+def _add_limb32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, int], op: str,
+                x_direct: bool, h_direct: bool) -> None:
+    """"limb32_x" / "limb32_h" = 1 and their int32 fields where a GEMM is two limb pairs of a
+    16-bit activation taken whole (limbs16_fits) in a pow2 layer and _limb32_parts' bounds hold:
+    the CPU then requantizes those products in int32 (csrc/cpu/kernels.h LimbRequant32), W.x in
+    its requantization pass and R.h in the hybrid cell."""
+    v["limb32_x"] = v["limb32_h"] = 0
+    if not v["pow2"]:
+        return
+    for flag, pre, acc, arrays, direct, w_bits, a_bits in (
+            ("limb32_x", "x", "Wx", "Wxl" if v["x_levels"] else "Wx", x_direct, bits["W"], bits["x"]),
+            ("limb32_h", "h", "Rh", "Rh", h_direct, bits["R"], bits[op])):
+        if not direct or w_bits <= 8 or a_bits <= 8 or t[pre + "_pairs"].tolist() != _LIMB16_PAIRS:
+            continue
+        parts = _limb32_parts(t, arrays)
+        if parts is None:
+            continue
+        t.update(parts)
+        t[acc + "_l32_zp"] = t[acc + "_zp"].to(torch.int32)
+        v[flag] = 1
+
+
+def _limb32_parts(t: Dict[str, torch.Tensor], name: str) -> Optional[Dict[str, torch.Tensor]]:
+    """The fields of csrc/cpu/kernels.h LimbRequant32 for the pow2 requantization ``name`` (Wx, Wxl:
+    every x level's, or Rh): R = _net_shift in [8, 29], bias = bias_hi 2^R + bias_lo with
+    0 <= bias_lo < 2^R, |bias_hi| + 2^25 < 2^31 (the proof is at LimbRequant32); None where they
+    fail."""
+    r = _net_shift(t, name)
+    if bool((r < 8).any()) or bool((r > 29).any()):
+        return None
+    bias = t[name + "_bias"]
+    hi = torch.div(bias, 1 << r, rounding_mode="floor")
+    if bool((hi.abs() + (1 << 25) >= (1 << 31)).any()):
+        return None
+    return {name + "_l32_bias_hi": hi.to(torch.int32), name + "_l32_bias_lo": (bias - hi * (1 << r)).to(torch.int32),
+            name + "_l32_rshift": r.to(torch.int32)}
 
 
 def _net_shift(t: Dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -199,9 +261,47 @@ def _add_acc32(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, in
     accumulators may use all of int32 and take the wide form (_requant_wide with the per-channel
     bounds ``bound``, "acc_wide" = 1; qgru_cell.h requant_wide32), the gates the same int32 cell.
     Then the pow2 form (_acc32_pow2) or the multiplier form (_acc32_mult) adds its fields where its
-    own bounds hold (proofs in csrc/qgru_cell.h); otherwise the layer runs the int64 cell.
+    own bounds hold (proofs in csrc/qgru_cell.h); otherwise the hybrid cell's fields where the
+    gates' bounds hold (_add_hybrid32, "hybrid32" = 1: the CPU's unfused step), else the layer runs
+    the int64 cell.
     """
     v["acc_wide"] = 0
+    v["hybrid32"] = 0
+    ok = _add_acc32_full(t, v, bits, bound)
+    if not ok:
+        _add_hybrid32(t, v)
+    return ok
+
+
+def _add_hybrid32(t: Dict[str, torch.Tensor], v: Dict[str, int]) -> bool:
+    """The hybrid cell's fields ("hybrid32" = 1) where the int32 cell's own accumulator forms do not
+    hold (16-bit weights, two or more limb pairs, or their bounds fail): the accumulators are then
+    requantized in int64 (exact for any limb pairs), and the gates and the new state run in the
+    int32 cell (csrc/qgru_cell.h gru_cell32_d, csrc/cpu/cell_loops.h cell_block_hybrid), whose
+    bounds (_acc32_pow2 / _acc32_mult: from the grids of Wx, Rh, the gates and h, never from the
+    accumulators) are checked here. The CPU Layer runs it on its unfused step (a layer of more
+    than one limb pair); the fused step and the CUDA backend keep the int64 cell."""
+    if max(v["I"], v["H"]) >= (1 << 16):
+        return False
+    zeros = {n: torch.zeros(t[n + "_bias"].numel(), dtype=torch.int32, device=t["Wx_bias"].device)
+             for n in ("Wx", "Rh")}
+
+    def requant(name: str, pow2: bool) -> Dict[str, torch.Tensor]:  # unused fields: the int64 form runs
+        z = zeros[name]
+        return {name + "_bias_hi": z, name + "_bias_lo": z, name + "_rshift": z, name + "_mult32": z}
+    parts = _acc32_pow2(t, v, requant) if v["pow2"] else _acc32_mult(t, v, requant)
+    if parts is None:
+        return False
+    for name in ("Wx", "Rh"):
+        parts[name + "_lo_z"] = parts[name + "_hi_z"] = zeros[name]
+    t["c32_channels"] = _channel_blocks(parts, v["H"])
+    v["hybrid32"] = 1
+    return True
+
+
+def _add_acc32_full(t: Dict[str, torch.Tensor], v: Dict[str, int], bits: Dict[str, int],
+                    bound: Optional[Dict[str, torch.Tensor]] = None) -> bool:
+    """_add_acc32's int32 cell with its int32 accumulator forms (narrow or wide), or False."""
     op_bits = bits[recurrent_operand(bits)]
     if max(bits["W"], bits["R"]) > 8 or max(v["I"], v["H"]) >= (1 << 16):
         return False
