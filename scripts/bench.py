@@ -922,21 +922,14 @@ def main(argv=None) -> None:
         except (ValueError, TypeError) as e:
             sys.exit(f"--configs {c}: {e}")
 
-    if args.peers:
-        body, summary = bench_peers(args)
-        print("\n" + body + "\n\nsummary:\n" + "\n".join(summary), flush=True)
-        if not args.no_write:
-            write(args.out, {"peers": body})
-            print(f"\nwrote {args.out} (peers section)")
-        return
-
-    if args.sweep:
-        body, summary = bench_sweep(args)
-        print("\n" + body + "\n\nsummary:\n" + "\n".join(summary), flush=True)
-        if not args.no_write:
-            write(args.out, {"sweep": body})
-            print(f"\nwrote {args.out} (sweep section)")
-        return
+    for flag, run in (("peers", bench_peers), ("sweep", bench_sweep)):  # a scenario with a section of its own
+        if getattr(args, flag):
+            body, summary = run(args)
+            print("\n" + body + "\n\nsummary:\n" + "\n".join(summary), flush=True)
+            if not args.no_write:
+                write(args.out, {flag: body})
+                print(f"\nwrote {args.out} ({flag} section)")
+            return
 
     sections, last = {}, ""
     for d in devices:
