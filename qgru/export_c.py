@@ -529,11 +529,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--golden-steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    return run_writer(ap.prog, lambda: write_c(load_params(a.params), a.stem, layer=a.layer, direction=a.direction,
+                                               golden_steps=a.golden_steps, seed=a.seed, prefix=a.prefix))
+
+
+def run_writer(prog: str, write) -> int:
+    """A C exporter's command line: print the paths ``write()`` returns (exit 0), or the error of a
+    bad file or argument (exit 1)."""
     try:
-        paths = write_c(load_params(a.params), a.stem, layer=a.layer, direction=a.direction,
-                        golden_steps=a.golden_steps, seed=a.seed, prefix=a.prefix)
+        paths = write()
     except (OSError, ValueError, pickle.UnpicklingError) as e:  # ParamsFileError is a ValueError
-        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     print(*paths)
     return 0

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import pickle
 import re
 import sys
 import warnings
@@ -32,7 +31,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from .export import QuantParams, load_params
-from .export_c import _IDENT, _lit
+from .export_c import _IDENT, _lit, run_writer
 from .golden import LayerParams, gru_direction, requantize_input
 from .primitives import qrange, saturate
 from .tables import table_geometry
@@ -164,7 +163,7 @@ class _Writer:
         layout (interleaved: each block of 4 rows as groups of 4 columns), 64 zero bytes after"""
         K = q.shape[1]
         kp, G = _pad4(K), _pad4(H)
-        w = torch.zeros(3, G, kp, dtype=torch.int64)
+        w = torch.zeros(3, G, kp, dtype=torch.int64, device=q.device)
         w[:, :H, :K] = q.reshape(3, H, K)
         if self.layout == "interleaved":  # [gate][block][row 4][group][col 4] -> [gate][block][group][row][col]
             w = w.reshape(3, G // 4, 4, kp // 4, 4).permute(0, 1, 3, 2, 4)
@@ -285,13 +284,13 @@ class _Writer:
                 return False
         span = {t: (1 << b[t]) - 1 for t in ("Wx", "Rh", "h")}
         for t, src in (("Wx_r", "Wx"), ("Rh_r", "Rh"), ("Wx_z", "Wx"), ("Rh_z", "Rh"), ("Wx_g", "Wx")):
-            if not ok(torch.tensor(span[src]), rs[t].shift):
+            if not ok(torch.tensor(span[src], device=rs[t].shift.device), rs[t].shift):
                 return False
-        if op == "h_gemm" and not ok(torch.tensor(span["h"]), rs["h_gemm"].shift):
+        if op == "h_gemm" and not ok(torch.tensor(span["h"], device=rs["h_gemm"].shift.device), rs["h_gemm"].shift):
             return False
         if li > 0:
             for e, q in enumerate(self.params.layers[li - 1]):
-                if not ok(torch.tensor((1 << q.bits["h"]) - 1), rs[f"in_{e}"].shift):
+                if not ok(torch.tensor((1 << q.bits["h"]) - 1, device=rs[f"in_{e}"].shift.device), rs[f"in_{e}"].shift):
                     return False
         return True
 
@@ -438,14 +437,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--layout", choices=LAYOUTS, default="interleaved",
                     help="weight order of the target's kernel: rows for Helium (Cortex-M55), else interleaved")
     a = ap.parse_args(argv)
-    try:
-        paths = write_mcu(load_params(a.params), a.stem, prefix=a.prefix, golden_steps=a.golden_steps, seed=a.seed,
-                          layout=a.layout)
-    except (OSError, ValueError, pickle.UnpicklingError) as e:
-        print(f"{ap.prog}: error: {e}", file=sys.stderr)
-        return 1
-    print(*paths)
-    return 0
+    return run_writer(ap.prog, lambda: write_mcu(load_params(a.params), a.stem, prefix=a.prefix,
+                                                 golden_steps=a.golden_steps, seed=a.seed, layout=a.layout))
 
 
 if __name__ == "__main__":

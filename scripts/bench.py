@@ -699,6 +699,15 @@ def bench_sweep(args):
     return sweep_section(args, rows, stream_rows, rate, notes)
 
 
+def run_lines(args, now: str):
+    """The date, machine, cpu backend path and command lines of a CPU section."""
+    return [f"- date: {now}",
+            f"- machine: {cpu_model_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}, qgru {qgru.__version__}",
+            f"- qgru cpu backend (auto): {qgru.backends()['cpu']['detail']}" if qgru.backends()["cpu"]["available"]
+            else "- qgru cpu backend unavailable",
+            f"- command: `{shlex.join(['python', 'scripts/bench.py', *args.argv])}`"]
+
+
 PEER_SHAPES = ((16, 64, 32, 1), (64, 128, 16, 1), (256, 512, 64, 2))  # (I, H, N, threads), T = 100
 PEER_TARGETS = ("1 thread, I=16 H=64 N=32 and I=64 H=128 N=16: w8a8 >= 1.5x OpenVINO's default GRU, w8a16 >= 1.0x; "
                 "the benchmark call (I=256 H=512 N=64, 2 threads): w8a8 >= 1.5x OpenVINO and >= 2x dynamic quant")
@@ -756,11 +765,7 @@ def bench_peers(args):
         f"<!-- bench:{key}:start -->",
         f"## CPU peers ({cpu_kind(args)[4:]} machine, `--peers`)",
         "",
-        f"- date: {now}",
-        f"- machine: {cpu_model_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}, qgru {qgru.__version__}",
-        f"- qgru cpu backend (auto): {qgru.backends()['cpu']['detail']}" if qgru.backends()["cpu"]["available"] else
-        "- qgru cpu backend unavailable",
-        f"- command: `{shlex.join(['python', 'scripts/bench.py', *args.argv])}`",
+        *run_lines(args, now),
         "",
         f"T={args.T}, one call per timing, ms per call (median, wall time, every model timed together on the same "
         "input at the row's thread count); dB: SQNR of the output against float nn.GRU's; ratios are speedups:",
@@ -822,11 +827,7 @@ def sweep_section(args, rows, stream_rows, rate, notes):
         f"## CPU sweep ({cpu_kind(args)[4:]} machine, `--sweep {args.sweep}"
         f"{'' if args.sweep_rows == 'default' else ' --sweep-rows ' + args.sweep_rows}`)",
         "",
-        f"- date: {now}",
-        f"- machine: {cpu_model_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}, qgru {qgru.__version__}",
-        f"- qgru cpu backend (auto): {qgru.backends()['cpu']['detail']}" if qgru.backends()["cpu"]["available"] else
-        "- qgru cpu backend unavailable",
-        f"- command: `{shlex.join(['python', 'scripts/bench.py', *args.argv])}`",
+        *run_lines(args, now),
         f"- int8 GEMM rate (torch._int_mm 2048^3, median of 7, this run): {rate_text} multiply-adds/s",
         "",
         *([f"T={SWEEP_T}, input size = hidden size, one call per timing (ms per call, median):",

@@ -304,3 +304,22 @@ def test_readme_section_runs_as_written(tmp_path, monkeypatch):
     r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().splitlines()[-1] == "mismatches 0" == shell.split("#")[-1].strip()
+
+
+def test_export_under_a_meta_default_device_writes_the_same_files(tmp_path):
+    """write_mcu makes every tensor on its parameters' device: under a meta default device it
+    writes exactly the files it writes otherwise."""
+    torch.manual_seed(1)
+    m = qgru.QuantGRU(5, 6, num_layers=2, bidirectional=True, config="w8a8")
+    qgru.calibrate(m, [torch.randn(7, 2, 5) for _ in range(2)], progress=False)
+    params = m.convert().export()
+    with pytest.warns(UserWarning, match="x levels"):
+        write_mcu(params, tmp_path / "a" / "g")
+    torch.set_default_device("meta")
+    try:
+        with pytest.warns(UserWarning, match="x levels"):
+            write_mcu(params, tmp_path / "b" / "g")
+    finally:
+        torch.set_default_device(None)
+    for name in ("g.c", "g.h"):
+        assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
