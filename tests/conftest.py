@@ -10,8 +10,35 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+import faulthandler  # noqa: E402
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# A test that runs past QGRU_TEST_HANG_S seconds (setup and teardown included) is a hang: every
+# thread's stack goes to stderr (the test's own frame among them) and the run ends with exit status 1, instead of a CI run that sits
+# until its own time limit with nothing to read (one did, on a build lock a killed build had left).
+_HANG_S = float(os.environ.get("QGRU_TEST_HANG_S", "900"))
+
+
+_stderr = []  # the terminal's stderr: the tests' own is captured, and the capture dies with the run
+
+
+def pytest_configure(config):
+    if _HANG_S > 0 and not _stderr:
+        _stderr.append(os.fdopen(os.dup(2), "w"))  # capture is suspended while plugins configure
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _HANG_S > 0:
+        faulthandler.dump_traceback_later(_HANG_S, exit=True, file=_stderr[0] if _stderr else sys.stderr)
+    try:
+        yield
+    finally:
+        if _HANG_S > 0:
+            faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(autouse=True)

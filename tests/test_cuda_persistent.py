@@ -27,6 +27,7 @@ from hypothesis import given, settings, strategies as st
 from qgru import golden
 from qgru.config import QuantConfig
 from qgru.native import csrc_dir
+from qgru.native.build import build_guard
 from qgru.native.prepare import CUDA_GEMM_MIN, prepare_layer
 
 from test_native import _random_inputs, _random_layer, cuda_backend  # noqa: F401 (a fixture)
@@ -275,8 +276,9 @@ def host_ext():
     d.mkdir(parents=True, exist_ok=True)
     if shutil.which("ninja") is None:
         pytest.skip("ninja is needed to build the host emulation (torch.utils.cpp_extension)")
-    return load(name="qgru_pk_host", sources=[str(src)], extra_include_paths=[str(csrc_dir())],
-                extra_cflags=["-O1"], build_directory=str(d), verbose=False)
+    with build_guard(d):
+        return load(name="qgru_pk_host", sources=[str(src)], extra_include_paths=[str(csrc_dir())],
+                    extra_cflags=["-O1"], build_directory=str(d), verbose=False)
 
 
 def _smem_for_rows(p, rows: int, sm: int) -> int:

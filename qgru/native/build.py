@@ -12,6 +12,7 @@ drops of it (_after_fork_in_child).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -51,6 +52,36 @@ def csrc_dir() -> Path:
         if (d / "qgru_cell.h").is_file() and (d / "cpu" / "kernels.h").is_file():
             return d
     raise FileNotFoundError("qgru's csrc/ folder is missing from this installation")
+
+
+@contextlib.contextmanager
+def build_guard(d: Path, *more: Path):
+    """Held around a torch.utils.cpp_extension build into ``d`` (and ``more``): an exclusive
+    flock on ``d/.qgru-build.lock`` (the kernel drops it when its holder exits, killed or not)
+    for the whole build, and under it the ``lock`` file that cpp_extension's FileBaton leaves
+    behind when a build is killed is removed: that file alone makes every later build of the
+    folder wait on it forever. A second process building the same folder waits here, and says so."""
+    d.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): cpp_extension's own baton, stale files and all
+        yield
+        return
+    fd = os.open(d / ".qgru-build.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"qgru: waiting for another process that builds into {d}...", file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        for folder in (d,) + more:
+            stale = folder / "lock"
+            if stale.exists():  # no qgru build is running here (we hold the flock): a killed one's
+                print(f"qgru: removing {stale}, left by a build that was killed", file=sys.stderr, flush=True)
+                stale.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def _cpu_flags() -> List[str]:
@@ -323,6 +354,14 @@ def _compile(kind: str, verbose: bool):
     if kind == "cuda":
         kw["extra_cuda_cflags"] = ["-O3"] + define
         kw["extra_ldflags"] = ["-fopenmp"] + _cublas_link_flags()
+    with build_guard(d, _cpu_library_file(d).parent):
+        mod = _compile_locked(cpp_extension, kind, d, kw)
+    _prune_stale(kind, d)
+    return mod
+
+
+def _compile_locked(cpp_extension, kind: str, d: Path, kw: dict):
+    src = csrc_dir()
     print(f"qgru: compiling the {kind} backend into {d} (once; about a minute)...", file=sys.stderr, flush=True)
     if kind == "cpu":
         # first the library without Python (--as-needed drops the libtorch_python that
@@ -335,9 +374,7 @@ def _compile(kind: str, verbose: bool):
         # then the binding, linked by the library's full path (the same object once loaded)
         kw["sources"] = [str(src / _CPU_BINDING)]
         kw["extra_ldflags"] = ["-fopenmp", str(lib), f"-Wl,-rpath,{lib.parent}"]
-    mod = cpp_extension.load(**kw)
-    _prune_stale(kind, d)
-    return mod
+    return cpp_extension.load(**kw)
 
 
 def _prune_stale(kind: str, current: Path) -> None:

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from ..native.build import csrc_dir
+from ..native.build import build_guard, csrc_dir
 
 SOURCE_FILE = "cpu/wo_kernel.cpp"  # the C++ source, under csrc/ (qgru.native.build.csrc_dir)
 HEADERS = ["qgru_check.h"]  # what it includes from csrc/ (hashed into the build folder's name)
@@ -81,12 +81,12 @@ def load(build: bool = True):
             return None
         try:
             from torch.utils import cpp_extension
-            d.mkdir(parents=True, exist_ok=True)
-            _state["module"] = cpp_extension.load_inline(
-                name="qgru_wo_cpu", cpp_sources=[src], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                extra_include_paths=[str(csrc_dir())],
-                build_directory=str(d),
-                verbose=False)
+            with build_guard(d):
+                _state["module"] = cpp_extension.load_inline(
+                    name="qgru_wo_cpu", cpp_sources=[src], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                    extra_include_paths=[str(csrc_dir())],
+                    build_directory=str(d),
+                    verbose=False)
         except Exception as e:  # noqa: BLE001 - any build failure: reported by why_unavailable()
             _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         return _state["module"]

@@ -1,0 +1,110 @@
+"""A build that was killed must not hang the next one: torch.utils.cpp_extension guards a build
+folder with a `lock` file (FileBaton) that a killed build leaves behind, and every later build of
+that folder then waits on it forever (a CI run hung so, at the first weight-only build after a
+killed one). qgru.native.build.build_guard holds a flock for the build and removes such a file
+under it. These tests leave a stale `lock` where each of qgru's builders builds and check, through
+torch's own FileBaton, that the build would go ahead (without the guard it would wait forever)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from torch.utils import cpp_extension
+from torch.utils.file_baton import FileBaton
+
+from qgru.native import build as native_build
+from qgru.native.build import build_guard
+from qgru.weight_only import cpu as wo_cpu
+
+fcntl = pytest.importorskip("fcntl")
+
+
+def _baton_free(folder: str) -> bool:
+    """What cpp_extension does first in a build: True where it builds, False where it would wait."""
+    baton = FileBaton(str(Path(folder) / "lock"))
+    if baton.try_acquire():
+        baton.release()
+        return True
+    return False
+
+
+def test_a_stale_lock_is_removed_and_the_folder_held(tmp_path, capfd):
+    (tmp_path / "lock").write_text("")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "lock").write_text("")
+    with build_guard(tmp_path, tmp_path / "lib"):
+        assert _baton_free(str(tmp_path)) and _baton_free(str(tmp_path / "lib"))
+        # the flock is held: another holder is refused
+        fd = open(tmp_path / ".qgru-build.lock", "rb")
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd.close()
+    assert "left by a build that was killed" in capfd.readouterr().err
+    fd = open(tmp_path / ".qgru-build.lock", "rb")
+    fcntl.flock(fd.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # released after the block
+    fd.close()
+
+
+def test_a_running_build_is_waited_for_not_broken(tmp_path):
+    """A second process waits while the first holds the folder (and then finds no `lock` of a live
+    build removed under it)."""
+    holder = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from qgru.native.build import build_guard
+        with build_guard(Path({str(tmp_path)!r})):
+            (Path({str(tmp_path)!r}) / "lock").write_text("")   # a live build's baton
+            print("held", flush=True)
+            time.sleep(1.5)
+            (Path({str(tmp_path)!r}) / "lock").unlink()
+    """)
+    p = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        with build_guard(tmp_path):
+            waited = time.monotonic() - t0
+            assert _baton_free(str(tmp_path))
+        assert waited > 0.5, waited
+        assert p.wait(timeout=30) == 0, p.stderr.read()
+    finally:
+        p.kill()
+
+
+def test_the_weight_only_build_goes_ahead(tmp_path, monkeypatch):
+    monkeypatch.setenv("QGRU_CACHE", str(tmp_path))
+    d = wo_cpu.build_dir()
+    d.mkdir(parents=True)
+    (d / "lock").write_text("")  # what a killed build leaves
+    seen = []
+
+    def fake_load_inline(**kw):
+        seen.append(_baton_free(kw["build_directory"]))
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load_inline", fake_load_inline)
+    monkeypatch.setattr(wo_cpu, "_state", {"module": None, "error": None})
+    assert wo_cpu.load() == "module" and seen == [True]
+
+
+def test_the_native_build_goes_ahead(tmp_path, monkeypatch):
+    monkeypatch.setenv("QGRU_BUILD_DIR", str(tmp_path))
+    d = native_build.build_dir("cpu")
+    lib = native_build._cpu_library_file(d).parent
+    lib.mkdir(parents=True)
+    (d / "lock").write_text("")
+    (lib / "lock").write_text("")
+    seen = []
+
+    def fake_load(**kw):
+        seen.append((kw["build_directory"], _baton_free(kw["build_directory"])))
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(native_build, "_toolchain_has_avxvnni", lambda work: True)
+    assert native_build._compile("cpu", verbose=False) == "module"
+    assert seen == [(str(lib), True), (str(d), True)]
