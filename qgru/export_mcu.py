@@ -36,9 +36,9 @@ from .golden import LayerParams, gru_direction, requantize_input
 from .primitives import qrange, saturate
 from .tables import table_geometry
 
-ABI = 1  # csrc/c/qgru_rt.h QGRU_RT_ABI
+ABI = 2  # csrc/c/qgru_rt.h QGRU_RT_ABI
 INT32_MAX = (1 << 31) - 1
-LAYOUTS = ("interleaved", "rows")  # csrc/c/qgru_rt.h QGRU_RT_LAYOUT_*; "rows": Helium (kernel_mve.c)
+LAYOUTS = ("interleaved", "rows", "pairs")  # csrc/c/qgru_rt.h QGRU_RT_LAYOUT_*; rows: Helium, pairs: Cortex-M DSP
 _GATE_RESCALES = ("Wx_r", "Rh_r", "Wx_z", "Rh_z", "Wx_g", "rRh_g")
 
 
@@ -96,8 +96,8 @@ def write_mcu(params: QuantParams, path: Union[str, Path], prefix: Optional[str]
               golden_steps: int = 8, seed: int = 0, layout: str = "interleaved") -> Tuple[Path, Path]:
     """Write ``<stem>.h`` and ``<stem>.c`` (the whole model for csrc/c/); returns their paths.
 
-    ``layout``: the weight order of the target's kernel: "interleaved" (plain C, Cortex-M DSP,
-    NEON) or "rows" (Helium MVE); the runtime refuses data of the other (QGRU_RT_ELAYOUT)."""
+    ``layout``: the weight order of the target's kernel: "interleaved" (plain C, NEON), "pairs"
+    (Cortex-M DSP, SMLAD) or "rows" (Helium MVE); the runtime refuses data of another (QGRU_RT_ELAYOUT)."""
     if layout not in LAYOUTS:
         raise ValueError(f"write_mcu: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     for name, v in (("golden_steps", golden_steps), ("seed", seed)):
@@ -148,6 +148,7 @@ class _Writer:
         self.parts: List[str] = []
         self.sizes: Dict[str, int] = {}  # bytes of flash by kind (reported in the header)
         self.notes: List[str] = []
+        self.cell_notes: List[str] = []
 
     def _arr(self, ctype: str, name: str, values, kind: str, per_line: int = 16, align: bool = False) -> str:
         vals = [_lit(v) for v in values]
@@ -158,14 +159,21 @@ class _Writer:
         self.parts.append(f"static const {ctype} {name}[{len(vals)}]{al} = {{\n    " + ",\n    ".join(lines) + "\n};\n")
         return name
 
-    def _weights(self, name: str, q: torch.Tensor, bits: int, H: int) -> Tuple[str, str, int]:
+    def _weights(self, name: str, q: torch.Tensor, bits: int, H: int, wide: int) -> Tuple[str, str, int]:
         """rows of each gate padded to a multiple of 4 (zero rows), each row to k_pad, in the kernel's
-        layout (interleaved: each block of 4 rows as groups of 4 columns), 64 zero bytes after"""
+        layout (interleaved: each block of 4 rows as groups of 4 columns; pairs: the same groups, each
+        word two rows' two columns, the even row's bytes + 128; a wide GEMM's pairs data is
+        interleaved, the int64 loop's order), 64 zero bytes after"""
         K = q.shape[1]
         kp, G = _pad4(K), _pad4(H)
         w = torch.zeros(3, G, kp, dtype=torch.int64, device=q.device)
         w[:, :H, :K] = q.reshape(3, H, K)
-        if self.layout == "interleaved":  # [gate][block][row 4][group][col 4] -> [gate][block][group][row][col]
+        if self.layout == "pairs" and not wide:
+            # row 4 blk + 2 p + r, column 4 grp + 2 h + c -> [gate][blk][grp][h][p][c][r], r = 0 + 128
+            w = w.reshape(3, G // 4, 2, 2, kp // 4, 2, 2).permute(0, 1, 4, 5, 2, 6, 3).clone()
+            w[..., 0] += 128
+            w = torch.where(w > 127, w - 256, w)
+        elif self.layout in ("interleaved", "pairs"):  # [gate][block][row 4][group][col 4] -> [gate][block][group][row][col]
             w = w.reshape(3, G // 4, 4, kp // 4, 4).permute(0, 1, 3, 2, 4)
         flat = w.reshape(-1).tolist() + [0] * 64
         if bits <= 8:
@@ -203,32 +211,42 @@ class _Writer:
         if not cell32:
             self.notes.append(f"{where}: the cell takes the 64-bit path (a 32-bit bound fails, docs/mcu.md)")
         self.parts.append(f"\n/* ---- {where}: {I} -> {H} ---- */\n")
-        w8, w16, kpx = self._weights(f"{n}_W", p.W, b["W"], H)
-        r8, r16, kph = self._weights(f"{n}_R", p.R, b["R"], H)
+        w8, w16, kpx = self._weights(f"{n}_W", p.W, b["W"], H, wide["x"])
+        r8, r16, kph = self._weights(f"{n}_R", p.R, b["R"], H, wide["h"])
+        n_parts, sizes = len(self.parts), dict(self.sizes)
+        why = self._fast(n, p, op) if cell32 else "the 32-bit cell's bounds fail"
+        fast = why is None
+        if not fast:  # nothing of it stays in the file
+            del self.parts[n_parts:]
+            self.sizes = sizes
+            self.cell_notes.append(f"{where}: unit32 / unit, not the fast cell ({why})")
         fields = [f".input_size = {I}", f".hidden_size = {H}", f".rows_per_gate = {_pad4(H)}",
                   f".k_pad_x = {kpx}", f".k_pad_h = {kph}", f".x_bits = {b['x']}", f".op_bits = {b[op]}",
                   f".wide_x = {wide['x']}", f".wide_h = {wide['h']}",
                   f".layout = QGRU_RT_LAYOUT_{self.layout.upper()}", f".cell32 = {int(cell32)}",
                   f".w8 = {w8}", f".w16 = {w16}", f".r8 = {r8}", f".r16 = {r16}"]
-        for t, bias, comp in (("x", p.b_x, p.W_zp_comp), ("h", p.b_h, p.R_zp_comp)):
-            v = bias - comp
-            if _fits(v, 32):
-                fields += [f".bias_{t} = {self._arr('int32_t', f'{n}_bias_{t}', v.tolist(), 'biases')}",
-                           f".bias_{t}64 = 0"]
-            else:
-                fields += [f".bias_{t} = 0", f".bias_{t}64 = {self._arr('int64_t', f'{n}_bias_{t}64', v.tolist(), 'biases')}"]
-        for t in ("Wx", "Rh"):
-            fields.append(f".zp_{t.lower()} = {self._arr('int32_t', f'{n}_zp_{t}', zp[t].expand(3 * H).tolist(), 'rescales')}")
-        for t in ("Wx", "Rh"):
-            r = rs[t]
-            fields.append(f".m_{t.lower()} = {self._arr('int32_t', f'{n}_m_{t}', r.multiplier.expand(3 * H).tolist(), 'rescales')}")
-            fields.append(f".s_{t.lower()} = {self._arr('uint8_t', f'{n}_s_{t}', r.shift.expand(3 * H).tolist(), 'rescales')}")
-        ms, ss = [], []
-        for t in _GATE_RESCALES:
-            r = rs[t]
-            ms.append(self._arr("int32_t", f"{n}_m_{t}", r.multiplier.expand(H).tolist(), "rescales"))
-            ss.append(self._arr("uint8_t", f"{n}_s_{t}", r.shift.expand(H).tolist(), "rescales"))
-        fields += [".m_gate = {" + ", ".join(ms) + "}", ".s_gate = {" + ", ".join(ss) + "}"]
+        if fast:  # the fast cell reads its own data only: no per-channel arrays, tables
+            fields.append(f".fast = &{n}_fast")
+        else:
+            for t, bias, comp in (("x", p.b_x, p.W_zp_comp), ("h", p.b_h, p.R_zp_comp)):
+                v = bias - comp
+                if _fits(v, 32):
+                    fields += [f".bias_{t} = {self._arr('int32_t', f'{n}_bias_{t}', v.tolist(), 'biases')}",
+                               f".bias_{t}64 = 0"]
+                else:
+                    fields += [f".bias_{t} = 0", f".bias_{t}64 = {self._arr('int64_t', f'{n}_bias_{t}64', v.tolist(), 'biases')}"]
+            for t in ("Wx", "Rh"):
+                fields.append(f".zp_{t.lower()} = {self._arr('int32_t', f'{n}_zp_{t}', zp[t].expand(3 * H).tolist(), 'rescales')}")
+            for t in ("Wx", "Rh"):
+                r = rs[t]
+                fields.append(f".m_{t.lower()} = {self._arr('int32_t', f'{n}_m_{t}', r.multiplier.expand(3 * H).tolist(), 'rescales')}")
+                fields.append(f".s_{t.lower()} = {self._arr('uint8_t', f'{n}_s_{t}', r.shift.expand(3 * H).tolist(), 'rescales')}")
+            ms, ss = [], []
+            for t in _GATE_RESCALES:
+                r = rs[t]
+                ms.append(self._arr("int32_t", f"{n}_m_{t}", r.multiplier.expand(H).tolist(), "rescales"))
+                ss.append(self._arr("uint8_t", f"{n}_s_{t}", r.shift.expand(H).tolist(), "rescales"))
+            fields += [".m_gate = {" + ", ".join(ms) + "}", ".s_gate = {" + ", ".join(ss) + "}"]
 
         def rng(t):
             lo, hi = qrange(b[t])
@@ -248,7 +266,7 @@ class _Writer:
             fields += [f".m_{f} = {_lit(m)}", f".s_{f} = {s}"]
         fields.append(f".has_h_gemm = {int(op == 'h_gemm')}")
         for g in ("r", "z", "g"):
-            fields.append(f".t_{g} = {self._table(n, g, p, where)}")
+            fields.append(f".t_{g} = {self._table(n, g, p, where) if not fast else '{0}'}")
         if li > 0:
             prev = self.params.layers[li - 1]
             fields.append(".m_in = {" + ", ".join(_lit(rs[f"in_{e}"].multiplier) for e in range(len(prev))) + "}")
@@ -261,6 +279,137 @@ class _Writer:
                     1 <= int(r.shift.min()) <= int(r.shift.max()) <= 62):
                 raise ValueError(f"write_mcu: {where}: rescale {t} outside int32 multipliers / shifts [1, 62]")
         return "    {\n        " + ",\n        ".join(fields) + "\n    }"
+
+    def _fast(self, n: str, p: LayerParams, op: str) -> Optional[str]:
+        """The fast cell's data (csrc/c/qgru_rt.h qgru_rt_fast, qgru_rt.c fast_unit), written into
+        the parts; None when written, else why not (the runtime then takes unit32). Every bound the
+        fast cell relies on is checked here on this layer's own integers and ranges."""
+        b, zp, rs = p.bits, p.zp, p.rescale
+        H, G = p.hidden_size, _pad4(p.hidden_size)
+
+        def rng(t):
+            return qrange(b[t])
+
+        def dmax(t, z):  # the largest |q - z| of tensor t's range, z an int or a list
+            lo, hi = rng(t)
+            zs = z if isinstance(z, list) else [z]
+            return max(max(abs(lo - v), abs(hi - v)) for v in zs)
+
+        # the accumulators' rescales: s <= 32, m 2^(32 - s) an int32 multiplier (no operand shift)
+        acc = {}
+        for t in ("Wx", "Rh"):
+            ms, ss = rs[t].multiplier.expand(3 * H).tolist(), rs[t].shift.expand(3 * H).tolist()
+            if max(ss) > 32:
+                return f"{t} shift {max(ss)} > 32"
+            M = [m << (32 - s_) for m, s_ in zip(ms, ss)]
+            if max(M) > INT32_MAX or min(M) < 0:
+                return f"{t} multiplier does not fit int32 at shift 32"
+            zps = [int(v) for v in zp[t].expand(3 * H).tolist()]
+            acc[t] = (M, zps)
+        # the gate rescales: a common operand shift a, per channel m 2^b, a + b + s = 32
+        gsrc = (("Wx_r", "Wx", 0), ("Rh_r", "Rh", 0), ("Wx_z", "Wx", 1), ("Rh_z", "Rh", 1), ("Wx_g", "Wx", 2))
+        mg, ag, gb = [], [], []
+        for t, src, gate in gsrc:
+            ms, ss = rs[t].multiplier.expand(H).tolist(), rs[t].shift.expand(H).tolist()
+            vmax = dmax(src, acc[src][1][gate * H:(gate + 1) * H])
+            a = max([0] + [32 - s_ - (31 - m.bit_length()) for m, s_ in zip(ms, ss)])
+            if (vmax << a) > INT32_MAX or any(32 - s_ - a < 0 for s_ in ss):
+                return f"{t} does not fit one SMMLAR (shift {max(ss)}, operand {vmax} << {a})"
+            M = [m << (32 - s_ - a) for m, s_ in zip(ms, ss)]
+            mg.append(M)
+            ag.append(a)
+            gb.append((vmax << a) * max(M) // (1 << 32) + 1)  # |the rescaled value| bound
+        in_lo = {g: rng(f"{g}_pre")[0] for g in "rzg"}
+        span = {g: rng(f"{g}_pre")[1] - in_lo[g] for g in "rzg"}
+        k_r, k_z = int(zp["r_pre"]) - in_lo["r"], int(zp["z_pre"]) - in_lo["z"]
+        if abs(k_r) + gb[0] + gb[1] > INT32_MAX or abs(k_z) + gb[2] + gb[3] > INT32_MAX:
+            return "a gate sum exceeds int32"
+
+        def post(t, m, s_, amax, bmax, konst):  # a 64-bit product rescale: (hi + c) >> p, p = s - 32
+            if s_ < 33:
+                return None
+            pp = s_ - 32
+            c = (1 << (pp - 1)) + (konst << pp)
+            if amax * bmax * m >= 1 << 63 or amax * bmax * m // (1 << 32) + 1 + abs(c) > INT32_MAX:
+                return None
+            return pp, c, (amax * bmax * m // (1 << 32) + 1 + abs(c)) // (1 << pp) + 1
+        # r Rh_g: a common shift (multipliers scaled up to the largest)
+        ms, ss = rs["rRh_g"].multiplier.expand(H).tolist(), rs["rRh_g"].shift.expand(H).tolist()
+        S = max(ss)
+        m_rg = [m << (S - s_) for m, s_ in zip(ms, ss)]
+        if max(m_rg) > INT32_MAX:
+            return "rRh_g multipliers do not share a shift"
+        rmax, zmax, gmax = dmax("r", int(zp["r"])), dmax("z", int(zp["z"])), dmax("g", int(zp["g"]))
+        rg = post("rRh_g", max(m_rg), S, rmax, dmax("Rh", acc["Rh"][1][2 * H:]), int(zp["g_pre"]) - in_lo["g"])
+        if rg is None or rg[2] + gb[4] > INT32_MAX:
+            return "r Rh_g is not a 64-bit product with shift >= 33 in bounds"
+        one_z = int(p.one_z)
+        zh = post("zh", int(rs["zh"].multiplier), int(rs["zh"].shift), zmax, dmax("h", int(zp["h"])), int(zp["h"]))
+        zg = post("zg", int(rs["zg"].multiplier), int(rs["zg"].shift), abs(one_z) + zmax, gmax, 0)
+        if zh is None or zg is None or zh[2] + zg[2] > INT32_MAX:
+            return "z h or (1 - z) g is not a 64-bit product with shift >= 33 in bounds"
+        # the tables: T 2^k + 2^(s-1) and T[i+1] - T[i] (int16); the output never saturates
+        tabs = []
+        for g in "rzg":
+            t = [int(v) for v in p.tables[g].tolist()]
+            k, frac = table_geometry(b[f"{g}_pre"])
+            sh = k + frac
+            imax = span[g] >> k
+            if len(t) < imax + (2 if k else 1):
+                return f"table {g} is shorter than its input range"
+            tp = [v * (1 << k) + ((1 << (sh - 1)) if sh else 0) for v in t]
+            dif = [t[i + 1] - t[i] for i in range(len(t) - 1)] + [0]
+            if not _fits(torch.tensor(dif, dtype=torch.int64), 16):
+                return f"table {g}'s differences do not fit int16"
+            if max(abs(v) for v in tp) + max(abs(v) for v in dif) * ((1 << k) - 1) > INT32_MAX:
+                return f"table {g} does not interpolate in int32"
+            lo, hi = rng(g)
+            z = int(zp[g])
+            for i in range(imax + 1):
+                for f in ((0, (1 << k) - 1) if k else (0,)):
+                    if i == imax and f > (span[g] & ((1 << k) - 1)):
+                        continue
+                    v = ((tp[i] + dif[i] * f) >> sh) + z
+                    if not lo <= v <= hi:
+                        return f"table {g} saturates its output"
+            name = self._arr("int32_t", f"{n}_ftab_{g}", tp, "tables")
+            dname = self._arr("int16_t", f"{n}_fdif_{g}", dif, "tables")
+            tabs.append(f"{{{name}, {dname}, {(1 << k) - 1}, {k}, {sh}}}")
+        # the kernels' accumulator starts: the biases (b - Z rowsum), pairs: b[2i] + 256 b[2i+1]
+        inits = []
+        for t, bias, comp in (("x", p.b_x, p.W_zp_comp), ("h", p.b_h, p.R_zp_comp)):
+            v = (bias - comp).tolist()
+            if not _fits(torch.tensor(v, dtype=torch.int64), 32):
+                return f"bias_{t} does not fit int32"
+            rows = [0] * (3 * G)
+            for g in range(3):
+                rows[g * G:g * G + H] = v[g * H:(g + 1) * H]
+            if self.layout == "pairs":
+                rows = [((rows[i] + 256 * rows[i + 1] + (1 << 31)) % (1 << 32)) - (1 << 31) if i % 2 == 0 else rows[i]
+                        for i in range(3 * G)]
+            inits.append(self._arr("int32_t", f"{n}_init_{t}", rows, "biases"))
+        sat16 = all(b[t] == 16 for t in ("Wx", "Rh", "h", "r_pre", "z_pre", "g_pre"))
+        units = []
+        for j in range(H):
+            c = ", ".join(f"{{{_lit(acc['Wx'][0][g * H + j])}, {_lit(acc['Wx'][1][g * H + j])}, "
+                          f"{_lit(acc['Rh'][0][g * H + j])}, {_lit(acc['Rh'][1][g * H + j])}}}" for g in range(3))
+            units.append(f"{{{{{c}}}, {{{', '.join(_lit(M[j]) for M in mg)}}}, {_lit(m_rg[j])}}}")
+        self.sizes["cell"] = self.sizes.get("cell", 0) + 72 * H
+        self.parts.append(f"static const qgru_rt_unit {n}_units[{H}] = {{\n    " + ",\n    ".join(units) + "\n}};\n")
+
+        def r2(t):
+            lo, hi = rng(t)
+            return f"{{{_lit(lo)}, {_lit(hi)}}}"
+        fields = [f".units = {n}_units", f".init_x = {inits[0]}", f".init_h = {inits[1]}",
+                  ".t = {" + ", ".join(tabs) + "}", f".k_r = {_lit(k_r)}", f".k_z = {_lit(k_z)}",
+                  f".c_rg = {_lit(rg[1])}", f".m_zh = {_lit(int(rs['zh'].multiplier))}", f".c_zh = {_lit(zh[1])}",
+                  f".m_zg = {_lit(int(rs['zg'].multiplier))}", f".c_zg = {_lit(zg[1])}", f".zp_h = {_lit(int(zp['h']))}",
+                  f".one_z = {_lit(one_z)}", f".span_r = {span['r']}", f".span_z = {span['z']}",
+                  f".span_g = {span['g']}", f".wx = {r2('Wx')}", f".rh = {r2('Rh')}", f".h = {r2('h')}",
+                  ".a = {" + ", ".join(map(str, ag)) + "}", f".p_rg = {rg[0]}", f".p_zh = {zh[0]}",
+                  f".p_zg = {zg[0]}", f".sat16 = {int(sat16)}"]
+        self.parts.append(f"static const qgru_rt_fast {n}_fast = {{\n    " + ",\n    ".join(fields) + "\n}};\n")
+        return None
 
     def _cell32(self, p: LayerParams, li: int, op: str, wide) -> bool:
         """Whether the runtime's 32-bit cell (qgru_rt.c unit32, qgru_rt_rescale32) is exact here:
@@ -374,6 +523,8 @@ int {pre}_selftest(void *work, size_t work_bytes)
         xlo, xhi = qrange(p0.bits["x"])
         sizes = ", ".join(f"{k} {v}" for k, v in self.sizes.items())
         notes = "".join(f" *   {s}\n" for s in self.notes) or " *   none: every GEMM accumulates in int32\n"
+        notes += " * Cells (docs/mcu.md):\n" + ("".join(f" *   {s}\n" for s in self.cell_notes)
+                                                 or " *   every direction takes the fast cell\n")
         hdr = f"""/* {self.stem_name}.h: written by qgru.export_mcu (csrc/c/qgru_rt.h runs it; docs/mcu.md).
  *
  * {L} layer(s) x {D} direction(s), {I} -> {H}; config "{cfg.get('name', '?')}", scale_mode "{cfg.get('scale_mode', '?')}".

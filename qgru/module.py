@@ -21,7 +21,7 @@ from torch import _VF, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from . import native
-from .backends import forced_backend_name
+from .backends import current_backend, forced_backend_name
 from .config import QuantConfig
 from .convert import (RescaleError, activation_qparams, calibrated_range, derive_layer_params, grid_error,
                       recurrent_operand)
@@ -955,6 +955,12 @@ class QuantGRU(nn.GRU):
             raise RuntimeError(_NO_TORCHSCRIPT.format(what="torch.jit.trace"))
         if torch.compiler.is_compiling():
             return _compiled_integer_gru(x, hx, lengths, *self._op_params)
+        if (x.is_cpu and (lengths is not None or self.bidirectional) and self._op_params[0]
+                and current_backend("cpu").name == "cpu"):
+            # what the native Stack does not take (qgru/runtime.py runs it otherwise), on the cpu
+            # backend: the operator's C++ on this model (native.cpu_model), not a loop in Python
+            model = native.cpu_model(self._params_on(x.device), self._op_params)
+            return model.forward(x.detach(), hx.detach(), lengths)
         return _integer_forward(self._params_on(x.device), x, hx, lengths)
 
     # ---- TorchScript --------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def model(I: int, H: int, folder: Path):
     qgru.calibrate(m, [torch.randn(20, 4, I) for _ in range(2)], progress=False)
     p = m.convert().export()
     out = {}
-    for layout in ("interleaved", "rows"):
+    for layout in ("interleaved", "rows", "pairs"):
         d = folder / f"{I}x{H}-{layout}"
         write_mcu(p, d / "gru", layout=layout)
         out[layout] = d

@@ -28,7 +28,7 @@ class Target:
     flags: Sequence[str]
     run: Sequence[str]          # command prefix; the binary is appended (-kernel for qemu-system-arm)
     bare: bool                  # bare metal (boards/cortex_m.c + .ld, semihosting) or hosted
-    layout: str = "interleaved"  # the weight layout its kernel reads (export_mcu.write_mcu's layout)
+    layout: str = "interleaved"  # the weight layout its kernel reads (pairs: DSP, rows: MVE) (export_mcu.write_mcu's layout)
     tools: Sequence[str] = field(default_factory=tuple)
 
 
@@ -48,7 +48,7 @@ TARGETS = {
     "m0": Target("m0", "arm-none-eabi-gcc", ["-mcpu=cortex-m0", "-mthumb"], _qsys("microbit"), True,
                  tools=("qemu-system-arm",)),
     "m4": Target("m4", "arm-none-eabi-gcc", ["-mcpu=cortex-m4", "-mthumb"], _qsys("mps2-an386"), True,
-                 tools=("qemu-system-arm",)),
+                 layout="pairs", tools=("qemu-system-arm",)),
     "m55": Target("m55", "arm-none-eabi-gcc", ["-mcpu=cortex-m55", "-mthumb", "-mfloat-abi=hard"],
                   _qsys("mps3-an547"), True, layout="rows", tools=("qemu-system-arm",)),
 }

@@ -108,3 +108,23 @@ def test_the_native_build_goes_ahead(tmp_path, monkeypatch):
     monkeypatch.setattr(native_build, "_toolchain_has_avxvnni", lambda work: True)
     assert native_build._compile("cpu", verbose=False) == "module"
     assert seen == [(str(lib), True), (str(d), True)]
+
+
+def test_other_builds_are_pruned_only_when_unused(tmp_path):
+    """A build of other sources (another checkout or qgru version on this torch) that a process
+    loaded recently stays: two environments side by side must not remove each other's builds (a
+    test run beside a second checkout failed so, its build removed under QGRU_NO_BUILD=1)."""
+    import os
+    import time
+    current = tmp_path / "cpu-torchX-abi-aaaa"
+    recent, old, other_kind = (tmp_path / "cpu-torchX-abi-bbbb", tmp_path / "cpu-torchX-abi-cccc",
+                               tmp_path / "cuda-torchX-abi-dddd")
+    for d in (current, recent, old, other_kind):
+        d.mkdir()
+    native_build._mark_used(recent)
+    native_build._mark_used(old)
+    week_ago = time.time() - native_build._PRUNE_AFTER_S - 60
+    os.utime(old / native_build._USED_STAMP, (week_ago, week_ago))
+    os.utime(other_kind, (week_ago, week_ago))
+    native_build._prune_stale("cpu", current)
+    assert current.is_dir() and recent.is_dir() and other_kind.is_dir() and not old.exists()

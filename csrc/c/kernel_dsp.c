@@ -1,9 +1,13 @@
 /* kernel_dsp.c: Cortex-M4, M7, M33 (the DSP extension): SMLAD, two 16x16 products a cycle.
  *
- * Interleaved weights: a group is four words, one per row, each four int8 of that row (k0 k1 k2
- * k3); SXTB16 gives the halfword pair (k0, k2) and SXTB16 of the word rotated by 8 the pair (k1, k3). The activations are int16,
- * stored x0 x2 x1 x3 per group of four (QGRU_RT_ACT_POS), so each SMLAD adds two exact products
- * to an int32 sum; four rows share every activation load. */
+ * Pairs layout (qgru_rt.h QGRU_RT_LAYOUT_PAIRS): a group of a block is four words, each two rows'
+ * two columns as bytes (W[r][k] + 128, W[r+1][k], W[r][k+1] + 128, W[r+1][k+1]). Read as signed
+ * halfwords a word is (u + 256 w') per column, u = W[r] + 128 in [0, 255] and w' = W[r+1], so one
+ * SMLAD against the activation pair (a[k], a[k+1]) adds sum u a + 256 sum w' a, and SXTB16 of the
+ * word rotated by 8 gives (W[r+1][k], W[r+1][k+1]) for a second SMLAD: four products in three
+ * instructions. Over the row, A = S_r + 128 sum(a) + 256 S_{r+1} and B = S_{r+1}; A starts at
+ * b_r + 256 b_{r+1} - 128 sum(a) (init and corr), B at b_{r+1}, so row r is A - 256 B. The sums are
+ * modulo 2^32 (SMLAD wraps), exact because every true result fits int32 (the export's bound). */
 #include "qgru_rt_kernel.h"
 
 #if QGRU_RT_KERNEL == QGRU_RT_KERNEL_DSP
@@ -15,8 +19,6 @@ const char qgru_rt_kernel_name[] = "dsp";
  * activation buffers are word-aligned): a may_alias type keeps them legal under strict aliasing */
 typedef uint32_t __attribute__((may_alias, aligned(4))) word;
 
-static inline uint32_t ror8(uint32_t v) { return (v >> 8) | (v << 24); } /* folds into SXTB16's ROR #8 */
-
 /* SXTB16 of v rotated right by 8: one instruction (gcc does not fold the rotation itself) */
 static inline uint32_t sxtb16_ror8(uint32_t v)
 {
@@ -25,34 +27,59 @@ static inline uint32_t sxtb16_ror8(uint32_t v)
     return r;
 }
 
-void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t k_pad, int32_t out[4])
+#define QGRU_RT_DSP_PAIR(wv, xv, A, B)                                                             \
+    do {                                                                                           \
+        A = __smlad((wv), (xv), A);                                                                \
+        B = __smlad(sxtb16_ror8(wv), (xv), B);                                                     \
+    } while (0)
+
+void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t k_pad, const int32_t *init,
+                      int32_t corr, int32_t out[4])
 {
     const int16_t *end = a + k_pad;
-    int32_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    int32_t a0 = corr, b1 = 0, a2 = corr, b3 = 0;
     (void)stride;
-    while (a < end) { /* one group: four columns of the four rows, 16 bytes (one LDM) */
+    if (init) {
+        a0 += init[0];
+        b1 = init[1];
+        a2 += init[2];
+        b3 = init[3];
+    }
+    if ((k_pad & 4) != 0) { /* k_pad is a multiple of 4: one odd group first */
         const word *v = (const word *)(const void *)w, *x = (const word *)(const void *)a;
-        const uint32_t x02 = x[0], x13 = x[1];
-        s0 = __smlad(__sxtb16(v[0]), x02, s0);
-        s0 = __smlad(sxtb16_ror8(v[0]), x13, s0);
-        s1 = __smlad(__sxtb16(v[1]), x02, s1);
-        s1 = __smlad(sxtb16_ror8(v[1]), x13, s1);
-        s2 = __smlad(__sxtb16(v[2]), x02, s2);
-        s2 = __smlad(sxtb16_ror8(v[2]), x13, s2);
-        s3 = __smlad(__sxtb16(v[3]), x02, s3);
-        s3 = __smlad(sxtb16_ror8(v[3]), x13, s3);
+        const uint32_t x01 = x[0], x23 = x[1];
+        QGRU_RT_DSP_PAIR(v[0], x01, a0, b1);
+        QGRU_RT_DSP_PAIR(v[1], x01, a2, b3);
+        QGRU_RT_DSP_PAIR(v[2], x23, a0, b1);
+        QGRU_RT_DSP_PAIR(v[3], x23, a2, b3);
         a += 4;
         w += 16;
     }
-    out[0] = s0;
-    out[1] = s1;
-    out[2] = s2;
-    out[3] = s3;
+    while (a < end) { /* two groups: eight columns of the four rows */
+        const word *v = (const word *)(const void *)w, *x = (const word *)(const void *)a;
+        uint32_t x01 = x[0], x23 = x[1];
+        QGRU_RT_DSP_PAIR(v[0], x01, a0, b1);
+        QGRU_RT_DSP_PAIR(v[1], x01, a2, b3);
+        QGRU_RT_DSP_PAIR(v[2], x23, a0, b1);
+        QGRU_RT_DSP_PAIR(v[3], x23, a2, b3);
+        x01 = x[2], x23 = x[3];
+        QGRU_RT_DSP_PAIR(v[4], x01, a0, b1);
+        QGRU_RT_DSP_PAIR(v[5], x01, a2, b3);
+        QGRU_RT_DSP_PAIR(v[6], x23, a0, b1);
+        QGRU_RT_DSP_PAIR(v[7], x23, a2, b3);
+        a += 8;
+        w += 32;
+    }
+    out[0] = (int32_t)((uint32_t)a0 - ((uint32_t)b1 << 8));
+    out[1] = b1;
+    out[2] = (int32_t)((uint32_t)a2 - ((uint32_t)b3 << 8));
+    out[3] = b3;
 }
 
-void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, int32_t out[4])
+void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, const int32_t *init,
+                     int32_t corr, int32_t out[4])
 {
-    (void)w, (void)stride, (void)a, (void)k_pad, (void)out; /* QGRU_RT_HAS_A8 is 0: never called */
+    (void)w, (void)stride, (void)a, (void)k_pad, (void)init, (void)corr, (void)out; /* QGRU_RT_HAS_A8 is 0 */
 }
 #else
 typedef int qgru_rt_kernel_dsp_unused;

@@ -9,10 +9,12 @@
 
 const char qgru_rt_kernel_name[] = "mve";
 
-void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, int32_t out[4])
+void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, const int32_t *init,
+                     int32_t corr, int32_t out[4])
 {
     const int8_t *w0 = w, *w1 = w + stride, *w2 = w + 2 * stride, *w3 = w + 3 * stride;
-    int32_t s0 = 0, s1 = 0, s2 = 0, s3 = 0, k;
+    int32_t s0 = init ? init[0] : 0, s1 = init ? init[1] : 0, s2 = init ? init[2] : 0, s3 = init ? init[3] : 0, k;
+    (void)corr;
     for (k = 0; k < k_pad; k += 16) { /* past k_pad: zero activations (the runtime pads to 16) */
         const int8x16_t x = vldrbq_s8(a + k);
         s0 = vmladavaq_s8(s0, vldrbq_s8(w0 + k), x);
@@ -26,10 +28,12 @@ void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k
     out[3] = s3;
 }
 
-void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t k_pad, int32_t out[4])
+void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t k_pad, const int32_t *init,
+                     int32_t corr, int32_t out[4])
 {
     const int8_t *w0 = w, *w1 = w + stride, *w2 = w + 2 * stride, *w3 = w + 3 * stride;
-    int32_t s0 = 0, s1 = 0, s2 = 0, s3 = 0, k;
+    int32_t s0 = init ? init[0] : 0, s1 = init ? init[1] : 0, s2 = init ? init[2] : 0, s3 = init ? init[3] : 0, k;
+    (void)corr;
     for (k = 0; k < k_pad; k += 8) {
         const int16x8_t x = vldrhq_s16(a + k);
         s0 = vmladavaq_s16(s0, vldrbq_s16(w0 + k), x);

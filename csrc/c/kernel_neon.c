@@ -15,20 +15,23 @@ const char qgru_rt_kernel_name[] = "neon-dotprod";
 const char qgru_rt_kernel_name[] = "neon";
 #endif
 
-static inline void reduce4(int32x4_t s0, int32x4_t s1, int32x4_t s2, int32x4_t s3, int32_t out[4])
+static inline int32x4_t start(const int32_t *init) { return init ? vld1q_s32(init) : vdupq_n_s32(0); }
+
+static inline void reduce4(int32x4_t s0, int32x4_t s1, int32x4_t s2, int32x4_t s3, const int32_t *init, int32_t out[4])
 {
-    vst1q_s32(out, vpaddq_s32(vpaddq_s32(s0, s1), vpaddq_s32(s2, s3)));
+    vst1q_s32(out, vaddq_s32(start(init), vpaddq_s32(vpaddq_s32(s0, s1), vpaddq_s32(s2, s3))));
 }
 
-void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, int32_t out[4])
+void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, const int32_t *init,
+                     int32_t corr, int32_t out[4])
 {
     int32_t k;
-    (void)stride;
+    (void)stride, (void)corr;
 #if defined(__ARM_FEATURE_DOTPROD)
     /* a group (16 bytes: four columns of the four rows) against four activations: one SDOT by
      * lane adds row r's four products to lane r; four groups per 16 activations. Past k_pad the
      * loads read the next block (or the 64 padding bytes) against zero activations. */
-    int32x4_t s = vdupq_n_s32(0);
+    int32x4_t s = start(init);
     for (k = 0; k < k_pad; k += 16, w += 64) {
         const int8x16_t x = vld1q_s8(a + k);
         s = vdotq_laneq_s32(s, vld1q_s8(w), x, 0);
@@ -49,16 +52,17 @@ void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k
         s01 = vpadalq_s16(s01, vmull_s8(vget_low_s8(v), vget_low_s8(x)));
         s23 = vpadalq_s16(s23, vmull_high_s8(v, x));
     }
-    vst1q_s32(out, vpaddq_s32(s01, s23));
+    vst1q_s32(out, vaddq_s32(start(init), vpaddq_s32(s01, s23)));
 #endif
 }
 
-void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t k_pad, int32_t out[4])
+void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t k_pad, const int32_t *init,
+                     int32_t corr, int32_t out[4])
 {
     /* a group's rows widened to int16, each SMLAL'd against the four activations lane by lane */
     int32x4_t s0 = vdupq_n_s32(0), s1 = s0, s2 = s0, s3 = s0;
     int32_t k;
-    (void)stride;
+    (void)stride, (void)corr;
     for (k = 0; k < k_pad; k += 4, w += 16) {
         const int8x16_t v = vld1q_s8(w);
         const int16x8_t lo = vmovl_s8(vget_low_s8(v)), hi = vmovl_high_s8(v);
@@ -68,7 +72,7 @@ void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t
         s2 = vmlal_s16(s2, vget_low_s16(hi), x);
         s3 = vmlal_s16(s3, vget_high_s16(hi), x);
     }
-    reduce4(s0, s1, s2, s3, out);
+    reduce4(s0, s1, s2, s3, init, out);
 }
 #else
 typedef int qgru_rt_kernel_neon_unused;

@@ -35,7 +35,7 @@ static int32_t act_get(act_buf b, int32_t k) { return b.a8 ? b.a8[k] : b.a16[QGR
 
 /* Four rows' dot products, exact: the kernel's int32 sums where the export proved they fit,
  * else an int64 loop (the wide path: weights of more than 8 bits, or a bound that fails). */
-static void dot4(const qgru_rt_dir *d, int recurrent, int32_t row, act_buf a, int64_t out[4])
+static void dot4(const qgru_rt_dir *d, int recurrent, int32_t row, act_buf a, int32_t corr, int64_t out[4])
 {
     const int32_t K = recurrent ? d->hidden_size : d->input_size;
     const int32_t kp = recurrent ? d->k_pad_h : d->k_pad_x;
@@ -45,9 +45,9 @@ static void dot4(const qgru_rt_dir *d, int recurrent, int32_t row, act_buf a, in
     if (!(recurrent ? d->wide_h : d->wide_x)) {
         int32_t s[4];
         if (a.a8)
-            qgru_rt_dot4_a8(w8 + (int32_t)row * kp, kp, a.a8, kp, s);
+            qgru_rt_dot4_a8(w8 + (int32_t)row * kp, kp, a.a8, kp, 0, corr, s);
         else
-            qgru_rt_dot4_a16(w8 + (int32_t)row * kp, kp, a.a16, kp, s);
+            qgru_rt_dot4_a16(w8 + (int32_t)row * kp, kp, a.a16, kp, 0, corr, s);
         for (i = 0; i < 4; i++)
             out[i] = s[i];
         return;
@@ -139,12 +139,77 @@ static QGRU_RT_NOINLINE int16_t unit32(const qgru_rt_dir *d, int32_t j, const in
     return (int16_t)qgru_rt_sat64(hv, d->r_h);
 }
 
+/* The fast cell (qgru_rt.h qgru_rt_fast, docs/mcu.md): unit j from its accumulators (biases
+ * included by the kernels) -> the new h[j]. Each rescale is one SMMLAR (s <= 32) or the high word
+ * of a product shifted once (s >= 33), each zero point and table input offset folded into a
+ * constant, each table lookup one load pair and one multiply-add; the same integers as unit().
+ * sat16 (a constant at each call): every saturation is SSAT/USAT #16. */
+QGRU_RT_INLINE int32_t fsat(int32_t v, qgru_rt_range r, const int sat16)
+{
+    return sat16 ? QGRU_RT_SSAT16(v) : v < r.lo ? r.lo : v > r.hi ? r.hi : v;
+}
+
+QGRU_RT_INLINE int32_t fusat(int32_t v, int32_t span, const int sat16)
+{
+    return sat16 ? QGRU_RT_USAT16(v) : v < 0 ? 0 : v > span ? span : v;
+}
+
+QGRU_RT_INLINE int16_t fast_unit(const qgru_rt_fast *F, const qgru_rt_unit *U, const int32_t *ax, const int32_t *ah,
+                                 int32_t h, const int sat16)
+{
+    int32_t dx[3], dh[3], g, u, d_r, d_z, d_g, t;
+    for (g = 0; g < 3; g++) {
+        dx[g] = fsat(qgru_rt_mulhr(ax[4 * g], U->c[g].mx, U->c[g].zx), F->wx, sat16) - U->c[g].zx;
+        dh[g] = fsat(qgru_rt_mulhr(ah[4 * g], U->c[g].mh, U->c[g].zh), F->rh, sat16) - U->c[g].zh;
+    }
+    u = qgru_rt_mulhr(qgru_rt_shl(dh[0], F->a[1]), U->mg[1], qgru_rt_mulhr(qgru_rt_shl(dx[0], F->a[0]), U->mg[0], F->k_r));
+    d_r = qgru_rt_flookup(fusat(u, F->span_r, sat16), &F->t[0]);
+    u = qgru_rt_mulhr(qgru_rt_shl(dh[1], F->a[3]), U->mg[3], qgru_rt_mulhr(qgru_rt_shl(dx[1], F->a[2]), U->mg[2], F->k_z));
+    d_z = qgru_rt_flookup(fusat(u, F->span_z, sat16), &F->t[1]);
+    t = qgru_rt_shr32(qgru_rt_prod_hi(d_r, dh[2], U->m_rg) + F->c_rg, F->p_rg); /* rRh_g, + zp_gpre - in_lo */
+    u = qgru_rt_mulhr(qgru_rt_shl(dx[2], F->a[4]), U->mg[4], t);
+    d_g = qgru_rt_flookup(fusat(u, F->span_g, sat16), &F->t[2]);
+    t = qgru_rt_shr32(qgru_rt_prod_hi(d_z, h - F->zp_h, F->m_zh) + F->c_zh, F->p_zh) /* + zp_h */
+        + qgru_rt_shr32(qgru_rt_prod_hi(F->one_z - d_z, d_g, F->m_zg) + F->c_zg, F->p_zg);
+    return (int16_t)fsat(t, F->h, sat16);
+}
+
+static QGRU_RT_NOINLINE void fast_block16(const qgru_rt_fast *F, int32_t j0, int32_t n, const int32_t *ax,
+                                          const int32_t *ah, const int16_t *h, int16_t *h_new)
+{
+    int32_t u;
+    for (u = 0; u < n; u++)
+        h_new[j0 + u] = fast_unit(F, &F->units[j0 + u], ax + u, ah + u, h[j0 + u], 1);
+}
+
+static QGRU_RT_NOINLINE void fast_block(const qgru_rt_fast *F, int32_t j0, int32_t n, const int32_t *ax,
+                                        const int32_t *ah, const int16_t *h, int16_t *h_new)
+{
+    int32_t u;
+    for (u = 0; u < n; u++)
+        h_new[j0 + u] = fast_unit(F, &F->units[j0 + u], ax + u, ah + u, h[j0 + u], 0);
+}
+
+/* -128 sum(a) of an int16 activation buffer (the pairs layout's correction), else 0 */
+static int32_t act_corr(act_buf b, int32_t n)
+{
+#if QGRU_RT_NEEDS_ASUM
+    int32_t k, s = 0;
+    for (k = 0; k < n; k++)
+        s += b.a16[k];
+    return -128 * s;
+#else
+    (void)b, (void)n;
+    return 0;
+#endif
+}
+
 /* One step of one direction (golden gru_step for one row): xa holds x on this layer's x grid,
  * h the state; the new state goes to h_new (not aliasing h). */
 static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t *h, int16_t *h_new)
 {
     const int32_t H = d->hidden_size, G = d->rows_per_gate;
-    int32_t j0, j, u, g;
+    int32_t j0, j, u, g, cx, ch;
     /* R.h's operand: the state itself, or requantized onto h_gemm's grid (recurrent_operand) */
     act_clear(ha, H);
     for (j = 0; j < H; j++) {
@@ -155,6 +220,31 @@ static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t
             v = (int32_t)qgru_rt_sat64(qgru_rt_mul_shift32(v - d->zp_h, d->m_hg, d->s_hg) + d->zp_op, d->r_op);
         act_put(ha, j, v);
     }
+    cx = act_corr(xa, d->input_size);
+    ch = act_corr(ha, H);
+    if (d->fast) { /* kernels from the biases straight into the fast cell */
+        const qgru_rt_fast *F = d->fast;
+        const int32_t kx = d->k_pad_x, kh = d->k_pad_h;
+        for (j0 = 0; j0 < H; j0 += 4) {
+            int32_t ax[3][4], ah[3][4];
+            for (g = 0; g < 3; g++) {
+                const int8_t *wx = d->w8 + (g * G + j0) * kx, *wh = d->r8 + (g * G + j0) * kh;
+                if (xa.a8)
+                    qgru_rt_dot4_a8(wx, kx, xa.a8, kx, F->init_x + g * G + j0, cx, ax[g]);
+                else
+                    qgru_rt_dot4_a16(wx, kx, xa.a16, kx, F->init_x + g * G + j0, cx, ax[g]);
+                if (ha.a8)
+                    qgru_rt_dot4_a8(wh, kh, ha.a8, kh, F->init_h + g * G + j0, ch, ah[g]);
+                else
+                    qgru_rt_dot4_a16(wh, kh, ha.a16, kh, F->init_h + g * G + j0, ch, ah[g]);
+            }
+            if (F->sat16)
+                fast_block16(F, j0, H - j0 < 4 ? H - j0 : 4, &ax[0][0], &ah[0][0], h, h_new);
+            else
+                fast_block(F, j0, H - j0 < 4 ? H - j0 : 4, &ax[0][0], &ah[0][0], h, h_new);
+        }
+        return;
+    }
     if (d->cell32) { /* int32 kernels straight into the 32-bit cell (cell32 implies neither GEMM is wide) */
         const int32_t kx = d->k_pad_x, kh = d->k_pad_h;
         for (j0 = 0; j0 < H; j0 += 4) {
@@ -162,13 +252,13 @@ static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t
             for (g = 0; g < 3; g++) {
                 const int8_t *wx = d->w8 + (g * G + j0) * kx, *wh = d->r8 + (g * G + j0) * kh;
                 if (xa.a8)
-                    qgru_rt_dot4_a8(wx, kx, xa.a8, kx, ax[g]);
+                    qgru_rt_dot4_a8(wx, kx, xa.a8, kx, 0, cx, ax[g]);
                 else
-                    qgru_rt_dot4_a16(wx, kx, xa.a16, kx, ax[g]);
+                    qgru_rt_dot4_a16(wx, kx, xa.a16, kx, 0, cx, ax[g]);
                 if (ha.a8)
-                    qgru_rt_dot4_a8(wh, kh, ha.a8, kh, ah[g]);
+                    qgru_rt_dot4_a8(wh, kh, ha.a8, kh, 0, ch, ah[g]);
                 else
-                    qgru_rt_dot4_a16(wh, kh, ha.a16, kh, ah[g]);
+                    qgru_rt_dot4_a16(wh, kh, ha.a16, kh, 0, ch, ah[g]);
             }
             for (u = 0; u < 4 && j0 + u < H; u++)
                 h_new[j0 + u] = unit32(d, j0 + u, &ax[0][u], &ah[0][u], h[j0 + u]);
@@ -178,8 +268,8 @@ static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t
     for (j0 = 0; j0 < H; j0 += 4) {
         int64_t ax[3][4], ah[3][4];
         for (g = 0; g < 3; g++) {
-            dot4(d, 0, g * G + j0, xa, ax[g]);
-            dot4(d, 1, g * G + j0, ha, ah[g]);
+            dot4(d, 0, g * G + j0, xa, cx, ax[g]);
+            dot4(d, 1, g * G + j0, ha, ch, ah[g]);
         }
         for (u = 0; u < 4 && j0 + u < H; u++) {
             {

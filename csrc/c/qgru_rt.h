@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define QGRU_RT_ABI 1 /* the layout of the structs below; the exported data checks it */
+#define QGRU_RT_ABI 2 /* the layout of the structs below; the exported data checks it */
 
 #if defined(__GNUC__) || defined(__clang__)
 #define QGRU_RT_ALIGN16 __attribute__((aligned(16))) /* weight arrays: whole-word loads */
@@ -52,6 +52,45 @@ typedef struct {
  * LDM feeds four SMLAD rows, and one SDOT-by-lane reads). */
 #define QGRU_RT_LAYOUT_ROWS 0
 #define QGRU_RT_LAYOUT_INTERLEAVED 1
+/* pairs (Cortex-M DSP, kernel_dsp.c): blocks of 4 rows as groups of 4 columns like interleaved, but
+ * each word holds two rows' pair of columns, bytes (W[r][k] + 128, W[r+1][k], W[r][k+1] + 128,
+ * W[r+1][k+1]) (r even): read as two halfwords that is W[r] + 128 + 256 W[r+1] per column, so one
+ * SMLAD adds four products (docs/mcu.md). GEMMs on the int64 loop (wide) stay interleaved. */
+#define QGRU_RT_LAYOUT_PAIRS 2
+
+/* The fast cell (qgru_rt.c fast_unit, docs/mcu.md "The fast cell"): every constant precomputed
+ * at export, every bound it relies on checked there. A rescale round_half_up(v m / 2^s) with
+ * s <= 32 is one SMMLAR: K + floor((v 2^a  m 2^b + 2^31) / 2^32), a + b = 32 - s; one with
+ * s >= 33 the high word of the 64-bit product plus 2^(p-1) (and K 2^p) shifted by p = s - 32. */
+typedef struct {
+    struct {
+        int32_t mx, zx, mh, zh; /* gate g's Wx and Rh accumulator rescales (m 2^(32-s)) and zero points */
+    } c[3];
+    int32_t mg[5]; /* Wx_r, Rh_r, Wx_z, Rh_z, Wx_g: m 2^b */
+    int32_t m_rg;  /* rRh_g (its shift the direction's p_rg) */
+} qgru_rt_unit;
+
+/* a table as T[i] 2^k + 2^(s-1) (s = k + frac; no rounding term when 0) and T[i+1] - T[i]: the
+ * lookup is (tab[i] + dif[i] f) >> s, the export proved the output never saturates */
+typedef struct {
+    const int32_t *tab;
+    const int16_t *dif;
+    int32_t mask;
+    uint8_t k, s;
+} qgru_rt_ftable;
+
+typedef struct {
+    const qgru_rt_unit *units;      /* [hidden_size] */
+    const int32_t *init_x, *init_h; /* [3 rows_per_gate]: the kernels' accumulators start here (biases) */
+    qgru_rt_ftable t[3];            /* r, z, g */
+    int32_t k_r, k_z;               /* zp_pre - in_lo of r and z (u = pre - in_lo, saturated to [0, span]) */
+    int32_t c_rg, m_zh, c_zh, m_zg, c_zg, zp_h, one_z;
+    int32_t span_r, span_z, span_g;
+    qgru_rt_range wx, rh, h;
+    uint8_t a[5];                   /* the operand shifts of mg[] */
+    uint8_t p_rg, p_zh, p_zg;
+    uint8_t sat16;                  /* 1: Wx, Rh, h and every gate input are 16-bit (SSAT/USAT #16) */
+} qgru_rt_fast;
 
 /* One layer and direction. Weights: 3 gates [r | z | g] of rows_per_gate (H rounded up to 4)
  * rows each (rows >= H are zero), each row k_pad (K rounded up to 4) int8_t values (int16_t in
@@ -80,6 +119,7 @@ typedef struct {
     qgru_rt_table t_r, t_z, t_g;
     int32_t m_in[2], zp_hprev[2];                        /* layer > 0: previous directions -> x */
     uint8_t s_in[2];
+    const qgru_rt_fast *fast;                            /* the fast cell's data (0: unit32 / unit) */
     double x_scale, h_scale;                             /* only for the float boundary */
 } qgru_rt_dir;
 

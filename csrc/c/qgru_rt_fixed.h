@@ -83,4 +83,52 @@ QGRU_RT_INLINE int32_t qgru_rt_lookup(int32_t q, const qgru_rt_table *t)
     return qgru_rt_sat32(v + t->out_zp, t->out);
 }
 
+/* ---- the fast cell's primitives (qgru_rt.h qgru_rt_fast; the export proves each bound) ---- */
+
+/* k + floor((v m + 2^31) / 2^32): SMMLAR where the DSP extension has it. With v = x 2^a and m the
+ * multiplier times 2^b, a + b + s = 32, this is k + round_half_up(x m / 2^s) exactly. */
+#if defined(__ARM_FEATURE_DSP) && __ARM_FEATURE_DSP && !defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#include <arm_acle.h>
+QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
+{
+    int32_t r;
+    __asm__("smmlar %0, %1, %2, %3" : "=r"(r) : "r"(v), "r"(m), "r"(k));
+    return r;
+}
+#define QGRU_RT_SSAT16(v) __ssat((v), 16)
+#define QGRU_RT_USAT16(v) ((int32_t)__usat((v), 16))
+#else
+QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
+{
+    return k + (int32_t)qgru_rt_shr64((int64_t)v * m + ((int64_t)1 << 31), 32);
+}
+#define QGRU_RT_SSAT16(v) ((v) < -32768 ? -32768 : (v) > 32767 ? 32767 : (v))
+#define QGRU_RT_USAT16(v) ((v) < 0 ? 0 : (v) > 65535 ? 65535 : (v))
+#endif
+
+/* floor(a b m / 2^32), m >= 0, |a b m| < 2^63: on a 32-bit core the 64-bit a b split into its
+ * words, lo m by UMULL (unsigned, its high word is floor(lo m / 2^32)) and hi m added (MLA) modulo
+ * 2^32, exact because the true result fits int32. */
+QGRU_RT_INLINE int32_t qgru_rt_prod_hi(int32_t a, int32_t b, int32_t m)
+{
+#if UINTPTR_MAX > 0xffffffffu
+    return (int32_t)qgru_rt_shr64((int64_t)a * b * m, 32);
+#else
+    const int64_t p = (int64_t)a * b;
+    const uint32_t lo = (uint32_t)p, hi = (uint32_t)(p >> 32);
+    return (int32_t)((uint32_t)(((uint64_t)lo * (uint32_t)m) >> 32) + hi * (uint32_t)m);
+#endif
+}
+
+/* v 2^a without the undefined left shift of a negative int (a two's complement wrap: |v| 2^a < 2^31) */
+QGRU_RT_INLINE int32_t qgru_rt_shl(int32_t v, int a) { return (int32_t)((uint32_t)v << a); }
+
+/* the fast table: u in [0, span], (tab[i] + dif[i] f) >> s: T[i] 2^k + (T[i+1] - T[i]) f plus the
+ * rounding term, shifted (golden lookup minus its zero point: the output never saturates) */
+QGRU_RT_INLINE int32_t qgru_rt_flookup(int32_t u, const qgru_rt_ftable *t)
+{
+    const int32_t i = u >> t->k;
+    return qgru_rt_shr32(t->tab[i] + t->dif[i] * (u & t->mask), t->s);
+}
+
 #endif /* QGRU_RT_FIXED_H_ */

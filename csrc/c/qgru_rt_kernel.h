@@ -36,29 +36,35 @@
 #endif
 #endif
 
-/* Where activation k is stored in the buffer the kernel reads. SMLAD multiplies halfword pairs:
- * SXTB16 of a weight word (bytes k0 k1 k2 k3) gives the pair (k0, k2), SXTB16 of it rotated by
- * 8 gives (k1, k3), so the int16 activations of each group of four are stored x0 x2 x1 x3. */
-#if QGRU_RT_KERNEL == QGRU_RT_KERNEL_DSP
-#define QGRU_RT_ACT_POS(k) (((k) & ~3) | (((k) & 1) << 1) | (((k) >> 1) & 1))
-#define QGRU_RT_HAS_A8 0 /* int8 activations are widened to int16 (one SXTB16 pair per word) */
-#else
+/* Where activation k is stored in the buffer the kernel reads (every kernel: in order) */
 #define QGRU_RT_ACT_POS(k) (k)
+#if QGRU_RT_KERNEL == QGRU_RT_KERNEL_DSP
+#define QGRU_RT_HAS_A8 0 /* int8 activations are widened to int16 (SMLAD's halfword pairs) */
+#define QGRU_RT_NEEDS_ASUM 1 /* the pairs layout needs -128 sum(a) (qgru_rt.h QGRU_RT_LAYOUT_PAIRS) */
+#else
 #define QGRU_RT_HAS_A8 (QGRU_RT_KERNEL != QGRU_RT_KERNEL_REF)
+#define QGRU_RT_NEEDS_ASUM 0
 #endif
 
 /* the weight layout the kernel reads (the export writes it: export_mcu.write_mcu(layout=...)) */
 #if QGRU_RT_KERNEL == QGRU_RT_KERNEL_MVE
 #define QGRU_RT_LAYOUT QGRU_RT_LAYOUT_ROWS
+#elif QGRU_RT_KERNEL == QGRU_RT_KERNEL_DSP
+#define QGRU_RT_LAYOUT QGRU_RT_LAYOUT_PAIRS
 #else
 #define QGRU_RT_LAYOUT QGRU_RT_LAYOUT_INTERLEAVED
 #endif
 
 #define qgru_rt_pad16(n) (((n) + 15) & ~15)
 
-/* int16 activations (every kernel) and int8 activations (kernels with QGRU_RT_HAS_A8) */
-void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t k_pad, int32_t out[4]);
-void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, int32_t out[4]);
+/* int16 activations (every kernel) and int8 activations (kernels with QGRU_RT_HAS_A8).
+ * init: the four accumulators' start (0: zeros), in the layout's form (pairs: row 2i starts at
+ * b[2i] + 256 b[2i+1], the export writes it); corr: -128 sum(a) where QGRU_RT_NEEDS_ASUM, else 0.
+ * out[r] = init_r + sum_k w[r][k] a[k]. */
+void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t k_pad, const int32_t *init,
+                      int32_t corr, int32_t out[4]);
+void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, const int32_t *init,
+                     int32_t corr, int32_t out[4]);
 
 extern const char qgru_rt_kernel_name[];
 

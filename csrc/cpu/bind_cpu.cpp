@@ -66,6 +66,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("call", &qgru::cpu_api::Stack::call,
            "forward where x is a float32 CPU tensor [T >= 1, N, I] and h0 None (zeros) or one [L, N, H], neither a "
            "negative view; else None", pybind11::arg("x"), pybind11::arg("h0") = pybind11::none(), release_gil());
+  pybind11::class_<qgru::cpu_api::Model>(m, "Model")
+      .def(pybind11::init<const std::vector<at::Tensor>&, const std::string&, const std::string&>(),
+           pybind11::arg("params"), pybind11::arg("spec"), pybind11::arg("isa") = "auto")
+      .def("forward", &qgru::cpu_api::Model::forward, "the operator qgru::integer_gru's call on this model",
+           pybind11::arg("x"), pybind11::arg("hx"), pybind11::arg("lengths") = pybind11::none(), release_gil())
+      .def_property_readonly("gemm_paths", &qgru::cpu_api::Model::gemm_paths)
+      .def_property_readonly("cells", &qgru::cpu_api::Model::cell_kinds);
   pybind11::class_<qgru::cpu_api::Layer, std::shared_ptr<qgru::cpu_api::Layer>>(m, "Layer")
       .def(pybind11::init<qgru::TensorMap, qgru::IntMap, const std::string&>(), pybind11::arg("tensors"),
            pybind11::arg("values"), pybind11::arg("isa") = "auto")

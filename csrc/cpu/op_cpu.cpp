@@ -254,7 +254,44 @@ struct Entry {
   std::vector<int64_t> versions;
   Spec parsed;
   std::vector<std::shared_ptr<cpu_api::Layer>> layers;
+  // a unidirectional stack whose layers requantize per tensor: the Stack the eager module's
+  // one-call form runs (qgru/native/stacks.py), for calls without lengths; else null
+  std::shared_ptr<cpu_api::Stack> stack;
 };
+
+// The Stack of a unidirectional spec (qgru/native/stacks.py stack_values and stack_levels), or
+// null where a layer's requantization of its input is per channel.
+std::shared_ptr<cpu_api::Stack> make_stack(const Spec& s, const std::vector<std::shared_ptr<cpu_api::Layer>>& layers) {
+  if (s.D != 1) return nullptr;
+  std::vector<std::vector<double>> rows;
+  for (int64_t l = 0; l < s.L; ++l) {
+    const Unit& u = s.units[(size_t)l];
+    double m = 1, sh = 1;
+    if (l > 0) {
+      if (u.in_mult[0].size() != 1) return nullptr;
+      m = (double)u.in_mult[0][0], sh = (double)u.in_shift[0][0];
+    }
+    rows.push_back({u.sx, (double)u.zx, (double)u.bx, u.sh, (double)u.zh, (double)u.bh, m, sh});
+  }
+  std::vector<std::vector<double>> levels;
+  const Unit& u0 = s.units[0];
+  if (!u0.lv_scale.empty()) levels = {u0.lv_scale, u0.lv_lo, u0.lv_hi};
+  return std::make_shared<cpu_api::Stack>(layers, std::move(rows), levels);
+}
+
+// A spec's Entry (parsed, its Layers and Stack made) for params on path request ``request``.
+std::shared_ptr<Entry> make_entry(const std::vector<at::Tensor>& params, const std::string& spec,
+                                  const std::string& request) {
+  auto e = std::make_shared<Entry>();
+  e->spec = spec, e->request = request, e->params = params;
+  for (const auto& p : params) e->versions.push_back(p._version());
+  e->parsed = parse_spec(spec, (int64_t)params.size());
+  // the Layers keep tensors (workspaces): made as normal tensors (qgru/native/layer.py says why)
+  c10::InferenceMode normal(false);
+  for (const Unit& u : e->parsed.units) e->layers.push_back(make_layer(u, params, request));
+  e->stack = make_stack(e->parsed, e->layers);
+  return e;
+}
 
 std::mutex g_mu;
 std::list<std::shared_ptr<Entry>> g_cache;  // most recently used first
@@ -276,15 +313,7 @@ std::shared_ptr<Entry> entry_for(const std::vector<at::Tensor>& params, const st
       g_cache.push_front(e);
       return e;
     }
-  auto e = std::make_shared<Entry>();
-  e->spec = spec, e->request = request, e->params = params;
-  for (const auto& p : params) e->versions.push_back(p._version());
-  e->parsed = parse_spec(spec, (int64_t)params.size());
-  {
-    // the Layers keep tensors (workspaces): made as normal tensors (qgru/native/layer.py says why)
-    c10::InferenceMode normal(false);
-    for (const Unit& u : e->parsed.units) e->layers.push_back(make_layer(u, params, request));
-  }
+  auto e = make_entry(params, spec, request);
   g_cache.push_front(e);
   while (g_cache.size() > kCacheSize) g_cache.pop_back();
   return e;
@@ -325,32 +354,31 @@ at::Tensor requantize(const at::Tensor& q, int64_t from_zp, const std::vector<in
 std::tuple<at::Tensor, at::Tensor> run(const Entry& e, const at::Tensor& x, const at::Tensor& hx,
                                        const at::Tensor& lengths) {
   const Spec& s = e.parsed;
-  const int64_t T = x.size(0), N = x.size(1), L = s.L, D = s.D;
+  if (e.stack && !lengths.defined()) {  // the eager module's one-call form: the same integers
+    at::Tensor out, h_n;
+    std::tie(out, h_n) = e.stack->forward(x, hx);  // float32
+    if (x.scalar_type() == at::kFloat) return {out, h_n};
+    return {out.to(x.scalar_type()), h_n.to(x.scalar_type())};
+  }
+  const int64_t L = s.L, D = s.D;
   const std::string& isa = e.request;
   std::vector<at::Tensor> prev;  // the previous layer's integer outputs, per direction
   std::vector<at::Tensor> h_n;
   const c10::optional<at::Tensor> len = lengths.defined() ? c10::optional<at::Tensor>(lengths) : c10::nullopt;
   for (int64_t l = 0; l < L; ++l) {
     std::vector<at::Tensor> outs;
-    at::Tensor qx0, level0;  // layer 0's quantized input (both directions read it)
-    if (l == 0) {
-      const Unit& u = s.units[0];
-      if (!u.lv_scale.empty()) {
-        std::tie(qx0, level0) = cpu_api::quantize_levels(x, u.lv_scale, u.lv_lo, u.lv_hi, u.zx, u.bx, "input", isa);
-      } else {
-        qx0 = cpu_api::quantize(x, u.sx, u.zx, u.bx, "input", isa);
-      }
-      // (a call's quantize output is a reused buffer: held here until the layer has read it)
-    }
     for (int64_t d = 0; d < D; ++d) {
       const Unit& u = s.units[(size_t)(l * D + d)];
       at::Tensor qx, level;
       if (l == 0) {
-        QGRU_CHECK_VALUE(u.sx == s.units[0].sx && u.zx == s.units[0].zx && u.bx == s.units[0].bx &&
-                             u.lv_scale == s.units[0].lv_scale && u.lv_lo == s.units[0].lv_lo &&
-                             u.lv_hi == s.units[0].lv_hi,
-                         "qgru::integer_gru: the first layer's directions quantize x on different grids");
-        qx = qx0, level = level0;
+        // x on this direction's own grid (golden integer_inputs): the two directions' observers
+        // calibrate apart, and their grids differ where they saw different ranges (ema_step)
+        if (!u.lv_scale.empty()) {
+          std::tie(qx, level) = cpu_api::quantize_levels(x, u.lv_scale, u.lv_lo, u.lv_hi, u.zx, u.bx, "input", isa);
+        } else {
+          qx = cpu_api::quantize(x, u.sx, u.zx, u.bx, "input", isa);
+        }
+        // (a quantize output is a reused buffer, reused only once no tensor holds it)
       } else {
         std::vector<at::Tensor> parts;
         for (int64_t src = 0; src < D; ++src)
@@ -384,15 +412,10 @@ std::tuple<at::Tensor, at::Tensor> run(const Entry& e, const at::Tensor& x, cons
   return {fo.size() == 1 ? fo[0] : at::cat(fo, -1), at::stack(fh)};
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> integer_gru_cpu(const at::Tensor& x_in, const at::Tensor& hx_in,
-                                                   const c10::optional<at::Tensor>& lengths_in,
-                                                   at::TensorList params_in, c10::string_view spec_in) {
-  const std::string spec(spec_in.data(), spec_in.size());
-  const std::vector<at::Tensor> params(params_in.begin(), params_in.end());
-  auto e = entry_for(params, spec);
-  const Spec& s = e->parsed;
+// The operator's checks of x, hx and lengths against the spec, then run.
+std::tuple<at::Tensor, at::Tensor> checked_run(const Entry& e, const at::Tensor& x_in, const at::Tensor& hx_in,
+                                               const c10::optional<at::Tensor>& lengths_in) {
+  const Spec& s = e.parsed;
   QGRU_CHECK_VALUE(x_in.dim() == 3 && x_in.is_floating_point() && x_in.device().is_cpu(),
                    "qgru::integer_gru: x must be a float CPU tensor [T, N, I], got ", x_in.scalar_type(), " ",
                    x_in.sizes(), " on ", x_in.device());
@@ -419,12 +442,50 @@ std::tuple<at::Tensor, at::Tensor> integer_gru_cpu(const at::Tensor& x_in, const
   if (c10::InferenceMode::is_enabled()) {
     // the Layers' reused buffers must stay normal tensors (qgru/native/layer.py gru_direction)
     c10::InferenceMode normal(false);
-    return run(*e, x, hx, lengths);
+    return run(e, x, hx, lengths);
   }
-  return run(*e, x, hx, lengths);
+  return run(e, x, hx, lengths);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> integer_gru_cpu(const at::Tensor& x, const at::Tensor& hx,
+                                                   const c10::optional<at::Tensor>& lengths,
+                                                   at::TensorList params_in, c10::string_view spec_in) {
+  const std::string spec(spec_in.data(), spec_in.size());
+  const std::vector<at::Tensor> params(params_in.begin(), params_in.end());
+  return checked_run(*entry_for(params, spec), x, hx, lengths);
 }
 
 }  // namespace op
+
+namespace cpu_api {
+
+struct Model::Impl {
+  std::shared_ptr<op::Entry> entry;
+};
+
+Model::Model(const std::vector<at::Tensor>& params, const std::string& spec, const std::string& request)
+    : impl(std::make_shared<Impl>(Impl{op::make_entry(params, spec, op::trim_lower(request.c_str()))})) {}
+
+std::tuple<at::Tensor, at::Tensor> Model::forward(const at::Tensor& x, const at::Tensor& hx,
+                                                  const c10::optional<at::Tensor>& lengths) const {
+  return op::checked_run(*impl->entry, x, hx, lengths);
+}
+
+std::vector<std::string> Model::gemm_paths() const {
+  std::vector<std::string> v;
+  for (const auto& l : impl->entry->layers) v.push_back(l->gemm_path());
+  return v;
+}
+
+std::vector<std::string> Model::cell_kinds() const {
+  std::vector<std::string> v;
+  for (const auto& l : impl->entry->layers) v.push_back(l->cell_kind());
+  return v;
+}
+
+}  // namespace cpu_api
 }  // namespace qgru
 
 TORCH_LIBRARY(qgru, m) {

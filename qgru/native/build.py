@@ -287,6 +287,7 @@ def _load_built(kind: str, path: Path):
     spec = importlib.util.spec_from_file_location(_ext_name(kind), path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    _mark_used(path.parent)
     if getattr(mod, "built_for_torch", None) != torch.__version__:
         raise RuntimeError(f"stale binary {path} was built for torch {getattr(mod, 'built_for_torch', '?')}, "
                            f"this is torch {torch.__version__}: rebuild with `python -m qgru build`")
@@ -356,6 +357,7 @@ def _compile(kind: str, verbose: bool):
         kw["extra_ldflags"] = ["-fopenmp"] + _cublas_link_flags()
     with build_guard(d, _cpu_library_file(d).parent):
         mod = _compile_locked(cpp_extension, kind, d, kw)
+    _mark_used(d)
     _prune_stale(kind, d)
     return mod
 
@@ -377,12 +379,38 @@ def _compile_locked(cpp_extension, kind: str, d: Path, kw: dict):
     return cpp_extension.load(**kw)
 
 
+# A build of another source (another qgru version or checkout sharing this torch and ABI) is
+# removed once no process has loaded it for this long: two environments that load their own builds
+# side by side must not remove each other's (a process that finds its build gone rebuilds it, or,
+# with QGRU_NO_BUILD=1, fails: a test run did, beside a second checkout's build).
+_PRUNE_AFTER_S = 7 * 24 * 3600
+_USED_STAMP = ".qgru-last-load"
+
+
+def _mark_used(d: Path) -> None:
+    """Record that a process loads the build in ``d`` now (_prune_stale reads it)."""
+    try:
+        (d / _USED_STAMP).touch()
+    except OSError:  # a read-only cache: nothing prunes it either
+        pass
+
+
 def _prune_stale(kind: str, current: Path) -> None:
-    """Remove this environment's older builds of ``kind`` (same torch and ABI, other sources or flags)."""
+    """Remove this environment's builds of ``kind`` of other sources or flags (same torch and ABI)
+    that no process has loaded for _PRUNE_AFTER_S."""
     import shutil
+    import time
     prefix = current.name[: current.name.rindex("-") + 1]
+    now = time.time()
     for d in current.parent.glob(prefix + "*"):
-        if d != current and d.is_dir():
+        if d == current or not d.is_dir():
+            continue
+        stamp = d / _USED_STAMP
+        try:
+            last = stamp.stat().st_mtime if stamp.exists() else d.stat().st_mtime
+        except OSError:
+            continue
+        if now - last > _PRUNE_AFTER_S:
             shutil.rmtree(d, ignore_errors=True)
 
 

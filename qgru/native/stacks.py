@@ -125,6 +125,22 @@ def cpu_stack_call(params: List[List[LayerParams]], x: torch.Tensor, hx: Optiona
     return None if plan is None else plan.call(x, hx)
 
 
+def cpu_model(params: List[List[LayerParams]], op_params: Tuple[List[torch.Tensor], str]):
+    """The cpu backend's Model of a converted QuantGRU (csrc/cpu/op_cpu.cpp: the operator
+    qgru::integer_gru's C++, its spec parsed and its Layers and Stack made once from ``op_params``,
+    the module's flatten_params) on this CPU path request: the module runs the calls that its native
+    Stack does not take (bidirectional, lengths) through it, the operator's code and not a second
+    loop in Python. Kept beside the first layer's Layers (so a fork's child drops it, and pickling
+    leaves it out) while the module's operator arguments are the same objects."""
+    req = cpu_isa_request()
+    cache = _native_cache(params[0][0])
+    key = ("cpu-model", req)
+    entry = cache.get(key)
+    if entry is None or entry[0] is not op_params[0]:
+        entry = cache[key] = (op_params[0], load("cpu").Model(op_params[0], op_params[1], req))
+    return entry[1]
+
+
 def _cuda_layer(p: LayerParams, device: torch.device) -> "NativeLayer":
     """The CUDA NativeLayer of p on ``device`` (the one gru_direction makes and caches)."""
     cache = _native_cache(p)
