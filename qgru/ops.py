@@ -10,7 +10,8 @@ backend's library without Python, qgru.native.library_path()): a saved torch.exp
 AOTInductor package runs in a process that only loaded that library (torch.ops.load_library, or
 dlopen from C++), without qgru's Python; the eager module runs its bidirectional calls and those
 with lengths through the same C++ (native.cpu_model). This module adds what must be Python: the
-fake kernel (shapes, for tracing), the kernel for other devices (CUDA: runtime.integer_forward on
+fake kernel (shapes, for tracing), the sequence-length-0 error as eager mode raises it
+(QGRUInputError), the kernel for other devices (CUDA: runtime.integer_forward on
 the current backend) and, where the cpu backend cannot be built, the whole operator in Python (the
 same integers, slower).
 
@@ -176,10 +177,9 @@ def _fake(x, hx, lengths, params, spec):
 
 
 def _checked(x, hx, lengths, params, spec):
-    """The Autograd kernel of the operator in Python (where the cpu backend cannot be built): a real
-    (not fake) input of sequence length 0 raises QGRUInputError as eager mode does; no gradient;
-    then the device's kernel. (The C++ library's own Autograd kernel does the same, the first as a
-    ValueError of the same text.)"""
+    """The Autograd kernel qgru's Python adds for CPU and CUDA tensors: a real (not fake) input of
+    sequence length 0 raises QGRUInputError as eager mode does (the C++ raises a ValueError of the
+    same text); the rest is the C++ Autograd kernel's (no gradient), then the device's kernel."""
     if type(x) is torch.Tensor and x.shape[0] == 0:
         # eager mode refuses it in the module (_check_input); an exported program whose sequence
         # length is dynamic traced that check for lengths >= 2 (torch's size rule) and runs only
@@ -222,12 +222,11 @@ def ensure_operator() -> str:
             _state["libs"].append(lib)
         lib = torch.library.Library("qgru", "IMPL")
         lib.impl("integer_gru", _python_kernel, "CUDA")
-        if where == "python":
-            # the C++ library has an Autograd kernel of its own (no gradient; a sequence of length 0
-            # is its ValueError, as in a process without qgru): a Python one there cost every
-            # compiled call ~60 us of boxing its ~100 tensors (BENCHMARKS.md, the operator)
-            for key in ("AutogradCPU", "AutogradCUDA"):
-                lib.impl("integer_gru", _checked, key)
+        # (over the C++ library's own Autograd kernel, whose error for a sequence of length 0 is a
+        # ValueError: this one raises eager mode's QGRUInputError; it costs a call ~10 us of boxing
+        # its ~100 tensors, and nothing in inference mode, which skips Autograd kernels)
+        for key in ("AutogradCPU", "AutogradCUDA"):
+            lib.impl("integer_gru", _checked, key)
         _state["libs"].append(lib)
         torch.library.register_fake("qgru::integer_gru", _fake, lib=lib)
         _state.update(ready=True, where=where)
