@@ -30,6 +30,11 @@ def pytest_configure(config):
         _stderr.append(os.fdopen(os.dup(2), "w"))  # capture is suspended while plugins configure
 
 
+def pytest_unconfigure(config):
+    while _stderr:
+        _stderr.pop().close()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     if _HANG_S > 0:

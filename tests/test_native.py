@@ -1774,16 +1774,17 @@ def test_backends_report():
 
 
 def test_default_backend_is_native_cpu(cpu_backend, monkeypatch):
-    """Without a forced backend a converted model on CPU tensors runs the cpu backend."""
+    """Without a forced backend a converted model on CPU tensors runs the cpu backend (a
+    bidirectional one: on its Model, native.cpu_model, the operator's C++)."""
     assert backends_mod.current_backend("cpu").name == "cpu"
     calls = []
-    real = native.gru_direction
+    real = native.cpu_model
 
-    def spy(kind):
-        calls.append(kind)
-        return real(kind)
+    def spy(params, op_params):
+        calls.append("cpu")
+        return real(params, op_params)
 
-    monkeypatch.setattr(native, "gru_direction", spy)
+    monkeypatch.setattr(native, "cpu_model", spy)
     m = _converted(_cfg("w8a8"), 4, 6, 2, True, False, 3)
     x = torch.randn(3, 2, 4)
     with warnings.catch_warnings():
