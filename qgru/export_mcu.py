@@ -141,6 +141,11 @@ def _fits(t: torch.Tensor, bits: int) -> bool:
     return t.numel() == 0 or (int(t.min()) >= lo and int(t.max()) <= hi)
 
 
+def _fits_ints(vals, bits: int) -> bool:
+    lo, hi = qrange(bits)
+    return all(lo <= int(v) <= hi for v in vals)
+
+
 class _Writer:
     def __init__(self, params: QuantParams, prefix: str, stem_name: str, golden, layout: str):
         self.layout = layout
@@ -295,17 +300,19 @@ class _Writer:
             zs = z if isinstance(z, list) else [z]
             return max(max(abs(lo - v), abs(hi - v)) for v in zs)
 
-        # the accumulators' rescales: s <= 32, m 2^(32 - s) an int32 multiplier (no operand shift)
-        acc = {}
-        for t in ("Wx", "Rh"):
+        # the accumulators' rescales: s <= 32, a common operand shift a (|acc| 2^a < 2^31), m 2^b, a + b + s = 32
+        acc, acc_a = {}, []
+        for t, q, src, bias, comp in (("Wx", p.W, "x", p.b_x, p.W_zp_comp), ("Rh", p.R, op, p.b_h, p.R_zp_comp)):
             ms, ss = rs[t].multiplier.expand(3 * H).tolist(), rs[t].shift.expand(3 * H).tolist()
-            if max(ss) > 32:
-                return f"{t} shift {max(ss)} > 32"
-            M = [m << (32 - s_) for m, s_ in zip(ms, ss)]
-            if max(M) > INT32_MAX or min(M) < 0:
-                return f"{t} multiplier does not fit int32 at shift 32"
+            lo, hi = rng(src)
+            vb = int((q.abs().sum(1) * max(-lo, hi) + (bias - comp).abs()).max())
+            a = max([0] + [32 - s_ - (31 - m.bit_length()) for m, s_ in zip(ms, ss)])
+            if (vb << a) > INT32_MAX or any(32 - s_ - a < 0 for s_ in ss):
+                return f"{t} does not fit one SMMLAR (shift {max(ss)}, accumulator {vb} << {a})"
+            M = [m << (32 - s_ - a) for m, s_ in zip(ms, ss)]
             zps = [int(v) for v in zp[t].expand(3 * H).tolist()]
             acc[t] = (M, zps)
+            acc_a.append(a)
         # the gate rescales: a common operand shift a, per channel m 2^b, a + b + s = 32
         gsrc = (("Wx_r", "Wx", 0), ("Rh_r", "Rh", 0), ("Wx_z", "Wx", 1), ("Rh_z", "Rh", 1), ("Wx_g", "Wx", 2))
         mg, ag, gb = [], [], []
@@ -359,7 +366,7 @@ class _Writer:
                 return f"table {g} is shorter than its input range"
             tp = [v * (1 << k) + ((1 << (sh - 1)) if sh else 0) for v in t]
             dif = [t[i + 1] - t[i] for i in range(len(t) - 1)] + [0]
-            if not _fits(torch.tensor(dif, dtype=torch.int64), 16):
+            if not _fits_ints(dif, 16):
                 return f"table {g}'s differences do not fit int16"
             if max(abs(v) for v in tp) + max(abs(v) for v in dif) * ((1 << k) - 1) > INT32_MAX:
                 return f"table {g} does not interpolate in int32"
@@ -379,7 +386,7 @@ class _Writer:
         inits = []
         for t, bias, comp in (("x", p.b_x, p.W_zp_comp), ("h", p.b_h, p.R_zp_comp)):
             v = (bias - comp).tolist()
-            if not _fits(torch.tensor(v, dtype=torch.int64), 32):
+            if not _fits_ints(v, 32):
                 return f"bias_{t} does not fit int32"
             rows = [0] * (3 * G)
             for g in range(3):
@@ -388,14 +395,23 @@ class _Writer:
                 rows = [((rows[i] + 256 * rows[i + 1] + (1 << 31)) % (1 << 32)) - (1 << 31) if i % 2 == 0 else rows[i]
                         for i in range(3 * G)]
             inits.append(self._arr("int32_t", f"{n}_init_{t}", rows, "biases"))
-        sat16 = all(b[t] == 16 for t in ("Wx", "Rh", "h", "r_pre", "z_pre", "g_pre"))
+        std16 = all(b[t] == 16 for t in ("Wx", "Rh", "h", "r_pre", "z_pre", "g_pre")) and all(
+            table_geometry(b[f"{g}_pre"]) == (6, 4) for g in "rzg")
+        hg = ["0", "0", "0", "0"]  # m, c, p, mode: h -> h_gemm as one high word where s >= 33
+        if op == "h_gemm":
+            m, s_ = int(rs["h_gemm"].multiplier), int(rs["h_gemm"].shift)
+            if s_ >= 33:
+                pp = s_ - 32
+                c = (1 << (pp - 1)) + (int(zp["h_gemm"]) << pp)
+                if dmax("h", int(zp["h"])) * m // (1 << 32) + 1 + abs(c) <= INT32_MAX:
+                    hg = [_lit(m), _lit(c), str(pp), "1"]
         units = []
         for j in range(H):
             c = ", ".join(f"{{{_lit(acc['Wx'][0][g * H + j])}, {_lit(acc['Wx'][1][g * H + j])}, "
                           f"{_lit(acc['Rh'][0][g * H + j])}, {_lit(acc['Rh'][1][g * H + j])}}}" for g in range(3))
             units.append(f"{{{{{c}}}, {{{', '.join(_lit(M[j]) for M in mg)}}}, {_lit(m_rg[j])}}}")
         self.sizes["cell"] = self.sizes.get("cell", 0) + 72 * H
-        self.parts.append(f"static const qgru_rt_unit {n}_units[{H}] = {{\n    " + ",\n    ".join(units) + "\n}};\n")
+        self.parts.append(f"static const qgru_rt_unit {n}_units[{H}] = {{\n    " + ",\n    ".join(units) + "\n};\n")
 
         def r2(t):
             lo, hi = rng(t)
@@ -406,9 +422,10 @@ class _Writer:
                   f".m_zg = {_lit(int(rs['zg'].multiplier))}", f".c_zg = {_lit(zg[1])}", f".zp_h = {_lit(int(zp['h']))}",
                   f".one_z = {_lit(one_z)}", f".span_r = {span['r']}", f".span_z = {span['z']}",
                   f".span_g = {span['g']}", f".wx = {r2('Wx')}", f".rh = {r2('Rh')}", f".h = {r2('h')}",
-                  ".a = {" + ", ".join(map(str, ag)) + "}", f".p_rg = {rg[0]}", f".p_zh = {zh[0]}",
-                  f".p_zg = {zg[0]}", f".sat16 = {int(sat16)}"]
-        self.parts.append(f"static const qgru_rt_fast {n}_fast = {{\n    " + ",\n    ".join(fields) + "\n}};\n")
+                  ".a = {" + ", ".join(map(str, ag)) + "}", ".aa = {" + ", ".join(map(str, acc_a)) + "}", f".p_rg = {rg[0]}", f".p_zh = {zh[0]}",
+                  f".p_zg = {zg[0]}", f".m_hg = {hg[0]}", f".c_hg = {hg[1]}", f".p_hg = {hg[2]}",
+                  f".hg_mode = {hg[3]}", f".std16 = {int(std16)}"]
+        self.parts.append(f"static const qgru_rt_fast {n}_fast = {{\n    " + ",\n    ".join(fields) + "\n};\n")
         return None
 
     def _cell32(self, p: LayerParams, li: int, op: str, wide) -> bool:

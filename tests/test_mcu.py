@@ -43,6 +43,7 @@ CASES = {  # id: (config, overrides, scale_mode, input, hidden, layers, bidirect
     "w16a16-wide-bidir": ("w16a16", {}, "multiplier", 6, 5, 1, True),
     "w8a8-h8-pow2": ("w8a8", {"tensors": {"h": {"bits": 8, "headroom": 1.0}, "h_gemm": None}}, "pow2", 16, 12, 1, False),
     "custom-bidir2": ("w8a8", CUSTOM, "multiplier", 9, 7, 2, True),
+    "w8a8-fast-bidir2": ("w8a8", {}, "multiplier", 8, 32, 2, True),  # the fast cell (qgru_rt.c fast_unit)
 }
 GOLDEN = ["GRU_GOLDEN", 'QGRU_MODEL_HEADER="gru.h"', "QGRU_MODEL=gru"]
 
@@ -179,6 +180,23 @@ def test_wide_and_narrow_paths_are_both_exercised(folder):
     loop and says so; w8a8's all accumulate in int32 (the kernels)"""
     assert "takes the int64 loop" in (exported("w16a16-wide-bidir", "interleaved", folder) / "gru.h").read_text()
     assert "none: every GEMM accumulates in int32" in (exported("w8a8-bidir2", "interleaved", folder) / "gru.h").read_text()
+
+
+def test_fast_and_general_cells_are_both_exercised(folder):
+    """w8a8 at 8 -> 32 takes the fast cell (16-bit variant) in every direction; the custom case
+    (a Wx shift above 32) keeps unit32. The fast cell's general variant (any saturation width,
+    any table geometry) runs on the same data when the 16-bit one is compiled out."""
+    for layout in ("interleaved", "pairs", "rows"):
+        hdr = (exported("w8a8-fast-bidir2", layout, folder) / "gru.h").read_text()
+        assert "every direction takes the fast cell" in hdr
+        assert ".std16 = 1" in (exported("w8a8-fast-bidir2", layout, folder) / "gru.c").read_text()
+    assert "not the fast cell" in (exported("custom-bidir2", "interleaved", folder) / "gru.h").read_text()
+    t = mb.TARGETS["host"]
+    if mb.missing(t):
+        pytest.skip(f"no host C compiler ({mb.missing(t)})")
+    d = exported("w8a8-fast-bidir2", "interleaved", folder)
+    b = mb.build(t, d / "gru.c", mb.BOARDS / "selftest_main.c", d / "st-host-general", defines=GOLDEN + ["QGRU_RT_NO_STD16"])
+    assert mb.mismatches(mb.run(t, b)) == 0
 
 
 def test_runtime_refuses_data_of_another_layout(folder):

@@ -33,12 +33,11 @@ static inline uint32_t sxtb16_ror8(uint32_t v)
         B = __smlad(sxtb16_ror8(wv), (xv), B);                                                     \
     } while (0)
 
-void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t k_pad, const int32_t *init,
-                      int32_t corr, int32_t out[4])
+static inline __attribute__((always_inline)) void dot4(const int8_t *w, const int16_t *a, int32_t k_pad,
+                                                        const int32_t *init, int32_t corr, int32_t out[4])
 {
     const int16_t *end = a + k_pad;
     int32_t a0 = corr, b1 = 0, a2 = corr, b3 = 0;
-    (void)stride;
     if (init) {
         a0 += init[0];
         b1 = init[1];
@@ -55,20 +54,44 @@ void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t
         a += 4;
         w += 16;
     }
-    while (a < end) { /* two groups: eight columns of the four rows */
-        const word *v = (const word *)(const void *)w, *x = (const word *)(const void *)a;
-        uint32_t x01 = x[0], x23 = x[1];
-        QGRU_RT_DSP_PAIR(v[0], x01, a0, b1);
-        QGRU_RT_DSP_PAIR(v[1], x01, a2, b3);
-        QGRU_RT_DSP_PAIR(v[2], x23, a0, b1);
-        QGRU_RT_DSP_PAIR(v[3], x23, a2, b3);
-        x01 = x[2], x23 = x[3];
-        QGRU_RT_DSP_PAIR(v[4], x01, a0, b1);
-        QGRU_RT_DSP_PAIR(v[5], x01, a2, b3);
-        QGRU_RT_DSP_PAIR(v[6], x23, a0, b1);
-        QGRU_RT_DSP_PAIR(v[7], x23, a2, b3);
-        a += 8;
-        w += 32;
+    if (a < end) { /* two groups a pass (eight columns of the four rows): one LDRD of activations
+                    * and one LDM of four weight words a group, three instructions per four products */
+        uint32_t x01, x23;
+        __asm__("1:\n\t"
+                "ldrd %[x01], %[x23], [%[a]], #8\n\t"
+                "ldmia %[w]!, {r8, r9, r10, r11}\n\t"
+                "smlad %[a0], r8, %[x01], %[a0]\n\t"
+                "sxtb16 r8, r8, ror #8\n\t"
+                "smlad %[b1], r8, %[x01], %[b1]\n\t"
+                "smlad %[a2], r9, %[x01], %[a2]\n\t"
+                "sxtb16 r9, r9, ror #8\n\t"
+                "smlad %[b3], r9, %[x01], %[b3]\n\t"
+                "smlad %[a0], r10, %[x23], %[a0]\n\t"
+                "sxtb16 r10, r10, ror #8\n\t"
+                "smlad %[b1], r10, %[x23], %[b1]\n\t"
+                "smlad %[a2], r11, %[x23], %[a2]\n\t"
+                "sxtb16 r11, r11, ror #8\n\t"
+                "smlad %[b3], r11, %[x23], %[b3]\n\t"
+                "ldrd %[x01], %[x23], [%[a]], #8\n\t"
+                "ldmia %[w]!, {r8, r9, r10, r11}\n\t"
+                "smlad %[a0], r8, %[x01], %[a0]\n\t"
+                "sxtb16 r8, r8, ror #8\n\t"
+                "smlad %[b1], r8, %[x01], %[b1]\n\t"
+                "smlad %[a2], r9, %[x01], %[a2]\n\t"
+                "sxtb16 r9, r9, ror #8\n\t"
+                "smlad %[b3], r9, %[x01], %[b3]\n\t"
+                "smlad %[a0], r10, %[x23], %[a0]\n\t"
+                "sxtb16 r10, r10, ror #8\n\t"
+                "smlad %[b1], r10, %[x23], %[b1]\n\t"
+                "smlad %[a2], r11, %[x23], %[a2]\n\t"
+                "sxtb16 r11, r11, ror #8\n\t"
+                "smlad %[b3], r11, %[x23], %[b3]\n\t"
+                "cmp %[a], %[end]\n\t"
+                "bne 1b"
+                : [a0] "+r"(a0), [b1] "+r"(b1), [a2] "+r"(a2), [b3] "+r"(b3), [a] "+r"(a), [w] "+r"(w),
+                  [x01] "=&r"(x01), [x23] "=&r"(x23)
+                : [end] "r"(end)
+                : "r8", "r9", "r10", "r11", "cc", "memory");
     }
     out[0] = (int32_t)((uint32_t)a0 - ((uint32_t)b1 << 8));
     out[1] = b1;
@@ -76,10 +99,31 @@ void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t
     out[3] = b3;
 }
 
+void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t k_pad, const int32_t *init,
+                      int32_t corr, int32_t out[4])
+{
+    (void)stride;
+    dot4(w, a, k_pad, init, corr, out);
+}
+
+void qgru_rt_dot12_a16(const int8_t *w, int32_t gstride, const int16_t *a, int32_t k_pad, const int32_t *init,
+                       int32_t istride, int32_t corr, int32_t out[3][4])
+{
+    dot4(w, a, k_pad, init, corr, out[0]);
+    dot4(w + gstride, a, k_pad, init + istride, corr, out[1]);
+    dot4(w + 2 * gstride, a, k_pad, init + 2 * istride, corr, out[2]);
+}
+
 void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, const int32_t *init,
                      int32_t corr, int32_t out[4])
 {
     (void)w, (void)stride, (void)a, (void)k_pad, (void)init, (void)corr, (void)out; /* QGRU_RT_HAS_A8 is 0 */
+}
+
+void qgru_rt_dot12_a8(const int8_t *w, int32_t gstride, const int8_t *a, int32_t k_pad, const int32_t *init,
+                      int32_t istride, int32_t corr, int32_t out[3][4])
+{
+    (void)w, (void)gstride, (void)a, (void)k_pad, (void)init, (void)istride, (void)corr, (void)out; /* never called */
 }
 #else
 typedef int qgru_rt_kernel_dsp_unused;

@@ -22,8 +22,8 @@ static inline void reduce4(int32x4_t s0, int32x4_t s1, int32x4_t s2, int32x4_t s
     vst1q_s32(out, vaddq_s32(start(init), vpaddq_s32(vpaddq_s32(s0, s1), vpaddq_s32(s2, s3))));
 }
 
-void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, const int32_t *init,
-                     int32_t corr, int32_t out[4])
+static inline __attribute__((always_inline)) void dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad,
+                                                          const int32_t *init, int32_t corr, int32_t out[4])
 {
     int32_t k;
     (void)stride, (void)corr;
@@ -56,8 +56,8 @@ void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k
 #endif
 }
 
-void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t k_pad, const int32_t *init,
-                     int32_t corr, int32_t out[4])
+static inline __attribute__((always_inline)) void dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t k_pad,
+                                                           const int32_t *init, int32_t corr, int32_t out[4])
 {
     /* a group's rows widened to int16, each SMLAL'd against the four activations lane by lane */
     int32x4_t s0 = vdupq_n_s32(0), s1 = s0, s2 = s0, s3 = s0;
@@ -73,6 +73,33 @@ void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t
         s3 = vmlal_s16(s3, vget_high_s16(hi), x);
     }
     reduce4(s0, s1, s2, s3, init, out);
+}
+void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, const int32_t *init,
+                     int32_t corr, int32_t out[4])
+{
+    dot4_a8(w, stride, a, k_pad, init, corr, out);
+}
+
+void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t k_pad, const int32_t *init,
+                      int32_t corr, int32_t out[4])
+{
+    dot4_a16(w, stride, a, k_pad, init, corr, out);
+}
+
+void qgru_rt_dot12_a8(const int8_t *w, int32_t gstride, const int8_t *a, int32_t k_pad, const int32_t *init,
+                      int32_t istride, int32_t corr, int32_t out[3][4])
+{
+    dot4_a8(w, k_pad, a, k_pad, init, corr, out[0]);
+    dot4_a8(w + gstride, k_pad, a, k_pad, init + istride, corr, out[1]);
+    dot4_a8(w + 2 * gstride, k_pad, a, k_pad, init + 2 * istride, corr, out[2]);
+}
+
+void qgru_rt_dot12_a16(const int8_t *w, int32_t gstride, const int16_t *a, int32_t k_pad, const int32_t *init,
+                       int32_t istride, int32_t corr, int32_t out[3][4])
+{
+    dot4_a16(w, k_pad, a, k_pad, init, corr, out[0]);
+    dot4_a16(w + gstride, k_pad, a, k_pad, init + istride, corr, out[1]);
+    dot4_a16(w + 2 * gstride, k_pad, a, k_pad, init + 2 * istride, corr, out[2]);
 }
 #else
 typedef int qgru_rt_kernel_neon_unused;

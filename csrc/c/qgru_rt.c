@@ -143,51 +143,95 @@ static QGRU_RT_NOINLINE int16_t unit32(const qgru_rt_dir *d, int32_t j, const in
  * included by the kernels) -> the new h[j]. Each rescale is one SMMLAR (s <= 32) or the high word
  * of a product shifted once (s >= 33), each zero point and table input offset folded into a
  * constant, each table lookup one load pair and one multiply-add; the same integers as unit().
- * sat16 (a constant at each call): every saturation is SSAT/USAT #16. */
-QGRU_RT_INLINE int32_t fsat(int32_t v, qgru_rt_range r, const int sat16)
+ * std16 (a constant at each call): every saturation is 16-bit (SSAT / USAT #16) and every table
+ * has k = 6, frac = 4 (the geometry of a 16-bit input), so shifts and masks are immediates. */
+QGRU_RT_INLINE int32_t fsat(int32_t v, qgru_rt_range r, const int std16)
 {
-    return sat16 ? QGRU_RT_SSAT16(v) : v < r.lo ? r.lo : v > r.hi ? r.hi : v;
+    return std16 ? QGRU_RT_SSAT16(v) : v < r.lo ? r.lo : v > r.hi ? r.hi : v;
 }
 
-QGRU_RT_INLINE int32_t fusat(int32_t v, int32_t span, const int sat16)
+QGRU_RT_INLINE int32_t flook(int32_t u, int32_t span, const qgru_rt_ftable *t, const int std16)
 {
-    return sat16 ? QGRU_RT_USAT16(v) : v < 0 ? 0 : v > span ? span : v;
+    if (std16) {
+        u = QGRU_RT_USAT16(u);
+        return qgru_rt_shr32(t->tab[u >> 6] + t->dif[u >> 6] * (u & 63), 10);
+    }
+    u = u < 0 ? 0 : u > span ? span : u;
+    return qgru_rt_flookup(u, t);
+}
+
+/* q - Z of a requantized accumulator: saturate(rescale(acc) + Z) - Z, Z folded into the SMMLAR */
+QGRU_RT_INLINE int32_t facc(int32_t acc, int32_t m, int32_t z, qgru_rt_range r, const int std16)
+{
+    return fsat(qgru_rt_mulhr(acc, m, z), r, std16) - z;
 }
 
 QGRU_RT_INLINE int16_t fast_unit(const qgru_rt_fast *F, const qgru_rt_unit *U, const int32_t *ax, const int32_t *ah,
-                                 int32_t h, const int sat16)
+                                 int32_t h, const int std16, const int accsh)
 {
-    int32_t dx[3], dh[3], g, u, d_r, d_z, d_g, t;
-    for (g = 0; g < 3; g++) {
-        dx[g] = fsat(qgru_rt_mulhr(ax[4 * g], U->c[g].mx, U->c[g].zx), F->wx, sat16) - U->c[g].zx;
-        dh[g] = fsat(qgru_rt_mulhr(ah[4 * g], U->c[g].mh, U->c[g].zh), F->rh, sat16) - U->c[g].zh;
-    }
-    u = qgru_rt_mulhr(qgru_rt_shl(dh[0], F->a[1]), U->mg[1], qgru_rt_mulhr(qgru_rt_shl(dx[0], F->a[0]), U->mg[0], F->k_r));
-    d_r = qgru_rt_flookup(fusat(u, F->span_r, sat16), &F->t[0]);
-    u = qgru_rt_mulhr(qgru_rt_shl(dh[1], F->a[3]), U->mg[3], qgru_rt_mulhr(qgru_rt_shl(dx[1], F->a[2]), U->mg[2], F->k_z));
-    d_z = qgru_rt_flookup(fusat(u, F->span_z, sat16), &F->t[1]);
-    t = qgru_rt_shr32(qgru_rt_prod_hi(d_r, dh[2], U->m_rg) + F->c_rg, F->p_rg); /* rRh_g, + zp_gpre - in_lo */
-    u = qgru_rt_mulhr(qgru_rt_shl(dx[2], F->a[4]), U->mg[4], t);
-    d_g = qgru_rt_flookup(fusat(u, F->span_g, sat16), &F->t[2]);
+    int32_t dx, dh, d_r, d_z, d_g, t;
+    dx = facc(accsh ? qgru_rt_shl(ax[0], F->aa[0]) : ax[0], U->c[0].mx, U->c[0].zx, F->wx, std16);
+    dh = facc(accsh ? qgru_rt_shl(ah[0], F->aa[1]) : ah[0], U->c[0].mh, U->c[0].zh, F->rh, std16);
+    t = qgru_rt_mulhr(qgru_rt_shl(dh, F->a[1]), U->mg[1], qgru_rt_mulhr(qgru_rt_shl(dx, F->a[0]), U->mg[0], F->k_r));
+    d_r = flook(t, F->span_r, &F->t[0], std16);
+    dx = facc(accsh ? qgru_rt_shl(ax[4], F->aa[0]) : ax[4], U->c[1].mx, U->c[1].zx, F->wx, std16);
+    dh = facc(accsh ? qgru_rt_shl(ah[4], F->aa[1]) : ah[4], U->c[1].mh, U->c[1].zh, F->rh, std16);
+    t = qgru_rt_mulhr(qgru_rt_shl(dh, F->a[3]), U->mg[3], qgru_rt_mulhr(qgru_rt_shl(dx, F->a[2]), U->mg[2], F->k_z));
+    d_z = flook(t, F->span_z, &F->t[1], std16);
+    dx = facc(accsh ? qgru_rt_shl(ax[8], F->aa[0]) : ax[8], U->c[2].mx, U->c[2].zx, F->wx, std16);
+    dh = facc(accsh ? qgru_rt_shl(ah[8], F->aa[1]) : ah[8], U->c[2].mh, U->c[2].zh, F->rh, std16);
+    t = qgru_rt_shr32(qgru_rt_prod_hi(d_r, dh, U->m_rg) + F->c_rg, F->p_rg); /* r Rh_g, + zp_gpre - in_lo */
+    d_g = flook(qgru_rt_mulhr(qgru_rt_shl(dx, F->a[4]), U->mg[4], t), F->span_g, &F->t[2], std16);
     t = qgru_rt_shr32(qgru_rt_prod_hi(d_z, h - F->zp_h, F->m_zh) + F->c_zh, F->p_zh) /* + zp_h */
         + qgru_rt_shr32(qgru_rt_prod_hi(F->one_z - d_z, d_g, F->m_zg) + F->c_zg, F->p_zg);
-    return (int16_t)fsat(t, F->h, sat16);
+    return (int16_t)fsat(t, F->h, std16);
 }
 
+#ifndef QGRU_RT_NO_STD16
 static QGRU_RT_NOINLINE void fast_block16(const qgru_rt_fast *F, int32_t j0, int32_t n, const int32_t *ax,
                                           const int32_t *ah, const int16_t *h, int16_t *h_new)
 {
     int32_t u;
     for (u = 0; u < n; u++)
-        h_new[j0 + u] = fast_unit(F, &F->units[j0 + u], ax + u, ah + u, h[j0 + u], 1);
+        h_new[j0 + u] = fast_unit(F, &F->units[j0 + u], ax + u, ah + u, h[j0 + u], 1, 0);
 }
+
+/* the same where the accumulators need their shifts (aa) */
+static QGRU_RT_NOINLINE void fast_block16s(const qgru_rt_fast *F, int32_t j0, int32_t n, const int32_t *ax,
+                                           const int32_t *ah, const int16_t *h, int16_t *h_new)
+{
+    int32_t u;
+    for (u = 0; u < n; u++)
+        h_new[j0 + u] = fast_unit(F, &F->units[j0 + u], ax + u, ah + u, h[j0 + u], 1, 1);
+}
+#endif
 
 static QGRU_RT_NOINLINE void fast_block(const qgru_rt_fast *F, int32_t j0, int32_t n, const int32_t *ax,
                                         const int32_t *ah, const int16_t *h, int16_t *h_new)
 {
     int32_t u;
     for (u = 0; u < n; u++)
-        h_new[j0 + u] = fast_unit(F, &F->units[j0 + u], ax + u, ah + u, h[j0 + u], 0);
+        h_new[j0 + u] = fast_unit(F, &F->units[j0 + u], ax + u, ah + u, h[j0 + u], 0, 1);
+}
+
+/* R.h's operand requantized onto h_gemm's grid, the fast way (hg_mode 1: s >= 33, the high word
+ * of one SMULL, + 2^(p-1) + zp_op 2^p, >> p); returns -128 sum (QGRU_RT_NEEDS_ASUM) */
+QGRU_RT_INLINE int32_t fast_hg(const qgru_rt_dir *d, const int16_t *h, act_buf ha, const int sat, const int a8)
+{
+    const qgru_rt_fast *F = d->fast;
+    const int32_t H = d->hidden_size, m = F->m_hg, c = F->c_hg, zp = F->zp_h;
+    const int p = F->p_hg;
+    int32_t j, s = 0;
+    for (j = 0; j < H; j++) {
+        int32_t v = qgru_rt_shr32((int32_t)qgru_rt_shr64((int64_t)(h[j] - zp) * m, 32) + c, p);
+        v = sat == 8 ? QGRU_RT_SSAT8(v) : sat == 16 ? QGRU_RT_SSAT16(v) : v < d->r_op.lo ? d->r_op.lo : v > d->r_op.hi ? d->r_op.hi : v;
+        s += v;
+        if (a8)
+            ha.a8[j] = (int8_t)v;
+        else
+            ha.a16[j] = (int16_t)v;
+    }
+    return QGRU_RT_NEEDS_ASUM ? -128 * s : 0;
 }
 
 /* -128 sum(a) of an int16 activation buffer (the pairs layout's correction), else 0 */
@@ -209,9 +253,16 @@ static int32_t act_corr(act_buf b, int32_t n)
 static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t *h, int16_t *h_new)
 {
     const int32_t H = d->hidden_size, G = d->rows_per_gate;
-    int32_t j0, j, u, g, cx, ch;
+    int32_t j0, j, u, g, cx, ch = 0;
     /* R.h's operand: the state itself, or requantized onto h_gemm's grid (recurrent_operand) */
     act_clear(ha, H);
+    if (d->fast && d->fast->hg_mode) {
+        const int sat = d->op_bits == 8 || d->op_bits == 16 ? d->op_bits : 0;
+        if (ha.a8)
+            ch = sat == 8 ? fast_hg(d, h, ha, 8, 1) : fast_hg(d, h, ha, 0, 1);
+        else
+            ch = sat == 8 ? fast_hg(d, h, ha, 8, 0) : sat == 16 ? fast_hg(d, h, ha, 16, 0) : fast_hg(d, h, ha, 0, 0);
+    } else
     for (j = 0; j < H; j++) {
         int32_t v = h[j];
         if (d->has_h_gemm && d->cell32)
@@ -221,13 +272,27 @@ static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t
         act_put(ha, j, v);
     }
     cx = act_corr(xa, d->input_size);
-    ch = act_corr(ha, H);
+    if (!(d->fast && d->fast->hg_mode))
+        ch = act_corr(ha, H);
     if (d->fast) { /* kernels from the biases straight into the fast cell */
         const qgru_rt_fast *F = d->fast;
         const int32_t kx = d->k_pad_x, kh = d->k_pad_h;
         for (j0 = 0; j0 < H; j0 += 4) {
             int32_t ax[3][4], ah[3][4];
-            for (g = 0; g < 3; g++) {
+#if QGRU_RT_HAS_DOT12
+            if (xa.a8)
+                qgru_rt_dot12_a8(d->w8 + j0 * kx, G * kx, xa.a8, kx, F->init_x + j0, G, cx, ax);
+            else
+                qgru_rt_dot12_a16(d->w8 + j0 * kx, G * kx, xa.a16, kx, F->init_x + j0, G, cx, ax);
+            if (ha.a8)
+                qgru_rt_dot12_a8(d->r8 + j0 * kh, G * kh, ha.a8, kh, F->init_h + j0, G, ch, ah);
+            else
+                qgru_rt_dot12_a16(d->r8 + j0 * kh, G * kh, ha.a16, kh, F->init_h + j0, G, ch, ah);
+            g = 3;
+#else
+            g = 0;
+#endif
+            for (; g < 3; g++) {
                 const int8_t *wx = d->w8 + (g * G + j0) * kx, *wh = d->r8 + (g * G + j0) * kh;
                 if (xa.a8)
                     qgru_rt_dot4_a8(wx, kx, xa.a8, kx, F->init_x + g * G + j0, cx, ax[g]);
@@ -238,9 +303,13 @@ static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t
                 else
                     qgru_rt_dot4_a16(wh, kh, ha.a16, kh, F->init_h + g * G + j0, ch, ah[g]);
             }
-            if (F->sat16)
+#ifndef QGRU_RT_NO_STD16 /* tests/test_mcu.py: the general variant on data that takes the 16-bit one */
+            if (F->std16 && !F->aa[0] && !F->aa[1])
                 fast_block16(F, j0, H - j0 < 4 ? H - j0 : 4, &ax[0][0], &ah[0][0], h, h_new);
+            else if (F->std16)
+                fast_block16s(F, j0, H - j0 < 4 ? H - j0 : 4, &ax[0][0], &ah[0][0], h, h_new);
             else
+#endif
                 fast_block(F, j0, H - j0 < 4 ? H - j0 : 4, &ax[0][0], &ah[0][0], h, h_new);
         }
         return;

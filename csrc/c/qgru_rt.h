@@ -64,7 +64,7 @@ typedef struct {
  * s >= 33 the high word of the 64-bit product plus 2^(p-1) (and K 2^p) shifted by p = s - 32. */
 typedef struct {
     struct {
-        int32_t mx, zx, mh, zh; /* gate g's Wx and Rh accumulator rescales (m 2^(32-s)) and zero points */
+        int32_t mx, zx, mh, zh; /* gate g's Wx and Rh accumulator rescales (m 2^b) and zero points */
     } c[3];
     int32_t mg[5]; /* Wx_r, Rh_r, Wx_z, Rh_z, Wx_g: m 2^b */
     int32_t m_rg;  /* rRh_g (its shift the direction's p_rg) */
@@ -88,8 +88,12 @@ typedef struct {
     int32_t span_r, span_z, span_g;
     qgru_rt_range wx, rh, h;
     uint8_t a[5];                   /* the operand shifts of mg[] */
+    uint8_t aa[2];                  /* the accumulators' shifts (Wx, Rh) before mx / mh */
     uint8_t p_rg, p_zh, p_zg;
-    uint8_t sat16;                  /* 1: Wx, Rh, h and every gate input are 16-bit (SSAT/USAT #16) */
+    int32_t m_hg, c_hg;             /* h -> h_gemm (hg_mode 1): (hi(v m_hg) + c_hg) >> p_hg */
+    uint8_t p_hg, hg_mode;          /* hg_mode 0: no h_gemm, or the runtime's general requantization */
+    uint8_t std16;                  /* 1: Wx, Rh, h and every gate input 16-bit (SSAT/USAT #16), every
+                                     * table k = 6, frac = 4 */
 } qgru_rt_fast;
 
 /* One layer and direction. Weights: 3 gates [r | z | g] of rows_per_gate (H rounded up to 4)

@@ -96,6 +96,7 @@ QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
     return r;
 }
 #define QGRU_RT_SSAT16(v) __ssat((v), 16)
+#define QGRU_RT_SSAT8(v) __ssat((v), 8)
 #define QGRU_RT_USAT16(v) ((int32_t)__usat((v), 16))
 #else
 QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
@@ -103,6 +104,7 @@ QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
     return k + (int32_t)qgru_rt_shr64((int64_t)v * m + ((int64_t)1 << 31), 32);
 }
 #define QGRU_RT_SSAT16(v) ((v) < -32768 ? -32768 : (v) > 32767 ? 32767 : (v))
+#define QGRU_RT_SSAT8(v) ((v) < -128 ? -128 : (v) > 127 ? 127 : (v))
 #define QGRU_RT_USAT16(v) ((v) < 0 ? 0 : (v) > 65535 ? 65535 : (v))
 #endif
 

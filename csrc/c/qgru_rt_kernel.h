@@ -66,6 +66,18 @@ void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t
 void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, const int32_t *init,
                      int32_t corr, int32_t out[4]);
 
+/* DSP, MVE, NEON: the three gates' blocks in one call (gate g's weights at w + g gstride, its
+ * accumulators start at init + g istride, out[g][r]; the stride of rows is k_pad); init never 0 */
+#if QGRU_RT_KERNEL != QGRU_RT_KERNEL_REF
+#define QGRU_RT_HAS_DOT12 1
+void qgru_rt_dot12_a16(const int8_t *w, int32_t gstride, const int16_t *a, int32_t k_pad, const int32_t *init,
+                       int32_t istride, int32_t corr, int32_t out[3][4]);
+void qgru_rt_dot12_a8(const int8_t *w, int32_t gstride, const int8_t *a, int32_t k_pad, const int32_t *init,
+                      int32_t istride, int32_t corr, int32_t out[3][4]);
+#else
+#define QGRU_RT_HAS_DOT12 0
+#endif
+
 extern const char qgru_rt_kernel_name[];
 
 #endif /* QGRU_RT_KERNEL_H_ */
