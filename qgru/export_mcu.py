@@ -603,7 +603,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--golden-steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layout", choices=LAYOUTS, default="interleaved",
-                    help="weight order of the target's kernel: rows for Helium (Cortex-M55), else interleaved")
+                    help="weight order of the target's kernel: pairs for Cortex-M DSP (M4/M7/M33: SMLAD), rows for "
+                         "Helium (M55), else interleaved (plain C, NEON); the runtime refuses another")
     a = ap.parse_args(argv)
     return run_writer(ap.prog, lambda: write_mcu(load_params(a.params), a.stem, prefix=a.prefix,
                                                  golden_steps=a.golden_steps, seed=a.seed, layout=a.layout))
