@@ -36,7 +36,7 @@ from .golden import LayerParams, gru_direction, requantize_input
 from .primitives import qrange, saturate
 from .tables import table_geometry
 
-ABI = 2  # csrc/c/qgru_rt.h QGRU_RT_ABI
+ABI = 3  # csrc/c/qgru_rt.h QGRU_RT_ABI
 INT32_MAX = (1 << 31) - 1
 LAYOUTS = ("interleaved", "rows", "pairs")  # csrc/c/qgru_rt.h QGRU_RT_LAYOUT_*; rows: Helium, pairs: Cortex-M DSP
 _GATE_RESCALES = ("Wx_r", "Rh_r", "Wx_z", "Rh_z", "Wx_g", "rRh_g")
@@ -405,13 +405,21 @@ class _Writer:
                 c = (1 << (pp - 1)) + (int(zp["h_gemm"]) << pp)
                 if dmax("h", int(zp["h"])) * m // (1 << 32) + 1 + abs(c) <= INT32_MAX:
                     hg = [_lit(m), _lit(c), str(pp), "1"]
-        units = []
-        for j in range(H):
-            c = ", ".join(f"{{{_lit(acc['Wx'][0][g * H + j])}, {_lit(acc['Wx'][1][g * H + j])}, "
-                          f"{_lit(acc['Rh'][0][g * H + j])}, {_lit(acc['Rh'][1][g * H + j])}}}" for g in range(3))
-            units.append(f"{{{{{c}}}, {{{', '.join(_lit(M[j]) for M in mg)}}}, {_lit(m_rg[j])}}}")
-        self.sizes["cell"] = self.sizes.get("cell", 0) + 72 * H
-        self.parts.append(f"static const qgru_rt_unit {n}_units[{H}] = {{\n    " + ",\n    ".join(units) + "\n};\n")
+        # the per-unit constants (qgru_rt.h QGRU_RT_UNIT_FIELDS): 18 fields a unit, unit by unit for
+        # the pairs layout (the M4's scalar cell), else blocks of four units lane by lane (vector loads)
+        def ufields(j):
+            return [acc[t][i][g * H + j] for g in range(3) for t, i in (("Wx", 0), ("Wx", 1), ("Rh", 0), ("Rh", 1))] \
+                + [M[j] for M in mg] + [m_rg[j]]
+        if self.layout == "pairs":
+            units = [", ".join(_lit(v) for v in ufields(j)) for j in range(H)]
+        else:
+            units = []
+            for q in range((H + 3) // 4):
+                fs = [ufields(j) if j < H else [0] * 18 for j in range(4 * q, 4 * q + 4)]
+                units.append(", ".join(_lit(fs[lane][f]) for f in range(18) for lane in range(4)))
+        nu = 18 * (H if self.layout == "pairs" else 4 * ((H + 3) // 4))
+        self.sizes["cell"] = self.sizes.get("cell", 0) + 4 * nu
+        self.parts.append(f"static const int32_t {n}_units[{nu}] = {{\n    " + ",\n    ".join(units) + "\n};\n")
 
         def r2(t):
             lo, hi = rng(t)

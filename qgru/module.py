@@ -797,8 +797,9 @@ class QuantGRU(nn.GRU):
         [T >= 1, N, input_size], time-major, h0 None or a float32 CPU tensor [num_layers, N,
         hidden_size], neither a negative view, one direction, the cpu backend (loaded, not forced
         elsewhere), nothing tracing or compiling; for it these are all of _check_input's checks.
-        The module's state is checked here; the tensors' dtype, shapes and views by the native
-        Stack's ``call`` (native.cpu_stack_call), which returns None where they are not that form.
+        The module's state is checked here; the tensors' dtype, shapes and views by the Stack's
+        ``call`` on the module's Model (native.cpu_op_model: the operator's C++ and Layers, which
+        every cpu backend call of the module runs), which returns None where they are not that form.
         It skips Python checks and dispatch that a streaming call (one step of a batch of one)
         otherwise pays: a tiny layer's call (I = H = 8) took 16 us this way and 31 us by the general
         path on an AVX2 AMD EPYC (2026-11-27); the tensor checks in C++ and the plan read from its
@@ -821,7 +822,7 @@ class QuantGRU(nn.GRU):
         if native.why_unavailable("cpu"):
             return None
         # None where x or hx is not of the form above, or the one-call form does not apply
-        return native.cpu_stack_call(params, input, hx)
+        return native.cpu_op_model(params, self._op_params).call(input, hx)
 
     def _cuda_one_call(self, input, hx):
         """_cpu_one_call's counterpart on the GPU (a streaming call's lean entry): a float32 CUDA
@@ -955,11 +956,11 @@ class QuantGRU(nn.GRU):
             raise RuntimeError(_NO_TORCHSCRIPT.format(what="torch.jit.trace"))
         if torch.compiler.is_compiling():
             return _compiled_integer_gru(x, hx, lengths, *self._op_params)
-        if (x.is_cpu and (lengths is not None or self.bidirectional) and self._op_params[0]
-                and current_backend("cpu").name == "cpu"):
-            # what the native Stack does not take (qgru/runtime.py runs it otherwise), on the cpu
-            # backend: the operator's C++ on this model (native.cpu_model), not a loop in Python
-            model = native.cpu_model(self._params_on(x.device), self._op_params)
+        if x.is_cpu and self._op_params[0] and current_backend("cpu").name == "cpu":
+            # the cpu backend: the operator's C++ on this model's Layers (native.cpu_op_model), as
+            # an exported program runs it; its prepared parameters are the operator's own (no
+            # second copy), and no layer loop in Python (qgru/runtime.py keeps one for the others)
+            model = native.cpu_op_model(self._params_on(x.device), self._op_params)
             return model.forward(x.detach(), hx.detach(), lengths)
         return _integer_forward(self._params_on(x.device), x, hx, lengths)
 

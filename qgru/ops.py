@@ -9,7 +9,7 @@ The operator is defined and implemented for CPU tensors in C++ (csrc/cpu/op_cpu.
 backend's library without Python, qgru.native.library_path()): a saved torch.export program or an
 AOTInductor package runs in a process that only loaded that library (torch.ops.load_library, or
 dlopen from C++), without qgru's Python; the eager module runs its bidirectional calls and those
-with lengths through the same C++ (native.cpu_model). This module adds what must be Python: the
+with lengths through the same C++ (native.cpu_op_model). This module adds what must be Python: the
 fake kernel (shapes, for tracing), the sequence-length-0 error as eager mode raises it
 (QGRUInputError), the kernel for other devices (CUDA: runtime.integer_forward on
 the current backend) and, where the cpu backend cannot be built, the whole operator in Python (the

@@ -80,7 +80,7 @@ def test_cpp_operator_directions_on_their_own_x_grids(library):
     """Each direction of the first layer quantizes x on its own grid: with an ema_step observer the
     backward direction, which sees the sequence reversed, calibrates another one. The C++ refused
     such a model (an exported program of it failed) until the eager module ran its bidirectional
-    calls through the same C++ (native.cpu_model) and the module tests drew one."""
+    calls through the same C++ (native.cpu_op_model) and the module tests drew one."""
     over = {"scale_mode": "multiplier", "observer": {"kind": "ema_step", "momentum": 0.5},
             "tensors": {"x": {"dynamic": False}}}
     torch.manual_seed(11)

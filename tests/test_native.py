@@ -270,7 +270,7 @@ def _assert_native_ran(m: qgru.QuantGRU, kind: str) -> None:
     dev_type = _device(kind).type
     rows = [row for key, rs in m._qparams_on.items() if key.startswith(dev_type) for row in rs]
     if _backend(kind) == "cpu":
-        # the calls the native Stack does not take ran on the module's Model (native.cpu_model:
+        # the calls the native Stack does not take ran on the module's Model (native.cpu_op_model:
         # the operator's C++), whose Layers are its own: their GEMM paths, in layer-direction order
         model = rows and rows[0][0].__dict__.get("_native", {}).get(("cpu-model", native.cpu_isa_request()))
         if model:
@@ -1775,16 +1775,16 @@ def test_backends_report():
 
 def test_default_backend_is_native_cpu(cpu_backend, monkeypatch):
     """Without a forced backend a converted model on CPU tensors runs the cpu backend (a
-    bidirectional one: on its Model, native.cpu_model, the operator's C++)."""
+    bidirectional one: on its Model, native.cpu_op_model, the operator's C++)."""
     assert backends_mod.current_backend("cpu").name == "cpu"
     calls = []
-    real = native.cpu_model
+    real = native.cpu_op_model
 
     def spy(params, op_params):
         calls.append("cpu")
         return real(params, op_params)
 
-    monkeypatch.setattr(native, "cpu_model", spy)
+    monkeypatch.setattr(native, "cpu_op_model", spy)
     m = _converted(_cfg("w8a8"), 4, 6, 2, True, False, 3)
     x = torch.randn(3, 2, 4)
     with warnings.catch_warnings():
@@ -2121,7 +2121,7 @@ def _streaming_loop(m: qgru.QuantGRU, xs: torch.Tensor, backend: str, other_shap
 
 def test_stack_forward_is_the_layer_by_layer_path(cpu_backend):
     """A unidirectional stack without padding on the cpu backend runs as one native call
-    (native.cpu_stack_forward): it is used, and gives the reference's floats bit for bit, for 1 and
+    (the Stack of the module's Model): it is used, and gives the reference's floats bit for bit, for 1 and
     3 layers, float32 and float64, and a T=1 N=1 streaming loop carrying h; with padding or two
     directions the layer-by-layer path runs instead."""
     gen = torch.Generator().manual_seed(11)
@@ -2131,13 +2131,16 @@ def test_stack_forward_is_the_layer_by_layer_path(cpu_backend):
         for x in (torch.randn(5, 3, 7, generator=gen), torch.randn(4, 2, 7, generator=gen, dtype=torch.float64)):
             h0 = torch.randn(layers, x.shape[1], 12, generator=gen, dtype=x.dtype)
             _assert_same(_run(m, "cpu", torch.device("cpu"), x, h0), _run(m, "reference", torch.device("cpu"), x, h0))
-        assert any(k[0] == "cpu-stack" for k in m._qparams[0][0].__dict__["_native"])
+        # the module's Model (native.cpu_op_model) ran it, on its Stack: its one-call form takes it
+        model = m._qparams[0][0].__dict__["_native"][("cpu-model", native.cpu_isa_request())][1]
+        assert model.call(torch.randn(5, 3, 7), None) is not None
         xs = torch.randn(6, 1, 7, generator=gen)
         _assert_same(_streaming_loop(m, xs, "cpu"), _streaming_loop(m, xs, "reference"))
     m = _converted(_cfg("w8a8"), 7, 12, 1, True, False, 0)
     _forget_native(m)
     _run(m, "cpu", torch.device("cpu"), torch.randn(3, 2, 7, generator=gen), None)
-    assert not any(k[0] == "cpu-stack" for row in m._qparams for p in row for k in p.__dict__.get("_native", {}))
+    model = m._qparams[0][0].__dict__["_native"][("cpu-model", native.cpu_isa_request())][1]
+    assert model.call(torch.randn(3, 2, 7), None) is None  # two directions: no Stack
 
 
 def test_stack_refuses_operands_of_other_shapes(cpu_backend):

@@ -71,6 +71,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("params"), pybind11::arg("spec"), pybind11::arg("isa") = "auto")
       .def("forward", &qgru::cpu_api::Model::forward, "the operator qgru::integer_gru's call on this model",
            pybind11::arg("x"), pybind11::arg("hx"), pybind11::arg("lengths") = pybind11::none(), release_gil())
+      .def("call", &qgru::cpu_api::Model::call,
+           "Stack.call on the model's Stack (unidirectional, per-tensor requantization between layers), else None",
+           pybind11::arg("x"), pybind11::arg("h0") = pybind11::none(), release_gil())
       .def_property_readonly("gemm_paths", &qgru::cpu_api::Model::gemm_paths)
       .def_property_readonly("cells", &qgru::cpu_api::Model::cell_kinds);
   pybind11::class_<qgru::cpu_api::Layer, std::shared_ptr<qgru::cpu_api::Layer>>(m, "Layer")

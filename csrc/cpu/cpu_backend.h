@@ -74,13 +74,15 @@ class Stack {
 // A whole converted model as the operator qgru::integer_gru runs it (op_cpu.cpp): its spec parsed
 // and its Layers (and, unidirectional, its Stack) made once from the operator's params (qgru/ops.py
 // flatten_params) on CPU path request ``request``; forward(x, hx, lengths) is the operator's call
-// with the same checks. The eager module holds one for the calls the Stack does not take
-// (bidirectional, lengths), so that they run the operator's C++ and not a second loop in Python.
+// with the same checks. The eager module runs every cpu backend call on one (its one-call form:
+// call), so that eager and exported models run the same C++ on the same Layers.
 class Model {
  public:
   Model(const std::vector<at::Tensor>& params, const std::string& spec, const std::string& request);
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& hx,
                                              const c10::optional<at::Tensor>& lengths) const;
+  // Stack::call on its Stack (a unidirectional model whose layers requantize per tensor), else nullopt
+  c10::optional<std::tuple<at::Tensor, at::Tensor>> call(const at::Tensor& x, const c10::optional<at::Tensor>& h0) const;
   std::vector<std::string> gemm_paths() const;  // each layer and direction's GEMM path (tests)
   std::vector<std::string> cell_kinds() const;  // each layer and direction's cell (Layer::cell_kind)
   struct Impl;

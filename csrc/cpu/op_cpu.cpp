@@ -200,7 +200,9 @@ std::string resolve_path(const std::string& request) {
       return i.name;
     }
   }
-  QGRU_CHECK_VALUE(false, "qgru cpu: unknown path '", request, "' (QGRU_CPU_ISA)");
+  std::string known = "auto";
+  for (const auto& i : cpu::isa_table()) known += ", " + i.name;
+  QGRU_CHECK_VALUE(false, "qgru cpu: unknown path '", request, "' (QGRU_CPU_ISA); known: ", known);
   return "";
 }
 
@@ -471,6 +473,12 @@ Model::Model(const std::vector<at::Tensor>& params, const std::string& spec, con
 std::tuple<at::Tensor, at::Tensor> Model::forward(const at::Tensor& x, const at::Tensor& hx,
                                                   const c10::optional<at::Tensor>& lengths) const {
   return op::checked_run(*impl->entry, x, hx, lengths);
+}
+
+c10::optional<std::tuple<at::Tensor, at::Tensor>> Model::call(const at::Tensor& x,
+                                                              const c10::optional<at::Tensor>& h0) const {
+  if (!impl->entry->stack) return c10::nullopt;
+  return impl->entry->stack->call(x, h0);
 }
 
 std::vector<std::string> Model::gemm_paths() const {

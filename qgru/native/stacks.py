@@ -8,7 +8,7 @@ import torch
 
 from ..golden import LayerParams
 from .build import _native_cache, load
-from .cpu import cpu_isa_request
+from .cpu import cpu_isa_request, resolve_cpu_isa
 from .layer import NativeLayer, resolved
 
 
@@ -125,7 +125,7 @@ def cpu_stack_call(params: List[List[LayerParams]], x: torch.Tensor, hx: Optiona
     return None if plan is None else plan.call(x, hx)
 
 
-def cpu_model(params: List[List[LayerParams]], op_params: Tuple[List[torch.Tensor], str]):
+def cpu_op_model(params: List[List[LayerParams]], op_params: Tuple[List[torch.Tensor], str]):
     """The cpu backend's Model of a converted QuantGRU (csrc/cpu/op_cpu.cpp: the operator
     qgru::integer_gru's C++, its spec parsed and its Layers and Stack made once from ``op_params``,
     the module's flatten_params) on this CPU path request: the module runs the calls that its native
@@ -137,6 +137,7 @@ def cpu_model(params: List[List[LayerParams]], op_params: Tuple[List[torch.Tenso
     key = ("cpu-model", req)
     entry = cache.get(key)
     if entry is None or entry[0] is not op_params[0]:
+        resolve_cpu_isa(req)  # an unknown or unusable QGRU_CPU_ISA: the ValueError a NativeLayer raises
         entry = cache[key] = (op_params[0], load("cpu").Model(op_params[0], op_params[1], req))
     return entry[1]
 
