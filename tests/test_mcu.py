@@ -44,6 +44,8 @@ CASES = {  # id: (config, overrides, scale_mode, input, hidden, layers, bidirect
     "w8a8-h8-pow2": ("w8a8", {"tensors": {"h": {"bits": 8, "headroom": 1.0}, "h_gemm": None}}, "pow2", 16, 12, 1, False),
     "custom-bidir2": ("w8a8", CUSTOM, "multiplier", 9, 7, 2, True),
     "w8a8-fast-bidir2": ("w8a8", {}, "multiplier", 8, 32, 2, True),  # the fast cell (qgru_rt.c fast_unit)
+    # hidden % 4 != 0: the last block of four units is partial (scalar cell on the blocked constants)
+    "w8a8-fast-h30": ("w8a8", {}, "multiplier", 8, 30, 1, False),
 }
 GOLDEN = ["GRU_GOLDEN", 'QGRU_MODEL_HEADER="gru.h"', "QGRU_MODEL=gru"]
 
@@ -189,6 +191,7 @@ def test_fast_and_general_cells_are_both_exercised(folder):
     for layout in ("interleaved", "pairs", "rows"):
         hdr = (exported("w8a8-fast-bidir2", layout, folder) / "gru.h").read_text()
         assert "every direction takes the fast cell" in hdr
+        assert "every direction takes the fast cell" in (exported("w8a8-fast-h30", layout, folder) / "gru.h").read_text()
         assert ".std16 = 1" in (exported("w8a8-fast-bidir2", layout, folder) / "gru.c").read_text()
     assert "not the fast cell" in (exported("custom-bidir2", "interleaved", folder) / "gru.h").read_text()
     t = mb.TARGETS["host"]

@@ -166,22 +166,32 @@ QGRU_RT_INLINE int32_t facc(int32_t acc, int32_t m, int32_t z, qgru_rt_range r, 
     return fsat(qgru_rt_mulhr(acc, m, z), r, std16) - z;
 }
 
-QGRU_RT_INLINE int16_t fast_unit(const qgru_rt_fast *F, const qgru_rt_unit *U, const int32_t *ax, const int32_t *ah,
+/* P: unit j's constants (qgru_rt.h QGRU_RT_UNIT_FIELDS), field f at P[QGRU_RT_UNIT_LANES f] */
+#if QGRU_RT_LAYOUT == QGRU_RT_LAYOUT_PAIRS
+#define QGRU_RT_UNIT_LANES 1
+#define QGRU_RT_UNIT_PTR(units, j) ((units) + QGRU_RT_UNIT_FIELDS * (j))
+#else
+#define QGRU_RT_UNIT_LANES 4
+#define QGRU_RT_UNIT_PTR(units, j) ((units) + 4 * QGRU_RT_UNIT_FIELDS * ((j) >> 2) + ((j) & 3))
+#endif
+#define QGRU_RT_UF(g, o) P[QGRU_RT_UNIT_LANES * (4 * (g) + (o))] /* gate g: o = 0 mx, 1 zx, 2 mh, 3 zh */
+#define QGRU_RT_UG(k) P[QGRU_RT_UNIT_LANES * (12 + (k))]        /* mg[k]; k = 5: m_rg */
+QGRU_RT_INLINE int16_t fast_unit(const qgru_rt_fast *F, const int32_t *P, const int32_t *ax, const int32_t *ah,
                                  int32_t h, const int std16, const int accsh)
 {
     int32_t dx, dh, d_r, d_z, d_g, t;
-    dx = facc(accsh ? qgru_rt_shl(ax[0], F->aa[0]) : ax[0], U->c[0].mx, U->c[0].zx, F->wx, std16);
-    dh = facc(accsh ? qgru_rt_shl(ah[0], F->aa[1]) : ah[0], U->c[0].mh, U->c[0].zh, F->rh, std16);
-    t = qgru_rt_mulhr(qgru_rt_shl(dh, F->a[1]), U->mg[1], qgru_rt_mulhr(qgru_rt_shl(dx, F->a[0]), U->mg[0], F->k_r));
+    dx = facc(accsh ? qgru_rt_shl(ax[0], F->aa[0]) : ax[0], QGRU_RT_UF(0, 0), QGRU_RT_UF(0, 1), F->wx, std16);
+    dh = facc(accsh ? qgru_rt_shl(ah[0], F->aa[1]) : ah[0], QGRU_RT_UF(0, 2), QGRU_RT_UF(0, 3), F->rh, std16);
+    t = qgru_rt_mulhr(qgru_rt_shl(dh, F->a[1]), QGRU_RT_UG(1), qgru_rt_mulhr(qgru_rt_shl(dx, F->a[0]), QGRU_RT_UG(0), F->k_r));
     d_r = flook(t, F->span_r, &F->t[0], std16);
-    dx = facc(accsh ? qgru_rt_shl(ax[4], F->aa[0]) : ax[4], U->c[1].mx, U->c[1].zx, F->wx, std16);
-    dh = facc(accsh ? qgru_rt_shl(ah[4], F->aa[1]) : ah[4], U->c[1].mh, U->c[1].zh, F->rh, std16);
-    t = qgru_rt_mulhr(qgru_rt_shl(dh, F->a[3]), U->mg[3], qgru_rt_mulhr(qgru_rt_shl(dx, F->a[2]), U->mg[2], F->k_z));
+    dx = facc(accsh ? qgru_rt_shl(ax[4], F->aa[0]) : ax[4], QGRU_RT_UF(1, 0), QGRU_RT_UF(1, 1), F->wx, std16);
+    dh = facc(accsh ? qgru_rt_shl(ah[4], F->aa[1]) : ah[4], QGRU_RT_UF(1, 2), QGRU_RT_UF(1, 3), F->rh, std16);
+    t = qgru_rt_mulhr(qgru_rt_shl(dh, F->a[3]), QGRU_RT_UG(3), qgru_rt_mulhr(qgru_rt_shl(dx, F->a[2]), QGRU_RT_UG(2), F->k_z));
     d_z = flook(t, F->span_z, &F->t[1], std16);
-    dx = facc(accsh ? qgru_rt_shl(ax[8], F->aa[0]) : ax[8], U->c[2].mx, U->c[2].zx, F->wx, std16);
-    dh = facc(accsh ? qgru_rt_shl(ah[8], F->aa[1]) : ah[8], U->c[2].mh, U->c[2].zh, F->rh, std16);
-    t = qgru_rt_shr32(qgru_rt_prod_hi(d_r, dh, U->m_rg) + F->c_rg, F->p_rg); /* r Rh_g, + zp_gpre - in_lo */
-    d_g = flook(qgru_rt_mulhr(qgru_rt_shl(dx, F->a[4]), U->mg[4], t), F->span_g, &F->t[2], std16);
+    dx = facc(accsh ? qgru_rt_shl(ax[8], F->aa[0]) : ax[8], QGRU_RT_UF(2, 0), QGRU_RT_UF(2, 1), F->wx, std16);
+    dh = facc(accsh ? qgru_rt_shl(ah[8], F->aa[1]) : ah[8], QGRU_RT_UF(2, 2), QGRU_RT_UF(2, 3), F->rh, std16);
+    t = qgru_rt_shr32(qgru_rt_prod_hi(d_r, dh, QGRU_RT_UG(5)) + F->c_rg, F->p_rg); /* r Rh_g, + zp_gpre - in_lo */
+    d_g = flook(qgru_rt_mulhr(qgru_rt_shl(dx, F->a[4]), QGRU_RT_UG(4), t), F->span_g, &F->t[2], std16);
     t = qgru_rt_shr32(qgru_rt_prod_hi(d_z, h - F->zp_h, F->m_zh) + F->c_zh, F->p_zh) /* + zp_h */
         + qgru_rt_shr32(qgru_rt_prod_hi(F->one_z - d_z, d_g, F->m_zg) + F->c_zg, F->p_zg);
     return (int16_t)fsat(t, F->h, std16);
@@ -193,7 +203,7 @@ static QGRU_RT_NOINLINE void fast_block16(const qgru_rt_fast *F, int32_t j0, int
 {
     int32_t u;
     for (u = 0; u < n; u++)
-        h_new[j0 + u] = fast_unit(F, &F->units[j0 + u], ax + u, ah + u, h[j0 + u], 1, 0);
+        h_new[j0 + u] = fast_unit(F, QGRU_RT_UNIT_PTR(F->units, j0 + u), ax + u, ah + u, h[j0 + u], 1, 0);
 }
 
 /* the same where the accumulators need their shifts (aa) */
@@ -202,8 +212,123 @@ static QGRU_RT_NOINLINE void fast_block16s(const qgru_rt_fast *F, int32_t j0, in
 {
     int32_t u;
     for (u = 0; u < n; u++)
-        h_new[j0 + u] = fast_unit(F, &F->units[j0 + u], ax + u, ah + u, h[j0 + u], 1, 1);
+        h_new[j0 + u] = fast_unit(F, QGRU_RT_UNIT_PTR(F->units, j0 + u), ax + u, ah + u, h[j0 + u], 1, 1);
 }
+
+/* fast_block16 / fast_block16s four units at a time in vector lanes (MVE, NEON): the same integers lane by lane.
+ * mulhr = k + (v m + 2^31) >> 32 (MVE VRMULH; NEON SMULL + RSHRN #32), SSAT / USAT #16 as a
+ * saturating shift left by 16 and a shift back, prod_hi from the product's two words (MUL, MULH)
+ * as in qgru_rt_prod_hi, the tables by gathers (MVE) or loads by lane (NEON); the unit constants
+ * one vector load a field (qgru_rt.h QGRU_RT_UNIT_FIELDS). */
+#if QGRU_RT_KERNEL == QGRU_RT_KERNEL_MVE
+#include <arm_mve.h>
+#define QGRU_RT_VEC 1
+typedef int32x4_t vi32;
+#define V_LD(p) vldrwq_s32(p)
+#define V_DUP(x) vdupq_n_s32(x)
+#define V_ADD(a, b) vaddq_s32(a, b)
+#define V_SUB(a, b) vsubq_s32(a, b)
+#define V_MUL(a, b) vmulq_s32(a, b)
+#define V_SHL(v, a) vshlq_r_s32(v, a)
+#define V_SHR(v, p) vshlq_r_s32(v, -(int32_t)(p))
+#define V_MULHR(v, m, k) vaddq_s32(vrmulhq_s32(v, m), k)
+#define V_SSAT16(v) vshrq_n_s32(vqshlq_n_s32(v, 16), 16)
+#define V_USAT16(v) vreinterpretq_s32_u32(vshrq_n_u32(vqshluq_n_s32(v, 16), 16))
+QGRU_RT_INLINE vi32 v_prod_hi(vi32 a, vi32 b, vi32 m)
+{
+    const vi32 lo = vmulq_s32(a, b), hi = vmulhq_s32(a, b);
+    return vaddq_s32(vmulq_s32(hi, m), vreinterpretq_s32_u32(vmulhq_u32(vreinterpretq_u32_s32(lo), vreinterpretq_u32_s32(m))));
+}
+QGRU_RT_INLINE vi32 v_look(vi32 t, const qgru_rt_ftable *T)
+{
+    const vi32 u = V_USAT16(t);
+    const uint32x4_t i = vreinterpretq_u32_s32(vshrq_n_s32(u, 6));
+    const vi32 f = vandq_s32(u, vdupq_n_s32(63));
+    return vshrq_n_s32(vaddq_s32(vldrwq_gather_shifted_offset_s32(T->tab, i),
+                                 vmulq_s32(vldrhq_gather_shifted_offset_s32(T->dif, i), f)), 10);
+}
+#define V_LDH(p) vldrhq_s32(p)
+#define V_STH(p, v) vstrhq_s32(p, v)
+#elif QGRU_RT_KERNEL == QGRU_RT_KERNEL_NEON
+#include <arm_neon.h>
+#define QGRU_RT_VEC 1
+typedef int32x4_t vi32;
+#define V_LD(p) vld1q_s32(p)
+#define V_DUP(x) vdupq_n_s32(x)
+#define V_ADD(a, b) vaddq_s32(a, b)
+#define V_SUB(a, b) vsubq_s32(a, b)
+#define V_MUL(a, b) vmulq_s32(a, b)
+#define V_SHL(v, a) vshlq_s32(v, vdupq_n_s32(a))
+#define V_SHR(v, p) vshlq_s32(v, vdupq_n_s32(-(int32_t)(p)))
+#define V_SSAT16(v) vshrq_n_s32(vqshlq_n_s32(v, 16), 16)
+#define V_USAT16(v) vreinterpretq_s32_u32(vshrq_n_u32(vqshluq_n_s32(v, 16), 16))
+QGRU_RT_INLINE vi32 V_MULHR(vi32 v, vi32 m, vi32 k)
+{
+    const int32x2_t lo = vrshrn_n_s64(vmull_s32(vget_low_s32(v), vget_low_s32(m)), 32);
+    return vaddq_s32(vrshrn_high_n_s64(lo, vmull_high_s32(v, m), 32), k);
+}
+QGRU_RT_INLINE vi32 v_prod_hi(vi32 a, vi32 b, vi32 m)
+{
+    const int64x2_t p0 = vmull_s32(vget_low_s32(a), vget_low_s32(b)), p1 = vmull_high_s32(a, b);
+    const uint32x4_t lo = vreinterpretq_u32_s32(vmulq_s32(a, b)), um = vreinterpretq_u32_s32(m);
+    const vi32 hi = vuzp2q_s32(vreinterpretq_s32_s64(p0), vreinterpretq_s32_s64(p1));
+    const uint32x4_t lm = vuzp2q_u32(vreinterpretq_u32_u64(vmull_u32(vget_low_u32(lo), vget_low_u32(um))),
+                                     vreinterpretq_u32_u64(vmull_high_u32(lo, um)));
+    return vaddq_s32(vmulq_s32(hi, m), vreinterpretq_s32_u32(lm));
+}
+QGRU_RT_INLINE vi32 v_look(vi32 t, const qgru_rt_ftable *T)
+{
+    const vi32 u = V_USAT16(t);
+    const vi32 i = vshrq_n_s32(u, 6), f = vandq_s32(u, vdupq_n_s32(63));
+    vi32 a = vdupq_n_s32(0);
+    int16x4_t b = vdup_n_s16(0);
+    a = vld1q_lane_s32(T->tab + vgetq_lane_s32(i, 0), a, 0);
+    b = vld1_lane_s16(T->dif + vgetq_lane_s32(i, 0), b, 0);
+    a = vld1q_lane_s32(T->tab + vgetq_lane_s32(i, 1), a, 1);
+    b = vld1_lane_s16(T->dif + vgetq_lane_s32(i, 1), b, 1);
+    a = vld1q_lane_s32(T->tab + vgetq_lane_s32(i, 2), a, 2);
+    b = vld1_lane_s16(T->dif + vgetq_lane_s32(i, 2), b, 2);
+    a = vld1q_lane_s32(T->tab + vgetq_lane_s32(i, 3), a, 3);
+    b = vld1_lane_s16(T->dif + vgetq_lane_s32(i, 3), b, 3);
+    return vshrq_n_s32(vmlaq_s32(a, vmovl_s16(b), f), 10);
+}
+#define V_LDH(p) vmovl_s16(vld1_s16(p))
+#define V_STH(p, v) vst1_s16(p, vmovn_s32(v))
+#endif
+
+#if defined(QGRU_RT_VEC) && !defined(QGRU_RT_NO_VEC)
+QGRU_RT_INLINE void fast_block16v(const qgru_rt_fast *F, int32_t j0, const int32_t *ax, const int32_t *ah,
+                                   const int16_t *h, int16_t *h_new, const int accsh)
+{
+    const int32_t *U = QGRU_RT_UNIT_PTR(F->units, j0); /* field f of the four units: U + 4 f */
+    vi32 dx, dh, d_r, d_z, d_g, t;
+    /* the accumulators' shifts (aa: fast_block16s's data) where accsh */
+#define FACC(a, m, z, k) (t = V_LD(z), V_SUB(V_SSAT16(V_MULHR(accsh ? V_SHL(V_LD(a), F->aa[k]) : V_LD(a), V_LD(m), t)), t))
+    dx = FACC(ax, U + 0, U + 4, 0);
+    dh = FACC(ah, U + 8, U + 12, 1);
+    t = V_MULHR(V_SHL(dh, F->a[1]), V_LD(U + 52), V_MULHR(V_SHL(dx, F->a[0]), V_LD(U + 48), V_DUP(F->k_r)));
+    d_r = v_look(t, &F->t[0]);
+    dx = FACC(ax + 4, U + 16, U + 20, 0);
+    dh = FACC(ah + 4, U + 24, U + 28, 1);
+    t = V_MULHR(V_SHL(dh, F->a[3]), V_LD(U + 60), V_MULHR(V_SHL(dx, F->a[2]), V_LD(U + 56), V_DUP(F->k_z)));
+    d_z = v_look(t, &F->t[1]);
+    dx = FACC(ax + 8, U + 32, U + 36, 0);
+    dh = FACC(ah + 8, U + 40, U + 44, 1);
+#undef FACC
+    t = V_SHR(V_ADD(v_prod_hi(d_r, dh, V_LD(U + 68)), V_DUP(F->c_rg)), F->p_rg);
+    d_g = v_look(V_MULHR(V_SHL(dx, F->a[4]), V_LD(U + 64), t), &F->t[2]);
+    t = V_ADD(V_SHR(V_ADD(v_prod_hi(d_z, V_SUB(V_LDH(h + j0), V_DUP(F->zp_h)), V_DUP(F->m_zh)), V_DUP(F->c_zh)), F->p_zh),
+              V_SHR(V_ADD(v_prod_hi(V_SUB(V_DUP(F->one_z), d_z), d_g, V_DUP(F->m_zg)), V_DUP(F->c_zg)), F->p_zg));
+    V_STH(h_new + j0, V_SSAT16(t));
+}
+
+/* the accumulator-shift variant out of line (dir_step inlines only the common one) */
+static QGRU_RT_NOINLINE void fast_block16vs(const qgru_rt_fast *F, int32_t j0, const int32_t *ax, const int32_t *ah,
+                                            const int16_t *h, int16_t *h_new)
+{
+    fast_block16v(F, j0, ax, ah, h, h_new, 1);
+}
+#endif
 #endif
 
 static QGRU_RT_NOINLINE void fast_block(const qgru_rt_fast *F, int32_t j0, int32_t n, const int32_t *ax,
@@ -211,7 +336,7 @@ static QGRU_RT_NOINLINE void fast_block(const qgru_rt_fast *F, int32_t j0, int32
 {
     int32_t u;
     for (u = 0; u < n; u++)
-        h_new[j0 + u] = fast_unit(F, &F->units[j0 + u], ax + u, ah + u, h[j0 + u], 0, 1);
+        h_new[j0 + u] = fast_unit(F, QGRU_RT_UNIT_PTR(F->units, j0 + u), ax + u, ah + u, h[j0 + u], 0, 1);
 }
 
 /* R.h's operand requantized onto h_gemm's grid, the fast way (hg_mode 1: s >= 33, the high word
@@ -233,6 +358,29 @@ QGRU_RT_INLINE int32_t fast_hg(const qgru_rt_dir *d, const int16_t *h, act_buf h
     }
     return QGRU_RT_NEEDS_ASUM ? -128 * s : 0;
 }
+
+#if defined(QGRU_RT_VEC) && !defined(QGRU_RT_NO_VEC)
+/* fast_hg for int8 activations saturated to 8 bits, four units a lane (hidden_size % 4 == 0;
+ * the vector kernels need no -128 sum): the high word of (h - zp) m_hg (MVE VMULH; NEON SMULL,
+ * SMULL2, UZP2), + c_hg, >> p_hg, SSAT #8 (a saturating shift left by 24 and back / SQXTN twice) */
+static QGRU_RT_NOINLINE void fast_hg8v(const qgru_rt_fast *F, const int16_t *h, int8_t *a, int32_t H)
+{
+    const vi32 zp = V_DUP(F->zp_h), m = V_DUP(F->m_hg), c = V_DUP(F->c_hg);
+    const int p = F->p_hg;
+    int32_t j;
+    for (j = 0; j < H; j += 4) {
+        const vi32 v = V_SUB(V_LDH(h + j), zp);
+#if QGRU_RT_KERNEL == QGRU_RT_KERNEL_MVE
+        vstrbq_s32(a + j, vshrq_n_s32(vqshlq_n_s32(V_SHR(V_ADD(vmulhq_s32(v, m), c), p), 24), 24));
+#else
+        const vi32 hi = vuzp2q_s32(vreinterpretq_s32_s64(vmull_s32(vget_low_s32(v), vget_low_s32(m))),
+                                   vreinterpretq_s32_s64(vmull_high_s32(v, m)));
+        const int16x4_t n16 = vqmovn_s32(V_SHR(V_ADD(hi, c), p));
+        vst1_lane_s32((int32_t *)(void *)(a + j), vreinterpret_s32_s8(vqmovn_s16(vcombine_s16(n16, n16))), 0);
+#endif
+    }
+}
+#endif
 
 /* -128 sum(a) of an int16 activation buffer (the pairs layout's correction), else 0 */
 static int32_t act_corr(act_buf b, int32_t n)
@@ -258,6 +406,11 @@ static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t
     act_clear(ha, H);
     if (d->fast && d->fast->hg_mode) {
         const int sat = d->op_bits == 8 || d->op_bits == 16 ? d->op_bits : 0;
+#if defined(QGRU_RT_VEC) && !defined(QGRU_RT_NO_VEC)
+        if (ha.a8 && sat == 8 && !(H & 3))
+            fast_hg8v(d->fast, h, ha.a8, H);
+        else
+#endif
         if (ha.a8)
             ch = sat == 8 ? fast_hg(d, h, ha, 8, 1) : fast_hg(d, h, ha, 0, 1);
         else
@@ -304,6 +457,14 @@ static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t
                     qgru_rt_dot4_a16(wh, kh, ha.a16, kh, F->init_h + g * G + j0, ch, ah[g]);
             }
 #ifndef QGRU_RT_NO_STD16 /* tests/test_mcu.py: the general variant on data that takes the 16-bit one */
+#if defined(QGRU_RT_VEC) && !defined(QGRU_RT_NO_VEC)
+            if (F->std16 && H - j0 >= 4) { /* four units a lane */
+                if (!F->aa[0] && !F->aa[1])
+                    fast_block16v(F, j0, &ax[0][0], &ah[0][0], h, h_new, 0);
+                else
+                    fast_block16vs(F, j0, &ax[0][0], &ah[0][0], h, h_new);
+            } else
+#endif
             if (F->std16 && !F->aa[0] && !F->aa[1])
                 fast_block16(F, j0, H - j0 < 4 ? H - j0 : 4, &ax[0][0], &ah[0][0], h, h_new);
             else if (F->std16)

@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define QGRU_RT_ABI 2 /* the layout of the structs below; the exported data checks it */
+#define QGRU_RT_ABI 3 /* the layout of the structs below; the exported data checks it */
 
 #if defined(__GNUC__) || defined(__clang__)
 #define QGRU_RT_ALIGN16 __attribute__((aligned(16))) /* weight arrays: whole-word loads */
@@ -62,13 +62,12 @@ typedef struct {
  * at export, every bound it relies on checked there. A rescale round_half_up(v m / 2^s) with
  * s <= 32 is one SMMLAR: K + floor((v 2^a  m 2^b + 2^31) / 2^32), a + b = 32 - s; one with
  * s >= 33 the high word of the 64-bit product plus 2^(p-1) (and K 2^p) shifted by p = s - 32. */
-typedef struct {
-    struct {
-        int32_t mx, zx, mh, zh; /* gate g's Wx and Rh accumulator rescales (m 2^b) and zero points */
-    } c[3];
-    int32_t mg[5]; /* Wx_r, Rh_r, Wx_z, Rh_z, Wx_g: m 2^b */
-    int32_t m_rg;  /* rRh_g (its shift the direction's p_rg) */
-} qgru_rt_unit;
+/* The per-unit constants, 18 int32 a unit: field 4 g + o (g < 3) gate g's o = 0: Wx rescale (m 2^b),
+ * 1: its zero point, 2: Rh rescale, 3: its zero point; 12 + k: mg[k] (Wx_r, Rh_r, Wx_z, Rh_z, Wx_g:
+ * m 2^b); 17: rRh_g's multiplier (its shift the direction's p_rg). Stored unit by unit (units[18 j
+ * + f]) for the pairs layout (the M4's scalar cell: adjacent fields, LDRD), else in blocks of four
+ * units lane by lane (units[72 (j / 4) + 4 f + j % 4], zeros past H: one vector load a field). */
+#define QGRU_RT_UNIT_FIELDS 18
 
 /* a table as T[i] 2^k + 2^(s-1) (s = k + frac; no rounding term when 0) and T[i+1] - T[i]: the
  * lookup is (tab[i] + dif[i] f) >> s, the export proved the output never saturates */
@@ -80,7 +79,7 @@ typedef struct {
 } qgru_rt_ftable;
 
 typedef struct {
-    const qgru_rt_unit *units;      /* [hidden_size] */
+    const int32_t *units;           /* the per-unit constants (QGRU_RT_UNIT_FIELDS) */
     const int32_t *init_x, *init_h; /* [3 rows_per_gate]: the kernels' accumulators start here (biases) */
     qgru_rt_ftable t[3];            /* r, z, g */
     int32_t k_r, k_z;               /* zp_pre - in_lo of r and z (u = pre - in_lo, saturated to [0, span]) */
