@@ -33,6 +33,24 @@ static inline uint32_t sxtb16_ror8(uint32_t v)
         B = __smlad(sxtb16_ror8(wv), (xv), B);                                                     \
     } while (0)
 
+/* one group (four columns of the four rows): one LDRD of activations, one LDM of four weight
+ * words, two SMLADs and an SXTB16 per word */
+#define QGRU_RT_DSP_GROUP \
+    "ldrd %[x01], %[x23], [%[a]], #8\n\t" \
+    "ldmia %[w]!, {r8, r9, r10, r11}\n\t" \
+    "smlad %[a0], r8, %[x01], %[a0]\n\t" \
+    "sxtb16 r8, r8, ror #8\n\t" \
+    "smlad %[b1], r8, %[x01], %[b1]\n\t" \
+    "smlad %[a2], r9, %[x01], %[a2]\n\t" \
+    "sxtb16 r9, r9, ror #8\n\t" \
+    "smlad %[b3], r9, %[x01], %[b3]\n\t" \
+    "smlad %[a0], r10, %[x23], %[a0]\n\t" \
+    "sxtb16 r10, r10, ror #8\n\t" \
+    "smlad %[b1], r10, %[x23], %[b1]\n\t" \
+    "smlad %[a2], r11, %[x23], %[a2]\n\t" \
+    "sxtb16 r11, r11, ror #8\n\t" \
+    "smlad %[b3], r11, %[x23], %[b3]\n\t"
+
 static inline __attribute__((always_inline)) void dot4(const int8_t *w, const int16_t *a, int32_t k_pad,
                                                         const int32_t *init, int32_t corr, int32_t out[4])
 {
@@ -57,35 +75,7 @@ static inline __attribute__((always_inline)) void dot4(const int8_t *w, const in
     if (a < end) { /* two groups a pass (eight columns of the four rows): one LDRD of activations
                     * and one LDM of four weight words a group, three instructions per four products */
         uint32_t x01, x23;
-        __asm__("1:\n\t"
-                "ldrd %[x01], %[x23], [%[a]], #8\n\t"
-                "ldmia %[w]!, {r8, r9, r10, r11}\n\t"
-                "smlad %[a0], r8, %[x01], %[a0]\n\t"
-                "sxtb16 r8, r8, ror #8\n\t"
-                "smlad %[b1], r8, %[x01], %[b1]\n\t"
-                "smlad %[a2], r9, %[x01], %[a2]\n\t"
-                "sxtb16 r9, r9, ror #8\n\t"
-                "smlad %[b3], r9, %[x01], %[b3]\n\t"
-                "smlad %[a0], r10, %[x23], %[a0]\n\t"
-                "sxtb16 r10, r10, ror #8\n\t"
-                "smlad %[b1], r10, %[x23], %[b1]\n\t"
-                "smlad %[a2], r11, %[x23], %[a2]\n\t"
-                "sxtb16 r11, r11, ror #8\n\t"
-                "smlad %[b3], r11, %[x23], %[b3]\n\t"
-                "ldrd %[x01], %[x23], [%[a]], #8\n\t"
-                "ldmia %[w]!, {r8, r9, r10, r11}\n\t"
-                "smlad %[a0], r8, %[x01], %[a0]\n\t"
-                "sxtb16 r8, r8, ror #8\n\t"
-                "smlad %[b1], r8, %[x01], %[b1]\n\t"
-                "smlad %[a2], r9, %[x01], %[a2]\n\t"
-                "sxtb16 r9, r9, ror #8\n\t"
-                "smlad %[b3], r9, %[x01], %[b3]\n\t"
-                "smlad %[a0], r10, %[x23], %[a0]\n\t"
-                "sxtb16 r10, r10, ror #8\n\t"
-                "smlad %[b1], r10, %[x23], %[b1]\n\t"
-                "smlad %[a2], r11, %[x23], %[a2]\n\t"
-                "sxtb16 r11, r11, ror #8\n\t"
-                "smlad %[b3], r11, %[x23], %[b3]\n\t"
+        __asm__("1:\n\t" QGRU_RT_DSP_GROUP QGRU_RT_DSP_GROUP
                 "cmp %[a], %[end]\n\t"
                 "bne 1b"
                 : [a0] "+r"(a0), [b1] "+r"(b1), [a2] "+r"(a2), [b3] "+r"(b3), [a] "+r"(a), [w] "+r"(w),
