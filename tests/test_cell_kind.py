@@ -118,3 +118,27 @@ def test_cell_kind_reports_the_int64_cell(monkeypatch):
     monkeypatch.setattr(prepare, "_add_acc32", refuse)
     assert {path: native.NativeLayer("cpu", p, torch.device("cpu"), isa=path).cell for path in paths} == \
         {path: "int64" for path in paths}
+
+
+@pytest.mark.parametrize("mode", SCALE_MODES)
+@pytest.mark.parametrize("name", BUILTIN_CONFIGS)
+def test_the_module_runs_the_cells_its_layers_report(name, mode):
+    """A converted module's cpu calls run on its Model (native.cpu_op_model: the operator's C++,
+    which makes its own Layers from the operator's parameters): each of them runs the cell and the
+    GEMM path that a NativeLayer of the same parameters on this CPU's path reports (the table
+    above), for a stacked bidirectional model."""
+    why = qgru.backends()["cpu"]["why"]
+    if why:
+        pytest.skip(f"cpu backend unavailable: {why}")
+    torch.manual_seed(3)
+    m = qgru.QuantGRU(16, 64, num_layers=2, bidirectional=True,
+                      config=QuantConfig.load(name, overrides={"scale_mode": mode}))
+    qgru.calibrate(m, [torch.randn(6, 4, 16) for _ in range(2)], progress=False)
+    m.convert()
+    with torch.no_grad():
+        m(torch.randn(5, 2, 16))
+    params = m._qparams_on["cpu"]
+    model = params[0][0].__dict__["_native"][("cpu-model", native.cpu_isa_request())][1]
+    want = [native.NativeLayer("cpu", p, torch.device("cpu"), isa=native.cpu_isa_request()) for row in params for p in row]
+    assert model.cells == [layer.cell for layer in want], (name, mode)
+    assert model.gemm_paths == [layer.gemm for layer in want], (name, mode)

@@ -2178,7 +2178,7 @@ def test_stack_refuses_operands_of_other_shapes(cpu_backend):
 
 
 def test_stack_call_takes_its_form_and_returns_none_for_the_rest(cpu_backend):
-    """Stack.call (the module's one-call entry, native.cpu_stack_call) checks x and h0 itself: for
+    """Stack.call (the module's one-call entry: Model.call, native.cpu_op_model) checks x and h0 itself: for
     a float32 CPU x [T >= 1, N, I] and h0 None or float32 [L, N, H], neither a negative view, it
     gives forward's floats (h0 None: zeros); for anything else it returns None (the module's
     general path then runs and raises), reading nothing."""
@@ -2190,7 +2190,8 @@ def test_stack_call_takes_its_form_and_returns_none_for_the_rest(cpu_backend):
     _assert_same(plan.call(x, h0), plan.forward(x, h0))
     _assert_same(plan.call(x, None), plan.forward(x, torch.zeros(2, 3, 12)))
     _assert_same(plan.call(x), plan.forward(x, torch.zeros(2, 3, 12)))
-    _assert_same(native.cpu_stack_call(params, x, h0), plan.forward(x, h0))
+    model = native.cpu_op_model(params, m._op_params)
+    _assert_same(model.call(x, h0), plan.forward(x, h0))
     # strided views that are not negative ones are taken (the Stack makes them contiguous)
     xt = torch.randn(3, 4, 7).transpose(0, 1)
     _assert_same(plan.call(xt, h0), plan.forward(xt.contiguous(), h0))
@@ -2204,7 +2205,7 @@ def test_stack_call_takes_its_form_and_returns_none_for_the_rest(cpu_backend):
     }
     for what, (bx, bh) in refused.items():
         assert plan.call(bx, bh) is None, what
-        assert native.cpu_stack_call(params, bx, bh) is None, what
+        assert model.call(bx, bh) is None, what
     # forward itself (no T >= 1 test): no steps, h_n is h0 on its grid and back
     out, h_n = plan.forward(x[:0], h0)
     assert out.shape == (0, 3, 12) and h_n.shape == h0.shape and bool(torch.isfinite(h_n).all())

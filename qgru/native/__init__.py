@@ -43,5 +43,5 @@ from .cuda import cuda_layer, cuda_nan_seen
 from .layer import NativeLayer, gru_direction, resolved
 from .prepare import (CELL32_BLOCK, CELL32_FIELDS, CUDA_GEMM_MIN, GEMM_PAD, MULT_RESCALES, direct16_fits, limbs16_fits,
                       one_limb_pair, pack_table, prepare_layer)
-from .stacks import (_cpu_layer, _cuda_layer, cpu_op_model, cpu_stack_call, cpu_stack_forward, cpu_stack_plan,
+from .stacks import (_cpu_layer, _cuda_layer, cpu_op_model, cpu_stack_forward, cpu_stack_plan,
                      cuda_stack_plan, stack_levels, stack_values)

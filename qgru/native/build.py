@@ -355,28 +355,23 @@ def _compile(kind: str, verbose: bool):
     if kind == "cuda":
         kw["extra_cuda_cflags"] = ["-O3"] + define
         kw["extra_ldflags"] = ["-fopenmp"] + _cublas_link_flags()
-    with build_guard(d, _cpu_library_file(d).parent):
-        mod = _compile_locked(cpp_extension, kind, d, kw)
+    with build_guard(d, _cpu_library_file(d).parent):  # (the library's own folder: cpu only)
+        print(f"qgru: compiling the {kind} backend into {d} (once; about a minute)...", file=sys.stderr, flush=True)
+        if kind == "cpu":
+            # first the library without Python (--as-needed drops the libtorch_python that
+            # cpp_extension links: nothing in it uses Python), loaded into this process as it is built
+            lib = _cpu_library_file(d)
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(**dict(kw, name=CPU_LIBRARY, sources=[str(src / s) for s in _SOURCES[kind] if s != _CPU_BINDING],
+                                      build_directory=str(lib.parent), is_python_module=False,
+                                      extra_ldflags=["-Wl,--as-needed", "-fopenmp"]))
+            # then the binding, linked by the library's full path (the same object once loaded)
+            kw["sources"] = [str(src / _CPU_BINDING)]
+            kw["extra_ldflags"] = ["-fopenmp", str(lib), f"-Wl,-rpath,{lib.parent}"]
+        mod = cpp_extension.load(**kw)
     _mark_used(d)
     _prune_stale(kind, d)
     return mod
-
-
-def _compile_locked(cpp_extension, kind: str, d: Path, kw: dict):
-    src = csrc_dir()
-    print(f"qgru: compiling the {kind} backend into {d} (once; about a minute)...", file=sys.stderr, flush=True)
-    if kind == "cpu":
-        # first the library without Python (--as-needed drops the libtorch_python that
-        # cpp_extension links: nothing in it uses Python), loaded into this process as it is built
-        lib = _cpu_library_file(d)
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(**dict(kw, name=CPU_LIBRARY, sources=[str(src / s) for s in _SOURCES[kind] if s != _CPU_BINDING],
-                                  build_directory=str(lib.parent), is_python_module=False,
-                                  extra_ldflags=["-Wl,--as-needed", "-fopenmp"]))
-        # then the binding, linked by the library's full path (the same object once loaded)
-        kw["sources"] = [str(src / _CPU_BINDING)]
-        kw["extra_ldflags"] = ["-fopenmp", str(lib), f"-Wl,-rpath,{lib.parent}"]
-    return cpp_extension.load(**kw)
 
 
 # A build of another source (another qgru version or checkout sharing this torch and ABI) is

@@ -116,15 +116,6 @@ def cpu_stack_forward(params: List[List[LayerParams]], x: torch.Tensor, hx: torc
     return plan.forward(resolved(x), resolved(hx)) if resolve else plan.forward(x, hx)
 
 
-def cpu_stack_call(params: List[List[LayerParams]], x: torch.Tensor, hx: Optional[torch.Tensor]):
-    """QuantGRU._cpu_one_call's native call: cpu_stack_forward where x is a float32 CPU tensor
-    [T >= 1, N, I] and hx None (zeros) or a float32 CPU tensor [L, N, H], neither a negative view;
-    else None, as where the one-call form does not apply (cpu_stack_plan). The native Stack's
-    ``call`` checks x and hx (nanoseconds, against ~1.5 us of Python checks per streaming call)."""
-    plan = cpu_stack_plan(params, cpu_isa_request())
-    return None if plan is None else plan.call(x, hx)
-
-
 def cpu_op_model(params: List[List[LayerParams]], op_params: Tuple[List[torch.Tensor], str]):
     """The cpu backend's Model of a converted QuantGRU (csrc/cpu/op_cpu.cpp: the operator
     qgru::integer_gru's C++, its spec parsed and its Layers and Stack made once from ``op_params``,
