@@ -142,3 +142,34 @@ def test_the_module_runs_the_cells_its_layers_report(name, mode):
     want = [native.NativeLayer("cpu", p, torch.device("cpu"), isa=native.cpu_isa_request()) for row in params for p in row]
     assert model.cells == [layer.cell for layer in want], (name, mode)
     assert model.gemm_paths == [layer.gemm for layer in want], (name, mode)
+
+
+_COST = ("int32", "int32-wide", "int32-hybrid", "int64")  # the cells, cheapest first
+
+
+@pytest.mark.parametrize("name", BUILTIN_CONFIGS)
+def test_auto_takes_the_cheapest_cell_a_path_here_offers(name, monkeypatch):
+    """An auto request (QGRU_CPU_ISA unset) runs each layer on a path whose cell is the cheapest
+    that any usable path gives it: a w8a16 layer on an AMX CPU runs on avx512vnni's int16 GEMM
+    ("int32-wide", one fused pass) instead of amx's two limb pairs ("int32-hybrid"), on an avxvnni
+    CPU on avx2; the C++ operator's Model makes the same choice (the test above), and the layer
+    gives golden's integers."""
+    why = qgru.backends()["cpu"]["why"]
+    if why:
+        pytest.skip(f"cpu backend unavailable: {why}")
+    monkeypatch.delenv("QGRU_CPU_ISA", raising=False)
+    paths = [str(i["name"]) for i in native.cpu_paths() if i["usable"]]
+    p = _layer(name, "multiplier", {}, 16, 64)
+    best = min((native.NativeLayer("cpu", p, torch.device("cpu"), isa=path).cell for path in paths), key=_COST.index)
+    auto = native.NativeLayer("cpu", p, torch.device("cpu"), isa="auto")
+    assert auto.cell == best, (name, auto.gemm, paths)
+    if name == "w8a16" and {"amx", "avx512vnni"} <= set(paths):
+        assert auto.gemm.startswith("avx512vnni"), auto.gemm
+    gen = torch.Generator().manual_seed(11)
+    qx, qh0 = _ints((4, 3, 16), p.bits["x"], gen), _ints((3, 64), p.bits["h"], gen)
+    level = None
+    if p.x_levels is not None:
+        level = torch.randint(0, p.x_levels.exponent.numel(), (4, 3), generator=gen, dtype=torch.int32)
+    want_out, want_h = golden.gru_direction(p, qx, qh0, None, level=level)
+    out, h = auto(qx, qh0, None, level)
+    assert torch.equal(out.long(), want_out) and torch.equal(h.long(), want_h)

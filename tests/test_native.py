@@ -2406,8 +2406,9 @@ def test_stack_plan_is_tied_to_its_layers(cpu_backend):
 @pytest.mark.parametrize("cfg,layers", [("w8a16", 1), ("w8a16", 2), ("w8a8", 1)])
 def test_stack_one_row_calls(cpu_backend, monkeypatch, cfg, layers):
     """A stack's one-step calls of a batch of one run on each layer's one-row Layer
-    (native.one_row_path): the reference's floats bit for bit over a streaming loop carrying h,
-    with calls of other shapes in between, for every path request this CPU can run."""
+    (native.one_row_path) in the module's Model: the reference's floats bit for bit over a
+    streaming loop carrying h, with calls of other shapes in between, for every path request this
+    CPU can run; the Model's Layers have the one-row paths a NativeLayer reports and made them."""
     monkeypatch.delenv("QGRU_CPU_ISA", raising=False)
     usable = [str(i["name"]) for i in native.cpu_paths() if i["usable"]]
     m = _converted(_cfg(cfg), 7, 12, layers, False, False, 0)
@@ -2419,15 +2420,18 @@ def test_stack_one_row_calls(cpu_backend, monkeypatch, cfg, layers):
         path = native.resolve_cpu_isa(req)["name"]
         if req == "auto" and path == "avxvnni" and cfg == "w8a16" and "avx2" in usable:
             path = "avx2"  # native.layer_path: the whole layer runs on avx2, nothing to hand over
+        if req == "auto" and path == "amx" and cfg == "w8a16" and "avx512vnni" in usable:
+            path = "avx512vnni"  # native.layer_path: on its int16 GEMM, which keeps its streaming calls
         expect = ("avx2" if cfg == "w8a16" and path in ("amx", "avxvnni") and "avx2" in usable
                   else "avx512vnni" if cfg == "w8a8" and path == "amx" and "avx512vnni" in usable else "")
         monkeypatch.setenv("QGRU_CPU_ISA", req)
         _assert_same(_streaming_loop(m, xs, "cpu", other_shape=True), want)
         assert native.cpu_stack_plan(params, req) is not None
+        model = params[0][0].__dict__["_native"][("cpu-model", req)][1]  # the Model the calls ran on
+        assert model.one_row_paths == [expect] * layers, (req, usable)
+        assert model.one_row_made == [bool(expect)] * layers, req
         for (p,) in params:
-            layer = native._cpu_layer(p, req)
-            assert layer.one_row_gemm == expect, (req, usable)
-            assert layer.layer.one_row_made == bool(expect), req
+            assert native._cpu_layer(p, req).one_row_gemm == expect, (req, usable)
 
 
 def _unpack_table(packed: torch.Tensor) -> torch.Tensor:

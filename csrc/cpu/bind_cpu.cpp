@@ -75,7 +75,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Stack.call on the model's Stack (unidirectional, per-tensor requantization between layers), else None",
            pybind11::arg("x"), pybind11::arg("h0") = pybind11::none(), release_gil())
       .def_property_readonly("gemm_paths", &qgru::cpu_api::Model::gemm_paths)
-      .def_property_readonly("cells", &qgru::cpu_api::Model::cell_kinds);
+      .def_property_readonly("cells", &qgru::cpu_api::Model::cell_kinds)
+      .def_property_readonly("one_row_paths", &qgru::cpu_api::Model::one_row_paths)
+      .def_property_readonly("one_row_made", &qgru::cpu_api::Model::one_row_made);
   pybind11::class_<qgru::cpu_api::Layer, std::shared_ptr<qgru::cpu_api::Layer>>(m, "Layer")
       .def(pybind11::init<qgru::TensorMap, qgru::IntMap, const std::string&>(), pybind11::arg("tensors"),
            pybind11::arg("values"), pybind11::arg("isa") = "auto")

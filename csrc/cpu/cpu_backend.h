@@ -85,6 +85,8 @@ class Model {
   c10::optional<std::tuple<at::Tensor, at::Tensor>> call(const at::Tensor& x, const c10::optional<at::Tensor>& h0) const;
   std::vector<std::string> gemm_paths() const;  // each layer and direction's GEMM path (tests)
   std::vector<std::string> cell_kinds() const;  // each layer and direction's cell (Layer::cell_kind)
+  std::vector<std::string> one_row_paths() const;  // each one's one-row path (Layer::one_row_path, "": none)
+  std::vector<bool> one_row_made() const;          // whether each one's one-row Layer was made (a call ran it)
   struct Impl;
   std::shared_ptr<Impl> impl;
 };

@@ -231,7 +231,14 @@ std::pair<TensorMap, IntMap> layer_args(const Variant& v, const std::vector<at::
 std::shared_ptr<cpu_api::Layer> make_layer(const Unit& u, const std::vector<at::Tensor>& params,
                                            const std::string& request) {
   std::string path = resolve_path(request);
-  if (request == "auto" && path == "avxvnni" && u.takes_whole && path_row("avx2").usable) path = "avx2";
+  // qgru/native/cpu.py layer_path: an auto request's 16-bit layer that an int16 GEMM takes whole
+  if (request == "auto" && u.takes_whole) {
+    const PathRow v = path_row("avx512vnni");
+    if (path == "amx" && v.usable && v.act16)
+      path = "avx512vnni";
+    else if (path == "avxvnni" && path_row("avx2").usable)
+      path = "avx2";
+  }
   const bool act16 = layer_act16(u, path);
   auto args = layer_args(variant_for(u, act16), params);
   auto layer = std::make_shared<cpu_api::Layer>(std::move(args.first), std::move(args.second), path);
@@ -484,6 +491,18 @@ c10::optional<std::tuple<at::Tensor, at::Tensor>> Model::call(const at::Tensor& 
 std::vector<std::string> Model::gemm_paths() const {
   std::vector<std::string> v;
   for (const auto& l : impl->entry->layers) v.push_back(l->gemm_path());
+  return v;
+}
+
+std::vector<std::string> Model::one_row_paths() const {
+  std::vector<std::string> v;
+  for (const auto& l : impl->entry->layers) v.push_back(l->one_row_path());
+  return v;
+}
+
+std::vector<bool> Model::one_row_made() const {
+  std::vector<bool> v;
+  for (const auto& l : impl->entry->layers) v.push_back(l->one_row_made());
   return v;
 }
 

@@ -47,12 +47,22 @@ def layer_act16(p: LayerParams, path: str) -> bool:
 
 def layer_path(p: LayerParams, path: str, request: str) -> str:
     """The CPU path a layer runs on when the request ``request`` resolved to ``path``: ``path``, but
-    for an auto request on avxvnni a layer that avx2 takes whole (_avx2_takes_whole) runs on avx2,
-    whose int16 operands beat avxvnni's two limbs there (w8a16, T=100 N=64 I=256 H=512: 94 against
-    113 ms, bench.py on lscpu "Intel(R) Xeon(R) Processor", 2026-11-25). amx and avx512vnni stay
-    ahead of avx2 there (31 and 59 ms). A forced path (QGRU_CPU_ISA) is taken as asked."""
-    if request == "auto" and path == "avxvnni" and _avx2_takes_whole(p) and \
-            any(i["name"] == "avx2" and i["usable"] for i in cpu_paths()):
+    for an auto request a layer with a 16-bit x or R.h operand that an int16 GEMM takes whole
+    (_avx2_takes_whole) leaves the int8 paths that would split it into two limbs:
+    * amx -> avx512vnni (its int16 sibling: one fused pass with the int32 cell, against amx's two
+      limb pairs per GEMM and the int32-hybrid cell): w8a16, T=100, 1.85 against 4.10 ms at I=16
+      H=64 N=32 (1 thread), 2.60 against 4.48 at I=64 H=128 N=16 (1 thread), 56.1 against 80.0 at
+      I=256 H=512 N=64 (2 threads); bench.py on lscpu "Intel(R) Xeon(R) Processor" (Sapphire
+      Rapids), 2026-12-02;
+    * avxvnni -> avx2 (int16 operands beat avxvnni's two limbs: w8a16, T=100 N=64 I=256 H=512, 94
+      against 113 ms, bench.py on the same CPU, 2026-11-25).
+    A forced path (QGRU_CPU_ISA) is taken as asked."""
+    if request != "auto" or not _avx2_takes_whole(p):
+        return path
+    usable = {str(i["name"]) for i in cpu_paths() if i["usable"]}
+    if path == "amx" and "avx512vnni" in usable and _path_act16(cpu_paths(), "avx512vnni"):
+        return "avx512vnni"
+    if path == "avxvnni" and "avx2" in usable:
         return "avx2"
     return path
 
@@ -150,7 +160,11 @@ def cpu_gemm_detail() -> str:
     one_row = ("; a streaming step (one step of a batch of one) runs on avx512vnni where the layer is one fused "
                "pass (a 16-row AMX tile would hold one real row)" if info["name"] == "amx" and "avx512vnni" in usable
                else "")
-    if info["name"] == "avxvnni" and "avx2" in usable and cpu_isa_request() == "auto":
+    if info["name"] == "amx" and "avx512vnni" in usable and _path_act16(cpu_paths(), "avx512vnni") and \
+            cpu_isa_request() == "auto":
+        one_row += ("; a layer with 16-bit x or h that avx512vnni's int16 GEMM (vpdpwssd) takes whole runs on "
+                    "avx512vnni (one fused pass instead of two limb pairs per GEMM)")
+    elif info["name"] == "avxvnni" and "avx2" in usable and cpu_isa_request() == "auto":
         one_row += "; a layer with 16-bit x or h that avx2 takes whole as int16 runs on avx2 (one fused pass)"
     elif info["act_bytes"] == 1 and info.get("act16"):
         one_row += ("; a layer with 16-bit x or h that its int16 GEMM (vpdpwssd) takes whole runs it: one fused "
