@@ -173,6 +173,7 @@ struct Buffers {
   at::Tensor pk_h, pk_counter;  // the persistent recurrence's (ws.pk.blocks > 0)
   at::Tensor level;  // a layer with x levels: int32 [T, N], each token's (zeros: see plan_steps)
   cuda::Workspace ws{};
+  int fp_reason = -1;  // QGRU_CUDA_FUSED=2: why ws.fp runs (cuda::kFpFits) or not (FpFit); -1: not asked
 };
 
 cuda::LayerDims layer_dims(const cuda::LayerDesc& d) {
@@ -269,13 +270,18 @@ bool persistent_from_env() {
 
 // QGRU_CUDA_FUSED: "1": the fused step (qgru_cuda_fused.cu: one kernel per step, R.h by int8 mma.sync
 // and the cell in registers) for the layers it takes (cuda::fused_supported: one R.h limb pair, sm_80
-// or newer) where no persistent plan runs; unset, "" or "0": never. Read once, when a Layer is made.
-// Off by default until a GPU has run it against the golden model (host emulation and SASS checks only).
-bool fused_from_env() {
+// or newer) where no persistent plan runs; "2": the same step body persistent (one cooperative launch
+// per W.x window, R's rows in shared memory, h exchanged by per-CTA step flags) where its plan fits
+// (cuda::fused_persistent_plan: co-residency by the occupancy API), else the fused step of "1", the
+// reason in the counter fused_persistent_reason; unset, "" or "0": never. Read once, when a Layer is
+// made. Off by default until a GPU has run them against the golden model (host emulation and SASS
+// checks only).
+int fused_from_env() {
   const char* env = std::getenv("QGRU_CUDA_FUSED");
-  if (env == nullptr || *env == '\0' || std::string(env) == "0") return false;
-  QGRU_CHECK_VALUE(std::string(env) == "1", "qgru cuda: QGRU_CUDA_FUSED='", env, "' must be 0 or 1");
-  return true;
+  if (env == nullptr || *env == '\0' || std::string(env) == "0") return 0;
+  QGRU_CHECK_VALUE(std::string(env) == "1" || std::string(env) == "2", "qgru cuda: QGRU_CUDA_FUSED='", env,
+                    "' must be 0, 1 or 2");
+  return std::string(env) == "1" ? 1 : 2;
 }
 
 // qgru's own cuBLAS handle, one per device, for the runs on a workspace qgru owns (the first call of
@@ -375,7 +381,8 @@ class CudaLayer {
     use_graph_ = env == nullptr || std::string(env) != "0";
     plan_env_bytes_ = plan_max_bytes_from_env();
     persistent_ = persistent_from_env();
-    fused_ = fused_from_env() && cuda::fused_supported(d_, device_.index());
+    fused_mode_ = fused_from_env();
+    fused_ = fused_mode_ > 0 && cuda::fused_supported(d_, device_.index());
     // qgru's own cuBLAS handle exists from here on: creating it inside a graph capture would fail
     c10::cuda::CUDAGuard guard(device_);
     own_handle(device_.index());
@@ -474,7 +481,7 @@ class CudaLayer {
     }
     Plan& p = *found;
     if (p.b.ws.pk.blocks > 0) ++counters_.persistent_calls;
-    if (p.b.ws.fused) ++counters_.fused_calls;
+    count_fused(p.b);
     // The mutex orders only the host side. On the device, every use of the plan's buffers (the
     // copies in, the run, eager or graph, and the copies out) is ordered after the previous call's
     // last use, whichever stream or thread that call ran on.
@@ -578,7 +585,10 @@ class CudaLayer {
             {"in_foreign_capture", counters_.in_foreign_capture.load()},
             {"unplanned_runs", counters_.unplanned_runs.load()},
             {"persistent_calls", counters_.persistent_calls.load()},
-            {"fused_calls", counters_.fused_calls.load()}};
+            {"fused_calls", counters_.fused_calls.load()},
+            {"fused_persistent_calls", counters_.fused_persistent_calls.load()},
+            {"fused_persistent_fallbacks", counters_.fused_persistent_fallbacks.load()},
+            {"fused_persistent_reason", counters_.fused_persistent_reason.load()}};
   }
 
  private:
@@ -592,7 +602,57 @@ class CudaLayer {
     std::atomic<int64_t> unplanned_runs{0};      // calls of a shape too large for a plan (plan_max_bytes)
     std::atomic<int64_t> persistent_calls{0};    // calls whose recurrence ran persistent (qgru_cuda_persistent.cu)
     std::atomic<int64_t> fused_calls{0};         // calls whose recurrence ran the fused step (qgru_cuda_fused.cu)
+    // QGRU_CUDA_FUSED=2: calls whose fused step ran persistent, calls that ran the fused step of
+    // QGRU_CUDA_FUSED=1 instead, and the last such call's reason (qgru_fused_step.h FpFit; 0: none yet)
+    std::atomic<int64_t> fused_persistent_calls{0};
+    std::atomic<int64_t> fused_persistent_fallbacks{0};
+    std::atomic<int64_t> fused_persistent_reason{0};
   };
+
+  // Which fused step a run's buffers take: none (ws.fused false: not QGRU_CUDA_FUSED, a layer the
+  // fused step does not take, or a persistent plan), the fused step, or with QGRU_CUDA_FUSED=2 the
+  // persistent fused step where its plan fits; its step flags live in Gh, which no fused step uses.
+  void set_fused(Buffers& b, int64_t N) const {
+    b.ws.fused = fused_ && b.ws.pk.blocks == 0;
+    if (!b.ws.fused || fused_mode_ != 2) return;
+    cuda::FpPlan p{};
+    b.fp_reason = fused_persistent_plan(N, &p);
+    if (b.fp_reason == cuda::kFpFits && (!b.Gh.defined() || b.Gh.numel() < cuda::fp_flag_words(p.s.ctas)))
+      b.fp_reason = cuda::kFpNoFlagRoom;
+    if (b.fp_reason != cuda::kFpFits) return;
+    b.ws.fp = p;
+    b.ws.fp_flags = reinterpret_cast<uint32_t*>(b.Gh.data_ptr<int32_t>());
+  }
+
+  void count_fused(const Buffers& b) {
+    if (b.ws.fused) ++counters_.fused_calls;
+    if (b.fp_reason == cuda::kFpFits) {
+      ++counters_.fused_persistent_calls;
+    } else if (b.fp_reason > 0) {
+      ++counters_.fused_persistent_fallbacks;
+      counters_.fused_persistent_reason = b.fp_reason;
+    }
+  }
+
+  // The persistent fused-step plan of this layer for N batch rows, or why there is none (FpFit),
+  // decided once per N outside a capture (it sets a kernel attribute and asks the occupancy API):
+  // a batch size first seen inside a caller's capture runs the fused step there (kFpInCapture).
+  int fused_persistent_plan(int64_t N, cuda::FpPlan* out) const {
+    std::lock_guard<std::mutex> lock(pk_mu_);
+    auto it = fp_plans_.find(N);
+    if (it != fp_plans_.end()) {
+      *out = it->second.first;
+      return it->second.second;
+    }
+    c10::cuda::CUDAGuard guard(device_);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream().stream(), &capture), "cudaStreamIsCapturing");
+    *out = cuda::FpPlan{};
+    if (capture != cudaStreamCaptureStatusNone) return cuda::kFpInCapture;
+    const int rc = cuda::fused_persistent_plan(d_, N, device_.index(), out);
+    fp_plans_[N] = {*out, rc};
+    return rc;
+  }
 
   void run(const Buffers& b, cudaStream_t stream, cublasHandle_t handle) const {
     const int64_t T = b.qx.size(0), N = b.qx.size(1);
@@ -648,9 +708,9 @@ class CudaLayer {
     ++(in_capture ? counters_.in_foreign_capture : counters_.unplanned_runs);
     if (in_capture) keep_for_foreign_graphs();
     Buffers b = make_buffers(d_, T, N, lengths.has_value(), persistent_plan(N), opts);
-    b.ws.fused = fused_ && b.ws.pk.blocks == 0;
+    set_fused(b, N);
     if (b.ws.pk.blocks > 0) ++counters_.persistent_calls;
-    if (b.ws.fused) ++counters_.fused_calls;
+    count_fused(b);
     fill(b, cur);
     if (lengths.has_value()) b.lengths.copy_(*lengths);
     if (in_capture) {
@@ -719,7 +779,7 @@ class CudaLayer {
     p->N = N;
     p->has_lengths = has_lengths;
     p->b = make_buffers(d_, T, N, has_lengths, persistent_plan(N), opts);
-    p->b.ws.fused = fused_ && p->b.ws.pk.blocks == 0;  // the fused step where no persistent plan runs
+    set_fused(p->b, N);  // the fused step where no persistent plan runs
     QGRU_CHECK(buffer_bytes(p->b) == buffer_bytes(d_, T, N, has_lengths, persistent_plan(N)),
                 "qgru cuda: internal error: a plan's buffer size differs from its estimate");
     if (use_graph_) p->cublas_ws = at::empty({cublas_workspace_bytes(device_.index())}, opts.dtype(at::kByte));
@@ -735,8 +795,10 @@ class CudaLayer {
   bool use_graph_ = true;
   bool persistent_ = false;  // QGRU_CUDA_PERSISTENT
   bool fused_ = false;       // QGRU_CUDA_FUSED, for a layer the fused step takes
+  int fused_mode_ = 0;       // QGRU_CUDA_FUSED: 0, 1 or 2 (fused_from_env)
   mutable std::mutex pk_mu_;
   mutable std::map<int64_t, cuda::PkPlan> pk_plans_;  // persistent_plan, by N
+  mutable std::map<int64_t, std::pair<cuda::FpPlan, int>> fp_plans_;  // fused_persistent_plan, by N
   int64_t plan_env_bytes_ = -1;  // QGRU_CUDA_PLAN_MAX_BYTES (-1: unset, plan_max_bytes)
   cudaStream_t side_ = nullptr;   // side_stream()
   bool kept_for_graphs_ = false;  // keep_for_foreign_graphs()

@@ -9,6 +9,7 @@
 
 #include "qgru_cell.h"
 #include "qgru_cuda_launch.h"
+#include "qgru_fused_step.h"
 #include "qgru_persistent.h"
 
 namespace qgru {
@@ -62,6 +63,11 @@ struct Workspace {
   // of one R.h GEMM and one cell kernel, the operand double-buffered in h_limbs[0] and h_limbs[1]
   // (a layer fused_supported accepts has one operand limb, so h_limbs[1] is free).
   bool fused;
+  // The persistent fused step (qgru_cuda_fused.cu), where fused and fp.s.ctas > 0: each window's
+  // steps in one launch, the operand in h_limbs[t % 2], the CTAs' step flags in fp_flags
+  // ([fp_flag_words(fp.s.ctas)], zeroed by forward before the call's first launch).
+  FpPlan fp;
+  uint32_t* fp_flags;
 };
 
 struct WorkspaceSizes {    // element counts
@@ -95,6 +101,16 @@ void persistent_steps(const LayerDesc& d, const PkPlan& p, const PkArgs& args, i
 // t of the recurrence in one launch on `stream`, R.h from the operand limbs h_in [N_pad, K_pad], the
 // cell, and the next step's limbs into h_out (another buffer); capturable in a CUDA graph.
 bool fused_supported(const LayerDesc& d, int device);
+// The persistent fused step (qgru_cuda_fused.cu, qgru_fused_step.h fp_*). fused_persistent_plan: the
+// plan of a layer for N batch rows on `device`, or why there is none (FpFit: the layer, cooperative
+// launch, shared memory, co-residency by the occupancy API); it sets the kernel's shared-memory
+// attribute, outside any capture. fused_persistent_steps: steps [t0, t1) of a window in one
+// cooperative launch on `stream` (dwx: the window's Wx - Z_Wx, out: the call's [T, N, H]);
+// capturable in a CUDA graph.
+int fused_persistent_plan(const LayerDesc& d, int64_t N, int device, FpPlan* out);
+void fused_persistent_steps(const LayerDesc& d, const FpPlan& p, int8_t* const h_buf[2], const int32_t* dwx,
+                            int32_t* state, int16_t* out, const int64_t* lengths, uint32_t* flags, int64_t t0,
+                            int64_t t1, cudaStream_t stream);
 void fused_step(const LayerDesc& d, const int8_t* h_in, int8_t* h_out, const int32_t* dwx_t, int32_t* state,
                 int16_t* out_t, const int64_t* lengths, int64_t t, int64_t N, cudaStream_t stream);
 

@@ -237,6 +237,13 @@ void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, const i
   limbs_kernel<int32_t><<<lh.grid, lh.block, 0, stream>>>(state, N, (int32_t)H, d.h_bits, d.cell.op, h0_lo, h0_hi,
                                                        d.rh.K_pad);
   check(cudaGetLastError(), "limbs_kernel (state) launch");
+  const bool fused_persistent = ws.fused && ws.fp.s.ctas > 0;  // (qgru_cuda_fused.cu)
+  if (fused_persistent) {
+    if (ws.fp.s.N != N || ws.fp.s.H != H || ws.fp.s.K_pad != d.rh.K_pad || ws.fp_flags == nullptr || d.h_bits > 8)
+      throw std::runtime_error("qgru cuda: the persistent fused plan is not this call's shape");
+    check(cudaMemsetAsync(ws.fp_flags, 0, (size_t)fp_flag_words(ws.fp.s.ctas) * sizeof(uint32_t), stream),
+          "cudaMemsetAsync (step flags)");
+  }
   PkArgs pk{};
   if (persistent) {
     pk.weight_limbs = d.rh.weight_limbs;
@@ -278,6 +285,10 @@ void forward(const LayerDesc& d, const Workspace& ws, const int16_t* qx, const i
     if (persistent) {  // the window's steps in one launch (qgru_cuda_persistent.cu)
       pk.t0 = t0;
       persistent_steps(d, ws.pk, pk, t0, t0 + steps, stream);
+      continue;
+    }
+    if (fused_persistent) {  // the window's steps in one launch, the operand in h_limbs[t % 2]
+      fused_persistent_steps(d, ws.fp, ws.h_limbs, ws.dwx, state, out, lengths, ws.fp_flags, t0, t0 + steps, stream);
       continue;
     }
     if (ws.fused) {  // one kernel per step (qgru_cuda_fused.cu), the operand in h_limbs[t % 2]

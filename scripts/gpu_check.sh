@@ -4,7 +4,7 @@
 # 1. builds the cuda backend from a clean cache (parallel jobs), 2. runs every CUDA test (pytest -k
 # cuda: the CUDA-only tests and every test parametrised over backends or devices on its cuda case;
 # among them x levels, graph captures, the NaN flag, the persistent kernel against golden with
-# QGRU_CUDA_PERSISTENT=1, the fused step against golden and the reference with QGRU_CUDA_FUSED=1
+# QGRU_CUDA_PERSISTENT=1, the fused step against golden and the reference with QGRU_CUDA_FUSED=1 (and 2)
 # (tests/test_cuda_fused.py), both weight-only Triton kernels on CUDA, and native calls that raise),
 # 2b. if a native call that raises crashed its process, triages it (scripts/cuda_triage.py),
 # 3. runs the CUDA benchmark (scripts/bench.py --device cuda, into the log folder's BENCHMARKS.md,

@@ -203,10 +203,70 @@ std::tuple<at::Tensor, at::Tensor> run_fused(qgru::TensorMap tensors, qgru::IntM
   return {out.to(at::kInt), state};
 }
 
+// out [T, N, H] int32, the final state [N, H] and the emulation's result (qgru_fused_step.h
+// FpEmuResult: 0 when every launch ran without a stale read, an overwrite or a deadlock) of the
+// persistent fused step: the call's steps in launches of `window` steps (fp_launch_on_host: the
+// CTAs as four-phase machines interleaved in FpOrder `order`, their R rows from a shared-memory copy
+// of stale bytes, h exchanged through the double buffer and the step flags), the flags zeroed once
+// for the whole call as the CUDA forward does, each (unit, row) pair's end of step by the kernel's
+// fs_pair_step. `fault` breaks the protocol on purpose (fp_launch_on_host).
+std::tuple<at::Tensor, at::Tensor, int64_t> run_fused_persistent(
+    qgru::TensorMap tensors, qgru::IntMap values, const at::Tensor& qx_in, const at::Tensor& qh0,
+    const c10::optional<at::Tensor>& lengths_in, int64_t warps, int64_t window, int64_t order, int64_t fault,
+    int64_t seed) {
+  const qgru::LayerTensors lt(std::move(tensors), std::move(values));
+  const int64_t H = lt.value("H"), T = qx_in.size(0), N = qx_in.size(1);
+  const int32_t h_bits = (int32_t)lt.value("h_bits");
+  const bool pow2 = lt.value("pow2") != 0, acc32 = lt.value("acc32") != 0;
+  const Gemm gh = gemm_of(lt, "h", h_bits);
+  TORCH_CHECK(gh.P == 1 && gh.w.size(0) == 1 && h_bits <= 8, "the fused step takes one limb pair (w8a8's R.h)");
+  TORCH_CHECK(window >= 1, "window must be at least 1");
+  const qgru::CellParams cell = lt.cell();
+  const int64_t K_pad = gh.w.size(2);
+  const at::Tensor dwx = wx_of(lt, qx_in);
+  at::Tensor state = qh0.to(at::kInt).contiguous().clone();
+  at::Tensor out = at::full({T, N, H}, -12345, at::kShort);  // every element must be written
+  at::Tensor hbuf = at::zeros({2, N, K_pad}, at::kChar);     // padding k >= H stays zero
+  hbuf[0].copy_(limbs(qh0.to(at::kLong), K_pad, h_bits, cell.op)[0]);
+  at::Tensor lengths;
+  if (lengths_in.has_value()) lengths = lengths_in->to(at::kLong).contiguous();
+  const int64_t* len = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
+  int32_t* st = state.data_ptr<int32_t>();
+  int16_t* o = out.data_ptr<int16_t>();
+  const qgru::cuda::FsShape s = qgru::cuda::fs_shape(H, N, K_pad, warps);
+  const qgru::cuda::FpLayout L = qgru::cuda::fp_layout(K_pad, warps);
+  std::vector<uint32_t> flags((size_t)qgru::cuda::fp_flag_words(s.ctas), 0u);  // the call's memset
+  qgru::cuda::FpEmuState emu(s.ctas, (uint32_t)seed);
+  int8_t* const h[2] = {hbuf[0].data_ptr<int8_t>(), hbuf[1].data_ptr<int8_t>()};
+  std::vector<int> done((size_t)(T * N * H), 0);
+  int rc = 0;
+  for (int64_t t0 = 0; rc == 0 && t0 < T; t0 += window) {
+    const int64_t t1 = std::min(T, t0 + window);
+    const at::Tensor dwin = dwx.narrow(0, t0 * N, (t1 - t0) * N).clone();  // the window's only
+    const int32_t* dw = dwin.data_ptr<int32_t>();
+    qgru::dispatch_kernel(1, pow2, acc32, [&](auto, auto p2, auto a32) {
+      constexpr bool POW2 = decltype(p2)::value, ACC32 = decltype(a32)::value;
+      rc = qgru::cuda::fp_launch_on_host(
+          s, L, gh.w.data_ptr<int8_t>(), h, flags.data(), t0, t1, (int)order, (int)fault, emu,
+          [&](int64_t t, int64_t j, int64_t n, const int32_t* a0, const int32_t* a1, int p, int8_t* h_out) {
+            ++done[(size_t)((t * N + n) * H + j)];
+            qgru::cuda::fs_pair_step<POW2, ACC32>(cell, K_pad, h_bits, t, len, j, n, a0, a1, p,
+                                                  dw + (t - t0) * N * 3 * H, st, o + t * N * H, h_out);
+          });
+    });
+  }
+  if (rc == 0)
+    for (int v : done) TORCH_CHECK(v == 1, "a (unit, row) pair's cell ran ", v, " times in one step");
+  return {out.to(at::kInt), state, (int64_t)rc};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run, pybind11::arg("tensors"), pybind11::arg("values"), pybind11::arg("qx"), pybind11::arg("qh0"),
         pybind11::arg("lengths"), pybind11::arg("window"), pybind11::arg("sm_count"),
         pybind11::arg("smem_per_block"), pybind11::arg("reverse"));
   m.def("run_fused", &run_fused, pybind11::arg("tensors"), pybind11::arg("values"), pybind11::arg("qx"),
         pybind11::arg("qh0"), pybind11::arg("lengths"), pybind11::arg("warps"));
+  m.def("run_fused_persistent", &run_fused_persistent, pybind11::arg("tensors"), pybind11::arg("values"),
+        pybind11::arg("qx"), pybind11::arg("qh0"), pybind11::arg("lengths"), pybind11::arg("warps"),
+        pybind11::arg("window"), pybind11::arg("order"), pybind11::arg("fault"), pybind11::arg("seed"));
 }

@@ -48,13 +48,14 @@ def _layer_params(cfg, mode, I, H, seed):
 def test_cuda_fused_step_is_the_golden_model(cuda_backend, monkeypatch, cfg, mode, I, H, T, N):  # noqa: F811
     """With QGRU_CUDA_FUSED=1 a one-limb-pair layer's recurrence runs the fused step (fused_calls
     counts every call: the eager first call, the graph's capture and its replay) and gives
-    golden.gru_direction's integers with and without lengths; with QGRU_CUDA_FUSED=0 the per-step
-    path gives the same and fused_calls stays 0."""
+    golden.gru_direction's integers with and without lengths; with QGRU_CUDA_FUSED=2 every call runs
+    the persistent fused step or, counted with its reason, the fused step, with the same integers;
+    with QGRU_CUDA_FUSED=0 the per-step path gives the same and fused_calls stays 0."""
     from qgru import native
     p = _layer_params(cfg, mode, I, H, seed=H * 31 + N)
     dev = torch.device("cuda:0")
     monkeypatch.delenv("QGRU_CUDA_PERSISTENT", raising=False)  # (the persistent plan would take precedence)
-    for env in ("1", "0"):
+    for env in ("1", "2", "0"):
         monkeypatch.setenv("QGRU_CUDA_FUSED", env)
         pd = p.to(dev)  # a fresh copy: its native Layer reads the variable when it is made
         calls = 0
@@ -71,8 +72,12 @@ def test_cuda_fused_step_is_the_golden_model(cuda_backend, monkeypatch, cfg, mod
                     f"QGRU_CUDA_FUSED={env}: out differs at {bad[:5].tolist()}"
                 assert torch.equal(h.cpu().long(), want_h), f"QGRU_CUDA_FUSED={env}: h_n differs"
         c = pd.__dict__["_native"][("cuda", str(dev), "")].layer.counters
-        assert c["fused_calls"] == (calls if env == "1" else 0), c
+        assert c["fused_calls"] == (calls if env in ("1", "2") else 0), c
         assert c["persistent_calls"] == 0, c
+        if env == "2":
+            assert c["fused_persistent_calls"] + c["fused_persistent_fallbacks"] == calls, c
+        else:
+            assert c["fused_persistent_calls"] == c["fused_persistent_fallbacks"] == 0, c
 
 
 @pytest.mark.parametrize("cfg", ["w8a16", "w16a16"])
@@ -93,12 +98,12 @@ def test_cuda_fused_step_leaves_other_layers_on_the_per_step_path(cuda_backend, 
 
 
 def test_cuda_fused_env_value_is_checked(cuda_backend, monkeypatch):  # noqa: F811
-    """QGRU_CUDA_FUSED takes 0 or 1: anything else is a clear error when a Layer is made."""
+    """QGRU_CUDA_FUSED takes 0, 1 or 2: anything else is a clear error when a Layer is made."""
     from qgru import native
     p = _layer_params("w8a8", "pow2", 5, 12, seed=1)
     monkeypatch.setenv("QGRU_CUDA_FUSED", "yes")
     qx, qh0, _ = _random_inputs(p, 3, 2, False, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="QGRU_CUDA_FUSED='yes' must be 0 or 1"):
+    with pytest.raises(ValueError, match="QGRU_CUDA_FUSED='yes' must be 0, 1 or 2"):
         native.gru_direction("cuda")(p.to("cuda:0"), qx.cuda(), qh0.cuda(), None)
 
 

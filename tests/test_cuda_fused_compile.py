@@ -110,32 +110,55 @@ def _cuobjdump():
     return found
 
 
-_KERNEL = "fused_step_kernel"
+# the kernels of csrc/qgru_cuda_fused.cu: the fused step (one launch per step) and the persistent
+# fused step (one cooperative launch per window, QGRU_CUDA_FUSED=2), four instantiations each
+_KERNELS = ["fused_step_kernel", "fused_persistent_kernel"]
+_ARCHS = ["80", "90", "90a"]
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found: the fused kernel's compile check needs the CUDA toolkit")
-@pytest.mark.parametrize("arch", ["80", "90"])
-def test_fused_step_kernel_sass(tmp_path, arch):
-    """csrc/qgru_cuda_fused.cu compiles (warnings as errors, -O3 as the build) for sm_<arch>; each of
-    its four kernels (pow2 x acc32) has no stack frame, no spill stores or loads (ptxas -v) and at
-    most 128 registers, and its SASS holds IMMA.16832.S8.S8 (the two m16 gate tiles of a k step: at
-    least two), no called subroutine (RET, or a CALL to anything but the EXIT after it) and no
-    local-memory access (LDL / STL)."""
+@pytest.fixture(scope="module")
+def fused_build(tmp_path_factory):
+    """csrc/qgru_cuda_fused.cu compiled once per architecture (as the cuda build compiles it, -O3,
+    warnings as errors, ptxas -v): arch -> (ptxas report, SASS)."""
     objdump = _cuobjdump()
     if objdump is None:
         pytest.skip("cuobjdump not found (CUDA toolkit or Triton's wheel): the SASS check needs it")
     inc = _include_dirs_with("cublas_v2.h") or _fetch_cublas_headers()
-    obj = tmp_path / f"fused_{arch}.o"
-    cmd = [NVCC, "-std=c++17", "-O3", "-c", str(csrc_dir() / "qgru_cuda_fused.cu"), "-o", str(obj), "-I",
-           str(csrc_dir()), "-I", str(inc), "-Werror", "all-warnings", "-Xptxas", "-v",
-           "-gencode", f"arch=compute_{arch},code=sm_{arch}"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"nvcc failed:\n{' '.join(cmd)}\n{r.stdout}\n{r.stderr}"
+    built = {}
+
+    def get(arch):
+        if arch not in built:
+            obj = tmp_path_factory.mktemp("fused") / f"fused_{arch}.o"
+            cmd = [NVCC, "-std=c++17", "-O3", "-c", str(csrc_dir() / "qgru_cuda_fused.cu"), "-o", str(obj), "-I",
+                   str(csrc_dir()), "-I", str(inc), "-Werror", "all-warnings", "-Xptxas", "-v",
+                   "-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            assert r.returncode == 0, f"nvcc failed:\n{' '.join(cmd)}\n{r.stdout}\n{r.stderr}"
+            d = subprocess.run([objdump, "-sass", str(obj)], capture_output=True, text=True, timeout=300)
+            assert d.returncode == 0, d.stderr
+            built[arch] = (r.stdout + r.stderr, d.stdout)
+        return built[arch]
+    return get
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: the fused kernel's compile check needs the CUDA toolkit")
+@pytest.mark.parametrize("kernel", _KERNELS)
+@pytest.mark.parametrize("arch", _ARCHS)
+def test_fused_step_kernel_sass(fused_build, arch, kernel):
+    """csrc/qgru_cuda_fused.cu compiles (warnings as errors, -O3 as the build) for sm_<arch>; each of
+    the four instantiations (pow2 x acc32) of `kernel` has no stack frame, no spill stores or loads
+    (ptxas -v) and at most 128 registers, and its SASS holds IMMA.16832.S8.S8 (the two m16 gate tiles
+    of a k step: at least two), no called subroutine (RET, or a CALL to anything but the EXIT after
+    it) and no local-memory access (LDL / STL). The persistent fused step's also holds no atomic
+    (ATOM / ATOMG / ATOMS / RED: its exchange is per-CTA flags, no shared counter) and its flag path:
+    a strong GPU-scope store (the st.release of a CTA's flag) after a GPU memory barrier, and strong
+    GPU-scope loads (the ld.acquire polls), one followed within four instructions by an L1
+    invalidation."""
+    report, sass = fused_build(arch)
     # ptxas -v: per entry "Compiling entry function '<name>'", then its stack / spill and register lines
-    report = r.stdout + r.stderr
     entries = re.split(r"Compiling entry function '", report)[1:]
-    fused = [e for e in entries if _KERNEL in e.split("'")[0]]
-    assert len(fused) == 4, f"expected 4 instantiations of {_KERNEL} in the ptxas report:\n{report}"
+    fused = [e for e in entries if kernel in e.split("'")[0]]
+    assert len(fused) == 4, f"expected 4 instantiations of {kernel} in the ptxas report:\n{report}"
     for e in fused:
         name = e.split("'")[0]
         m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", e)
@@ -143,21 +166,34 @@ def test_fused_step_kernel_sass(tmp_path, arch):
         assert m and regs, f"no ptxas summary for {name}:\n{e}"
         assert m.groups() == ("0", "0", "0"), f"{name}: stack frame / spill stores / spill loads {m.groups()}"
         assert int(regs.group(1)) <= 128, f"{name}: {regs.group(1)} registers"
-    r = subprocess.run([objdump, "-sass", str(obj)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    functions = re.split(r"\n\s*Function : ", r.stdout)[1:]
-    kernels = [f for f in functions if _KERNEL in f.split("\n")[0]]
-    assert len(kernels) == 4, f"expected 4 {_KERNEL} functions in the SASS, found {len(kernels)}"
+    functions = re.split(r"\n\s*Function : ", sass)[1:]
+    kernels = [f for f in functions if kernel in f.split("\n")[0]]
+    assert len(kernels) == 4, f"expected 4 {kernel} functions in the SASS, found {len(kernels)}"
     for f in kernels:
         name, body = f.split("\n")[0].strip(), f
         imma = re.findall(r"\bIMMA\.16832\.S8\.S8\b", body)
         assert len(imma) >= 2, f"{name}: {len(imma)} IMMA.16832.S8.S8 (the int8 mma.sync)"
         # no call: a subroutine (64-bit division, an out-of-line function) ends in RET, and every
-        # CALL must be ptxas's loop-exit idiom on sm_80 ("@P0 CALL.REL.NOINC" to the EXIT after it)
+        # CALL must be ptxas's loop-exit idiom on sm_80: a predicated "CALL.REL.NOINC" (no return
+        # address pushed: a branch) over the loop's back branch (BRA) right after it
         code = dict(re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", body))
         assert not re.search(r"\bRET\b", body), f"{name}: a RET (a called subroutine) in the step"
-        for at, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?CALL\.\S+\s+0x([0-9a-f]+)", body):
-            to = code.get(target.rjust(len(at), "0"), "")
-            assert to.strip() == "EXIT", f"{name}: CALL at 0x{at} to 0x{target} ({to.strip()!r}), not the exit idiom"
+        for at, op, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?(CALL\.\S+)\s+0x([0-9a-f]+)",
+                                         body):
+            after = code.get(format(int(at, 16) + 0x10, "x").rjust(len(at), "0"), "").strip()
+            exit_idiom = op == "CALL.REL.NOINC" and int(target, 16) == int(at, 16) + 0x20 and after.startswith("BRA")
+            assert exit_idiom, f"{name}: {op} at 0x{at} to 0x{target} (then {after!r}), not the loop-exit idiom"
         assert not re.search(r"\bCALL\.ABS", body), f"{name}: an absolute CALL in the step"
         assert not re.search(r"\b(LDL|STL)\b", body), f"{name}: local memory in the step"
+        if kernel != "fused_persistent_kernel":
+            continue
+        atomics = re.findall(r"\b(ATOMG?|ATOMS|RED|REDG)\.\S*", body)
+        assert not atomics, f"{name}: atomics {atomics[:4]} (the exchange must be per-CTA flags)"
+        ins = [v.strip() for v in code.values()]
+        releases = [i for i, v in enumerate(ins) if re.search(r"\bSTG\.E\.STRONG\.GPU\b", v)]
+        assert len(releases) == 1, f"{name}: {len(releases)} strong GPU-scope stores (one flag release)"
+        assert any(re.search(r"\bMEMBAR\.\S*GPU\b", v) for v in ins[max(0, releases[0] - 8):releases[0]]), \
+            f"{name}: no GPU memory barrier before the flag's store"
+        polls = [i for i, v in enumerate(ins) if re.search(r"\bLDG\.E\.STRONG\.GPU\b", v)]
+        assert any(any("CCTL.IVALL" in v for v in ins[i + 1:i + 5]) for i in polls), \
+            f"{name}: no acquire load (a strong GPU-scope load, then the L1 invalidated)"
