@@ -232,7 +232,7 @@ def test_cross_targets_self_test_bit_exact(case, target, folder):
     d = exported(case, t.layout, folder)
     b = mb.build(t, d / "gru.c", mb.BOARDS / "selftest_main.c", d / f"st-{target}", defines=GOLDEN)
     out = mb.run(t, b, timeout=60)
-    kernel = {"a53": "neon", "a64-dotprod": "neon-dotprod", "m0": "ref", "m4": "dsp", "m55": "mve"}[target]
+    kernel = {"a53": "neon", "a64-dotprod": "neon-dotprod", "m0": "v6m", "m4": "dsp", "m55": "mve"}[target]
     assert f"kernel {kernel}\n" in out, out
     assert mb.mismatches(out) == 0, out
 
@@ -344,3 +344,69 @@ def test_export_under_a_meta_default_device_writes_the_same_files(tmp_path):
         torch.set_default_device(None)
     for name in ("g.c", "g.h"):
         assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
+
+
+_V6M_HIGH = r"""
+#include <stdio.h>
+#include <stdint.h>
+#include "qgru_rt_fixed.h"
+#ifndef QGRU_RT_V6M_MULH
+#error "the ARMv6-M branch of qgru_rt_fixed.h was not taken"
+#endif
+static uint64_t s = 88172645463325252ull;
+static uint32_t rnd(void) { s ^= s << 13; s ^= s >> 7; s ^= s << 17; return (uint32_t)(s >> 11); }
+static int32_t pick(int i) {  /* edges, then every bit width */
+    static const int64_t e[] = {0, 1, -1, 2, -2, 32767, 32768, -32768, -32769, 65535, 65536, -65536,
+                                2147483647, -2147483647 - 1, 2147483646, -2147483647, 0x7fff0000, -0x7fff0000, 0x8000, 0xffff};
+    if (i < (int)(sizeof e / sizeof e[0])) return (int32_t)e[i];
+    return (int32_t)(rnd() >> (rnd() % 32)) * ((rnd() & 1) ? 1 : -1);
+}
+int main(void) {
+    long bad = 0, n = 0, i, j;
+    for (i = 0; i < 3000; i++)
+        for (j = 0; j < 300; j++) {
+            const int32_t v = pick((int)i), m = pick((int)j), k = (int32_t)(rnd() % 2001) - 1000;
+            const int64_t p = (int64_t)v * m;
+            const int64_t want_r = (int64_t)k + ((p + 2147483648LL) >> 32), want_h = p >> 32;
+            if ((int64_t)qgru_rt_mulhr(v, m, k) != want_r || (int64_t)qgru_rt_mulhi(v, m) != want_h) {
+                if (bad++ < 5) printf("v %d m %d\n", (int)v, (int)m);
+            }
+            /* prod_hi: a b m with m >= 0, |a b m| < 2^63, the result in int32 */
+            {
+                const int32_t a = (int32_t)(v >> (rnd() % 17)), b = (int32_t)(m >> (rnd() % 17));
+                const int64_t ab = (int64_t)a * b;
+                const int32_t mm = (int32_t)(rnd() & 0x7fffffff) >> (rnd() % 31);
+                const __int128 x = (__int128)ab * mm;
+                const __int128 w = x >> 32;
+                if (w >= -2147483648LL && w <= 2147483647LL) {
+                    n++;
+                    if ((int64_t)qgru_rt_prod_hi(a, b, mm) != (int64_t)w && bad++ < 5)
+                        printf("a %d b %d m %d\n", (int)a, (int)b, (int)mm);
+                }
+            }
+        }
+    printf("bad %ld prod %ld\n", bad, n);
+    return bad != 0;
+}
+"""
+
+
+def test_v6m_high_products_exact_for_every_int32(tmp_path):
+    """The ARMv6-M forms of qgru_rt_fixed.h's high products (16-bit halves: Cortex-M0 has no 64-bit
+    multiply), compiled for the host with the v6-M branch forced, give int64 / int128 arithmetic's
+    floor((v m + 2^31) / 2^32) + k, floor(v m / 2^32) and floor(a b m / 2^32) on edge values and
+    900,000 random operands of every bit width."""
+    import shutil
+    import subprocess
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no host C compiler (cc)")
+    src = tmp_path / "v6m.c"
+    src.write_text(_V6M_HIGH)
+    exe = tmp_path / "v6m"
+    r = subprocess.run([cc, "-std=gnu99", "-O1", "-D__ARM_ARCH_6M__=1", "-I", str(Path(qgru.__file__).resolve().parents[1] / "csrc" / "c"),
+                        str(src), "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("bad 0"), out.stdout
+    assert int(out.stdout.split()[-1]) > 100000, out.stdout

@@ -1,4 +1,4 @@
-/* kernel_ref.c: the plain C kernel (any C99 compiler; Cortex-M0 and M3, hosts). Interleaved
+/* kernel_ref.c: the plain C kernel (any C99 compiler; Cortex-M3, hosts; -DQGRU_RT_KERNEL=QGRU_RT_KERNEL_REF elsewhere). Interleaved
  * weights: each 16 bytes hold four columns of the block's four rows. */
 #include "qgru_rt_kernel.h"
 

@@ -348,7 +348,7 @@ QGRU_RT_INLINE int32_t fast_hg(const qgru_rt_dir *d, const int16_t *h, act_buf h
     const int p = F->p_hg;
     int32_t j, s = 0;
     for (j = 0; j < H; j++) {
-        int32_t v = qgru_rt_shr32((int32_t)qgru_rt_shr64((int64_t)(h[j] - zp) * m, 32) + c, p);
+        int32_t v = qgru_rt_shr32(qgru_rt_mulhi(h[j] - zp, m) + c, p);
         v = sat == 8 ? QGRU_RT_SSAT8(v) : sat == 16 ? QGRU_RT_SSAT16(v) : v < d->r_op.lo ? d->r_op.lo : v > d->r_op.hi ? d->r_op.hi : v;
         s += v;
         if (a8)

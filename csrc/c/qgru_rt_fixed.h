@@ -98,6 +98,26 @@ QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
 #define QGRU_RT_SSAT16(v) __ssat((v), 16)
 #define QGRU_RT_SSAT8(v) __ssat((v), 8)
 #define QGRU_RT_USAT16(v) ((int32_t)__usat((v), 16))
+#elif defined(__ARM_ARCH_6M__) && (defined(__GNUC__) || defined(__clang__))
+/* ARMv6-M (Cortex-M0, M0+, M1): MULS is 32 x 32 -> 32 only; a 64-bit product is a libgcc call.
+ * v m from 16-bit halves, v = vh 2^16 + vl, m = mh 2^16 + ml (vl, ml in [0, 2^16), vh, mh signed):
+ * vl ml is exact in uint32, vh ml and vl mh in int32, so (v m + c) / 2^32 is vh mh + the two middle
+ * products' high halves + the carry of their low halves, vl ml's high half and c / 2^16 (< 2^18).
+ * Exact for every int32 v, m (c = 2^31: the rounding of mulhr; c = 0: mulhi). */
+#define QGRU_RT_V6M_MULH(v, m, c)                                                                  \
+    const uint32_t vl_ = (uint32_t)(v) & 0xffffu, ml_ = (uint32_t)(m) & 0xffffu;                    \
+    const int32_t vh_ = (v) >> 16, mh_ = (m) >> 16;                                                \
+    const int32_t a_ = vh_ * (int32_t)ml_, b_ = (int32_t)vl_ * mh_;                                \
+    const uint32_t t_ = ((vl_ * ml_) >> 16) + (c) + ((uint32_t)a_ & 0xffffu) + ((uint32_t)b_ & 0xffffu); \
+    const int32_t r_ = vh_ * mh_ + (a_ >> 16) + (b_ >> 16) + (int32_t)(t_ >> 16)
+QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
+{
+    QGRU_RT_V6M_MULH(v, m, 0x8000u);
+    return k + r_;
+}
+#define QGRU_RT_SSAT16(v) ((v) < -32768 ? -32768 : (v) > 32767 ? 32767 : (v))
+#define QGRU_RT_SSAT8(v) ((v) < -128 ? -128 : (v) > 127 ? 127 : (v))
+#define QGRU_RT_USAT16(v) ((v) < 0 ? 0 : (v) > 65535 ? 65535 : (v))
 #else
 QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
 {
@@ -108,12 +128,37 @@ QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
 #define QGRU_RT_USAT16(v) ((v) < 0 ? 0 : (v) > 65535 ? 65535 : (v))
 #endif
 
+/* floor(v m / 2^32) of int32 v, m */
+QGRU_RT_INLINE int32_t qgru_rt_mulhi(int32_t v, int32_t m)
+{
+#if defined(QGRU_RT_V6M_MULH)
+    QGRU_RT_V6M_MULH(v, m, 0u);
+    return r_;
+#else
+    return (int32_t)qgru_rt_shr64((int64_t)v * m, 32);
+#endif
+}
+
 /* floor(a b m / 2^32), m >= 0, |a b m| < 2^63: on a 32-bit core the 64-bit a b split into its
  * words, lo m by UMULL (unsigned, its high word is floor(lo m / 2^32)) and hi m added (MLA) modulo
  * 2^32, exact because the true result fits int32. */
 QGRU_RT_INLINE int32_t qgru_rt_prod_hi(int32_t a, int32_t b, int32_t m)
 {
-#if UINTPTR_MAX > 0xffffffffu
+#if defined(QGRU_RT_V6M_MULH)
+    /* a b = hi 2^32 + lo (lo unsigned) from halves as in QGRU_RT_V6M_MULH, then floor(lo m / 2^32)
+     * (unsigned halves) + hi m modulo 2^32, exact because the true result fits int32 */
+    const uint32_t al = (uint32_t)a & 0xffffu, bl = (uint32_t)b & 0xffffu;
+    const int32_t ah = a >> 16, bh = b >> 16;
+    const int32_t x = ah * (int32_t)bl, y = (int32_t)al * bh;
+    const uint32_t ll = al * bl;
+    const uint32_t t = (ll >> 16) + ((uint32_t)x & 0xffffu) + ((uint32_t)y & 0xffffu);
+    const uint32_t hi = (uint32_t)(ah * bh + (x >> 16) + (y >> 16)) + (t >> 16);
+    const uint32_t lo = (t << 16) | (ll & 0xffffu);
+    const uint32_t ul = lo & 0xffffu, uh = lo >> 16, nl = (uint32_t)m & 0xffffu, nh = (uint32_t)m >> 16;
+    const uint32_t p = ul * nh, q = uh * nl;
+    const uint32_t u = ((ul * nl) >> 16) + (p & 0xffffu) + (q & 0xffffu);
+    return (int32_t)(uh * nh + (p >> 16) + (q >> 16) + (u >> 16) + hi * (uint32_t)m);
+#elif UINTPTR_MAX > 0xffffffffu
     return (int32_t)qgru_rt_shr64((int64_t)a * b * m, 32);
 #else
     const int64_t p = (int64_t)a * b;

@@ -10,7 +10,8 @@
  *   QGRU_RT_KERNEL_MVE   Armv8.1-M Helium (Cortex-M55, M85): __ARM_FEATURE_MVE     kernel_mve.c
  *   QGRU_RT_KERNEL_NEON  AArch64 Advanced SIMD (SDOT with +dotprod)                 kernel_neon.c
  *   QGRU_RT_KERNEL_DSP   Cortex-M4, M7, M33 with DSP: SMLAD (__ARM_FEATURE_DSP)     kernel_dsp.c
- *   QGRU_RT_KERNEL_REF   plain C (Cortex-M0, M3, any host)                          kernel_ref.c
+ *   QGRU_RT_KERNEL_V6M   ARMv6-M (Cortex-M0, M0+): Thumb-1 MULS (__ARM_ARCH_6M__)   kernel_v6m.c
+ *   QGRU_RT_KERNEL_REF   plain C (Cortex-M3, any host)                              kernel_ref.c
  */
 #ifndef QGRU_RT_KERNEL_H_
 #define QGRU_RT_KERNEL_H_
@@ -23,6 +24,7 @@
 #define QGRU_RT_KERNEL_DSP 1
 #define QGRU_RT_KERNEL_MVE 2
 #define QGRU_RT_KERNEL_NEON 3
+#define QGRU_RT_KERNEL_V6M 4
 
 #ifndef QGRU_RT_KERNEL
 #if defined(__ARM_FEATURE_MVE) && (__ARM_FEATURE_MVE & 1)
@@ -31,6 +33,8 @@
 #define QGRU_RT_KERNEL QGRU_RT_KERNEL_NEON
 #elif defined(__ARM_FEATURE_DSP) && __ARM_FEATURE_DSP
 #define QGRU_RT_KERNEL QGRU_RT_KERNEL_DSP
+#elif defined(__ARM_ARCH_6M__) && (defined(__GNUC__) || defined(__clang__))
+#define QGRU_RT_KERNEL QGRU_RT_KERNEL_V6M
 #else
 #define QGRU_RT_KERNEL QGRU_RT_KERNEL_REF
 #endif
@@ -42,7 +46,7 @@
 #define QGRU_RT_HAS_A8 0 /* int8 activations are widened to int16 (SMLAD's halfword pairs) */
 #define QGRU_RT_NEEDS_ASUM 1 /* the pairs layout needs -128 sum(a) (qgru_rt.h QGRU_RT_LAYOUT_PAIRS) */
 #else
-#define QGRU_RT_HAS_A8 (QGRU_RT_KERNEL != QGRU_RT_KERNEL_REF)
+#define QGRU_RT_HAS_A8 (QGRU_RT_KERNEL != QGRU_RT_KERNEL_REF && QGRU_RT_KERNEL != QGRU_RT_KERNEL_V6M)
 #define QGRU_RT_NEEDS_ASUM 0
 #endif
 
@@ -68,7 +72,7 @@ void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k
 
 /* DSP, MVE, NEON: the three gates' blocks in one call (gate g's weights at w + g gstride, its
  * accumulators start at init + g istride, out[g][r]; the stride of rows is k_pad); init never 0 */
-#if QGRU_RT_KERNEL != QGRU_RT_KERNEL_REF
+#if QGRU_RT_KERNEL != QGRU_RT_KERNEL_REF && QGRU_RT_KERNEL != QGRU_RT_KERNEL_V6M
 #define QGRU_RT_HAS_DOT12 1
 void qgru_rt_dot12_a16(const int8_t *w, int32_t gstride, const int16_t *a, int32_t k_pad, const int32_t *init,
                        int32_t istride, int32_t corr, int32_t out[3][4]);

@@ -1,0 +1,101 @@
+/* kernel_v6m.c: ARMv6-M (Cortex-M0, M0+, M1; Thumb-1, MULS 32 x 32 -> 32 only, no DSP).
+ * Interleaved weights (as kernel_ref.c): each 16 bytes hold four columns of the block's four rows,
+ * row r's four int8 columns one word. A group of four columns: one LDM of the four int16
+ * activations (two words, split by SXTH / ASRS #16), then per row one word load and its four signed
+ * bytes (SXTB; LSLS #16, ASRS #24; LSLS #8, ASRS #24; ASRS #24), each a MULS and an ADD into the
+ * row's accumulator (r8-r11): 68 instructions per 16 multiply-adds, against ~94 of the plain C
+ * kernel as gcc compiles it for v6-M (LDRSB has no immediate form). Sums modulo 2^32 (MULS, ADD
+ * wrap), exact because the export proved every true sum fits int32. */
+#include "qgru_rt_kernel.h"
+
+#if QGRU_RT_KERNEL == QGRU_RT_KERNEL_V6M
+const char qgru_rt_kernel_name[] = "v6m";
+
+#define QGRU_RT_V6M_ROW(off, acc)                                                                  \
+    "ldr r6, [r0, #" #off "]\n\t"                                                                  \
+    "sxtb r7, r6\n\t"                                                                              \
+    "muls r7, r3\n\t"                                                                              \
+    "add " #acc ", r7\n\t"                                                                         \
+    "lsls r7, r6, #16\n\t"                                                                         \
+    "asrs r7, r7, #24\n\t"                                                                         \
+    "muls r7, r4\n\t"                                                                              \
+    "add " #acc ", r7\n\t"                                                                         \
+    "lsls r7, r6, #8\n\t"                                                                          \
+    "asrs r7, r7, #24\n\t"                                                                         \
+    "muls r7, r1\n\t"                                                                              \
+    "add " #acc ", r7\n\t"                                                                         \
+    "asrs r6, r6, #24\n\t"                                                                         \
+    "muls r6, r5\n\t"                                                                              \
+    "add " #acc ", r6\n\t"
+
+/* r0 w, r1 stride (unused), r2 a, r3 k_pad (a multiple of 4), stack: init, corr, out (AAPCS) */
+#define U_ __attribute__((unused)) /* a naked function names its arguments only in the asm */
+__attribute__((naked)) void qgru_rt_dot4_a16(U_ const int8_t *w, U_ int32_t stride, U_ const int16_t *a, U_ int32_t k_pad,
+                                             U_ const int32_t *init, U_ int32_t corr, U_ int32_t out[4])
+{
+    __asm__(".syntax unified\n\t"
+            "push {r4, r5, r6, r7, lr}\n\t"
+            "mov r4, r8\n\t"
+            "mov r5, r9\n\t"
+            "mov r6, r10\n\t"
+            "mov r7, r11\n\t"
+            "push {r4, r5, r6, r7}\n\t"
+            "ldr r4, [sp, #36]\n\t" /* init */
+            "ldr r5, [sp, #40]\n\t" /* corr */
+            "mov r8, r5\n\t"
+            "mov r9, r5\n\t"
+            "mov r10, r5\n\t"
+            "mov r11, r5\n\t"
+            "cmp r4, #0\n\t"
+            "beq 1f\n\t"
+            "ldr r6, [r4, #0]\n\t"
+            "add r8, r6\n\t"
+            "ldr r6, [r4, #4]\n\t"
+            "add r9, r6\n\t"
+            "ldr r6, [r4, #8]\n\t"
+            "add r10, r6\n\t"
+            "ldr r6, [r4, #12]\n\t"
+            "add r11, r6\n\t"
+            "1:\n\t"
+            "lsls r3, r3, #1\n\t"
+            "adds r3, r2, r3\n\t"
+            "mov r12, r3\n\t"
+            "cmp r2, r3\n\t"
+            "beq 3f\n\t"
+            "2:\n\t"
+            "ldm r2!, {r3, r5}\n\t" /* (a[k], a[k+1]), (a[k+2], a[k+3]) */
+            "asrs r4, r3, #16\n\t"  /* x1 */
+            "sxth r3, r3\n\t"       /* x0 */
+            "sxth r1, r5\n\t"       /* x2 */
+            "asrs r5, r5, #16\n\t"  /* x3 */
+            QGRU_RT_V6M_ROW(0, r8) QGRU_RT_V6M_ROW(4, r9) QGRU_RT_V6M_ROW(8, r10) QGRU_RT_V6M_ROW(12, r11)
+            "adds r0, #16\n\t"
+            "cmp r2, r12\n\t"
+            "bne 2b\n\t"
+            "3:\n\t"
+            "ldr r4, [sp, #44]\n\t" /* out */
+            "mov r6, r8\n\t"
+            "str r6, [r4, #0]\n\t"
+            "mov r6, r9\n\t"
+            "str r6, [r4, #4]\n\t"
+            "mov r6, r10\n\t"
+            "str r6, [r4, #8]\n\t"
+            "mov r6, r11\n\t"
+            "str r6, [r4, #12]\n\t"
+            "pop {r4, r5, r6, r7}\n\t"
+            "mov r8, r4\n\t"
+            "mov r9, r5\n\t"
+            "mov r10, r6\n\t"
+            "mov r11, r7\n\t"
+            "pop {r4, r5, r6, r7, pc}\n\t"
+            ".syntax divided\n\t");
+}
+
+void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, const int32_t *init,
+                     int32_t corr, int32_t out[4])
+{
+    (void)w, (void)stride, (void)a, (void)k_pad, (void)init, (void)corr, (void)out; /* QGRU_RT_HAS_A8 is 0 */
+}
+#else
+typedef int qgru_rt_kernel_v6m_unused; /* ISO C: a translation unit holds a declaration */
+#endif
