@@ -36,7 +36,7 @@ from .golden import LayerParams, gru_direction, requantize_input
 from .primitives import qrange, saturate
 from .tables import table_geometry
 
-ABI = 3  # csrc/c/qgru_rt.h QGRU_RT_ABI
+ABI = 4  # csrc/c/qgru_rt.h QGRU_RT_ABI
 INT32_MAX = (1 << 31) - 1
 LAYOUTS = ("interleaved", "rows", "pairs")  # csrc/c/qgru_rt.h QGRU_RT_LAYOUT_*; rows: Helium, pairs: Cortex-M DSP
 _GATE_RESCALES = ("Wx_r", "Rh_r", "Wx_z", "Rh_z", "Wx_g", "rRh_g")
@@ -355,7 +355,8 @@ class _Writer:
         zg = post("zg", int(rs["zg"].multiplier), int(rs["zg"].shift), abs(one_z) + zmax, gmax, 0)
         if zh is None or zg is None or zh[2] + zg[2] > INT32_MAX:
             return "z h or (1 - z) g is not a 64-bit product with shift >= 33 in bounds"
-        # the tables: T 2^k + 2^(s-1) and T[i+1] - T[i] (int16); the output never saturates
+        # the tables: T 2^k + 2^(s-1), the last entry repeated (the lookup reads tab[i + 1] and takes
+        # T[i+1] - T[i] as (tab[i+1] - tab[i]) >> k); the output never saturates
         tabs = []
         for g in "rzg":
             t = [int(v) for v in p.tables[g].tolist()]
@@ -366,9 +367,8 @@ class _Writer:
                 return f"table {g} is shorter than its input range"
             tp = [v * (1 << k) + ((1 << (sh - 1)) if sh else 0) for v in t]
             dif = [t[i + 1] - t[i] for i in range(len(t) - 1)] + [0]
-            if not _fits_ints(dif, 16):
-                return f"table {g}'s differences do not fit int16"
-            if max(abs(v) for v in tp) + max(abs(v) for v in dif) * ((1 << k) - 1) > INT32_MAX:
+            if max(abs(v) for v in tp) + max(abs(v) for v in dif) * ((1 << k) - 1) > INT32_MAX \
+                    or max(abs(v) for v in dif) * (1 << k) > INT32_MAX:
                 return f"table {g} does not interpolate in int32"
             lo, hi = rng(g)
             z = int(zp[g])
@@ -379,9 +379,8 @@ class _Writer:
                     v = ((tp[i] + dif[i] * f) >> sh) + z
                     if not lo <= v <= hi:
                         return f"table {g} saturates its output"
-            name = self._arr("int32_t", f"{n}_ftab_{g}", tp, "tables")
-            dname = self._arr("int16_t", f"{n}_fdif_{g}", dif, "tables")
-            tabs.append(f"{{{name}, {dname}, {(1 << k) - 1}, {k}, {sh}}}")
+            name = self._arr("int32_t", f"{n}_ftab_{g}", tp + tp[-1:], "tables")
+            tabs.append(f"{{{name}, {(1 << k) - 1}, {k}, {sh}}}")
         # the kernels' accumulator starts: the biases (b - Z rowsum), pairs: b[2i] + 256 b[2i+1]
         inits = []
         for t, bias, comp in (("x", p.b_x, p.W_zp_comp), ("h", p.b_h, p.R_zp_comp)):

@@ -153,8 +153,10 @@ QGRU_RT_INLINE int32_t fsat(int32_t v, qgru_rt_range r, const int std16)
 QGRU_RT_INLINE int32_t flook(int32_t u, int32_t span, const qgru_rt_ftable *t, const int std16)
 {
     if (std16) {
+        const int32_t *p;
         u = QGRU_RT_USAT16(u);
-        return qgru_rt_shr32(t->tab[u >> 6] + t->dif[u >> 6] * (u & 63), 10);
+        p = t->tab + (u >> 6);
+        return qgru_rt_shr32(p[0] + qgru_rt_shr32(p[1] - p[0], 6) * (u & 63), 10);
     }
     u = u < 0 ? 0 : u > span ? span : u;
     return qgru_rt_flookup(u, t);
@@ -244,8 +246,8 @@ QGRU_RT_INLINE vi32 v_look(vi32 t, const qgru_rt_ftable *T)
     const vi32 u = V_USAT16(t);
     const uint32x4_t i = vreinterpretq_u32_s32(vshrq_n_s32(u, 6));
     const vi32 f = vandq_s32(u, vdupq_n_s32(63));
-    return vshrq_n_s32(vaddq_s32(vldrwq_gather_shifted_offset_s32(T->tab, i),
-                                 vmulq_s32(vldrhq_gather_shifted_offset_s32(T->dif, i), f)), 10);
+    const vi32 a = vldrwq_gather_shifted_offset_s32(T->tab, i), b = vldrwq_gather_shifted_offset_s32(T->tab + 1, i);
+    return vshrq_n_s32(vaddq_s32(a, vmulq_s32(vshrq_n_s32(vsubq_s32(b, a), 6), f)), 10);
 }
 #define V_LDH(p) vldrhq_s32(p)
 #define V_STH(p, v) vstrhq_s32(p, v)
@@ -280,17 +282,11 @@ QGRU_RT_INLINE vi32 v_look(vi32 t, const qgru_rt_ftable *T)
 {
     const vi32 u = V_USAT16(t);
     const vi32 i = vshrq_n_s32(u, 6), f = vandq_s32(u, vdupq_n_s32(63));
-    vi32 a = vdupq_n_s32(0);
-    int16x4_t b = vdup_n_s16(0);
-    a = vld1q_lane_s32(T->tab + vgetq_lane_s32(i, 0), a, 0);
-    b = vld1_lane_s16(T->dif + vgetq_lane_s32(i, 0), b, 0);
-    a = vld1q_lane_s32(T->tab + vgetq_lane_s32(i, 1), a, 1);
-    b = vld1_lane_s16(T->dif + vgetq_lane_s32(i, 1), b, 1);
-    a = vld1q_lane_s32(T->tab + vgetq_lane_s32(i, 2), a, 2);
-    b = vld1_lane_s16(T->dif + vgetq_lane_s32(i, 2), b, 2);
-    a = vld1q_lane_s32(T->tab + vgetq_lane_s32(i, 3), a, 3);
-    b = vld1_lane_s16(T->dif + vgetq_lane_s32(i, 3), b, 3);
-    return vshrq_n_s32(vmlaq_s32(a, vmovl_s16(b), f), 10);
+    /* lane n: the pair tab[i_n], tab[i_n + 1] in one 64-bit load; UZP1 / UZP2 split them */
+    const vi32 p01 = vcombine_s32(vld1_s32(T->tab + vgetq_lane_s32(i, 0)), vld1_s32(T->tab + vgetq_lane_s32(i, 1)));
+    const vi32 p23 = vcombine_s32(vld1_s32(T->tab + vgetq_lane_s32(i, 2)), vld1_s32(T->tab + vgetq_lane_s32(i, 3)));
+    const vi32 a = vuzp1q_s32(p01, p23), b = vuzp2q_s32(p01, p23);
+    return vshrq_n_s32(vmlaq_s32(a, vshrq_n_s32(vsubq_s32(b, a), 6), f), 10);
 }
 #define V_LDH(p) vmovl_s16(vld1_s16(p))
 #define V_STH(p, v) vst1_s16(p, vmovn_s32(v))

@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define QGRU_RT_ABI 3 /* the layout of the structs below; the exported data checks it */
+#define QGRU_RT_ABI 4 /* the layout of the structs below; the exported data checks it */
 
 #if defined(__GNUC__) || defined(__clang__)
 #define QGRU_RT_ALIGN16 __attribute__((aligned(16))) /* weight arrays: whole-word loads */
@@ -69,11 +69,12 @@ typedef struct {
  * units lane by lane (units[72 (j / 4) + 4 f + j % 4], zeros past H: one vector load a field). */
 #define QGRU_RT_UNIT_FIELDS 18
 
-/* a table as T[i] 2^k + 2^(s-1) (s = k + frac; no rounding term when 0) and T[i+1] - T[i]: the
- * lookup is (tab[i] + dif[i] f) >> s, the export proved the output never saturates */
+/* a table as tab[i] = T[i] 2^k + 2^(s-1) (s = k + frac; no rounding term when 0; one entry past the
+ * last repeated): T[i+1] - T[i] = (tab[i+1] - tab[i]) / 2^k exactly, the lookup
+ * (tab[i] + ((tab[i+1] - tab[i]) >> k) f) >> s; the export proved the output never saturates and
+ * |tab[i+1] - tab[i]| < 2^31 */
 typedef struct {
     const int32_t *tab;
-    const int16_t *dif;
     int32_t mask;
     uint8_t k, s;
 } qgru_rt_ftable;

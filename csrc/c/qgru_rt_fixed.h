@@ -170,12 +170,12 @@ QGRU_RT_INLINE int32_t qgru_rt_prod_hi(int32_t a, int32_t b, int32_t m)
 /* v 2^a without the undefined left shift of a negative int (a two's complement wrap: |v| 2^a < 2^31) */
 QGRU_RT_INLINE int32_t qgru_rt_shl(int32_t v, int a) { return (int32_t)((uint32_t)v << a); }
 
-/* the fast table: u in [0, span], (tab[i] + dif[i] f) >> s: T[i] 2^k + (T[i+1] - T[i]) f plus the
- * rounding term, shifted (golden lookup minus its zero point: the output never saturates) */
+/* the fast table: u in [0, span], (tab[i] + ((tab[i+1] - tab[i]) >> k) f) >> s: T[i] 2^k + (T[i+1] - T[i]) f
+ * plus the rounding term, shifted (golden lookup minus its zero point: the output never saturates) */
 QGRU_RT_INLINE int32_t qgru_rt_flookup(int32_t u, const qgru_rt_ftable *t)
 {
-    const int32_t i = u >> t->k;
-    return qgru_rt_shr32(t->tab[i] + t->dif[i] * (u & t->mask), t->s);
+    const int32_t *p = t->tab + (u >> t->k);
+    return qgru_rt_shr32(p[0] + qgru_rt_shr32(p[1] - p[0], t->k) * (u & t->mask), t->s);
 }
 
 #endif /* QGRU_RT_FIXED_H_ */
