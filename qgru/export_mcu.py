@@ -548,7 +548,8 @@ int {pre}_selftest(void *work, size_t work_bytes)
         sizes = ", ".join(f"{k} {v}" for k, v in self.sizes.items())
         notes = "".join(f" *   {s}\n" for s in self.notes) or " *   none: every GEMM accumulates in int32\n"
         notes += " * Cells (docs/mcu.md):\n" + ("".join(f" *   {s}\n" for s in self.cell_notes)
-                                                 or " *   every direction takes the fast cell\n")
+                                                 or " *   every direction takes the fast cell (build the runtime with -DQGRU_RT_FAST_ONLY to leave\n"
+                                                    " *   the other cells' code out)\n")
         hdr = f"""/* {self.stem_name}.h: written by qgru.export_mcu (csrc/c/qgru_rt.h runs it; docs/mcu.md).
  *
  * {L} layer(s) x {D} direction(s), {I} -> {H}; config "{cfg.get('name', '?')}", scale_mode "{cfg.get('scale_mode', '?')}".

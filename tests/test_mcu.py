@@ -202,6 +202,21 @@ def test_fast_and_general_cells_are_both_exercised(folder):
     assert mb.mismatches(mb.run(t, b)) == 0
 
 
+def test_fast_only_build_runs_fast_models_and_refuses_others(folder):
+    """A runtime built with -DQGRU_RT_FAST_ONLY (the general cells' code left out) runs a model whose
+    every direction takes the fast cell bit-exact, and refuses one that needs unit32 with
+    QGRU_RT_ECELL (-5) instead of computing anything."""
+    t = mb.TARGETS["host"]
+    if mb.missing(t):
+        pytest.skip(f"no host C compiler ({mb.missing(t)})")
+    d = exported("w8a8-fast-bidir2", "interleaved", folder)
+    b = mb.build(t, d / "gru.c", mb.BOARDS / "selftest_main.c", d / "st-host-fastonly", defines=GOLDEN + ["QGRU_RT_FAST_ONLY"])
+    assert mb.mismatches(mb.run(t, b)) == 0
+    d = exported("custom-bidir2", "interleaved", folder)
+    b = mb.build(t, d / "gru.c", mb.BOARDS / "selftest_main.c", d / "st-host-fastonly", defines=GOLDEN + ["QGRU_RT_FAST_ONLY"])
+    assert mb.mismatches(mb.run(t, b, check=False)) == -5  # QGRU_RT_ECELL
+
+
 def test_runtime_refuses_data_of_another_layout(folder):
     t = mb.TARGETS["host"]
     if mb.missing(t):

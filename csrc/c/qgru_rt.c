@@ -31,8 +31,9 @@ static void act_put(act_buf b, int32_t k, int32_t v)
         b.a16[QGRU_RT_ACT_POS(k)] = (int16_t)v;
 }
 
-static int32_t act_get(act_buf b, int32_t k) { return b.a8 ? b.a8[k] : b.a16[QGRU_RT_ACT_POS(k)]; }
 
+#ifndef QGRU_RT_FAST_ONLY /* the general cells (qgru_rt.h QGRU_RT_FAST_ONLY: a build without them) */
+static int32_t act_get(act_buf b, int32_t k) { return b.a8 ? b.a8[k] : b.a16[QGRU_RT_ACT_POS(k)]; }
 /* Four rows' dot products, exact: the kernel's int32 sums where the export proved they fit,
  * else an int64 loop (the wide path: weights of more than 8 bits, or a bound that fails). */
 static void dot4(const qgru_rt_dir *d, int recurrent, int32_t row, act_buf a, int32_t corr, int64_t out[4])
@@ -69,12 +70,15 @@ static int32_t requant_acc(int64_t acc, int32_t m, int s, int32_t zp, qgru_rt_ra
     return (int32_t)(qgru_rt_sat64(qgru_rt_mul_shift(acc, m, s) + zp, r) - zp);
 }
 
+#endif /* QGRU_RT_FAST_ONLY */
+
 #if defined(__GNUC__) || defined(__clang__)
 #define QGRU_RT_NOINLINE __attribute__((noinline))
 #else
 #define QGRU_RT_NOINLINE
 #endif
 
+#ifndef QGRU_RT_FAST_ONLY /* the general cells (qgru_rt.h QGRU_RT_FAST_ONLY: a build without them) */
 /* Unit j of the cell (golden gru_step): its three W x and R h sums -> the new h[j]. A function of
  * its own (not inlined into the block loop), so a 32-bit core keeps its values in registers. */
 static QGRU_RT_NOINLINE int16_t unit(const qgru_rt_dir *d, int32_t j, const int64_t ax[3], const int64_t ah[3], int32_t h)
@@ -138,6 +142,7 @@ static QGRU_RT_NOINLINE int16_t unit32(const qgru_rt_dir *d, int32_t j, const in
          + qgru_rt_mul_shift((int64_t)(d->one_z - d_z) * d_g, d->m_zg, d->s_zg) + d->zp_h;
     return (int16_t)qgru_rt_sat64(hv, d->r_h);
 }
+#endif /* QGRU_RT_FAST_ONLY */
 
 /* The fast cell (qgru_rt.h qgru_rt_fast, docs/mcu.md): unit j from its accumulators (biases
  * included by the kernels) -> the new h[j]. Each rescale is one SMMLAR (s <= 32) or the high word
@@ -471,6 +476,7 @@ static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t
         }
         return;
     }
+#ifndef QGRU_RT_FAST_ONLY
     if (d->cell32) { /* int32 kernels straight into the 32-bit cell (cell32 implies neither GEMM is wide) */
         const int32_t kx = d->k_pad_x, kh = d->k_pad_h;
         for (j0 = 0; j0 < H; j0 += 4) {
@@ -504,6 +510,9 @@ static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t
             }
         }
     }
+#else
+    (void)u;
+#endif
 }
 
 /* x operand of a layer > 0: the previous layer's outputs (prev [directions * H_prev], each on its
@@ -576,6 +585,11 @@ int qgru_rt_run(const qgru_rt_model *m, const int16_t *x_q, int32_t T, int16_t *
     for (l = 0; l < L * D; l++)
         if (m->dirs[l].layout != QGRU_RT_LAYOUT)
             return QGRU_RT_ELAYOUT;
+#ifdef QGRU_RT_FAST_ONLY
+    for (l = 0; l < L * D; l++)
+        if (!m->dirs[l].fast)
+            return QGRU_RT_ECELL;
+#endif
     xw = (int16_t *)work;
     hw = xw + qgru_rt_pad16(max_input(m));
     hn = hw + qgru_rt_pad16(H);

@@ -132,7 +132,11 @@ typedef struct {
     const qgru_rt_dir *dirs; /* [num_layers * num_directions], torch's h_n order */
 } qgru_rt_model;
 
-enum { QGRU_RT_OK = 0, QGRU_RT_EARG = -1, QGRU_RT_EWORK = -2, QGRU_RT_EABI = -3, QGRU_RT_ELAYOUT = -4 };
+/* QGRU_RT_ECELL: the runtime was built with -DQGRU_RT_FAST_ONLY (only the fast cell's code: 4.5 KB
+ * less flash on a Cortex-M4 at 16 -> 64) and a direction of the model needs another cell (the exported
+ * header's "Cells" line says which each direction takes) */
+enum { QGRU_RT_OK = 0, QGRU_RT_EARG = -1, QGRU_RT_EWORK = -2, QGRU_RT_EABI = -3, QGRU_RT_ELAYOUT = -4,
+       QGRU_RT_ECELL = -5 };
 
 /* Bytes of work memory qgru_rt_run needs for T steps (T = 1: a streaming step). A unidirectional
  * model needs a fixed few hundred bytes whatever T; a stacked bidirectional one also holds one
