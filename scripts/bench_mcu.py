@@ -7,7 +7,7 @@ the execution log on (``-singlestep -d exec,nochain``); the difference of the tw
 counts / 4 is the exact count of instructions a step retires (startup and printing cancel out).
 QEMU models no cycles (an M4 retires at most one instruction a cycle). Flash: arm-none-eabi-size
 of the Cortex-M builds (runtime, model data, board start-up); RAM: the state, the work buffer
-and the deepest stack of qgru_rt_run from -fstack-usage.
+and the deepest stack of qgru_rt_run's call tree from GCC's call graph (-fcallgraph-info=su).
 
     python scripts/bench_mcu.py [--targets m0,m4,m55,a53,a64-dotprod] [--shapes 16x64,33x96,40x128]
 """
@@ -53,7 +53,7 @@ def model(I: int, H: int, folder: Path):
 def count(t, d: Path, steps: int) -> int:
     b = mb.build(t, d / "gru.c", mb.BOARDS / "bench_main.c", d / f"bench-{t.name}-{steps}",
                  defines=['QGRU_MODEL_HEADER="gru.h"', "QGRU_MODEL=gru", f"QGRU_BENCH_STEPS={steps}"],
-                 extra=["-fstack-usage"])
+                 extra=["-fstack-usage", "-fcallgraph-info=su"])
     log = d / f"exec-{t.name}-{steps}.log"
     out = mb.run(t, b, timeout=600, extra=["-singlestep", "-d", "exec,nochain", "-D", str(log)])
     assert "rc 0" in out, out
@@ -73,17 +73,25 @@ def flash(t, d: Path) -> str:
 
 
 def stack(d: Path) -> int:
-    """the deepest static frames of qgru_rt_run's chain (qgru_rt_run, dir_step, dot4, then the
-    deepest of the kernels and cells dir_step calls)"""
-    frames = {}
-    for su in d.glob("*.su"):
-        for line in su.read_text().splitlines():
-            m = re.match(r".*:(\w+)(?:\.\w+)*\t(\d+)\t", line)
+    """the deepest static stack of qgru_rt_run's call tree: GCC's call graph (-fcallgraph-info=su,
+    one .ci file per object: each function's frame and its calls), the largest sum of frames along
+    any path from qgru_rt_run (library calls such as memcpy count 0: newlib's leaf frames)"""
+    frames, calls = {}, {}
+    for ci in d.glob("*.ci"):
+        text = ci.read_text()
+        for title, label in re.findall(r'node: \{ title: "([^"]+)" label: "([^"]*)"', text):
+            m = re.search(r"(\d+) bytes \((?:static|dynamic)", label)
             if m:
-                frames[m.group(1)] = max(frames.get(m.group(1), 0), int(m.group(2)))
-    leaves = ("qgru_rt_dot4_a16", "qgru_rt_dot4_a8", "qgru_rt_dot12_a16", "fast_block16", "fast_block16s", "fast_block",
-              "unit32", "unit")  # what dir_step calls, one at a time
-    return sum(frames.get(f, 0) for f in ("qgru_rt_run", "dir_step", "dot4")) + max(frames.get(f, 0) for f in leaves)
+                frames[title.split(":")[-1]] = int(m.group(1))
+        for a, b in re.findall(r'edge: \{ sourcename: "([^"]+)" targetname: "([^"]+)"', text):
+            calls.setdefault(a.split(":")[-1], set()).add(b.split(":")[-1])
+
+    def deepest(f, seen=()):
+        if f in seen:
+            raise RuntimeError(f"recursion through {f}: no static stack bound")
+        return frames.get(f, 0) + max((deepest(g, seen + (f,)) for g in calls.get(f, ())), default=0)
+    assert "qgru_rt_run" in frames, "no call graph for qgru_rt_run (-fcallgraph-info=su)"
+    return deepest("qgru_rt_run")
 
 
 def main() -> int:
@@ -104,8 +112,8 @@ def main() -> int:
                     print(f"| {t.name} | - | {shape} | skipped: {mb.missing(t)} missing | | | | |")
                     continue
                 d = dirs[t.layout]
-                for su in d.glob("*.su"):
-                    su.unlink()
+                for f in [*d.glob("*.su"), *d.glob("*.ci")]:  # (the call graph of this target's builds only)
+                    f.unlink()
                 n = (count(t, d, 5) - count(t, d, 1)) / 4
                 kernel = {"m0": "v6m (MULS)", "m4": "dsp (SMLAD)", "m55": "mve", "a53": "neon", "a64-dotprod": "neon SDOT"}.get(t.name, "?")
                 work = 2 * (((max(I, H) + 15) & ~15) + ((H + 15) & ~15) + ((H + 7) & ~7))

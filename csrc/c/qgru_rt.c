@@ -397,12 +397,111 @@ static int32_t act_corr(act_buf b, int32_t n)
 #endif
 }
 
+/* dir_step's GEMMs and cell for a fast direction (functions of their own, so that the deepest
+ * stack is one branch's, not the sum of all three) */
+static QGRU_RT_NOINLINE void dir_fast(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t *h, int16_t *h_new, int32_t cx, int32_t ch)
+{
+    const int32_t H = d->hidden_size, G = d->rows_per_gate;
+    int32_t j0, g;
+    const qgru_rt_fast *F = d->fast;
+    const int32_t kx = d->k_pad_x, kh = d->k_pad_h;
+    for (j0 = 0; j0 < H; j0 += 4) {
+        int32_t ax[3][4], ah[3][4];
+#if QGRU_RT_HAS_DOT12
+        if (xa.a8)
+            qgru_rt_dot12_a8(d->w8 + j0 * kx, G * kx, xa.a8, kx, F->init_x + j0, G, cx, ax);
+        else
+            qgru_rt_dot12_a16(d->w8 + j0 * kx, G * kx, xa.a16, kx, F->init_x + j0, G, cx, ax);
+        if (ha.a8)
+            qgru_rt_dot12_a8(d->r8 + j0 * kh, G * kh, ha.a8, kh, F->init_h + j0, G, ch, ah);
+        else
+            qgru_rt_dot12_a16(d->r8 + j0 * kh, G * kh, ha.a16, kh, F->init_h + j0, G, ch, ah);
+        g = 3;
+#else
+        g = 0;
+#endif
+        for (; g < 3; g++) {
+            const int8_t *wx = d->w8 + (g * G + j0) * kx, *wh = d->r8 + (g * G + j0) * kh;
+            if (xa.a8)
+                qgru_rt_dot4_a8(wx, kx, xa.a8, kx, F->init_x + g * G + j0, cx, ax[g]);
+            else
+                qgru_rt_dot4_a16(wx, kx, xa.a16, kx, F->init_x + g * G + j0, cx, ax[g]);
+            if (ha.a8)
+                qgru_rt_dot4_a8(wh, kh, ha.a8, kh, F->init_h + g * G + j0, ch, ah[g]);
+            else
+                qgru_rt_dot4_a16(wh, kh, ha.a16, kh, F->init_h + g * G + j0, ch, ah[g]);
+        }
+#ifndef QGRU_RT_NO_STD16 /* tests/test_mcu.py: the general variant on data that takes the 16-bit one */
+#if defined(QGRU_RT_VEC) && !defined(QGRU_RT_NO_VEC)
+        if (F->std16 && H - j0 >= 4) { /* four units a lane */
+            if (!F->aa[0] && !F->aa[1])
+                fast_block16v(F, j0, &ax[0][0], &ah[0][0], h, h_new, 0);
+            else
+                fast_block16vs(F, j0, &ax[0][0], &ah[0][0], h, h_new);
+        } else
+#endif
+        if (F->std16 && !F->aa[0] && !F->aa[1])
+            fast_block16(F, j0, H - j0 < 4 ? H - j0 : 4, &ax[0][0], &ah[0][0], h, h_new);
+        else if (F->std16)
+            fast_block16s(F, j0, H - j0 < 4 ? H - j0 : 4, &ax[0][0], &ah[0][0], h, h_new);
+        else
+#endif
+            fast_block(F, j0, H - j0 < 4 ? H - j0 : 4, &ax[0][0], &ah[0][0], h, h_new);
+    }
+}
+
+#ifndef QGRU_RT_FAST_ONLY
+/* int32 kernels straight into the 32-bit cell (cell32 implies neither GEMM is wide) */
+static QGRU_RT_NOINLINE void dir_cell32(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t *h, int16_t *h_new, int32_t cx, int32_t ch)
+{
+    const int32_t H = d->hidden_size, G = d->rows_per_gate;
+    int32_t j0, g, u;
+    const int32_t kx = d->k_pad_x, kh = d->k_pad_h;
+    for (j0 = 0; j0 < H; j0 += 4) {
+        int32_t ax[3][4], ah[3][4];
+        for (g = 0; g < 3; g++) {
+            const int8_t *wx = d->w8 + (g * G + j0) * kx, *wh = d->r8 + (g * G + j0) * kh;
+            if (xa.a8)
+                qgru_rt_dot4_a8(wx, kx, xa.a8, kx, 0, cx, ax[g]);
+            else
+                qgru_rt_dot4_a16(wx, kx, xa.a16, kx, 0, cx, ax[g]);
+            if (ha.a8)
+                qgru_rt_dot4_a8(wh, kh, ha.a8, kh, 0, ch, ah[g]);
+            else
+                qgru_rt_dot4_a16(wh, kh, ha.a16, kh, 0, ch, ah[g]);
+        }
+        for (u = 0; u < 4 && j0 + u < H; u++)
+            h_new[j0 + u] = unit32(d, j0 + u, &ax[0][u], &ah[0][u], h[j0 + u]);
+    }
+}
+
+/* the int64 loops (a wide GEMM) and the int64 cell */
+static QGRU_RT_NOINLINE void dir_wide(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t *h, int16_t *h_new, int32_t cx, int32_t ch)
+{
+    const int32_t H = d->hidden_size, G = d->rows_per_gate;
+    int32_t j0, g, u;
+    for (j0 = 0; j0 < H; j0 += 4) {
+        int64_t ax[3][4], ah[3][4];
+        for (g = 0; g < 3; g++) {
+            dot4(d, 0, g * G + j0, xa, cx, ax[g]);
+            dot4(d, 1, g * G + j0, ha, ch, ah[g]);
+        }
+        for (u = 0; u < 4 && j0 + u < H; u++) {
+            {
+                const int64_t x3[3] = {ax[0][u], ax[1][u], ax[2][u]}, h3[3] = {ah[0][u], ah[1][u], ah[2][u]};
+                h_new[j0 + u] = unit(d, j0 + u, x3, h3, h[j0 + u]);
+            }
+        }
+    }
+}
+#endif
+
 /* One step of one direction (golden gru_step for one row): xa holds x on this layer's x grid,
  * h the state; the new state goes to h_new (not aliasing h). */
 static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t *h, int16_t *h_new)
 {
-    const int32_t H = d->hidden_size, G = d->rows_per_gate;
-    int32_t j0, j, u, g, cx, ch = 0;
+    const int32_t H = d->hidden_size;
+    int32_t j, cx, ch = 0;
     /* R.h's operand: the state itself, or requantized onto h_gemm's grid (recurrent_operand) */
     act_clear(ha, H);
     if (d->fast && d->fast->hg_mode) {
@@ -428,90 +527,13 @@ static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t
     cx = act_corr(xa, d->input_size);
     if (!(d->fast && d->fast->hg_mode))
         ch = act_corr(ha, H);
-    if (d->fast) { /* kernels from the biases straight into the fast cell */
-        const qgru_rt_fast *F = d->fast;
-        const int32_t kx = d->k_pad_x, kh = d->k_pad_h;
-        for (j0 = 0; j0 < H; j0 += 4) {
-            int32_t ax[3][4], ah[3][4];
-#if QGRU_RT_HAS_DOT12
-            if (xa.a8)
-                qgru_rt_dot12_a8(d->w8 + j0 * kx, G * kx, xa.a8, kx, F->init_x + j0, G, cx, ax);
-            else
-                qgru_rt_dot12_a16(d->w8 + j0 * kx, G * kx, xa.a16, kx, F->init_x + j0, G, cx, ax);
-            if (ha.a8)
-                qgru_rt_dot12_a8(d->r8 + j0 * kh, G * kh, ha.a8, kh, F->init_h + j0, G, ch, ah);
-            else
-                qgru_rt_dot12_a16(d->r8 + j0 * kh, G * kh, ha.a16, kh, F->init_h + j0, G, ch, ah);
-            g = 3;
-#else
-            g = 0;
-#endif
-            for (; g < 3; g++) {
-                const int8_t *wx = d->w8 + (g * G + j0) * kx, *wh = d->r8 + (g * G + j0) * kh;
-                if (xa.a8)
-                    qgru_rt_dot4_a8(wx, kx, xa.a8, kx, F->init_x + g * G + j0, cx, ax[g]);
-                else
-                    qgru_rt_dot4_a16(wx, kx, xa.a16, kx, F->init_x + g * G + j0, cx, ax[g]);
-                if (ha.a8)
-                    qgru_rt_dot4_a8(wh, kh, ha.a8, kh, F->init_h + g * G + j0, ch, ah[g]);
-                else
-                    qgru_rt_dot4_a16(wh, kh, ha.a16, kh, F->init_h + g * G + j0, ch, ah[g]);
-            }
-#ifndef QGRU_RT_NO_STD16 /* tests/test_mcu.py: the general variant on data that takes the 16-bit one */
-#if defined(QGRU_RT_VEC) && !defined(QGRU_RT_NO_VEC)
-            if (F->std16 && H - j0 >= 4) { /* four units a lane */
-                if (!F->aa[0] && !F->aa[1])
-                    fast_block16v(F, j0, &ax[0][0], &ah[0][0], h, h_new, 0);
-                else
-                    fast_block16vs(F, j0, &ax[0][0], &ah[0][0], h, h_new);
-            } else
-#endif
-            if (F->std16 && !F->aa[0] && !F->aa[1])
-                fast_block16(F, j0, H - j0 < 4 ? H - j0 : 4, &ax[0][0], &ah[0][0], h, h_new);
-            else if (F->std16)
-                fast_block16s(F, j0, H - j0 < 4 ? H - j0 : 4, &ax[0][0], &ah[0][0], h, h_new);
-            else
-#endif
-                fast_block(F, j0, H - j0 < 4 ? H - j0 : 4, &ax[0][0], &ah[0][0], h, h_new);
-        }
-        return;
-    }
+    if (d->fast)
+        dir_fast(d, xa, ha, h, h_new, cx, ch);
 #ifndef QGRU_RT_FAST_ONLY
-    if (d->cell32) { /* int32 kernels straight into the 32-bit cell (cell32 implies neither GEMM is wide) */
-        const int32_t kx = d->k_pad_x, kh = d->k_pad_h;
-        for (j0 = 0; j0 < H; j0 += 4) {
-            int32_t ax[3][4], ah[3][4];
-            for (g = 0; g < 3; g++) {
-                const int8_t *wx = d->w8 + (g * G + j0) * kx, *wh = d->r8 + (g * G + j0) * kh;
-                if (xa.a8)
-                    qgru_rt_dot4_a8(wx, kx, xa.a8, kx, 0, cx, ax[g]);
-                else
-                    qgru_rt_dot4_a16(wx, kx, xa.a16, kx, 0, cx, ax[g]);
-                if (ha.a8)
-                    qgru_rt_dot4_a8(wh, kh, ha.a8, kh, 0, ch, ah[g]);
-                else
-                    qgru_rt_dot4_a16(wh, kh, ha.a16, kh, 0, ch, ah[g]);
-            }
-            for (u = 0; u < 4 && j0 + u < H; u++)
-                h_new[j0 + u] = unit32(d, j0 + u, &ax[0][u], &ah[0][u], h[j0 + u]);
-        }
-        return;
-    }
-    for (j0 = 0; j0 < H; j0 += 4) {
-        int64_t ax[3][4], ah[3][4];
-        for (g = 0; g < 3; g++) {
-            dot4(d, 0, g * G + j0, xa, cx, ax[g]);
-            dot4(d, 1, g * G + j0, ha, ch, ah[g]);
-        }
-        for (u = 0; u < 4 && j0 + u < H; u++) {
-            {
-                const int64_t x3[3] = {ax[0][u], ax[1][u], ax[2][u]}, h3[3] = {ah[0][u], ah[1][u], ah[2][u]};
-                h_new[j0 + u] = unit(d, j0 + u, x3, h3, h[j0 + u]);
-            }
-        }
-    }
-#else
-    (void)u;
+    else if (d->cell32)
+        dir_cell32(d, xa, ha, h, h_new, cx, ch);
+    else
+        dir_wide(d, xa, ha, h, h_new, cx, ch);
 #endif
 }
 
