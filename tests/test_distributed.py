@@ -307,6 +307,25 @@ class TestDevice:
         assert comm_device(cuda_only) == torch.device("cuda", 0)
         assert comm_device(world1.new_group([0], backend="cpu:gloo,cuda:gloo")) == torch.device("cpu")
 
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: an NCCL group needs one")
+    def test_cuda_nccl_group_converts_as_one_process(self, world1):
+        """A real NCCL group (this one process, cuda:0): the statistics are reduced as CUDA tensors
+        (comm_device says cuda) and the model converts to exactly the integers of a conversion
+        without any group, for a CPU model and for one on the GPU."""
+        from qgru.distributed import comm_device
+        if not world1.is_nccl_available():
+            pytest.skip("this torch has no NCCL backend")
+        torch.cuda.set_device(0)
+        nccl = world1.new_group([0], backend="nccl")
+        assert comm_device(nccl) == torch.device("cuda", 0)
+        want = _single(_model(), _data())
+        for device in ("cpu", "cuda"):
+            m = _model().to(device)
+            qgru.calibrate(m, [x.to(device) for x in _data()], progress=False)
+            m.convert(group=nccl)
+            got = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in m.export().to_dict().items()}
+            assert _equal(got, want), device
+
     def test_cuda_group_without_cuda_is_a_qgru_error(self, world1, monkeypatch):
         from qgru.distributed import comm_device
         cuda_only = world1.new_group([0], backend="cuda:gloo")
