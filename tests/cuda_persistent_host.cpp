@@ -155,6 +155,40 @@ std::tuple<at::Tensor, at::Tensor, std::map<std::string, int64_t>> run(
   return {out.to(at::kInt), state, info};
 }
 
+// What both fused-step emulations start from: the layer (one limb pair: w8a8's R.h), W.x's
+// requantized sums, the state from h0, the output filled with a sentinel (every element must be
+// written), the operand's double buffer [2][N][K_pad] (padding k >= H stays zero) holding h0's limbs.
+struct FusedCall {
+  qgru::LayerTensors lt;
+  int64_t H, T, N;
+  int32_t h_bits;
+  bool pow2, acc32;
+  Gemm gh;
+  qgru::CellParams cell;
+  int64_t K_pad;
+  at::Tensor dwx, state, out, hbuf, lengths;
+  const int64_t* len;
+  int32_t* st;
+  int16_t* o;
+  FusedCall(qgru::TensorMap tensors, qgru::IntMap values, const at::Tensor& qx_in, const at::Tensor& qh0,
+            const c10::optional<at::Tensor>& lengths_in)
+      : lt(std::move(tensors), std::move(values)), H(lt.value("H")), T(qx_in.size(0)), N(qx_in.size(1)),
+        h_bits((int32_t)lt.value("h_bits")), pow2(lt.value("pow2") != 0), acc32(lt.value("acc32") != 0),
+        gh(gemm_of(lt, "h", h_bits)), cell(lt.cell()) {
+    TORCH_CHECK(gh.P == 1 && gh.w.size(0) == 1 && h_bits <= 8, "the fused step takes one limb pair (w8a8's R.h)");
+    K_pad = gh.w.size(2);
+    dwx = wx_of(lt, qx_in);
+    state = qh0.to(at::kInt).contiguous().clone();
+    out = at::full({T, N, H}, -12345, at::kShort);
+    hbuf = at::zeros({2, N, K_pad}, at::kChar);
+    hbuf[0].copy_(limbs(qh0.to(at::kLong), K_pad, h_bits, cell.op)[0]);
+    if (lengths_in.has_value()) lengths = lengths_in->to(at::kLong).contiguous();
+    len = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
+    st = state.data_ptr<int32_t>();
+    o = out.data_ptr<int16_t>();
+  }
+};
+
 // out [T, N, H] int32 and the final state [N, H] of the fused step (csrc/qgru_fused_step.h), one
 // step at a time on the host (fs_step_on_host: the emulated mma.sync fragments, `warps` warps per
 // CTA), each (unit, row) pair's cell in the lane holding its gates (fs_cell), the next step's
@@ -163,25 +197,18 @@ std::tuple<at::Tensor, at::Tensor, std::map<std::string, int64_t>> run(
 std::tuple<at::Tensor, at::Tensor> run_fused(qgru::TensorMap tensors, qgru::IntMap values, const at::Tensor& qx_in,
                                              const at::Tensor& qh0, const c10::optional<at::Tensor>& lengths_in,
                                              int64_t warps) {
-  const qgru::LayerTensors lt(std::move(tensors), std::move(values));
-  const int64_t H = lt.value("H"), T = qx_in.size(0), N = qx_in.size(1);
-  const int32_t h_bits = (int32_t)lt.value("h_bits");
-  const bool pow2 = lt.value("pow2") != 0, acc32 = lt.value("acc32") != 0;
-  const Gemm gh = gemm_of(lt, "h", h_bits);
-  TORCH_CHECK(gh.P == 1 && gh.w.size(0) == 1 && h_bits <= 8, "the fused step takes one limb pair (w8a8's R.h)");
-  const qgru::CellParams cell = lt.cell();
-  const int64_t K_pad = gh.w.size(2);
-  const at::Tensor dwx = wx_of(lt, qx_in);
+  FusedCall c(std::move(tensors), std::move(values), qx_in, qh0, lengths_in);
+  const int64_t H = c.H, T = c.T, N = c.N, K_pad = c.K_pad;
+  const int32_t h_bits = c.h_bits;
+  const bool pow2 = c.pow2, acc32 = c.acc32;
+  const Gemm& gh = c.gh;
+  const qgru::CellParams& cell = c.cell;
+  const at::Tensor& dwx = c.dwx;
+  at::Tensor &state = c.state, &out = c.out, &hbuf = c.hbuf;
+  const int64_t* len = c.len;
+  int32_t* st = c.st;
+  int16_t* o = c.o;
   const int32_t* dw = dwx.data_ptr<int32_t>();
-  at::Tensor state = qh0.to(at::kInt).contiguous().clone();
-  at::Tensor out = at::full({T, N, H}, -12345, at::kShort);  // every element must be written
-  at::Tensor hbuf = at::zeros({2, N, K_pad}, at::kChar);     // padding k >= H stays zero
-  hbuf[0].copy_(limbs(qh0.to(at::kLong), K_pad, h_bits, cell.op)[0]);
-  at::Tensor lengths;
-  if (lengths_in.has_value()) lengths = lengths_in->to(at::kLong).contiguous();
-  const int64_t* len = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
-  int32_t* st = state.data_ptr<int32_t>();
-  int16_t* o = out.data_ptr<int16_t>();
   const qgru::cuda::FsShape s = qgru::cuda::fs_shape(H, N, K_pad, warps);
   for (int64_t t = 0; t < T; ++t) {
     const int8_t* h_in = hbuf[t & 1].data_ptr<int8_t>();
@@ -214,25 +241,18 @@ std::tuple<at::Tensor, at::Tensor, int64_t> run_fused_persistent(
     qgru::TensorMap tensors, qgru::IntMap values, const at::Tensor& qx_in, const at::Tensor& qh0,
     const c10::optional<at::Tensor>& lengths_in, int64_t warps, int64_t window, int64_t order, int64_t fault,
     int64_t seed) {
-  const qgru::LayerTensors lt(std::move(tensors), std::move(values));
-  const int64_t H = lt.value("H"), T = qx_in.size(0), N = qx_in.size(1);
-  const int32_t h_bits = (int32_t)lt.value("h_bits");
-  const bool pow2 = lt.value("pow2") != 0, acc32 = lt.value("acc32") != 0;
-  const Gemm gh = gemm_of(lt, "h", h_bits);
-  TORCH_CHECK(gh.P == 1 && gh.w.size(0) == 1 && h_bits <= 8, "the fused step takes one limb pair (w8a8's R.h)");
   TORCH_CHECK(window >= 1, "window must be at least 1");
-  const qgru::CellParams cell = lt.cell();
-  const int64_t K_pad = gh.w.size(2);
-  const at::Tensor dwx = wx_of(lt, qx_in);
-  at::Tensor state = qh0.to(at::kInt).contiguous().clone();
-  at::Tensor out = at::full({T, N, H}, -12345, at::kShort);  // every element must be written
-  at::Tensor hbuf = at::zeros({2, N, K_pad}, at::kChar);     // padding k >= H stays zero
-  hbuf[0].copy_(limbs(qh0.to(at::kLong), K_pad, h_bits, cell.op)[0]);
-  at::Tensor lengths;
-  if (lengths_in.has_value()) lengths = lengths_in->to(at::kLong).contiguous();
-  const int64_t* len = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
-  int32_t* st = state.data_ptr<int32_t>();
-  int16_t* o = out.data_ptr<int16_t>();
+  FusedCall c(std::move(tensors), std::move(values), qx_in, qh0, lengths_in);
+  const int64_t H = c.H, T = c.T, N = c.N, K_pad = c.K_pad;
+  const int32_t h_bits = c.h_bits;
+  const bool pow2 = c.pow2, acc32 = c.acc32;
+  const Gemm& gh = c.gh;
+  const qgru::CellParams& cell = c.cell;
+  const at::Tensor& dwx = c.dwx;
+  at::Tensor &state = c.state, &out = c.out, &hbuf = c.hbuf;
+  const int64_t* len = c.len;
+  int32_t* st = c.st;
+  int16_t* o = c.o;
   const qgru::cuda::FsShape s = qgru::cuda::fs_shape(H, N, K_pad, warps);
   const qgru::cuda::FpLayout L = qgru::cuda::fp_layout(K_pad, warps);
   std::vector<uint32_t> flags((size_t)qgru::cuda::fp_flag_words(s.ctas), 0u);  // the call's memset
