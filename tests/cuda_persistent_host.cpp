@@ -198,36 +198,26 @@ std::tuple<at::Tensor, at::Tensor> run_fused(qgru::TensorMap tensors, qgru::IntM
                                              const at::Tensor& qh0, const c10::optional<at::Tensor>& lengths_in,
                                              int64_t warps) {
   FusedCall c(std::move(tensors), std::move(values), qx_in, qh0, lengths_in);
-  const int64_t H = c.H, T = c.T, N = c.N, K_pad = c.K_pad;
-  const int32_t h_bits = c.h_bits;
-  const bool pow2 = c.pow2, acc32 = c.acc32;
-  const Gemm& gh = c.gh;
-  const qgru::CellParams& cell = c.cell;
-  const at::Tensor& dwx = c.dwx;
-  at::Tensor &state = c.state, &out = c.out, &hbuf = c.hbuf;
-  const int64_t* len = c.len;
-  int32_t* st = c.st;
-  int16_t* o = c.o;
-  const int32_t* dw = dwx.data_ptr<int32_t>();
-  const qgru::cuda::FsShape s = qgru::cuda::fs_shape(H, N, K_pad, warps);
-  for (int64_t t = 0; t < T; ++t) {
-    const int8_t* h_in = hbuf[t & 1].data_ptr<int8_t>();
-    int8_t* h_out = hbuf[(t + 1) & 1].data_ptr<int8_t>();
-    std::vector<int> done((size_t)(N * H), 0);
+  const int32_t* dw = c.dwx.data_ptr<int32_t>();
+  const qgru::cuda::FsShape s = qgru::cuda::fs_shape(c.H, c.N, c.K_pad, warps);
+  for (int64_t t = 0; t < c.T; ++t) {
+    const int8_t* h_in = c.hbuf[t & 1].data_ptr<int8_t>();
+    int8_t* h_out = c.hbuf[(t + 1) & 1].data_ptr<int8_t>();
+    std::vector<int> done((size_t)(c.N * c.H), 0);
     bool ok = false;
-    qgru::dispatch_kernel(1, pow2, acc32, [&](auto, auto p2, auto a32) {
+    qgru::dispatch_kernel(1, c.pow2, c.acc32, [&](auto, auto p2, auto a32) {
       constexpr bool POW2 = decltype(p2)::value, ACC32 = decltype(a32)::value;
-      ok = qgru::cuda::fs_step_on_host(s, gh.w.data_ptr<int8_t>(), h_in, [&](int64_t j, int64_t n, const int32_t* a0,
+      ok = qgru::cuda::fs_step_on_host(s, c.gh.w.data_ptr<int8_t>(), h_in, [&](int64_t j, int64_t n, const int32_t* a0,
                                                                               const int32_t* a1, int p) {
-        ++done[(size_t)(n * H + j)];
-        qgru::cuda::fs_pair_step<POW2, ACC32>(cell, K_pad, h_bits, t, len, j, n, a0, a1, p, dw + t * N * 3 * H, st,
-                                              o + t * N * H, h_out);  // the kernel's own
+        ++done[(size_t)(n * c.H + j)];
+        qgru::cuda::fs_pair_step<POW2, ACC32>(c.cell, c.K_pad, c.h_bits, t, c.len, j, n, a0, a1, p, dw + t * c.N * 3 * c.H, c.st,
+                                              c.o + t * c.N * c.H, h_out);  // the kernel's own
       });
     });
     TORCH_CHECK(ok, "the fused step's fragment maps are not a bijection");
     for (int v : done) TORCH_CHECK(v == 1, "a (unit, row) pair's cell ran ", v, " times in one step");
   }
-  return {out.to(at::kInt), state};
+  return {c.out.to(at::kInt), c.state};
 }
 
 // out [T, N, H] int32, the final state [N, H] and the emulation's result (qgru_fused_step.h
@@ -243,41 +233,31 @@ std::tuple<at::Tensor, at::Tensor, int64_t> run_fused_persistent(
     int64_t seed) {
   TORCH_CHECK(window >= 1, "window must be at least 1");
   FusedCall c(std::move(tensors), std::move(values), qx_in, qh0, lengths_in);
-  const int64_t H = c.H, T = c.T, N = c.N, K_pad = c.K_pad;
-  const int32_t h_bits = c.h_bits;
-  const bool pow2 = c.pow2, acc32 = c.acc32;
-  const Gemm& gh = c.gh;
-  const qgru::CellParams& cell = c.cell;
-  const at::Tensor& dwx = c.dwx;
-  at::Tensor &state = c.state, &out = c.out, &hbuf = c.hbuf;
-  const int64_t* len = c.len;
-  int32_t* st = c.st;
-  int16_t* o = c.o;
-  const qgru::cuda::FsShape s = qgru::cuda::fs_shape(H, N, K_pad, warps);
-  const qgru::cuda::FpLayout L = qgru::cuda::fp_layout(K_pad, warps);
+  const qgru::cuda::FsShape s = qgru::cuda::fs_shape(c.H, c.N, c.K_pad, warps);
+  const qgru::cuda::FpLayout L = qgru::cuda::fp_layout(c.K_pad, warps);
   std::vector<uint32_t> flags((size_t)qgru::cuda::fp_flag_words(s.ctas), 0u);  // the call's memset
   qgru::cuda::FpEmuState emu(s.ctas, (uint32_t)seed);
-  int8_t* const h[2] = {hbuf[0].data_ptr<int8_t>(), hbuf[1].data_ptr<int8_t>()};
-  std::vector<int> done((size_t)(T * N * H), 0);
+  int8_t* const h[2] = {c.hbuf[0].data_ptr<int8_t>(), c.hbuf[1].data_ptr<int8_t>()};
+  std::vector<int> done((size_t)(c.T * c.N * c.H), 0);
   int rc = 0;
-  for (int64_t t0 = 0; rc == 0 && t0 < T; t0 += window) {
-    const int64_t t1 = std::min(T, t0 + window);
-    const at::Tensor dwin = dwx.narrow(0, t0 * N, (t1 - t0) * N).clone();  // the window's only
+  for (int64_t t0 = 0; rc == 0 && t0 < c.T; t0 += window) {
+    const int64_t t1 = std::min(c.T, t0 + window);
+    const at::Tensor dwin = c.dwx.narrow(0, t0 * c.N, (t1 - t0) * c.N).clone();  // the window's only
     const int32_t* dw = dwin.data_ptr<int32_t>();
-    qgru::dispatch_kernel(1, pow2, acc32, [&](auto, auto p2, auto a32) {
+    qgru::dispatch_kernel(1, c.pow2, c.acc32, [&](auto, auto p2, auto a32) {
       constexpr bool POW2 = decltype(p2)::value, ACC32 = decltype(a32)::value;
       rc = qgru::cuda::fp_launch_on_host(
-          s, L, gh.w.data_ptr<int8_t>(), h, flags.data(), t0, t1, (int)order, (int)fault, emu,
+          s, L, c.gh.w.data_ptr<int8_t>(), h, flags.data(), t0, t1, (int)order, (int)fault, emu,
           [&](int64_t t, int64_t j, int64_t n, const int32_t* a0, const int32_t* a1, int p, int8_t* h_out) {
-            ++done[(size_t)((t * N + n) * H + j)];
-            qgru::cuda::fs_pair_step<POW2, ACC32>(cell, K_pad, h_bits, t, len, j, n, a0, a1, p,
-                                                  dw + (t - t0) * N * 3 * H, st, o + t * N * H, h_out);
+            ++done[(size_t)((t * c.N + n) * c.H + j)];
+            qgru::cuda::fs_pair_step<POW2, ACC32>(c.cell, c.K_pad, c.h_bits, t, c.len, j, n, a0, a1, p,
+                                                  dw + (t - t0) * c.N * 3 * c.H, c.st, c.o + t * c.N * c.H, h_out);
           });
     });
   }
   if (rc == 0)
     for (int v : done) TORCH_CHECK(v == 1, "a (unit, row) pair's cell ran ", v, " times in one step");
-  return {out.to(at::kInt), state, (int64_t)rc};
+  return {c.out.to(at::kInt), c.state, (int64_t)rc};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
