@@ -15,8 +15,9 @@ from torch.nn.utils.rnn import pack_padded_sequence
 from qgru import golden
 from qgru.config import QuantConfig
 
+from test_cuda_fused_step import fused_layer
 from test_cuda_speed_paths import _model, _reference, _same
-from test_native import _random_inputs, _random_layer, cuda_backend  # noqa: F401 (a fixture)
+from test_native import _random_inputs, cuda_backend  # noqa: F401 (a fixture)
 
 # an 8-bit state read by R.h directly (w8a8 before h_gemm): the operand without requantization
 _STATE8 = {"tensors": {"h": {"bits": 8, "headroom": 1.0}, "h_gemm": None}}
@@ -34,13 +35,7 @@ SHAPES = [  # I, H, T, N
 def _layer_params(cfg, mode, I, H, seed):
     overrides = dict(_STATE8) if cfg == "w8a8-state8" else {}
     overrides["scale_mode"] = mode
-    config = QuantConfig.load("w8a8" if cfg == "w8a8-state8" else cfg, overrides=overrides)
-    one = lambda lo, hi: (torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64))  # noqa: E731
-    per = lambda lo, hi: (torch.full((3 * H,), lo, dtype=torch.float64),  # noqa: E731
-                          torch.full((3 * H,), hi, dtype=torch.float64))
-    ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-4, 5), "Rh": per(-3, 2),
-              "r_pre": one(-6, 6), "z_pre": one(-6, 6), "g_pre": one(-5, 7)}
-    return _random_layer(config, I, H, ranges, w_exp=-2, b_exp=-2, zero_row=False, seed=seed)
+    return fused_layer(QuantConfig.load("w8a8" if cfg == "w8a8-state8" else cfg, overrides=overrides), I, H, seed)
 
 
 @pytest.mark.parametrize("cfg,mode", [("w8a8", "pow2"), ("w8a8", "multiplier"), ("w8a8-state8", "multiplier")])

@@ -25,8 +25,9 @@ from qgru.config import QuantConfig
 from qgru.native.prepare import CUDA_GEMM_MIN, prepare_layer
 
 from test_cuda_compile import _host_check
+from test_cuda_fused_step import fused_layer
 from test_cuda_persistent import host_ext  # noqa: F401 (a fixture: the host emulation extension)
-from test_native import _random_inputs, _random_layer
+from test_native import _random_inputs
 
 _PROTOCOL_CHECK = r"""
 #include <cstdio>
@@ -178,13 +179,7 @@ CASES = [  # I, H, T, N, warps per CTA, window (steps per launch)
 
 
 def _layer(mode, I, H, seed):
-    config = QuantConfig.load("w8a8", overrides={"scale_mode": mode})
-    one = lambda lo, hi: (torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64))  # noqa: E731
-    per = lambda lo, hi: (torch.full((3 * H,), lo, dtype=torch.float64),  # noqa: E731
-                          torch.full((3 * H,), hi, dtype=torch.float64))
-    ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-4, 5), "Rh": per(-3, 2),
-              "r_pre": one(-6, 6), "z_pre": one(-6, 6), "g_pre": one(-5, 7)}
-    return _random_layer(config, I, H, ranges, w_exp=-2, b_exp=-2, zero_row=False, seed=seed)
+    return fused_layer(QuantConfig.load("w8a8", overrides={"scale_mode": mode}), I, H, seed)
 
 
 @pytest.mark.parametrize("order", list(ORDERS))

@@ -29,19 +29,24 @@ CASES = [  # I, H, T, N, warps per CTA
 ]
 
 
+
+def fused_layer(config, I, H, seed):
+    """A random layer of `config` whose tensors' ranges keep every requantization of the fused
+    step's cell in its exact bounds (the CUDA fused-step tests' layers)."""
+    one = lambda lo, hi: (torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64))  # noqa: E731
+    per = lambda lo, hi: (torch.full((3 * H,), lo, dtype=torch.float64),  # noqa: E731
+                          torch.full((3 * H,), hi, dtype=torch.float64))
+    ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-4, 5), "Rh": per(-3, 2),
+              "r_pre": one(-6, 6), "z_pre": one(-6, 6), "g_pre": one(-5, 7)}
+    return _random_layer(config, I, H, ranges, w_exp=-2, b_exp=-2, zero_row=False, seed=seed)
+
 @pytest.mark.parametrize("mode", ["pow2", "multiplier"])
 @pytest.mark.parametrize("I,H,T,N,warps", CASES)
 def test_fused_step_schedule_is_the_golden_model(host_ext, mode, I, H, T, N, warps):  # noqa: F811
     """w8a8 (one limb pair: the accumulators are the exact products) in both scale modes, with
     lengths (rows past their length carry their state) and without: the fused step's out and
     h_n equal golden.gru_direction's."""
-    config = QuantConfig.load("w8a8", overrides={"scale_mode": mode})
-    one = lambda lo, hi: (torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64))  # noqa: E731
-    per = lambda lo, hi: (torch.full((3 * H,), lo, dtype=torch.float64),  # noqa: E731
-                          torch.full((3 * H,), hi, dtype=torch.float64))
-    ranges = {"x": one(-3, 2), "h": one(-1, 1), "Wx": per(-4, 5), "Rh": per(-3, 2),
-              "r_pre": one(-6, 6), "z_pre": one(-6, 6), "g_pre": one(-5, 7)}
-    p = _random_layer(config, I, H, ranges, w_exp=-2, b_exp=-2, zero_row=False, seed=I * 100 + H)
+    p = fused_layer(QuantConfig.load("w8a8", overrides={"scale_mode": mode}), I, H, seed=I * 100 + H)
     t, v = prepare_layer(p, gemm_min=CUDA_GEMM_MIN)
     assert t["h_pairs"].shape[0] == 1, "w8a8's R.h must be one limb pair"
     for with_lengths in (True, False):
