@@ -781,7 +781,11 @@ class QuantGRU(nn.GRU):
         if not self.is_converted and not self._calibrating and self._qat is None:
             self._check_input(input, hx)
             return super().forward(input, hx)
-        x, lengths, hx, unbatched, packed = self._prepare(input, hx)
+        # a converted model runs a PackedSequence's rows longest first (its sorted order): each row's
+        # integers are its own, and the native steps then skip the tiles of rows already done
+        by_length = self.is_converted and self._qat is None and isinstance(input, PackedSequence) \
+            and input.sorted_indices is not None
+        x, lengths, hx, unbatched, packed = self._prepare(input, hx, sorted_order=by_length)
         if self._qat is not None and not self.is_converted:
             out, h_n = qat_forward(self, x, hx, lengths)
         elif self.is_converted:
@@ -789,7 +793,7 @@ class QuantGRU(nn.GRU):
         else:
             with torch.no_grad():
                 out, h_n = self._forward_float_reference(x, hx, lengths)
-        return self._finish(out, h_n, input, unbatched, packed)
+        return self._finish(out, h_n, input, unbatched, packed, sorted_order=by_length)
 
     def _cpu_one_call(self, input, hx):
         """A converted model's commonest call as one native call with only the checks it needs, or
@@ -902,14 +906,17 @@ class QuantGRU(nn.GRU):
             if tuple(hx.shape) != expect:
                 raise QGRUInputError(f"h0 must have shape {expect}, got {tuple(hx.shape)}")
 
-    def _prepare(self, input, hx):
-        """-> time-major float x [T, N, I], lengths or None, h0 [L*D, N, H], flags."""
+    def _prepare(self, input, hx, sorted_order: bool = False):
+        """-> time-major float x [T, N, I], lengths or None, h0 [L*D, N, H], flags. sorted_order: a
+        PackedSequence's rows (x, lengths and h0) in its sorted order, not the original one."""
         self._check_input(input, hx)
         packed = isinstance(input, PackedSequence)
         unbatched = False
         lengths = None
         if packed:
-            x, lengths = padded_from_packed(input)  # what pad_packed_sequence gives, one index_copy
+            x, lengths = padded_from_packed(input, sorted_order)  # what pad_packed_sequence gives, one index_copy
+            if sorted_order and hx is not None:
+                hx = hx.index_select(1, input.sorted_indices.to(hx.device))
         else:
             x = input
             if x.dim() == 2:
@@ -923,8 +930,12 @@ class QuantGRU(nn.GRU):
             hx = x.new_zeros(self.num_layers * self.num_directions, N, self.hidden_size)
         return x, lengths, hx, unbatched, packed
 
-    def _finish(self, out, h_n, input, unbatched, packed):
+    def _finish(self, out, h_n, input, unbatched, packed, sorted_order: bool = False):
         if packed:
+            if sorted_order:  # (rows in the sorted order: the packed data as they are, h_n back in the original)
+                return PackedSequence(packed_rows(out, input.batch_sizes, None), input.batch_sizes,
+                                      input.sorted_indices, input.unsorted_indices), \
+                    h_n.index_select(1, input.unsorted_indices.to(h_n.device))
             return PackedSequence(packed_rows(out, input.batch_sizes, input.sorted_indices), input.batch_sizes,
                                   input.sorted_indices, input.unsorted_indices), h_n
         if unbatched:

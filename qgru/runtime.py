@@ -44,9 +44,10 @@ def _packed_index(batch_sizes: torch.Tensor, sorted_indices: Optional[torch.Tens
     return t * N + col
 
 
-def padded_from_packed(seq) -> Tuple[torch.Tensor, torch.Tensor]:
+def padded_from_packed(seq, sorted_order: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """pad_packed_sequence(seq) (time-major, zeros at the padding; lengths int64 on the CPU, in the
-    original batch order) as one index_copy, after checking that the PackedSequence is well formed
+    original batch order; with ``sorted_order`` the rows in the PackedSequence's sorted order
+    instead, longest first, lengths likewise) as one index_copy, after checking that the PackedSequence is well formed
     (QGRUInputError otherwise: torch's own unpacking checks little of it, and reads out of bounds
     on some of it). pad_packed_sequence took 5x as long (a copy per run of equal batch sizes, then
     an index_select into the original order)."""
@@ -77,9 +78,9 @@ def padded_from_packed(seq) -> Tuple[torch.Tensor, torch.Tensor]:
     T = bs.shape[0]
     # the steps with more than j rows (sorted order): batch sizes are non-increasing
     lengths = torch.bincount(bs, minlength=N + 1).flip(0).cumsum(0).flip(0)[1:]
-    if si is not None:
+    if si is not None and not sorted_order:
         lengths = lengths[ui_c]
-    idx = _packed_index(bs, si, N, data.device)
+    idx = _packed_index(bs, None if sorted_order else si, N, data.device)
     x = data.new_zeros((T * N,) + tuple(data.shape[1:])).index_copy(0, idx, data)
     return x.view((T, N) + tuple(data.shape[1:])), lengths
 

@@ -516,3 +516,25 @@ def test_unavailable_backend_raises_and_forced_backend_is_restored():
         with qgru.backend("reference"):
             raise KeyError("boom")
     assert getattr(backends_mod._forced, "name", None) is None  # the with block restored it
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_packed_rows_run_longest_first_and_come_back_in_order(bidirectional):
+    """A converted model runs a PackedSequence's rows in its sorted order (longest first, so the
+    native steps skip tiles of finished rows) and hands out and h_n back in the caller's order:
+    every row of a packed call, with its own h0, equals that row run alone without packing."""
+    torch.manual_seed(3)
+    g = torch.nn.GRU(6, 20, 2, bidirectional=bidirectional).eval()
+    q = qgru.quantize_model(g, [torch.randn(12, 8, 6) for _ in range(2)], config="w8a8", progress=False)
+    T, N, D = 12, 37, 2 if bidirectional else 1
+    lengths = torch.randint(1, T + 1, (N,), generator=torch.Generator().manual_seed(5))
+    lengths[7] = T
+    x, h0 = torch.randn(T, N, 6), torch.randn(2 * D, N, 20)
+    with torch.inference_mode():
+        po, ph = q(pack_padded_sequence(x, lengths, enforce_sorted=False), h0)
+        po, plen = pad_packed_sequence(po)
+        assert torch.equal(plen, lengths)
+        for n in range(N):
+            L = int(lengths[n])
+            o1, h1 = q(x[:L, n:n + 1], h0[:, n:n + 1].contiguous())
+            assert torch.equal(o1[:, 0], po[:L, n]) and torch.equal(h1[:, 0], ph[:, n]), n

@@ -715,12 +715,18 @@ class CpuLayer {
             const int64_t rows = std::min(T16, N - n0), j0 = b * W, nj = std::min(W, H - j0);
             const int64_t g0 = (j0 / G) * 3, g1 = g0 + 3 * ceil_div(nj, G);
             lap(ns_wait);
-            if (xacc)
-              k_->gemm(cpu::GemmArgs{x_t + n0 * ldx * ab, ldx, rows, wx_.K, gates_x, g0, g1, acc_x, W, T16 * W});
-            lap(ns_wx);
-            k_->gemm(cpu::GemmArgs{h_in + n0 * lda * ab, lda, rows, rh_.K, gates_h, g0, g1, acc_h, W, T16 * W});
-            lap(ns_rh);
+            // the GEMMs over the tile's rows up to its last active one (rows past their length
+            // only carry their state: the cell reads no accumulator of theirs), none when every
+            // row is done: rows sorted by length (the module's packed calls) skip finished tiles
+            int64_t live = rows;
             for (int64_t r = 0; r < rows; ++r) active[r] = lengths == nullptr || t < lengths[n0 + r];
+            while (live > 0 && !active[live - 1]) --live;
+            if (xacc && live > 0)
+              k_->gemm(cpu::GemmArgs{x_t + n0 * ldx * ab, ldx, live, wx_.K, gates_x, g0, g1, acc_x, W, T16 * W});
+            lap(ns_wx);
+            if (live > 0)
+              k_->gemm(cpu::GemmArgs{h_in + n0 * lda * ab, lda, live, rh_.K, gates_h, g0, g1, acc_h, W, T16 * W});
+            lap(ns_rh);
             // rows on level 0 (the static grid, level0_static_): the cell as without levels
             k_->cell_tile(cpu::CellTileArgs{&cell_, &acc_x_, j0, nj, rows, active, xacc ? acc_x : dwx_t + n0 * 3 * H,
                                            acc_h, state + n0 * H, out_t != nullptr ? out_t + n0 * H : nullptr,
