@@ -785,7 +785,8 @@ class QuantGRU(nn.GRU):
         # integers are its own, and the native steps then skip the tiles of rows already done
         by_length = self.is_converted and self._qat is None and isinstance(input, PackedSequence) \
             and input.sorted_indices is not None
-        x, lengths, hx, unbatched, packed = self._prepare(input, hx, sorted_order=by_length)
+        index = []  # the packed index, unpacking's and packing's (sorted order: the same)
+        x, lengths, hx, unbatched, packed = self._prepare(input, hx, sorted_order=by_length, index_out=index)
         if self._qat is not None and not self.is_converted:
             out, h_n = qat_forward(self, x, hx, lengths)
         elif self.is_converted:
@@ -793,7 +794,8 @@ class QuantGRU(nn.GRU):
         else:
             with torch.no_grad():
                 out, h_n = self._forward_float_reference(x, hx, lengths)
-        return self._finish(out, h_n, input, unbatched, packed, sorted_order=by_length)
+        return self._finish(out, h_n, input, unbatched, packed, sorted_order=by_length,
+                            index=index[0] if by_length and index else None)
 
     def _cpu_one_call(self, input, hx):
         """A converted model's commonest call as one native call with only the checks it needs, or
@@ -906,7 +908,7 @@ class QuantGRU(nn.GRU):
             if tuple(hx.shape) != expect:
                 raise QGRUInputError(f"h0 must have shape {expect}, got {tuple(hx.shape)}")
 
-    def _prepare(self, input, hx, sorted_order: bool = False):
+    def _prepare(self, input, hx, sorted_order: bool = False, index_out: Optional[list] = None):
         """-> time-major float x [T, N, I], lengths or None, h0 [L*D, N, H], flags. sorted_order: a
         PackedSequence's rows (x, lengths and h0) in its sorted order, not the original one."""
         self._check_input(input, hx)
@@ -914,7 +916,7 @@ class QuantGRU(nn.GRU):
         unbatched = False
         lengths = None
         if packed:
-            x, lengths = padded_from_packed(input, sorted_order)  # what pad_packed_sequence gives, one index_copy
+            x, lengths = padded_from_packed(input, sorted_order, index_out)  # what pad_packed_sequence gives, one index_copy
             if sorted_order and hx is not None:
                 hx = hx.index_select(1, input.sorted_indices.to(hx.device))
         else:
@@ -930,10 +932,11 @@ class QuantGRU(nn.GRU):
             hx = x.new_zeros(self.num_layers * self.num_directions, N, self.hidden_size)
         return x, lengths, hx, unbatched, packed
 
-    def _finish(self, out, h_n, input, unbatched, packed, sorted_order: bool = False):
+    def _finish(self, out, h_n, input, unbatched, packed, sorted_order: bool = False,
+                index: Optional[torch.Tensor] = None):
         if packed:
             if sorted_order:  # (rows in the sorted order: the packed data as they are, h_n back in the original)
-                return PackedSequence(packed_rows(out, input.batch_sizes, None), input.batch_sizes,
+                return PackedSequence(packed_rows(out, input.batch_sizes, None, index), input.batch_sizes,
                                       input.sorted_indices, input.unsorted_indices), \
                     h_n.index_select(1, input.unsorted_indices.to(h_n.device))
             return PackedSequence(packed_rows(out, input.batch_sizes, input.sorted_indices), input.batch_sizes,

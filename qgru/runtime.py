@@ -44,13 +44,14 @@ def _packed_index(batch_sizes: torch.Tensor, sorted_indices: Optional[torch.Tens
     return t * N + col
 
 
-def padded_from_packed(seq, sorted_order: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+def padded_from_packed(seq, sorted_order: bool = False, index_out: Optional[list] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """pad_packed_sequence(seq) (time-major, zeros at the padding; lengths int64 on the CPU, in the
     original batch order; with ``sorted_order`` the rows in the PackedSequence's sorted order
     instead, longest first, lengths likewise) as one index_copy, after checking that the PackedSequence is well formed
     (QGRUInputError otherwise: torch's own unpacking checks little of it, and reads out of bounds
     on some of it). pad_packed_sequence took 5x as long (a copy per run of equal batch sizes, then
-    an index_select into the original order)."""
+    an index_select into the original order). index_out (a list): the index it used is appended
+    (packed_rows takes it back for the same PackedSequence and order)."""
     from .errors import QGRUInputError
     data, bs, si, ui = seq.data, seq.batch_sizes, seq.sorted_indices, seq.unsorted_indices
     if not isinstance(bs, torch.Tensor) or bs.dim() != 1 or bs.dtype != torch.int64 or not bs.is_cpu \
@@ -81,16 +82,20 @@ def padded_from_packed(seq, sorted_order: bool = False) -> Tuple[torch.Tensor, t
     if si is not None and not sorted_order:
         lengths = lengths[ui_c]
     idx = _packed_index(bs, None if sorted_order else si, N, data.device)
+    if index_out is not None:
+        index_out.append(idx)
     x = data.new_zeros((T * N,) + tuple(data.shape[1:])).index_copy(0, idx, data)
     return x.view((T, N) + tuple(data.shape[1:])), lengths
 
 
-def packed_rows(out: torch.Tensor, batch_sizes: torch.Tensor, sorted_indices: Optional[torch.Tensor]) -> torch.Tensor:
+def packed_rows(out: torch.Tensor, batch_sizes: torch.Tensor, sorted_indices: Optional[torch.Tensor],
+                index: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A PackedSequence's data from a time-major [T, N, F] tensor in the original batch order (what
     padded_from_packed gives), in one index_select (a per-step loop of Python indexing took 10x a
-    padded call's time at T = 20000, N = 2)."""
+    padded call's time at T = 20000, N = 2). index: padded_from_packed's for the same sequence and
+    order (index_out), when the caller kept it."""
     T, N = out.shape[0], out.shape[1]
-    idx = _packed_index(batch_sizes, sorted_indices, N, out.device)
+    idx = _packed_index(batch_sizes, sorted_indices, N, out.device) if index is None else index
     return out.reshape(T * N, out.shape[-1]).index_select(0, idx)
 
 
