@@ -785,7 +785,7 @@ class QuantGRU(nn.GRU):
         # integers are its own, and the native steps then skip the tiles of rows already done
         by_length = self.is_converted and self._qat is None and isinstance(input, PackedSequence) \
             and input.sorted_indices is not None
-        index = []  # the packed index, unpacking's and packing's (sorted order: the same)
+        index = []  # a PackedSequence's packed index: unpacking's, then packing's (the same, in either order)
         x, lengths, hx, unbatched, packed = self._prepare(input, hx, sorted_order=by_length, index_out=index)
         if self._qat is not None and not self.is_converted:
             out, h_n = qat_forward(self, x, hx, lengths)
@@ -795,7 +795,7 @@ class QuantGRU(nn.GRU):
             with torch.no_grad():
                 out, h_n = self._forward_float_reference(x, hx, lengths)
         return self._finish(out, h_n, input, unbatched, packed, sorted_order=by_length,
-                            index=index[0] if by_length and index else None)
+                            index=index[0] if index else None)
 
     def _cpu_one_call(self, input, hx):
         """A converted model's commonest call as one native call with only the checks it needs, or
@@ -934,13 +934,11 @@ class QuantGRU(nn.GRU):
 
     def _finish(self, out, h_n, input, unbatched, packed, sorted_order: bool = False,
                 index: Optional[torch.Tensor] = None):
-        if packed:
-            if sorted_order:  # (rows in the sorted order: the packed data as they are, h_n back in the original)
-                return PackedSequence(packed_rows(out, input.batch_sizes, None, index), input.batch_sizes,
-                                      input.sorted_indices, input.unsorted_indices), \
-                    h_n.index_select(1, input.unsorted_indices.to(h_n.device))
-            return PackedSequence(packed_rows(out, input.batch_sizes, input.sorted_indices), input.batch_sizes,
-                                  input.sorted_indices, input.unsorted_indices), h_n
+        if packed:  # (sorted_order: the rows as packed, h_n back in the caller's order)
+            data = packed_rows(out, input.batch_sizes, None if sorted_order else input.sorted_indices, index)
+            if sorted_order:
+                h_n = h_n.index_select(1, input.unsorted_indices.to(h_n.device))
+            return PackedSequence(data, input.batch_sizes, input.sorted_indices, input.unsorted_indices), h_n
         if unbatched:
             return out.squeeze(1), h_n.squeeze(1)
         if self.batch_first:
