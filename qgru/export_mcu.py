@@ -11,9 +11,11 @@ At export each GEMM is checked against the int32 bound the kernels need (docs/mc
 partial sum of |q_W| |q_x| fits int32. Where it does not (or the weights have more than 8 bits)
 that layer's GEMM takes the runtime's int64 loop (``wide``), the same integers, slower.
 
-The runtime takes integer x on layer 0's static grid (``qgru_rt_quantize_input`` quantizes floats
-onto it). A first layer with x levels (config ``x.dynamic``) is exported on its static grid, level 0,
-with a UserWarning, as qgru.export_c does.
+The runtime takes integer x on layer 0's static grid (``qgru_rt_run``; ``qgru_rt_quantize_input``
+quantizes floats onto it) or float x (``qgru_rt_run_float``), which takes each token's x level where
+layer 0 has levels (config ``x.dynamic``, docs/spec.md section 4b): their grids, biases and W.x
+rescales are exported with the model unless ``x_levels=False`` (``--no-x-levels``: less flash, every
+float token on the static grid, as ``qgru_rt_run`` takes integers).
 
 CLI: ``python -m qgru.export_mcu params.qgru out/gru [--prefix NAME] [--golden-steps 8]``;
 ``python -m qgru.export_mcu --runtime-dir`` prints the runtime's folder (``runtime_dir()``).
@@ -24,7 +26,6 @@ import argparse
 import dataclasses
 import re
 import sys
-import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -32,11 +33,11 @@ import torch
 
 from .export import QuantParams, load_params
 from .export_c import _IDENT, _lit, run_writer
-from .golden import LayerParams, gru_direction, requantize_input
-from .primitives import qrange, saturate
+from .golden import LayerParams, gru_direction, quantize_levels, requantize_input
+from .primitives import dequantize, qrange, quantize, saturate
 from .tables import table_geometry
 
-ABI = 4  # csrc/c/qgru_rt.h QGRU_RT_ABI
+ABI = 5  # csrc/c/qgru_rt.h QGRU_RT_ABI
 INT32_MAX = (1 << 31) - 1
 LAYOUTS = ("interleaved", "rows", "pairs")  # csrc/c/qgru_rt.h QGRU_RT_LAYOUT_*; rows: Helium, pairs: Cortex-M DSP
 _GATE_RESCALES = ("Wx_r", "Rh_r", "Wx_z", "Rh_z", "Wx_g", "rRh_g")
@@ -72,6 +73,53 @@ def golden_model(params: QuantParams, qx: torch.Tensor, qh0: torch.Tensor) -> Tu
     return torch.cat(inp, dim=-1), torch.stack(h_n)
 
 
+def golden_model_float(params: QuantParams, x: torch.Tensor, qh0: torch.Tensor, x_levels: bool = True
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """qgru.golden on the whole stack from float x [T, I] (no NaN): layer 0 quantizes each token on
+    its x level (golden.quantize_levels) where it has levels and ``x_levels``, else on the static
+    grid, then golden_model's stack. qh0 [L*D, H]. -> (out [T, D*H], h_n [L*D, H])."""
+    layers = params.layers
+    D = len(layers[0])
+    inp: List[torch.Tensor] = []
+    h_n = []
+    for li, row in enumerate(layers):
+        outs = []
+        for d, p in enumerate(row):
+            level = None
+            if li == 0:
+                if p.x_levels is not None and x_levels:
+                    qx, level = quantize_levels(p.x_levels, x, p.zp["x"], p.bits["x"])
+                else:
+                    qx = quantize(x, p.scale["x"], p.zp["x"], p.bits["x"])
+                    p = dataclasses.replace(p, x_levels=None)
+            else:
+                qx = torch.cat([requantize_input(q, layers[li - 1][e].zp["h"], p.rescale[f"in_{e}"], p.zp["x"],
+                                                 p.bits["x"]) for e, q in enumerate(inp)], dim=-1)
+            if d == 1:
+                qx = qx.flip(0)
+                level = level.flip(0) if level is not None else None
+            o, h = gru_direction(p, qx.unsqueeze(1), qh0[li * D + d].unsqueeze(0),
+                                 level=level.unsqueeze(1) if level is not None else None)
+            o = o.squeeze(1)
+            outs.append(o.flip(0) if d == 1 else o)
+            h_n.append(h.squeeze(0))
+        inp = outs
+    return torch.cat(inp, dim=-1), torch.stack(h_n)
+
+
+def golden_float_inputs(params: QuantParams, qx: torch.Tensor) -> torch.Tensor:
+    """float x [T, I] for the float self-test: qx's values on the static grid, token t scaled by
+    1, 1.3, 2.2, 3.7, 6, 9, 0.6, 1.8, ... (tokens beyond calibration, each level's range and the
+    last level's clipping), one value +inf and one -inf in token 2 when T > 2"""
+    p0 = params.layers[0][0]
+    x = dequantize(qx, p0.scale["x"], p0.zp["x"]).double()
+    f = torch.tensor([1.0, 1.3, 2.2, 3.7, 6.0, 9.0, 0.6, 1.8], dtype=torch.float64, device=qx.device)
+    x = (x * f[torch.arange(qx.shape[0], device=qx.device) % 8].unsqueeze(1)).float()
+    if qx.shape[0] > 2 and qx.shape[1] > 1:
+        x[2, 0], x[2, 1] = float("inf"), float("-inf")
+    return x
+
+
 def golden_inputs(params: QuantParams, steps: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(qx [T, I], qh0 [L*D, H]): x around its zero point with a quarter of its range as spread
     (a few percent saturate), step 0 at both extremes alternately; h0 uniform over h's range."""
@@ -93,11 +141,16 @@ def _incl(r):
 
 
 def write_mcu(params: QuantParams, path: Union[str, Path], prefix: Optional[str] = None,
-              golden_steps: int = 8, seed: int = 0, layout: str = "interleaved") -> Tuple[Path, Path]:
+              golden_steps: int = 8, seed: int = 0, layout: str = "interleaved",
+              x_levels: bool = True) -> Tuple[Path, Path]:
     """Write ``<stem>.h`` and ``<stem>.c`` (the whole model for csrc/c/); returns their paths.
 
     ``layout``: the weight order of the target's kernel: "interleaved" (plain C, NEON), "pairs"
-    (Cortex-M DSP, SMLAD) or "rows" (Helium MVE); the runtime refuses data of another (QGRU_RT_ELAYOUT)."""
+    (Cortex-M DSP, SMLAD) or "rows" (Helium MVE); the runtime refuses data of another (QGRU_RT_ELAYOUT).
+    ``x_levels``: export layer 0's x levels where it has them (qgru_rt_run_float takes each token's
+    level); False: leave them out (less flash; float tokens on the static grid, beyond it saturated)."""
+    if not isinstance(x_levels, bool):
+        raise TypeError(f"write_mcu: x_levels must be a bool, got {type(x_levels).__name__} {x_levels!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"write_mcu: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     for name, v in (("golden_steps", golden_steps), ("seed", seed)):
@@ -121,14 +174,12 @@ def write_mcu(params: QuantParams, path: Union[str, Path], prefix: Optional[str]
     if not _IDENT.match(prefix):
         raise ValueError(f"prefix {prefix!r} is not a C identifier")
     params.validate()
-    if params.layers[0][0].x_levels is not None:
-        warnings.warn("write_mcu: layer 0's x levels are not exported (config x.dynamic, docs/spec.md section 4b): "
-                      "the runtime takes x on the static grid (level 0), where inputs beyond calibration saturate. "
-                      "For a host model that runs the same, convert with overrides={\"tensors\": {\"x\": "
-                      "{\"dynamic\": False}}}", UserWarning, stacklevel=2)
     qx, qh0 = golden_inputs(params, golden_steps, seed)
     out, h_n = golden_model(params, qx, qh0)
-    text_c, text_h = _Writer(params, prefix, stem.name, (qx, qh0, out, h_n), layout).files()
+    xf = golden_float_inputs(params, qx)
+    fout, fh_n = golden_model_float(params, xf, qh0, x_levels)
+    text_c, text_h = _Writer(params, prefix, stem.name, (qx, qh0, out, h_n, xf, fout, fh_n), layout,
+                             x_levels).files()
     stem.parent.mkdir(parents=True, exist_ok=True)
     h_path, c_path = stem.with_name(stem.name + ".h"), stem.with_name(stem.name + ".c")
     h_path.write_text(text_h)
@@ -141,14 +192,28 @@ def _fits(t: torch.Tensor, bits: int) -> bool:
     return t.numel() == 0 or (int(t.min()) >= lo and int(t.max()) <= hi)
 
 
+def _dlit(v: float) -> str:
+    """a float64 as an exact C literal (hexadecimal; +-inf as HUGE_VAL from math.h)"""
+    v = float(v)
+    if v != v:
+        raise ValueError("write_mcu: a NaN cannot be a grid bound")
+    return "HUGE_VAL" if v == float("inf") else "-HUGE_VAL" if v == float("-inf") else v.hex()
+
+
+def _flit(v: float) -> str:
+    """a float32 value as an exact C float literal (+-inf as INFINITY)"""
+    v = float(v)
+    return "INFINITY" if v == float("inf") else "-INFINITY" if v == float("-inf") else v.hex() + "f"
+
+
 def _fits_ints(vals, bits: int) -> bool:
     lo, hi = qrange(bits)
     return all(lo <= int(v) <= hi for v in vals)
 
 
 class _Writer:
-    def __init__(self, params: QuantParams, prefix: str, stem_name: str, golden, layout: str):
-        self.layout = layout
+    def __init__(self, params: QuantParams, prefix: str, stem_name: str, golden, layout: str, x_levels: bool):
+        self.layout, self.x_levels = layout, x_levels
         self.params, self.pre, self.P, self.stem_name, self.golden = params, prefix, prefix.upper(), stem_name, golden
         self.parts: List[str] = []
         self.sizes: Dict[str, int] = {}  # bytes of flash by kind (reported in the header)
@@ -278,6 +343,8 @@ class _Writer:
             fields.append(".s_in = {" + ", ".join(str(int(rs[f"in_{e}"].shift)) for e in range(len(prev))) + "}")
             fields.append(".zp_hprev = {" + ", ".join(_lit(q.zp["h"]) for q in prev) + "}")
         fields += [f".x_scale = {float(p.scale['x'])!r}", f".h_scale = {float(p.scale['h'])!r}"]
+        if li == 0 and p.x_levels is not None and self.x_levels:
+            fields.append(f".xlv = &{self._xlevels(n, p, fast, cell32, wide['x'], where)}")
         for t in [k for k in rs if k.startswith("in_")] + ["Wx", "Rh", *_GATE_RESCALES]:
             r = rs[t]
             if int(r.multiplier.max()) > INT32_MAX or int(r.multiplier.min()) < 0 or not (
@@ -387,13 +454,7 @@ class _Writer:
             v = (bias - comp).tolist()
             if not _fits_ints(v, 32):
                 return f"bias_{t} does not fit int32"
-            rows = [0] * (3 * G)
-            for g in range(3):
-                rows[g * G:g * G + H] = v[g * H:(g + 1) * H]
-            if self.layout == "pairs":
-                rows = [((rows[i] + 256 * rows[i + 1] + (1 << 31)) % (1 << 32)) - (1 << 31) if i % 2 == 0 else rows[i]
-                        for i in range(3 * G)]
-            inits.append(self._arr("int32_t", f"{n}_init_{t}", rows, "biases"))
+            inits.append(self._arr("int32_t", f"{n}_init_{t}", self._init_rows(v, H), "biases"))
         std16 = all(b[t] == 16 for t in ("Wx", "Rh", "h", "r_pre", "z_pre", "g_pre")) and all(
             table_geometry(b[f"{g}_pre"]) == (6, 4) for g in "rzg")
         hg = ["0", "0", "0", "0"]  # m, c, p, mode: h -> h_gemm as one high word where s >= 33
@@ -434,6 +495,64 @@ class _Writer:
                   f".hg_mode = {hg[3]}", f".std16 = {int(std16)}"]
         self.parts.append(f"static const qgru_rt_fast {n}_fast = {{\n    " + ",\n    ".join(fields) + "\n};\n")
         return None
+
+    def _init_rows(self, v: List[int], H: int) -> List[int]:
+        """a fast kernel's accumulator starts from biases v [3H]: each gate's rows padded to 4 (zeros),
+        pairs layout: b[2i] + 256 b[2i+1] (mod 2^32) in the even row"""
+        G = _pad4(H)
+        rows = [0] * (3 * G)
+        for g in range(3):
+            rows[g * G:g * G + H] = v[g * H:(g + 1) * H]
+        if self.layout == "pairs":
+            rows = [((rows[i] + 256 * rows[i + 1] + (1 << 31)) % (1 << 32)) - (1 << 31) if i % 2 == 0 else rows[i]
+                    for i in range(3 * G)]
+        return rows
+
+    def _xlevels(self, n: str, p: LayerParams, fast: bool, cell32: bool, wide_x: int, where: str) -> str:
+        """layer 0's x levels (csrc/c/qgru_rt.h qgru_rt_xlevels), written into the parts; returns the
+        struct's name. Levels 1 .. J-1 carry their biases and W.x rescales; every bound their path
+        relies on is checked here: the fast cell's int32 kernel sums with the level's bias, unit32's
+        (per level, else that level takes unit), the rescales' ranges."""
+        lv = p.x_levels
+        J, H = int(lv.exponent.numel()), p.hidden_size
+        lo_x, hi_x = qrange(p.bits["x"])
+        gemm = p.W.abs().sum(1) * max(-lo_x, hi_x)  # [3H]: |q_W| |q_x| per row
+        biases, ms, ss, c32 = [], [], [], []
+        for j in range(1, J):
+            m, s_ = lv.rescale.multiplier[j].expand(3 * H), lv.rescale.shift[j].expand(3 * H)
+            if int(m.min()) < 0 or int(m.max()) > INT32_MAX or int(s_.min()) < 1 or int(s_.max()) > 62:
+                raise ValueError(f"write_mcu: {where}: x level {j}'s W.x rescale is outside int32 multipliers / "
+                                 "shifts [1, 62]; export with x_levels=False")
+            v = lv.b_x[j] - p.W_zp_comp
+            if fast and int((gemm + v.abs()).max()) > INT32_MAX:
+                raise ValueError(f"write_mcu: {where}: x level {j}'s W.x sums exceed int32 (the fast kernels); "
+                                 "export with x_levels=False")
+            acc = gemm + v.abs()
+            c32.append(int(cell32 and not wide_x and _fits(v, 32)
+                           and bool(((acc << (33 - s_).clamp(min=0)) <= INT32_MAX).all())))
+            biases.append(v.tolist())
+            ms += m.tolist()
+            ss += s_.tolist()
+        f = [f".num = {J}"]
+        for k in ("scale", "lo", "hi"):
+            vals = ", ".join(_dlit(v) for v in getattr(lv, k).tolist())
+            self.sizes["x levels"] = self.sizes.get("x levels", 0) + 8 * J
+            self.parts.append(f"static const double {n}_xl_{k}[{J}] = {{{vals}}};\n")
+            f.append(f".{k} = {n}_xl_{k}")
+        if J > 1:
+            if fast:
+                f.append(f".init = {self._arr('int32_t', f'{n}_xl_init', [r for b in biases for r in self._init_rows(b, H)], 'x levels')}")
+            else:
+                flat = [v for b in biases for v in b]
+                if _fits_ints(flat, 32):
+                    f.append(f".bias = {self._arr('int32_t', f'{n}_xl_bias', flat, 'x levels')}")
+                else:
+                    f.append(f".bias64 = {self._arr('int64_t', f'{n}_xl_bias64', flat, 'x levels')}")
+                f.append(f".cell32 = {self._arr('uint8_t', f'{n}_xl_cell32', c32, 'x levels')}")
+            f.append(f".m = {self._arr('int32_t', f'{n}_xl_m', ms, 'x levels')}")
+            f.append(f".s = {self._arr('uint8_t', f'{n}_xl_s', ss, 'x levels')}")
+        self.parts.append(f"static const qgru_rt_xlevels {n}_xlv = {{\n    " + ",\n    ".join(f) + "\n};\n")
+        return f"{n}_xlv"
 
     def _cell32(self, p: LayerParams, li: int, op: str, wide) -> bool:
         """Whether the runtime's 32-bit cell (qgru_rt.c unit32, qgru_rt_rescale32) is exact here:
@@ -489,10 +608,12 @@ class _Writer:
         dirs = [self._dir(li, d, p) for li, row in enumerate(params.layers) for d, p in enumerate(row)]
         p0 = params.layers[0][0]
         body = "".join(self.parts)
-        qx, qh0, out, h_n = self.golden
+        qx, qh0, out, h_n, xf, fout, fh_n = self.golden
         cfg = meta.get("config", {})
         src = f"""/* {self.stem_name}.c: written by qgru.export_mcu: the data of a converted QuantGRU for the
  * runtime in csrc/c/ (qgru_rt.h). Config "{cfg.get('name', '?')}", scale_mode "{cfg.get('scale_mode', '?')}". */
+#include <math.h>
+
 #include "{self.stem_name}.h"
 
 #if QGRU_RT_ABI != {ABI}
@@ -511,40 +632,57 @@ static const int16_t {pre}_golden_x[{qx.numel()}] = {{{", ".join(map(str, qx.res
 static const int16_t {pre}_golden_h0[{qh0.numel()}] = {{{", ".join(map(str, qh0.reshape(-1).tolist()))}}};
 static const int16_t {pre}_golden_out[{out.numel()}] = {{{", ".join(map(str, out.reshape(-1).tolist()))}}};
 static const int16_t {pre}_golden_hn[{h_n.numel()}] = {{{", ".join(map(str, h_n.reshape(-1).tolist()))}}};
+/* float input (qgru_rt_run_float; tokens beyond calibration, on their x levels where exported) */
+static const float {pre}_golden_xf[{xf.numel()}] = {{{", ".join(map(_flit, xf.reshape(-1).tolist()))}}};
+static const int16_t {pre}_golden_fout[{fout.numel()}] = {{{", ".join(map(str, fout.reshape(-1).tolist()))}}};
+static const int16_t {pre}_golden_fhn[{fh_n.numel()}] = {{{", ".join(map(str, fh_n.reshape(-1).tolist()))}}};
 
-/* Runs the golden sequence in one call (and, unidirectional, one step per call too): the number
- * of integers (outputs and h_n) that differ from qgru.golden's, 0 = bit-exact; < 0: an error. */
-int {pre}_selftest(void *work, size_t work_bytes)
+/* one pass of the golden sequence, integer (xf = 0) or float input: in one call, or
+ * (unidirectional, step) one step a call with the state carried by the caller; the number of
+ * integers that differ, or an error (< 0) */
+static int32_t {pre}_golden_pass(const float *xf, int step, void *work, size_t work_bytes)
 {{
+    const int16_t *want_out = xf ? {pre}_golden_fout : {pre}_golden_out, *want_hn = xf ? {pre}_golden_fhn : {pre}_golden_hn;
     int16_t state[{L * D * H}], out[{qx.shape[0] * D * H}];
-    int32_t i, t, rc, bad = 0;
+    int32_t i, t, rc = 0, bad = 0;
     for (i = 0; i < {L * D * H}; i++)
         state[i] = {pre}_golden_h0[i];
-    rc = qgru_rt_run(&{pre}_model, {pre}_golden_x, {qx.shape[0]}, state, out, work, work_bytes);
+    for (t = 0; t < {qx.shape[0]} && !rc; t += step ? 1 : {qx.shape[0]}) {{
+        const int32_t n = step ? 1 : {qx.shape[0]};
+        rc = xf ? qgru_rt_run_float(&{pre}_model, xf + t * {I}, n, state, out + t * {D * H}, work, work_bytes)
+                : qgru_rt_run(&{pre}_model, {pre}_golden_x + t * {I}, n, state, out + t * {D * H}, work, work_bytes);
+    }}
     if (rc)
         return rc;
     for (i = 0; i < {out.numel()}; i++)
-        bad += out[i] != {pre}_golden_out[i];
+        bad += out[i] != want_out[i];
     for (i = 0; i < {L * D * H}; i++)
-        bad += state[i] != {pre}_golden_hn[i];
-    if ({D} == 1) {{ /* streaming: one step a call, the state carried by the caller */
-        for (i = 0; i < {L * D * H}; i++)
-            state[i] = {pre}_golden_h0[i];
-        for (t = 0; t < {qx.shape[0]}; t++) {{
-            rc = qgru_rt_run(&{pre}_model, {pre}_golden_x + t * {I}, 1, state, out + t * {D * H}, work, work_bytes);
-            if (rc)
+        bad += state[i] != want_hn[i];
+    return bad;
+}}
+
+/* Runs the golden sequences, integer and float input, each in one call (and, unidirectional, one
+ * step per call too): the number of integers (outputs and h_n) that differ from qgru.golden's,
+ * 0 = bit-exact; < 0: an error. */
+int {pre}_selftest(void *work, size_t work_bytes)
+{{
+    int32_t f, step, rc, bad = 0;
+    for (f = 0; f < 2; f++)
+        for (step = 0; step < ({D} == 1 ? 2 : 1); step++) {{
+            rc = {pre}_golden_pass(f ? {pre}_golden_xf : 0, step, work, work_bytes);
+            if (rc < 0)
                 return rc;
+            bad += rc;
         }}
-        for (i = 0; i < {out.numel()}; i++)
-            bad += out[i] != {pre}_golden_out[i];
-        for (i = 0; i < {L * D * H}; i++)
-            bad += state[i] != {pre}_golden_hn[i];
-    }}
     return bad;
 }}
 #endif /* {P}_GOLDEN */
 """
         xlo, xhi = qrange(p0.bits["x"])
+        lv = p0.x_levels
+        levels = ("no x levels: every token on the static grid" if lv is None else
+                  f"{lv.exponent.numel()} x levels, each token on its own" if self.x_levels else
+                  "x levels left out (x_levels=False): every token on the static grid")
         sizes = ", ".join(f"{k} {v}" for k, v in self.sizes.items())
         notes = "".join(f" *   {s}\n" for s in self.notes) or " *   none: every GEMM accumulates in int32\n"
         notes += " * Cells (docs/mcu.md):\n" + ("".join(f" *   {s}\n" for s in self.cell_notes)
@@ -553,7 +691,8 @@ int {pre}_selftest(void *work, size_t work_bytes)
         hdr = f"""/* {self.stem_name}.h: written by qgru.export_mcu (csrc/c/qgru_rt.h runs it; docs/mcu.md).
  *
  * {L} layer(s) x {D} direction(s), {I} -> {H}; config "{cfg.get('name', '?')}", scale_mode "{cfg.get('scale_mode', '?')}".
- * Input: x_q [T][{P}_INPUT_SIZE] int16_t on layer 0's x grid: real = (q - {P}_X_ZERO_POINT) * {P}_X_SCALE.
+ * Input: x_q [T][{P}_INPUT_SIZE] int16_t on layer 0's x grid: real = (q - {P}_X_ZERO_POINT) * {P}_X_SCALE
+ * (qgru_rt_run), or floats (qgru_rt_run_float: {levels}).
  * State: [{P}_STATE_SIZE] int16_t (h0 in, h_n out, torch's h_n order); outputs [T][{D * H}] on each
  * direction's h grid (qgru_rt_dequantize). Flash bytes of data: {sizes}.
  * GEMMs on the int64 loop (the int32 bound does not hold, docs/mcu.md):
@@ -613,9 +752,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--layout", choices=LAYOUTS, default="interleaved",
                     help="weight order of the target's kernel: pairs for Cortex-M DSP (M4/M7/M33: SMLAD), rows for "
                          "Helium (M55), else interleaved (plain C, NEON); the runtime refuses another")
+    ap.add_argument("--no-x-levels", action="store_true",
+                    help="leave layer 0's x levels out (less flash; qgru_rt_run_float then takes every token on the "
+                         "static grid)")
     a = ap.parse_args(argv)
     return run_writer(ap.prog, lambda: write_mcu(load_params(a.params), a.stem, prefix=a.prefix,
-                                                 golden_steps=a.golden_steps, seed=a.seed, layout=a.layout))
+                                                 golden_steps=a.golden_steps, seed=a.seed, layout=a.layout,
+                                                 x_levels=not a.no_x_levels))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ QEMU models no cycles (an M4 retires at most one instruction a cycle). Flash: ar
 of the Cortex-M builds (runtime, model data, board start-up); RAM: the state, the work buffer
 and the deepest stack of qgru_rt_run's call tree from GCC's call graph (-fcallgraph-info=su).
 
-    python scripts/bench_mcu.py [--targets m0,m4,m55,a53,a64-dotprod] [--shapes 16x64,33x96,40x128]
+    python scripts/bench_mcu.py [--targets m0,m4,m55,a53,a64-dotprod] [--shapes 16x64,33x96,40x128] [--float]
+
+--float: the same model with x levels (config x.dynamic, the default's), each step one
+qgru_rt_run_float call: its tokens within calibration (level 0) and at 3x it (a level > 0).
 """
 from __future__ import annotations
 
@@ -33,26 +36,28 @@ ANCHORS = {  # (target, shape): instructions per step before the runtime (export
 }
 
 
-def model(I: int, H: int, folder: Path):
+def model(I: int, H: int, folder: Path, levels: bool = False):
     import torch
     import qgru
     from qgru.export_mcu import write_mcu
-    cfg = qgru.QuantConfig.load("w8a8", overrides={"tensors": {"x": {"dynamic": False}, "h_gemm": {"dynamic": False}}})
+    cfg = qgru.QuantConfig.load("w8a8", overrides={"tensors": {"x": {"dynamic": levels}, "h_gemm": {"dynamic": False}}})
     torch.manual_seed(0)
     m = qgru.QuantGRU(I, H, config=cfg)
     qgru.calibrate(m, [torch.randn(20, 4, I) for _ in range(2)], progress=False)
     p = m.convert().export()
     out = {}
     for layout in ("interleaved", "rows", "pairs"):
-        d = folder / f"{I}x{H}-{layout}"
+        d = folder / f"{I}x{H}-{layout}{'-levels' if levels else ''}"
         write_mcu(p, d / "gru", layout=layout)
         out[layout] = d
     return out
 
 
-def count(t, d: Path, steps: int) -> int:
+def count(t, d: Path, steps: int, xf: float = 0.0) -> int:
+    """instructions of `steps` steps; xf > 0: float input, x's integers times xf"""
     b = mb.build(t, d / "gru.c", mb.BOARDS / "bench_main.c", d / f"bench-{t.name}-{steps}",
-                 defines=['QGRU_MODEL_HEADER="gru.h"', "QGRU_MODEL=gru", f"QGRU_BENCH_STEPS={steps}"],
+                 defines=['QGRU_MODEL_HEADER="gru.h"', "QGRU_MODEL=gru", f"QGRU_BENCH_STEPS={steps}",
+                          *([f"QGRU_BENCH_FLOAT={xf!r}"] if xf else [])],
                  extra=["-fstack-usage", "-fcallgraph-info=su"])
     log = d / f"exec-{t.name}-{steps}.log"
     out = mb.run(t, b, timeout=600, extra=["-singlestep", "-d", "exec,nochain", "-D", str(log)])
@@ -98,6 +103,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--targets", default="m0,m4,m55,a53,a64-dotprod")
     ap.add_argument("--shapes", default="16x64,33x96,40x128")
+    ap.add_argument("--float", action="store_true", help="also float input with x levels (qgru_rt_run_float)")
     a = ap.parse_args()
     targets = [mb.TARGETS[n] for n in a.targets.split(",")]
     print("| target | kernel | shape | instructions / step | per multiply-add | flash bytes | RAM: state + work + stack | anchor |")
@@ -120,6 +126,17 @@ def main() -> int:
                 ram = f"{2 * H} + {work} + {stack(d)}"
                 print(f"| {t.name} | {kernel} | {I} -> {H} | {n:,.0f} | {n / macs:.2f} | {flash(t, d)} | {ram} | "
                       f"{ANCHORS.get((t.name, shape), '')} |", flush=True)
+            if not a.float:
+                continue
+            ldirs = model(I, H, Path(tmp), levels=True)
+            for t in targets:
+                if mb.missing(t):
+                    continue
+                d = ldirs[t.layout]
+                scale = float(re.search(r"_X_SCALE (\S+)", (d / "gru.h").read_text()).group(1))
+                for f, what in ((1.0, "float x, level 0"), (3.0, "float x at 3x calibration (a level > 0)")):
+                    n = (count(t, d, 5, scale * f) - count(t, d, 1, scale * f)) / 4
+                    print(f"| {t.name} | {what} | {I} -> {H} | {n:,.0f} | {n / macs:.2f} | {flash(t, d)} | | |", flush=True)
     return 0
 
 

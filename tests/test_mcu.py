@@ -46,6 +46,12 @@ CASES = {  # id: (config, overrides, scale_mode, input, hidden, layers, bidirect
     "w8a8-fast-bidir2": ("w8a8", {}, "multiplier", 8, 32, 2, True),  # the fast cell (qgru_rt.c fast_unit)
     # hidden % 4 != 0: the last block of four units is partial (scalar cell on the blocked constants)
     "w8a8-fast-h30": ("w8a8", {}, "multiplier", 8, 30, 1, False),
+    # x levels (config x.dynamic, each token on its own grid: qgru_rt_run_float): the fast cell
+    # (13 levels), the fast cell's pairs / vector layouts with pow2's 4 levels, unit32 and unit
+    "w8a8-levels-bidir2": ("w8a8", {}, "multiplier", 6, 16, 2, True),
+    "w8a16-levels-pow2": ("w8a16", {}, "pow2", 7, 12, 1, False),
+    "custom-levels": ("w8a8", CUSTOM, "multiplier", 9, 7, 1, False),
+    "w16a16-levels-wide": ("w16a16", {}, "multiplier", 6, 5, 1, True),
 }
 GOLDEN = ["GRU_GOLDEN", 'QGRU_MODEL_HEADER="gru.h"', "QGRU_MODEL=gru"]
 
@@ -94,7 +100,7 @@ int main(void)
 def converted(case: str) -> qgru.QuantParams:
     config, over, mode, I, H, layers, bidir = CASES[case]
     cfg = qgru.QuantConfig.load(config, overrides={**over, "scale_mode": mode})
-    static = {"x": {"dynamic": False}, **({"h_gemm": {"dynamic": False}} if cfg.h_gemm is not None else {})}
+    static = {"x": {"dynamic": "levels" in case}, **({"h_gemm": {"dynamic": False}} if cfg.h_gemm is not None else {})}
     cfg = qgru.QuantConfig.load(cfg, overrides={"tensors": static})
     torch.manual_seed(len(case))
     m = qgru.QuantGRU(I, H, num_layers=layers, bidirectional=bidir, config=cfg)
@@ -162,6 +168,8 @@ def test_host_runtime_matches_golden_and_module(case, folder):
         out, h_n = vals[c * n:c * n + T * D * H].reshape(T, D * H), vals[c * n + T * D * H:(c + 1) * n].reshape(L * D, H)
         assert torch.equal(out, want_out), (c, out, want_out)
         assert torch.equal(h_n, want_h), (c, h_n, want_h)
+    if "levels" in case:  # x's extremes as float32 may lie just beyond level 0 (test_host_float_input_*)
+        return
     # the module's own float forward on the same integers (x and h0 as floats on their grids)
     m = params.to_module()
     p0 = params.layers[0][0]
@@ -300,9 +308,140 @@ def test_float_boundary_matches_quantize_and_dequantize(folder):
     assert torch.equal(y, dequantize(q, last.scale["h"], last.zp["h"]))
 
 
-def test_command_line_and_x_levels_warning(tmp_path, capsys):
+FLOAT_HARNESS = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include "gru.h"
+
+/* stdin: T, x [T][I] floats (%a), h0 [STATE]. stdout: the return code, out [T][D H] and h_n of
+ * qgru_rt_run_float in one call, then (unidirectional) the same in two calls (T/2, the rest); then
+ * the return code of a call whose x holds a NaN and whether it left the state as it was. */
+static long next(void)
+{
+    long v;
+    if (scanf("%ld", &v) != 1) exit(2);
+    return v;
+}
+
+int main(void)
+{
+    const int32_t T = (int32_t)next(), D = GRU_NUM_DIRECTIONS, H = GRU_HIDDEN_SIZE, S = GRU_STATE_SIZE;
+    const size_t nw = qgru_rt_work_bytes(&gru_model, T);
+    float *x = malloc(sizeof(float) * (size_t)(T * GRU_INPUT_SIZE + 1));
+    int16_t *out = malloc(sizeof(int16_t) * (size_t)(T * D * H + 1));
+    int16_t h0[GRU_STATE_SIZE], h[GRU_STATE_SIZE];
+    void *work = malloc(nw);
+    int32_t i, c, rc, same = 1;
+    for (i = 0; i < T * GRU_INPUT_SIZE; i++)
+        if (scanf("%a", &x[i]) != 1) return 2;
+    for (i = 0; i < S; i++) h0[i] = (int16_t)next();
+    for (c = 0; c < (D == 1 ? 2 : 1); c++) {
+        const int32_t first = c ? T / 2 : T;
+        for (i = 0; i < S; i++) h[i] = h0[i];
+        rc = qgru_rt_run_float(&gru_model, x, first, h, out, work, nw);
+        if (!rc && first < T)
+            rc = qgru_rt_run_float(&gru_model, x + first * GRU_INPUT_SIZE, T - first, h, out + first * D * H, work, nw);
+        printf("%d\n", (int)rc);
+        for (i = 0; i < T * D * H; i++) printf("%d\n", out[i]);
+        for (i = 0; i < S; i++) printf("%d\n", h[i]);
+    }
+    for (i = 0; i < S; i++) h[i] = h0[i];
+    x[T * GRU_INPUT_SIZE - 1] = 0.0f / 0.0f;
+    rc = qgru_rt_run_float(&gru_model, x, T, h, out, work, nw);
+    for (i = 0; i < S; i++) same &= h[i] == h0[i];
+    printf("%d\n%d\n", (int)rc, (int)same);
+    free(x), free(out), free(work);
+    return 0;
+}
+"""
+
+
+def float_inputs(params, gen, T=13):
+    """float x [T, I]: tokens within calibration and beyond it (up to ~12x: every level, and the
+    last level's clipping), one +inf and one -inf value, a token of zeros"""
+    p0 = params.layers[0][0]
+    span = float(p0.scale["x"]) * (qrange(p0.bits["x"])[1] - qrange(p0.bits["x"])[0]) / 2
+    f = torch.tensor([0.3, 0.9, 1.2, 1.5, 2.0, 2.6, 3.3, 4.5, 6.0, 8.0, 12.0, 1.0, 0.5])[:T]
+    x = (torch.rand(T, p0.input_size, generator=gen) * 2 - 1) * span * f.unsqueeze(1)
+    x[3, 0], x[4, -1], x[5] = float("inf"), float("-inf"), 0.0
+    return x
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "levels" in c] + ["w8a8-fast-bidir2"])
+def test_host_float_input_takes_x_levels_as_the_module(case, folder):
+    """qgru_rt_run_float: each token quantized on its x level (golden.quantize_levels, W.x with
+    the level's bias and rescale) in every cell the runtime has, in one call and in chunks, gives
+    the golden integers, and dequantized, exactly the converted module's float outputs; a model
+    without levels quantizes on the static grid; a NaN anywhere is refused (QGRU_RT_ENAN) with the
+    state untouched. Exported without levels, every token takes the static grid."""
+    from qgru.golden import quantize_levels
+    from qgru.primitives import quantize
+    t = mb.TARGETS["host"]
+    if mb.missing(t):
+        pytest.skip(f"no host C compiler ({mb.missing(t)})")
+    params = converted(case)
+    L, D, H = len(params.layers), len(params.layers[0]), params.meta["hidden_size"]
+    gen = torch.Generator().manual_seed(11)
+    x = float_inputs(params, gen)
+    T = x.shape[0]
+    qh0 = inputs(params, gen)[1]
+    p0 = params.layers[0][0]
+    if "levels" in case:  # the inputs reach beyond level 0 and onto the last level
+        lv = p0.x_levels.exponent.numel()
+        levels = quantize_levels(p0.x_levels, x, p0.zp["x"], p0.bits["x"])[1]
+        assert lv > 1 and int(levels.max()) == lv - 1 and len(set(levels.tolist())) >= 3
+    for with_levels in ((True, False) if "levels" in case else (True,)):
+        d = Path(folder) / f"{case}-float-{with_levels}"
+        write_mcu(params, d / "gru", x_levels=with_levels)
+        (d / "harness.c").write_text(FLOAT_HARNESS)
+        binary = mb.build(t, d / "gru.c", d / "harness.c", d / "harness")
+        stdin = " ".join([str(T), *(float(v).hex() for v in x.reshape(-1).tolist()), *map(str, qh0.reshape(-1).tolist())])
+        vals = [int(v) for v in mb.run(t, binary, stdin=stdin).split()]
+        n = 1 + T * D * H + L * D * H
+        assert len(vals) == n * (2 if D == 1 else 1) + 2
+        assert vals[-2:] == [-6, 1]  # QGRU_RT_ENAN, the state untouched
+        # the golden stack, written here: layer 0 on each token's level (or the static grid)
+        inp, want_h = [], []
+        for li, row in enumerate(params.layers):
+            outs = []
+            for e, p in enumerate(row):
+                level = None
+                if li == 0 and p.x_levels is not None and with_levels:
+                    q, level = quantize_levels(p.x_levels, x, p.zp["x"], p.bits["x"])
+                elif li == 0:
+                    q = quantize(x, p.scale["x"], p.zp["x"], p.bits["x"])
+                else:
+                    q = torch.cat([requantize_input(v, params.layers[li - 1][k].zp["h"], p.rescale[f"in_{k}"], p.zp["x"],
+                                                    p.bits["x"]) for k, v in enumerate(inp)], -1)
+                if e:
+                    q, level = q.flip(0), (level.flip(0) if level is not None else None)
+                o, hn = gru_direction(p, q.unsqueeze(1), qh0[li * D + e].unsqueeze(0),
+                                      level=None if level is None else level.unsqueeze(1))
+                outs.append(o.squeeze(1).flip(0) if e else o.squeeze(1))
+                want_h.append(hn.squeeze(0))
+            inp = outs
+        want_out, want_h = torch.cat(inp, -1), torch.stack(want_h)
+        for c in range(2 if D == 1 else 1):
+            v = torch.tensor(vals[c * n:(c + 1) * n])
+            assert int(v[0]) == 0
+            assert torch.equal(v[1:1 + T * D * H].reshape(T, D * H), want_out), (case, with_levels, c)
+            assert torch.equal(v[1 + T * D * H:].reshape(L * D, H), want_h), (case, with_levels, c)
+        if with_levels:  # the converted module on the same floats: the same numbers
+            m = params.to_module()
+            flat = [p for row in params.layers for p in row]
+            h0 = torch.stack([dequantize(qh0[i], p.scale["h"], p.zp["h"]) for i, p in enumerate(flat)]).unsqueeze(1)
+            with torch.no_grad(), qgru.backend("reference"):
+                y, hy = m(x.unsqueeze(1), h0)
+            last = params.layers[-1]
+            assert torch.equal(y.squeeze(1), torch.cat([dequantize(want_out[:, e * H:(e + 1) * H], p.scale["h"], p.zp["h"])
+                                                        for e, p in enumerate(last)], -1))
+            assert torch.equal(hy.squeeze(1), torch.stack([dequantize(want_h[i], p.scale["h"], p.zp["h"])
+                                                           for i, p in enumerate(flat)]))
+
+
+def test_command_line_and_x_levels_option(tmp_path, capsys):
     """python -m qgru.export_mcu writes the two files (exit 0) and answers an unreadable file with
-    one error line (exit 1); a first layer with x levels exports on its static grid, with a warning"""
+    one error line (exit 1); a first layer's x levels are exported, or left out with --no-x-levels"""
     from qgru import export_mcu
     cfg = qgru.QuantConfig.load("w8a8", overrides={"tensors": {"x": {"dynamic": True}}})
     torch.manual_seed(0)
@@ -310,9 +449,16 @@ def test_command_line_and_x_levels_warning(tmp_path, capsys):
     qgru.calibrate(m, [torch.randn(5, 2, 4)], progress=False)
     params = m.convert().export()
     params.save(tmp_path / "m.qgru")
-    with pytest.warns(UserWarning, match="x levels are not exported"):
-        assert export_mcu.main([str(tmp_path / "m.qgru"), str(tmp_path / "out" / "net")]) == 0
+    assert export_mcu.main([str(tmp_path / "m.qgru"), str(tmp_path / "out" / "net")]) == 0
     assert (tmp_path / "out" / "net.c").is_file() and "net_model" in (tmp_path / "out" / "net.h").read_text()
+    J = params.layers[0][0].x_levels.exponent.numel()
+    assert f"{J} x levels, each token on its own" in (tmp_path / "out" / "net.h").read_text()
+    assert ".xlv = &net_l0f_xlv" in (tmp_path / "out" / "net.c").read_text()
+    assert export_mcu.main([str(tmp_path / "m.qgru"), str(tmp_path / "out" / "bare"), "--no-x-levels"]) == 0
+    assert "x levels left out" in (tmp_path / "out" / "bare.h").read_text()
+    assert "xlv" not in (tmp_path / "out" / "bare.c").read_text()
+    with pytest.raises(TypeError, match="x_levels"):
+        write_mcu(params, tmp_path / "x", x_levels=1)
     (tmp_path / "bad.qgru").write_bytes(b"not a parameter file")
     assert export_mcu.main([str(tmp_path / "bad.qgru"), str(tmp_path / "x")]) == 1
     assert "python -m qgru.export_mcu: error:" in capsys.readouterr().err
@@ -348,12 +494,10 @@ def test_export_under_a_meta_default_device_writes_the_same_files(tmp_path):
     m = qgru.QuantGRU(5, 6, num_layers=2, bidirectional=True, config="w8a8")
     qgru.calibrate(m, [torch.randn(7, 2, 5) for _ in range(2)], progress=False)
     params = m.convert().export()
-    with pytest.warns(UserWarning, match="x levels"):
-        write_mcu(params, tmp_path / "a" / "g")
+    write_mcu(params, tmp_path / "a" / "g")
     torch.set_default_device("meta")
     try:
-        with pytest.warns(UserWarning, match="x levels"):
-            write_mcu(params, tmp_path / "b" / "g")
+        write_mcu(params, tmp_path / "b" / "g")
     finally:
         torch.set_default_device(None)
     for name in ("g.c", "g.h"):

@@ -31,6 +31,13 @@ static void act_put(act_buf b, int32_t k, int32_t v)
         b.a16[QGRU_RT_ACT_POS(k)] = (int16_t)v;
 }
 
+/* W.x's bias and rescale per channel [3H]: the direction's own, or those of an x level */
+typedef struct {
+    const int32_t *bias;
+    const int64_t *bias64;
+    const int32_t *m;
+    const uint8_t *s;
+} wx_rq;
 
 #ifndef QGRU_RT_FAST_ONLY /* the general cells (qgru_rt.h QGRU_RT_FAST_ONLY: a build without them) */
 static int32_t act_get(act_buf b, int32_t k) { return b.a8 ? b.a8[k] : b.a16[QGRU_RT_ACT_POS(k)]; }
@@ -81,16 +88,17 @@ static int32_t requant_acc(int64_t acc, int32_t m, int s, int32_t zp, qgru_rt_ra
 #ifndef QGRU_RT_FAST_ONLY /* the general cells (qgru_rt.h QGRU_RT_FAST_ONLY: a build without them) */
 /* Unit j of the cell (golden gru_step): its three W x and R h sums -> the new h[j]. A function of
  * its own (not inlined into the block loop), so a 32-bit core keeps its values in registers. */
-static QGRU_RT_NOINLINE int16_t unit(const qgru_rt_dir *d, int32_t j, const int64_t ax[3], const int64_t ah[3], int32_t h)
+static QGRU_RT_NOINLINE int16_t unit(const qgru_rt_dir *d, const wx_rq *q, int32_t j, const int64_t ax[3],
+                                     const int64_t ah[3], int32_t h)
 {
     const int32_t H = d->hidden_size;
     int32_t dwx[3], drh[3], d_r, d_z, d_g, pre, g;
     int64_t hv;
     for (g = 0; g < 3; g++) {
         const int32_t c = g * H + j;
-        const int64_t bx = d->bias_x ? d->bias_x[c] : d->bias_x64[c];
+        const int64_t bx = q->bias ? q->bias[c] : q->bias64[c];
         const int64_t bh = d->bias_h ? d->bias_h[c] : d->bias_h64[c];
-        dwx[g] = requant_acc(ax[g] + bx, d->m_wx[c], d->s_wx[c], d->zp_wx[c], d->r_wx);
+        dwx[g] = requant_acc(ax[g] + bx, q->m[c], q->s[c], d->zp_wx[c], d->r_wx);
         drh[g] = requant_acc(ah[g] + bh, d->m_rh[c], d->s_rh[c], d->zp_rh[c], d->r_rh);
     }
     pre = (int32_t)qgru_rt_sat64(qgru_rt_mul_shift32(dwx[0], d->m_gate[0][j], d->s_gate[0][j])
@@ -115,15 +123,15 @@ static QGRU_RT_NOINLINE int16_t unit(const qgru_rt_dir *d, int32_t j, const int6
 /* unit() where the export proved the 32-bit cell's bounds (cell32): every accumulator and rescale
  * operand v has |v| 2^pre < 2^31 (qgru_rt_rescale32), so each rescale is one SMULL and shifts of
  * its high word; only the three products (r Rh_g, z h, (1 - z) g) stay 64-bit. The same integers. */
-static QGRU_RT_NOINLINE int16_t unit32(const qgru_rt_dir *d, int32_t j, const int32_t *ax, const int32_t *ah,
-                                       int32_t h)
+static QGRU_RT_NOINLINE int16_t unit32(const qgru_rt_dir *d, const wx_rq *q, int32_t j, const int32_t *ax,
+                                       const int32_t *ah, int32_t h)
 {
     const int32_t H = d->hidden_size;
     int32_t dwx[3], drh[3], d_r, d_z, d_g, pre, g;
     int64_t hv;
     for (g = 0; g < 3; g++) {
         const int32_t c = g * H + j;
-        dwx[g] = qgru_rt_sat32(qgru_rt_rescale32(ax[4 * g] + d->bias_x[c], d->m_wx[c], d->s_wx[c]) + d->zp_wx[c], d->r_wx)
+        dwx[g] = qgru_rt_sat32(qgru_rt_rescale32(ax[4 * g] + q->bias[c], q->m[c], q->s[c]) + d->zp_wx[c], d->r_wx)
                  - d->zp_wx[c];
         drh[g] = qgru_rt_sat32(qgru_rt_rescale32(ah[4 * g] + d->bias_h[c], d->m_rh[c], d->s_rh[c]) + d->zp_rh[c], d->r_rh)
                  - d->zp_rh[c];
@@ -184,18 +192,19 @@ QGRU_RT_INLINE int32_t facc(int32_t acc, int32_t m, int32_t z, qgru_rt_range r, 
 #define QGRU_RT_UF(g, o) P[QGRU_RT_UNIT_LANES * (4 * (g) + (o))] /* gate g: o = 0 mx, 1 zx, 2 mh, 3 zh */
 #define QGRU_RT_UG(k) P[QGRU_RT_UNIT_LANES * (12 + (k))]        /* mg[k]; k = 5: m_rg */
 QGRU_RT_INLINE int16_t fast_unit(const qgru_rt_fast *F, const int32_t *P, const int32_t *ax, const int32_t *ah,
-                                 int32_t h, const int std16, const int accsh)
+                                 int32_t h, const int std16, const int accsh, const int xq)
 {
     int32_t dx, dh, d_r, d_z, d_g, t;
-    dx = facc(accsh ? qgru_rt_shl(ax[0], F->aa[0]) : ax[0], QGRU_RT_UF(0, 0), QGRU_RT_UF(0, 1), F->wx, std16);
+    /* xq: ax holds q_Wx - Z_Wx already (an x level's W.x, dir_fast) */
+    dx = xq ? ax[0] : facc(accsh ? qgru_rt_shl(ax[0], F->aa[0]) : ax[0], QGRU_RT_UF(0, 0), QGRU_RT_UF(0, 1), F->wx, std16);
     dh = facc(accsh ? qgru_rt_shl(ah[0], F->aa[1]) : ah[0], QGRU_RT_UF(0, 2), QGRU_RT_UF(0, 3), F->rh, std16);
     t = qgru_rt_mulhr(qgru_rt_shl(dh, F->a[1]), QGRU_RT_UG(1), qgru_rt_mulhr(qgru_rt_shl(dx, F->a[0]), QGRU_RT_UG(0), F->k_r));
     d_r = flook(t, F->span_r, &F->t[0], std16);
-    dx = facc(accsh ? qgru_rt_shl(ax[4], F->aa[0]) : ax[4], QGRU_RT_UF(1, 0), QGRU_RT_UF(1, 1), F->wx, std16);
+    dx = xq ? ax[4] : facc(accsh ? qgru_rt_shl(ax[4], F->aa[0]) : ax[4], QGRU_RT_UF(1, 0), QGRU_RT_UF(1, 1), F->wx, std16);
     dh = facc(accsh ? qgru_rt_shl(ah[4], F->aa[1]) : ah[4], QGRU_RT_UF(1, 2), QGRU_RT_UF(1, 3), F->rh, std16);
     t = qgru_rt_mulhr(qgru_rt_shl(dh, F->a[3]), QGRU_RT_UG(3), qgru_rt_mulhr(qgru_rt_shl(dx, F->a[2]), QGRU_RT_UG(2), F->k_z));
     d_z = flook(t, F->span_z, &F->t[1], std16);
-    dx = facc(accsh ? qgru_rt_shl(ax[8], F->aa[0]) : ax[8], QGRU_RT_UF(2, 0), QGRU_RT_UF(2, 1), F->wx, std16);
+    dx = xq ? ax[8] : facc(accsh ? qgru_rt_shl(ax[8], F->aa[0]) : ax[8], QGRU_RT_UF(2, 0), QGRU_RT_UF(2, 1), F->wx, std16);
     dh = facc(accsh ? qgru_rt_shl(ah[8], F->aa[1]) : ah[8], QGRU_RT_UF(2, 2), QGRU_RT_UF(2, 3), F->rh, std16);
     t = qgru_rt_shr32(qgru_rt_prod_hi(d_r, dh, QGRU_RT_UG(5)) + F->c_rg, F->p_rg); /* r Rh_g, + zp_gpre - in_lo */
     d_g = flook(qgru_rt_mulhr(qgru_rt_shl(dx, F->a[4]), QGRU_RT_UG(4), t), F->span_g, &F->t[2], std16);
@@ -210,7 +219,7 @@ static QGRU_RT_NOINLINE void fast_block16(const qgru_rt_fast *F, int32_t j0, int
 {
     int32_t u;
     for (u = 0; u < n; u++)
-        h_new[j0 + u] = fast_unit(F, QGRU_RT_UNIT_PTR(F->units, j0 + u), ax + u, ah + u, h[j0 + u], 1, 0);
+        h_new[j0 + u] = fast_unit(F, QGRU_RT_UNIT_PTR(F->units, j0 + u), ax + u, ah + u, h[j0 + u], 1, 0, 0);
 }
 
 /* the same where the accumulators need their shifts (aa) */
@@ -219,7 +228,7 @@ static QGRU_RT_NOINLINE void fast_block16s(const qgru_rt_fast *F, int32_t j0, in
 {
     int32_t u;
     for (u = 0; u < n; u++)
-        h_new[j0 + u] = fast_unit(F, QGRU_RT_UNIT_PTR(F->units, j0 + u), ax + u, ah + u, h[j0 + u], 1, 1);
+        h_new[j0 + u] = fast_unit(F, QGRU_RT_UNIT_PTR(F->units, j0 + u), ax + u, ah + u, h[j0 + u], 1, 1, 0);
 }
 
 /* fast_block16 / fast_block16s four units at a time in vector lanes (MVE, NEON): the same integers lane by lane.
@@ -337,7 +346,31 @@ static QGRU_RT_NOINLINE void fast_block(const qgru_rt_fast *F, int32_t j0, int32
 {
     int32_t u;
     for (u = 0; u < n; u++)
-        h_new[j0 + u] = fast_unit(F, QGRU_RT_UNIT_PTR(F->units, j0 + u), ax + u, ah + u, h[j0 + u], 0, 1);
+        h_new[j0 + u] = fast_unit(F, QGRU_RT_UNIT_PTR(F->units, j0 + u), ax + u, ah + u, h[j0 + u], 0, 1, 0);
+}
+
+/* A token on x level j > 0 (qgru_rt_xlevels): its W.x sums (level j's biases included by the
+ * kernels) requantized with level j's rescale onto the static Wx grid (golden input_gemm), then
+ * the fast cell from q_Wx - Z_Wx on; the general variant, exact on all fast data. Reached only
+ * through float_in (a build whose program never calls qgru_rt_run_float links none of it). */
+typedef void (*level_block_fn)(const qgru_rt_dir *d, int32_t level, int32_t j0, int32_t n, int32_t *ax,
+                               const int32_t *ah, const int16_t *h, int16_t *h_new);
+static QGRU_RT_NOINLINE void fast_block_level(const qgru_rt_dir *d, int32_t level, int32_t j0, int32_t n,
+                                              int32_t *ax, const int32_t *ah, const int16_t *h, int16_t *h_new)
+{
+    const qgru_rt_fast *F = d->fast;
+    const int32_t H = d->hidden_size;
+    const size_t off = (size_t)(level - 1) * 3u * (size_t)H;
+    int32_t u, g;
+    for (u = 0; u < n; u++) {
+        const int32_t *P = QGRU_RT_UNIT_PTR(F->units, j0 + u);
+        for (g = 0; g < 3; g++) {
+            const size_t c = off + (size_t)(g * H + j0 + u);
+            const int32_t z = QGRU_RT_UF(g, 1);
+            ax[4 * g + u] = (int32_t)qgru_rt_sat64(qgru_rt_mul_shift32(ax[4 * g + u], d->xlv->m[c], d->xlv->s[c]) + z, F->wx) - z;
+        }
+        h_new[j0 + u] = fast_unit(F, P, ax + u, ah + u, h[j0 + u], 0, 1, 1);
+    }
 }
 
 /* R.h's operand requantized onto h_gemm's grid, the fast way (hg_mode 1: s >= 33, the high word
@@ -399,19 +432,21 @@ static int32_t act_corr(act_buf b, int32_t n)
 
 /* dir_step's GEMMs and cell for a fast direction (functions of their own, so that the deepest
  * stack is one branch's, not the sum of all three) */
-static QGRU_RT_NOINLINE void dir_fast(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t *h, int16_t *h_new, int32_t cx, int32_t ch)
+static QGRU_RT_NOINLINE void dir_fast(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t *h, int16_t *h_new,
+                                      int32_t cx, int32_t ch, int32_t level, level_block_fn level_block)
 {
     const int32_t H = d->hidden_size, G = d->rows_per_gate;
     int32_t j0, g;
     const qgru_rt_fast *F = d->fast;
     const int32_t kx = d->k_pad_x, kh = d->k_pad_h;
+    const int32_t *init_x = level ? d->xlv->init + (size_t)(level - 1) * 3u * (size_t)G : F->init_x;
     for (j0 = 0; j0 < H; j0 += 4) {
         int32_t ax[3][4], ah[3][4];
 #if QGRU_RT_HAS_DOT12
         if (xa.a8)
-            qgru_rt_dot12_a8(d->w8 + j0 * kx, G * kx, xa.a8, kx, F->init_x + j0, G, cx, ax);
+            qgru_rt_dot12_a8(d->w8 + j0 * kx, G * kx, xa.a8, kx, init_x + j0, G, cx, ax);
         else
-            qgru_rt_dot12_a16(d->w8 + j0 * kx, G * kx, xa.a16, kx, F->init_x + j0, G, cx, ax);
+            qgru_rt_dot12_a16(d->w8 + j0 * kx, G * kx, xa.a16, kx, init_x + j0, G, cx, ax);
         if (ha.a8)
             qgru_rt_dot12_a8(d->r8 + j0 * kh, G * kh, ha.a8, kh, F->init_h + j0, G, ch, ah);
         else
@@ -423,13 +458,17 @@ static QGRU_RT_NOINLINE void dir_fast(const qgru_rt_dir *d, act_buf xa, act_buf 
         for (; g < 3; g++) {
             const int8_t *wx = d->w8 + (g * G + j0) * kx, *wh = d->r8 + (g * G + j0) * kh;
             if (xa.a8)
-                qgru_rt_dot4_a8(wx, kx, xa.a8, kx, F->init_x + g * G + j0, cx, ax[g]);
+                qgru_rt_dot4_a8(wx, kx, xa.a8, kx, init_x + g * G + j0, cx, ax[g]);
             else
-                qgru_rt_dot4_a16(wx, kx, xa.a16, kx, F->init_x + g * G + j0, cx, ax[g]);
+                qgru_rt_dot4_a16(wx, kx, xa.a16, kx, init_x + g * G + j0, cx, ax[g]);
             if (ha.a8)
                 qgru_rt_dot4_a8(wh, kh, ha.a8, kh, F->init_h + g * G + j0, ch, ah[g]);
             else
                 qgru_rt_dot4_a16(wh, kh, ha.a16, kh, F->init_h + g * G + j0, ch, ah[g]);
+        }
+        if (level) {
+            level_block(d, level, j0, H - j0 < 4 ? H - j0 : 4, &ax[0][0], &ah[0][0], h, h_new);
+            continue;
         }
 #ifndef QGRU_RT_NO_STD16 /* tests/test_mcu.py: the general variant on data that takes the 16-bit one */
 #if defined(QGRU_RT_VEC) && !defined(QGRU_RT_NO_VEC)
@@ -452,7 +491,8 @@ static QGRU_RT_NOINLINE void dir_fast(const qgru_rt_dir *d, act_buf xa, act_buf 
 
 #ifndef QGRU_RT_FAST_ONLY
 /* int32 kernels straight into the 32-bit cell (cell32 implies neither GEMM is wide) */
-static QGRU_RT_NOINLINE void dir_cell32(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t *h, int16_t *h_new, int32_t cx, int32_t ch)
+static QGRU_RT_NOINLINE void dir_cell32(const qgru_rt_dir *d, const wx_rq *q, act_buf xa, act_buf ha, const int16_t *h,
+                                        int16_t *h_new, int32_t cx, int32_t ch)
 {
     const int32_t H = d->hidden_size, G = d->rows_per_gate;
     int32_t j0, g, u;
@@ -471,12 +511,13 @@ static QGRU_RT_NOINLINE void dir_cell32(const qgru_rt_dir *d, act_buf xa, act_bu
                 qgru_rt_dot4_a16(wh, kh, ha.a16, kh, 0, ch, ah[g]);
         }
         for (u = 0; u < 4 && j0 + u < H; u++)
-            h_new[j0 + u] = unit32(d, j0 + u, &ax[0][u], &ah[0][u], h[j0 + u]);
+            h_new[j0 + u] = unit32(d, q, j0 + u, &ax[0][u], &ah[0][u], h[j0 + u]);
     }
 }
 
 /* the int64 loops (a wide GEMM) and the int64 cell */
-static QGRU_RT_NOINLINE void dir_wide(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t *h, int16_t *h_new, int32_t cx, int32_t ch)
+static QGRU_RT_NOINLINE void dir_wide(const qgru_rt_dir *d, const wx_rq *q, act_buf xa, act_buf ha, const int16_t *h,
+                                      int16_t *h_new, int32_t cx, int32_t ch)
 {
     const int32_t H = d->hidden_size, G = d->rows_per_gate;
     int32_t j0, g, u;
@@ -489,16 +530,18 @@ static QGRU_RT_NOINLINE void dir_wide(const qgru_rt_dir *d, act_buf xa, act_buf 
         for (u = 0; u < 4 && j0 + u < H; u++) {
             {
                 const int64_t x3[3] = {ax[0][u], ax[1][u], ax[2][u]}, h3[3] = {ah[0][u], ah[1][u], ah[2][u]};
-                h_new[j0 + u] = unit(d, j0 + u, x3, h3, h[j0 + u]);
+                h_new[j0 + u] = unit(d, q, j0 + u, x3, h3, h[j0 + u]);
             }
         }
     }
 }
 #endif
 
-/* One step of one direction (golden gru_step for one row): xa holds x on this layer's x grid,
- * h the state; the new state goes to h_new (not aliasing h). */
-static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t *h, int16_t *h_new)
+/* One step of one direction (golden gru_step for one row): xa holds x on this layer's x grid
+ * (on x level `level` of a layer-0 direction with levels), h the state; the new state goes to
+ * h_new (not aliasing h). */
+static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t *h, int16_t *h_new, int32_t level,
+                     level_block_fn level_block)
 {
     const int32_t H = d->hidden_size;
     int32_t j, cx, ch = 0;
@@ -528,12 +571,21 @@ static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t
     if (!(d->fast && d->fast->hg_mode))
         ch = act_corr(ha, H);
     if (d->fast)
-        dir_fast(d, xa, ha, h, h_new, cx, ch);
+        dir_fast(d, xa, ha, h, h_new, cx, ch, level, level_block);
 #ifndef QGRU_RT_FAST_ONLY
-    else if (d->cell32)
-        dir_cell32(d, xa, ha, h, h_new, cx, ch);
-    else
-        dir_wide(d, xa, ha, h, h_new, cx, ch);
+    else {
+        const qgru_rt_xlevels *lv = d->xlv;
+        const size_t off = level ? (size_t)(level - 1) * 3u * d->hidden_size : 0;
+        wx_rq q;
+        q.bias = level ? (lv->bias ? lv->bias + off : 0) : d->bias_x;
+        q.bias64 = level ? (lv->bias64 ? lv->bias64 + off : 0) : d->bias_x64;
+        q.m = level ? lv->m + off : d->m_wx;
+        q.s = level ? lv->s + off : d->s_wx;
+        if (d->cell32 && (!level || lv->cell32[level - 1]))
+            dir_cell32(d, &q, xa, ha, h, h_new, cx, ch);
+        else
+            dir_wide(d, &q, xa, ha, h, h_new, cx, ch);
+    }
 #endif
 }
 
@@ -558,6 +610,44 @@ static void put_input(const qgru_rt_dir *d, act_buf xa, const int16_t *x)
     act_clear(xa, d->input_size);
     for (k = 0; k < d->input_size; k++)
         act_put(xa, k, qgru_rt_sat32(x[k], d->r_x));
+}
+
+/* golden quantize of one value: saturate(round_half_up(v / scale) + zp), v / scale clamped to one
+ * step beyond the range first (so that +-inf saturate), in float64 */
+static int32_t quantize1(double v, double scale, int32_t zp, qgru_rt_range r)
+{
+    const double lo = (double)r.lo - zp - 1, hi = (double)r.hi - zp + 1;
+    double f;
+    v = v / scale;
+    v = v < lo ? lo : v > hi ? hi : v;
+    f = (double)(int32_t)v; /* |v| < 2^17: the conversion is exact, truncating toward zero */
+    if (f > v)
+        f -= 1.0; /* floor */
+    return qgru_rt_sat32((int32_t)f + (v - f >= 0.5) + zp, r);
+}
+
+/* x of a layer-0 direction from floats (no NaN): the token's level (golden select_levels: the first
+ * whose [lo, hi] holds its smallest and largest value, compared in float64, else the last), each
+ * value quantized on it; returns the level (0: the static grid) */
+static int32_t put_input_float(const qgru_rt_dir *d, act_buf xa, const float *x)
+{
+    const qgru_rt_xlevels *lv = d->xlv;
+    int32_t k, j = 0;
+    double scale = d->x_scale;
+    act_clear(xa, d->input_size);
+    if (lv && lv->num > 1) {
+        double mn = x[0], mx = x[0];
+        for (k = 1; k < d->input_size; k++) {
+            mn = x[k] < mn ? x[k] : mn;
+            mx = x[k] > mx ? x[k] : mx;
+        }
+        while (j < lv->num - 1 && !(lv->lo[j] <= mn && mx <= lv->hi[j]))
+            j++;
+        scale = lv->scale[j];
+    }
+    for (k = 0; k < d->input_size; k++)
+        act_put(xa, k, quantize1((double)x[k], scale, d->zp_x, d->r_x));
+    return j;
 }
 
 /* work: [x operand: pad16(max K) int16][R.h operand: pad16(H) int16][new state: H int16]
@@ -590,13 +680,32 @@ static act_buf buf_for(int bits, void *p)
     return b;
 }
 
-int qgru_rt_run(const qgru_rt_model *m, const int16_t *x_q, int32_t T, int16_t *state, int16_t *out,
-                void *work, size_t work_bytes)
+/* float input: x and the functions that take it, by pointer, so that a program that never calls
+ * qgru_rt_run_float links neither them nor float64 arithmetic (-Wl,--gc-sections) */
+typedef struct {
+    const float *x;
+    int32_t (*put)(const qgru_rt_dir *d, act_buf xa, const float *x);
+    level_block_fn level_block;
+} float_in;
+
+/* layer 0's x operand at step t: from x_q, or quantized from float (returns the token's level) */
+static int32_t put_first(const qgru_rt_model *m, const qgru_rt_dir *d, act_buf xa, const int16_t *x_q,
+                         const float_in *f, int32_t t)
 {
+    if (f)
+        return f->put(d, xa, f->x + (size_t)t * m->input_size);
+    put_input(d, xa, x_q + (size_t)t * m->input_size);
+    return 0;
+}
+
+static int run(const qgru_rt_model *m, const int16_t *x_q, const float_in *x_f, int32_t T, int16_t *state,
+               int16_t *out, void *work, size_t work_bytes)
+{
+    const level_block_fn level_block = x_f ? x_f->level_block : 0;
     const int32_t L = m ? m->num_layers : 0, D = m ? m->num_directions : 0, H = m ? m->hidden_size : 0;
     int16_t *xw, *hw, *hn, *seq;
     int32_t t, l, e, j;
-    if (!m || !state || (T > 0 && !x_q) || T < 0 || !work || L < 1 || (D != 1 && D != 2) || H < 1)
+    if (!m || !state || (T > 0 && !x_q && !x_f) || T < 0 || !work || L < 1 || (D != 1 && D != 2) || H < 1)
         return QGRU_RT_EARG;
     if (m->abi != QGRU_RT_ABI)
         return QGRU_RT_EABI;
@@ -622,11 +731,12 @@ int qgru_rt_run(const qgru_rt_model *m, const int16_t *x_q, int32_t T, int16_t *
             for (l = 0; l < L; l++) {
                 const qgru_rt_dir *d = &m->dirs[l];
                 const act_buf xa = buf_for(d->x_bits, xw), ha = buf_for(d->op_bits, hw);
+                int32_t level = 0;
                 if (l == 0)
-                    put_input(d, xa, x_q + (size_t)t * m->input_size);
+                    level = put_first(m, d, xa, x_q, x_f, t);
                 else
                     put_requantized(d, xa, state + (size_t)(l - 1) * H, 1, H);
-                dir_step(d, xa, ha, state + (size_t)l * H, hn);
+                dir_step(d, xa, ha, state + (size_t)l * H, hn, level, level_block);
                 memcpy(state + (size_t)l * H, hn, sizeof(int16_t) * (size_t)H);
             }
             if (out)
@@ -644,12 +754,13 @@ int qgru_rt_run(const qgru_rt_model *m, const int16_t *x_q, int32_t T, int16_t *
             const act_buf xa = buf_for(d->x_bits, xw), ha = buf_for(d->op_bits, hw);
             int16_t *h = state + (size_t)(l * 2 + e) * H;
             for (j = 0; j < T; j++) {
+                int32_t level = 0;
                 t = e ? T - 1 - j : j;
                 if (l == 0)
-                    put_input(d, xa, x_q + (size_t)t * m->input_size);
+                    level = put_first(m, d, xa, x_q, x_f, t);
                 else
                     put_requantized(d, xa, src + (size_t)t * 2 * H, 2, H);
-                dir_step(d, xa, ha, h, hn);
+                dir_step(d, xa, ha, h, hn, level, level_block);
                 memcpy(h, hn, sizeof(int16_t) * (size_t)H);
                 memcpy(dst + ((size_t)t * 2 + e) * H, hn, sizeof(int16_t) * (size_t)H);
             }
@@ -658,29 +769,39 @@ int qgru_rt_run(const qgru_rt_model *m, const int16_t *x_q, int32_t T, int16_t *
     return QGRU_RT_OK;
 }
 
-/* golden quantize: saturate(round_half_up(x / scale) + zp), x / scale clamped to one step beyond
- * the range first (so that +-inf saturate), in float64 */
+int qgru_rt_run(const qgru_rt_model *m, const int16_t *x_q, int32_t T, int16_t *state, int16_t *out,
+                void *work, size_t work_bytes)
+{
+    return run(m, x_q, 0, T, state, out, work, work_bytes);
+}
+
+int qgru_rt_run_float(const qgru_rt_model *m, const float *x, int32_t T, int16_t *state, int16_t *out,
+                      void *work, size_t work_bytes)
+{
+    size_t i;
+    float_in f;
+    if (m && x && T > 0)
+        for (i = 0; i < (size_t)T * m->input_size; i++)
+            if (x[i] != x[i])
+                return QGRU_RT_ENAN;
+    f.x = x;
+    f.put = put_input_float;
+    f.level_block = fast_block_level;
+    return run(m, 0, x ? &f : 0, T, state, out, work, work_bytes);
+}
+
+/* golden quantize on layer 0's static grid (quantize1), NaN -> the zero point */
 int32_t qgru_rt_quantize_input(const qgru_rt_model *m, const float *x, int32_t n, int16_t *x_q)
 {
     const qgru_rt_dir *d = &m->dirs[0];
-    const double lo = (double)d->r_x.lo - d->zp_x - 1, hi = (double)d->r_x.hi - d->zp_x + 1;
     int32_t i, nan = 0;
     for (i = 0; i < n; i++) {
-        double v = (double)x[i];
-        double r;
-        int32_t q;
-        if (v != v) {
+        if (x[i] != x[i]) {
             nan++;
             x_q[i] = (int16_t)d->zp_x;
             continue;
         }
-        v = v / d->x_scale;
-        v = v < lo ? lo : v > hi ? hi : v;
-        r = (double)(int32_t)v; /* |v| < 2^17: the conversion is exact, truncating toward zero */
-        if (r > v)
-            r -= 1.0; /* floor */
-        q = (int32_t)r + (v - r >= 0.5);
-        x_q[i] = (int16_t)qgru_rt_sat32(q + d->zp_x, d->r_x);
+        x_q[i] = (int16_t)quantize1((double)x[i], d->x_scale, d->zp_x, d->r_x);
     }
     return nan;
 }

@@ -11,7 +11,8 @@
  *
  * Integers: x_q is the model's input on layer 0's x grid (each value in [x_min, x_max]; values
  * beyond are saturated, as quantize() saturates), the state and the outputs are on each
- * direction's h grid, held in int16_t (the export refuses grids wider than 16 bits).
+ * direction's h grid, held in int16_t (the export refuses grids wider than 16 bits). Floats:
+ * qgru_rt_run_float quantizes x itself, each token on its x level where layer 0 has levels.
  */
 #ifndef QGRU_RT_H_
 #define QGRU_RT_H_
@@ -23,7 +24,7 @@
 extern "C" {
 #endif
 
-#define QGRU_RT_ABI 4 /* the layout of the structs below; the exported data checks it */
+#define QGRU_RT_ABI 5 /* the layout of the structs below; the exported data checks it */
 
 #if defined(__GNUC__) || defined(__clang__)
 #define QGRU_RT_ALIGN16 __attribute__((aligned(16))) /* weight arrays: whole-word loads */
@@ -96,6 +97,23 @@ typedef struct {
                                      * table k = 6, frac = 4 */
 } qgru_rt_fast;
 
+/* The x levels of a layer-0 direction (config x.dynamic, docs/spec.md section 4b): per-token grids
+ * of the float input, the static grid widened by 2^(e/4). A token (the input_size values of one
+ * step) takes the first level j whose [lo[j], hi[j]] holds all its values, else the last; it is
+ * quantized with scale[j] (the static grid's zero point) and its W.x takes level j's bias and
+ * rescale. Level 0 is the static grid itself (the direction's own data); the per-channel arrays
+ * hold levels 1 .. num - 1 (level j at [(j - 1) * n]). Only qgru_rt_run_float selects levels. */
+typedef struct {
+    int32_t num;                   /* J >= 1 */
+    const double *scale, *lo, *hi; /* [J]; lo = -HUGE_VAL (hi = HUGE_VAL) where that end is the grid's zero point */
+    const int32_t *init;           /* fast cell: [J-1][3 rows_per_gate] the W.x kernels' starts (as fast->init_x) */
+    const int32_t *bias;           /* other cells: [J-1][3H] b_x - Z rowsum(W), int32 where every level fits, */
+    const int64_t *bias64;         /* else int64 */
+    const int32_t *m;              /* [J-1][3H] the W.x rescale: multiplier, shift */
+    const uint8_t *s;
+    const uint8_t *cell32;         /* other cells: [J-1] 1 where unit32's bounds hold on that level */
+} qgru_rt_xlevels;
+
 /* One layer and direction. Weights: 3 gates [r | z | g] of rows_per_gate (H rounded up to 4)
  * rows each (rows >= H are zero), each row k_pad (K rounded up to 4) int8_t values (int16_t in
  * w16/r16 when the weights have more than 8 bits), zero past K, 64 zero bytes after the last row,
@@ -125,6 +143,7 @@ typedef struct {
     uint8_t s_in[2];
     const qgru_rt_fast *fast;                            /* the fast cell's data (0: unit32 / unit) */
     double x_scale, h_scale;                             /* only for the float boundary */
+    const qgru_rt_xlevels *xlv;                          /* layer 0's x levels, or 0 (a static grid) */
 } qgru_rt_dir;
 
 typedef struct {
@@ -135,8 +154,9 @@ typedef struct {
 /* QGRU_RT_ECELL: the runtime was built with -DQGRU_RT_FAST_ONLY (only the fast cell's code: 4.5 KB
  * less flash on a Cortex-M4 at 16 -> 64) and a direction of the model needs another cell (the exported
  * header's "Cells" line says which each direction takes) */
+/* QGRU_RT_ENAN: qgru_rt_run_float's x holds a NaN (nothing was run, the state is unchanged) */
 enum { QGRU_RT_OK = 0, QGRU_RT_EARG = -1, QGRU_RT_EWORK = -2, QGRU_RT_EABI = -3, QGRU_RT_ELAYOUT = -4,
-       QGRU_RT_ECELL = -5 };
+       QGRU_RT_ECELL = -5, QGRU_RT_ENAN = -6 };
 
 /* Bytes of work memory qgru_rt_run needs for T steps (T = 1: a streaming step). A unidirectional
  * model needs a fixed few hundred bytes whatever T; a stacked bidirectional one also holds one
@@ -151,6 +171,13 @@ size_t qgru_rt_work_bytes(const qgru_rt_model *m, int32_t T);
  * (QGRU_RT_ELAYOUT: the data was exported for another kernel's weight layout). */
 int qgru_rt_run(const qgru_rt_model *m, const int16_t *x_q, int32_t T, int16_t *state, int16_t *out,
                 void *work, size_t work_bytes);
+
+/* qgru_rt_run on float input x: [T][input_size] (golden quantize per token, in float64: soft-float
+ * where the FPU is single precision, the same integers), each token on its x level where layer 0
+ * has levels (qgru_rt_xlevels), else on the static grid; +-inf saturate. The outputs and the state
+ * stay integers (qgru_rt_dequantize). Returns QGRU_RT_ENAN, having run nothing, if x holds a NaN. */
+int qgru_rt_run_float(const qgru_rt_model *m, const float *x, int32_t T, int16_t *state, int16_t *out,
+                      void *work, size_t work_bytes);
 
 /* The float boundary (golden quantize / dequantize, float64 arithmetic: soft-float where the FPU
  * is single precision, the same integers). x: [n] floats of layer 0's input -> x_q on its static

@@ -11,6 +11,9 @@
 
 static uint32_t work[512];
 static int16_t state[4096], x[1024];
+#ifdef QGRU_BENCH_FLOAT /* float input (qgru_rt_run_float): x's integers times this value */
+static float xf[1024];
+#endif
 
 int main(void)
 {
@@ -20,9 +23,17 @@ int main(void)
     uint32_t ticks;
     for (i = 0; i < m->input_size; i++)
         x[i] = (int16_t)((i * 37) % 200 - 100);
+#ifdef QGRU_BENCH_FLOAT
+    for (i = 0; i < m->input_size; i++)
+        xf[i] = (float)x[i] * (float)(QGRU_BENCH_FLOAT);
+#endif
     qgru_board_ticks_start();
     for (t = 0; t < QGRU_BENCH_STEPS && !rc; t++)
+#ifdef QGRU_BENCH_FLOAT
+        rc = qgru_rt_run_float(m, xf, 1, state, 0, work, sizeof work);
+#else
         rc = qgru_rt_run(m, x, 1, state, 0, work, sizeof work);
+#endif
     ticks = qgru_board_ticks();
     for (i = 0; i < m->hidden_size; i++)
         sum += state[i];
