@@ -200,6 +200,15 @@ def _dlit(v: float) -> str:
     return "HUGE_VAL" if v == float("inf") else "-HUGE_VAL" if v == float("-inf") else v.hex()
 
 
+def _f32(v: float, direction: int = 0) -> float:
+    """v as a float32: rounded to nearest (direction 0), else the nearest float32 >= v (1) or <= v (-1)"""
+    import numpy as np
+    f = np.float32(v)
+    if direction and (float(f) < v if direction > 0 else float(f) > v):
+        f = np.nextafter(f, np.float32(np.inf if direction > 0 else -np.inf))
+    return float(f)
+
+
 def _flit(v: float) -> str:
     """a float32 value as an exact C float literal (+-inf as INFINITY)"""
     v = float(v)
@@ -342,7 +351,8 @@ class _Writer:
             fields.append(".m_in = {" + ", ".join(_lit(rs[f"in_{e}"].multiplier) for e in range(len(prev))) + "}")
             fields.append(".s_in = {" + ", ".join(str(int(rs[f"in_{e}"].shift)) for e in range(len(prev))) + "}")
             fields.append(".zp_hprev = {" + ", ".join(_lit(q.zp["h"]) for q in prev) + "}")
-        fields += [f".x_scale = {float(p.scale['x'])!r}", f".h_scale = {float(p.scale['h'])!r}"]
+        fields += [f".x_scale = {float(p.scale['x'])!r}", f".h_scale = {float(p.scale['h'])!r}",
+                   f".x_rscale = {_flit(_f32(1.0 / float(p.scale['x'])))}"]
         if li == 0 and p.x_levels is not None and self.x_levels:
             fields.append(f".xlv = &{self._xlevels(n, p, fast, cell32, wide['x'], where)}")
         for t in [k for k in rs if k.startswith("in_")] + ["Wx", "Rh", *_GATE_RESCALES]:
@@ -538,6 +548,11 @@ class _Writer:
             vals = ", ".join(_dlit(v) for v in getattr(lv, k).tolist())
             self.sizes["x levels"] = self.sizes.get("x levels", 0) + 8 * J
             self.parts.append(f"static const double {n}_xl_{k}[{J}] = {{{vals}}};\n")
+            f.append(f".{k} = {n}_xl_{k}")
+        for k, vals in (("rscale", [_f32(1.0 / v) for v in lv.scale.tolist()]),
+                        ("lo32", [_f32(v, 1) for v in lv.lo.tolist()]), ("hi32", [_f32(v, -1) for v in lv.hi.tolist()])):
+            self.sizes["x levels"] = self.sizes.get("x levels", 0) + 4 * J
+            self.parts.append(f"static const float {n}_xl_{k}[{J}] = {{{', '.join(map(_flit, vals))}}};\n")
             f.append(f".{k} = {n}_xl_{k}")
         if J > 1:
             if fast:

@@ -121,7 +121,7 @@ def main() -> int:
                 for f in [*d.glob("*.su"), *d.glob("*.ci")]:  # (the call graph of this target's builds only)
                     f.unlink()
                 n = (count(t, d, 5) - count(t, d, 1)) / 4
-                kernel = {"m0": "v6m (MULS)", "m4": "dsp (SMLAD)", "m55": "mve", "a53": "neon", "a64-dotprod": "neon SDOT"}.get(t.name, "?")
+                kernel = {"m0": "v6m (MULS)", "m4": "dsp (SMLAD)", "m4f": "dsp (SMLAD), FPU", "m55": "mve", "a53": "neon", "a64-dotprod": "neon SDOT"}.get(t.name, "?")
                 work = 2 * (((max(I, H) + 15) & ~15) + ((H + 15) & ~15) + ((H + 7) & ~7))
                 ram = f"{2 * H} + {work} + {stack(d)}"
                 print(f"| {t.name} | {kernel} | {I} -> {H} | {n:,.0f} | {n / macs:.2f} | {flash(t, d)} | {ram} | "

@@ -49,6 +49,8 @@ TARGETS = {
                  tools=("qemu-system-arm",)),
     "m4": Target("m4", "arm-none-eabi-gcc", ["-mcpu=cortex-m4", "-mthumb"], _qsys("mps2-an386"), True,
                  layout="pairs", tools=("qemu-system-arm",)),
+    "m4f": Target("m4f", "arm-none-eabi-gcc", ["-mcpu=cortex-m4", "-mthumb", "-mfloat-abi=hard", "-mfpu=fpv4-sp-d16"],
+                  _qsys("mps2-an386"), True, layout="pairs", tools=("qemu-system-arm",)),  # an M4 with its FPU
     "m55": Target("m55", "arm-none-eabi-gcc", ["-mcpu=cortex-m55", "-mthumb", "-mfloat-abi=hard"],
                   _qsys("mps3-an547"), True, layout="rows", tools=("qemu-system-arm",)),
 }

@@ -269,36 +269,61 @@ QUANTIZE = r"""
 int main(void)
 {
     int n, i;
-    float x[64], y[64];
-    int16_t q[64];
-    if (scanf("%d", &n) != 1 || n > 64) return 2;
+    float *x, *y;
+    int16_t *q;
+    if (scanf("%d", &n) != 1 || n < 1) return 2;
+    x = malloc(sizeof(float) * (size_t)n), y = malloc(sizeof(float) * (size_t)n), q = malloc(sizeof(int16_t) * (size_t)n);
+    if (!x || !y || !q) return 2;
     for (i = 0; i < n; i++)
         if (scanf("%a", &x[i]) != 1) return 2;
     printf("%d\n", (int)qgru_rt_quantize_input(&gru_model, x, n, q));
     qgru_rt_dequantize(&gru_model, (GRU_NUM_LAYERS - 1) * GRU_NUM_DIRECTIONS, q, n, y);
     for (i = 0; i < n; i++) printf("%d %a\n", q[i], (double)y[i]);
+    free(x), free(y), free(q);
     return 0;
 }
 """
 
 
-def test_float_boundary_matches_quantize_and_dequantize(folder):
-    """qgru_rt_quantize_input is primitives.quantize on layer 0's static grid (round half up in
-    float64, saturation, +-inf), NaN counted; qgru_rt_dequantize is primitives.dequantize"""
+def half_steps(scale: float, zp: int, bits: int, ulps: int = 3) -> torch.Tensor:
+    """float32 x around every rounding boundary of a grid: (k + 1/2) scale for each k of the range
+    (and one beyond each end), with its `ulps` float32 neighbours either side"""
+    lo, hi = qrange(bits)
+    k = torch.arange(lo - zp - 2, hi - zp + 2, dtype=torch.float64)
+    c = ((k + 0.5) * scale).float()
+    out = [c]
+    up, down = c.clone(), c.clone()
+    for _ in range(ulps):
+        up, down = torch.nextafter(up, torch.tensor(float("inf"))), torch.nextafter(down, torch.tensor(float("-inf")))
+        out += [up, down]
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("case", ["w8a16-pow2-stack", "w16a16-wide-bidir"])
+@pytest.mark.parametrize("float64", [False, True])
+def test_float_boundary_matches_quantize_and_dequantize(folder, case, float64):
+    """qgru_rt_quantize_input is primitives.quantize on layer 0's static grid (round half up of the
+    float64 quotient, saturation, +-inf) for every float32 next to a rounding boundary of the grid
+    (8- and 16-bit x), zeros, extremes and random values, whether the float32 estimate decides
+    (the default) or float64 division always does (-DQGRU_RT_FLOAT64_QUANTIZE); NaN counted;
+    qgru_rt_dequantize is primitives.dequantize"""
     from qgru.primitives import quantize
     t = mb.TARGETS["host"]
     if mb.missing(t):
         pytest.skip(f"no host C compiler ({mb.missing(t)})")
-    params = converted("w8a16-pow2-stack")
-    d = exported("w8a16-pow2-stack", "interleaved", folder)
+    params = converted(case)
+    d = exported(case, "interleaved", folder)
     (d / "quant.c").write_text(QUANTIZE)
-    b = mb.build(t, d / "gru.c", d / "quant.c", d / "quant")
+    b = mb.build(t, d / "gru.c", d / "quant.c", d / f"quant{int(float64)}",
+                 defines=["QGRU_RT_FLOAT64_QUANTIZE"] if float64 else [])
     p0, last = params.layers[0][0], params.layers[-1][0]
     s = float(p0.scale["x"])
     x = torch.tensor([0.0, -0.0, s * 0.5, -s * 0.5, s * 1.5, s * 2.4999999, 1e30, -1e30, float("inf"), float("-inf"),
-                      *(torch.randn(40, generator=torch.Generator().manual_seed(5)) * 3).tolist(), s * 1e4],
+                      *(torch.randn(4000, generator=torch.Generator().manual_seed(5)) * 3 * s * 2 ** (p0.bits["x"] - 1)
+                        ).tolist(), s * 1e4, 1e-45, -1e-45, 3e38],
                      dtype=torch.float32)
-    x = torch.cat([x, torch.tensor([float("nan")])])
+    x = torch.cat([x, half_steps(s, int(p0.zp["x"]), p0.bits["x"], 3 if p0.bits["x"] <= 8 else 1),
+                   torch.tensor([float("nan")])])
     out = mb.run(t, b, stdin=f"{x.numel()} " + " ".join(float(v).hex() for v in x.tolist())).split("\n")
     assert int(out[0]) == 1  # the NaN
     q = torch.tensor([int(line.split()[0]) for line in out[1:1 + x.numel()]])
@@ -364,6 +389,19 @@ def float_inputs(params, gen, T=13):
     f = torch.tensor([0.3, 0.9, 1.2, 1.5, 2.0, 2.6, 3.3, 4.5, 6.0, 8.0, 12.0, 1.0, 0.5])[:T]
     x = (torch.rand(T, p0.input_size, generator=gen) * 2 - 1) * span * f.unsqueeze(1)
     x[3, 0], x[4, -1], x[5] = float("inf"), float("-inf"), 0.0
+    lv = p0.x_levels
+    if lv is not None:  # tokens whose largest (smallest) value is a level's bound, or its float32 neighbour
+        rows = []
+        for j in range(lv.exponent.numel()):
+            for bound, col in ((float(lv.hi[j]), 0), (float(lv.lo[j]), 1)):
+                if abs(bound) == float("inf"):
+                    continue
+                b32 = torch.tensor(bound, dtype=torch.float32)
+                for v in (b32, torch.nextafter(b32, torch.tensor(float("inf"))), torch.nextafter(b32, torch.tensor(-float("inf")))):
+                    r = torch.zeros(p0.input_size)
+                    r[col % p0.input_size] = v
+                    rows.append(r)
+        x = torch.cat([x, torch.stack(rows)])
     return x
 
 

@@ -1,6 +1,7 @@
 /* qgru_rt.c: the driver of the qgru runtime (qgru_rt.h): layers, directions, time steps, and the
  * cell of golden.gru_step, unit by unit. The matrix-vector products are the kernel's
  * (qgru_rt_kernel.h); everything else is here, the same on every target. docs/mcu.md. */
+#include <float.h>
 #include <string.h>
 
 #include "qgru_rt.h"
@@ -614,7 +615,7 @@ static void put_input(const qgru_rt_dir *d, act_buf xa, const int16_t *x)
 
 /* golden quantize of one value: saturate(round_half_up(v / scale) + zp), v / scale clamped to one
  * step beyond the range first (so that +-inf saturate), in float64 */
-static int32_t quantize1(double v, double scale, int32_t zp, qgru_rt_range r)
+static int32_t quantize64(double v, double scale, int32_t zp, qgru_rt_range r)
 {
     const double lo = (double)r.lo - zp - 1, hi = (double)r.hi - zp + 1;
     double f;
@@ -626,27 +627,65 @@ static int32_t quantize1(double v, double scale, int32_t zp, qgru_rt_range r)
     return qgru_rt_sat32((int32_t)f + (v - f >= 0.5) + zp, r);
 }
 
+/* quantize64 of a float32 x, the same integer, in float32 arithmetic where that decides it (an FPU
+ * of single precision, or soft-float, pays for float64 division: ~1,500 instructions a value on a
+ * Cortex-M4). y = x rscale (rscale = float32(1 / scale)) is within |y| 2^-23 (1 + 2^-24) of x / scale
+ * and of its float64 quotient v (two float32 roundings; v's own is 2^-53 relative), so where y is
+ * more than 2 beyond the range, or its fraction more than m = (|y| + 1) 2^-20 from 1/2, v rounds
+ * as y does; else (a fraction of about 2^-19 (|y| + 1) of values) quantize64 decides. No NaN. */
+#if defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD != 0 && !defined(QGRU_RT_FLOAT64_QUANTIZE)
+#define QGRU_RT_FLOAT64_QUANTIZE /* float arithmetic in wider registers: the bound above is not the one */
+#endif
+static int32_t quantize1(float x, float rscale, double scale, int32_t zp, qgru_rt_range r)
+{
+#ifndef QGRU_RT_FLOAT64_QUANTIZE
+    const float y = x * rscale;
+    if (y > (float)(r.hi - zp) + 2.0f)
+        return r.hi;
+    if (y < (float)(r.lo - zp) - 2.0f)
+        return r.lo;
+    {
+        int32_t t = (int32_t)y; /* |y| < 2^17 + 3: exact, truncating toward zero */
+        float f = (float)t, m;
+        if (f > y)
+            t -= 1, f -= 1.0f;
+        f = y - f; /* the fraction: exact (Sterbenz) but for y in (-1/2, 0), where it rounds by < 2^-25 */
+        m = ((y < 0 ? -y : y) + 1.0f) * 0x1p-20f;
+        if (f >= 0.5f + m)
+            return qgru_rt_sat32(t + 1 + zp, r);
+        if (f <= 0.5f - m)
+            return qgru_rt_sat32(t + zp, r);
+    }
+#else
+    (void)rscale;
+#endif
+    return quantize64((double)x, scale, zp, r);
+}
+
 /* x of a layer-0 direction from floats (no NaN): the token's level (golden select_levels: the first
- * whose [lo, hi] holds its smallest and largest value, compared in float64, else the last), each
- * value quantized on it; returns the level (0: the static grid) */
+ * whose [lo, hi] holds its smallest and largest value, else the last; lo32 / hi32 decide it in
+ * float32 exactly as lo / hi in float64), each value quantized on it; returns the level (0: the
+ * static grid) */
 static int32_t put_input_float(const qgru_rt_dir *d, act_buf xa, const float *x)
 {
     const qgru_rt_xlevels *lv = d->xlv;
     int32_t k, j = 0;
     double scale = d->x_scale;
+    float rscale = d->x_rscale;
     act_clear(xa, d->input_size);
     if (lv && lv->num > 1) {
-        double mn = x[0], mx = x[0];
+        float mn = x[0], mx = x[0];
         for (k = 1; k < d->input_size; k++) {
             mn = x[k] < mn ? x[k] : mn;
             mx = x[k] > mx ? x[k] : mx;
         }
-        while (j < lv->num - 1 && !(lv->lo[j] <= mn && mx <= lv->hi[j]))
+        while (j < lv->num - 1 && !(lv->lo32[j] <= mn && mx <= lv->hi32[j]))
             j++;
         scale = lv->scale[j];
+        rscale = lv->rscale[j];
     }
     for (k = 0; k < d->input_size; k++)
-        act_put(xa, k, quantize1((double)x[k], scale, d->zp_x, d->r_x));
+        act_put(xa, k, quantize1(x[k], rscale, scale, d->zp_x, d->r_x));
     return j;
 }
 
@@ -801,7 +840,7 @@ int32_t qgru_rt_quantize_input(const qgru_rt_model *m, const float *x, int32_t n
             x_q[i] = (int16_t)d->zp_x;
             continue;
         }
-        x_q[i] = (int16_t)quantize1((double)x[i], d->x_scale, d->zp_x, d->r_x);
+        x_q[i] = (int16_t)quantize1(x[i], d->x_rscale, d->x_scale, d->zp_x, d->r_x);
     }
     return nan;
 }

@@ -106,6 +106,8 @@ typedef struct {
 typedef struct {
     int32_t num;                   /* J >= 1 */
     const double *scale, *lo, *hi; /* [J]; lo = -HUGE_VAL (hi = HUGE_VAL) where that end is the grid's zero point */
+    const float *rscale;           /* [J] float32(1 / scale): quantize's float32 estimate (qgru_rt.c quantize1) */
+    const float *lo32, *hi32;      /* [J] lo rounded up, hi down to float32: lo <= v <=> lo32 <= v for float32 v */
     const int32_t *init;           /* fast cell: [J-1][3 rows_per_gate] the W.x kernels' starts (as fast->init_x) */
     const int32_t *bias;           /* other cells: [J-1][3H] b_x - Z rowsum(W), int32 where every level fits, */
     const int64_t *bias64;         /* else int64 */
@@ -143,6 +145,7 @@ typedef struct {
     uint8_t s_in[2];
     const qgru_rt_fast *fast;                            /* the fast cell's data (0: unit32 / unit) */
     double x_scale, h_scale;                             /* only for the float boundary */
+    float x_rscale;                                      /* float32(1 / x_scale) (qgru_rt.c quantize1) */
     const qgru_rt_xlevels *xlv;                          /* layer 0's x levels, or 0 (a static grid) */
 } qgru_rt_dir;
 
