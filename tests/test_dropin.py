@@ -538,3 +538,50 @@ def test_packed_rows_run_longest_first_and_come_back_in_order(bidirectional):
             L = int(lengths[n])
             o1, h1 = q(x[:L, n:n + 1], h0[:, n:n + 1].contiguous())
             assert torch.equal(o1[:, 0], po[:L, n]) and torch.equal(h1[:, 0], ph[:, n]), n
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_packed_one_native_call_equals_the_general_path_and_the_reference(bidirectional):
+    """A converted model's PackedSequence call on the cpu backend is one native call (unpacking and
+    packing in C++, QuantGRU._cpu_packed_call); it gives the general path's values bit for bit
+    (Python unpacking, the operator's C++ on the padded batch, Python packing), and the reference
+    backend's, for every kind of input it takes: h0 or none, a non-contiguous or float64 h0, float64
+    or float16 data, a negative view, sorted or not, under inference_mode or not; its outputs are
+    inference tensors exactly where the general path's are. A malformed PackedSequence still raises
+    the general path's error."""
+    if qgru.backends()["cpu"]["why"]:
+        pytest.skip(f"cpu backend unavailable: {qgru.backends()['cpu']['why']}")
+    import copy
+    torch.manual_seed(4)
+    I, H, T, N, D = 5, 11, 13, 29, 2 if bidirectional else 1
+    g = torch.nn.GRU(I, H, 2, bidirectional=bidirectional).eval()
+    q = qgru.quantize_model(g, [torch.randn(T, 8, I) for _ in range(2)], config="w8a8", progress=False)
+    general = copy.deepcopy(q)
+    general._cpu_packed_call = lambda input, hx: None  # the general path only
+    lengths = torch.randint(1, T + 1, (N,), generator=torch.Generator().manual_seed(6))
+    x = torch.randn(T, N, I) * 3
+    x[0, 0, 0] = float("inf")
+    p = pack_padded_sequence(x, lengths, enforce_sorted=False)
+    ps = pack_padded_sequence(x, lengths.sort(descending=True).values, enforce_sorted=True)
+    h0 = torch.randn(N, 2 * D, H).transpose(0, 1)  # not contiguous
+    cases = [(p, None), (p, h0), (p, h0.double()), (ps, None), (ps, h0),
+             (PackedSequence(p.data.double(), p.batch_sizes, p.sorted_indices, p.unsorted_indices), h0),
+             (PackedSequence(p.data.half(), p.batch_sizes, p.sorted_indices, p.unsorted_indices), None),
+             (PackedSequence(torch._neg_view(-p.data), p.batch_sizes, p.sorted_indices, p.unsorted_indices), h0)]
+    for mode in (torch.inference_mode, torch.no_grad):
+        for i, (seq, h) in enumerate(cases):
+            with mode():
+                assert q._cpu_packed_call(seq, h) is not None, i
+                out, h_n = q(seq, h)
+                want, want_h = general(seq, h)
+                with qgru.backend("reference"):
+                    ref, ref_h = q(seq, h)
+            assert torch.equal(out.data, want.data) and torch.equal(h_n, want_h), (mode, i)
+            assert torch.equal(out.data, ref.data) and torch.equal(h_n, ref_h), (mode, i)
+            assert out.data.dtype == want.data.dtype and h_n.dtype == want_h.dtype
+            assert out.data.is_inference() == want.data.is_inference() and h_n.is_inference() == want_h.is_inference()
+            assert torch.equal(out.batch_sizes, seq.batch_sizes) and out.sorted_indices is seq.sorted_indices
+    bad = PackedSequence.__new__(PackedSequence, p.data, p.batch_sizes, p.sorted_indices, p.sorted_indices)
+    assert q._cpu_packed_call(bad, None) is None
+    with pytest.raises(qgru.QGRUInputError, match="unsorted_indices its inverse"):
+        q(bad)

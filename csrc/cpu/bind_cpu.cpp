@@ -71,6 +71,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("params"), pybind11::arg("spec"), pybind11::arg("isa") = "auto")
       .def("forward", &qgru::cpu_api::Model::forward, "the operator qgru::integer_gru's call on this model",
            pybind11::arg("x"), pybind11::arg("hx"), pybind11::arg("lengths") = pybind11::none(), release_gil())
+      .def("forward_packed", &qgru::cpu_api::Model::forward_packed,
+           "a PackedSequence's call, rows longest first: (packed output data, h_n in the caller's order), or None "
+           "where the PackedSequence is not well formed or not of the form taken", pybind11::arg("data"),
+           pybind11::arg("batch_sizes"), pybind11::arg("sorted_indices") = pybind11::none(),
+           pybind11::arg("unsorted_indices") = pybind11::none(), pybind11::arg("hx") = pybind11::none(),
+           release_gil())
       .def("call", &qgru::cpu_api::Model::call,
            "Stack.call on the model's Stack (unidirectional, per-tensor requantization between layers), else None",
            pybind11::arg("x"), pybind11::arg("h0") = pybind11::none(), release_gil())

@@ -81,6 +81,14 @@ class Model {
   Model(const std::vector<at::Tensor>& params, const std::string& spec, const std::string& request);
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& hx,
                                              const c10::optional<at::Tensor>& lengths) const;
+  // A PackedSequence's call (data, batch_sizes, sorted_indices, unsorted_indices as torch keeps
+  // them; hx in the caller's order or none): (the output's packed data, h_n in the caller's order),
+  // the rows run longest first, unpacked and packed in C++; nullopt where the PackedSequence is not
+  // well formed or not of the form taken (the caller's general path then runs, and raises)
+  c10::optional<std::tuple<at::Tensor, at::Tensor>> forward_packed(const at::Tensor& data, const at::Tensor& batch_sizes,
+                                                                   const c10::optional<at::Tensor>& sorted_indices,
+                                                                   const c10::optional<at::Tensor>& unsorted_indices,
+                                                                   const c10::optional<at::Tensor>& hx) const;
   // Stack::call on its Stack (a unidirectional model whose layers requantize per tensor), else nullopt
   c10::optional<std::tuple<at::Tensor, at::Tensor>> call(const at::Tensor& x, const c10::optional<at::Tensor>& h0) const;
   std::vector<std::string> gemm_paths() const;  // each layer and direction's GEMM path (tests)

@@ -17,11 +17,13 @@
 // them differ, for both kinds of CPU path; the kernel picks the path of this CPU (QGRU_CPU_ISA as
 // in qgru/native/cpu.py) and builds the Layers once per set of parameter tensors.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <cstring>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -328,40 +330,154 @@ std::shared_ptr<Entry> entry_for(const std::vector<at::Tensor>& params, const st
   return e;
 }
 
-// qgru/runtime.py reverse_within_lengths on a time-major [T, N, ...] tensor.
-at::Tensor reverse_within(const at::Tensor& q, const at::Tensor& lengths) {
-  if (!lengths.defined()) return q.flip(0);
-  const int64_t T = q.size(0), N = q.size(1);
-  at::Tensor idx = at::empty({T * N}, at::TensorOptions().dtype(at::kLong));
-  int64_t* p = idx.data_ptr<int64_t>();
-  const int64_t* L = lengths.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t n = 0; n < N; ++n) p[t * N + n] = (t < L[n] ? L[n] - 1 - t : t) * N + n;
-  const int64_t rest = q.numel() / std::max<int64_t>(T * N, 1);
-  return q.reshape({T * N, rest}).index_select(0, idx).reshape(q.sizes());
+// at::parallel_for, or the whole range on the calling thread in a child of fork (as qgru_cpu.cpp's
+// parallel_for: OpenMP's pool does not work there).
+template <typename F>
+void rows_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (!cpu_api::forked_child()) return at::parallel_for(begin, end, grain, f);
+  if (begin < end) f(begin, end);
 }
 
-// golden.requantize_input: per-tensor on the backend's one pass, per channel (the last axis) here.
-at::Tensor requantize(const at::Tensor& q, int64_t from_zp, const std::vector<int64_t>& m,
-                      const std::vector<int64_t>& s, int64_t to_zp, int64_t to_bits) {
-  if (m.size() == 1) return cpu_api::requantize(q, from_zp, m[0], s[0], to_zp, to_bits);
-  for (size_t c = 0; c < m.size(); ++c)
-    check_requantize_args("qgru::integer_gru requantize", from_zp, m[c], s[c], to_zp, to_bits);
-  const at::Tensor src = q.to(at::kInt).contiguous();
-  at::Tensor out = at::empty(src.sizes(), src.options());
-  const int32_t* a = src.data_ptr<int32_t>();
-  int32_t* b = out.data_ptr<int32_t>();
-  const int64_t C = (int64_t)m.size(), n = src.numel();
-  const Range r = signed_range((int32_t)to_bits);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t c = i % C;
-    b[i] = (int32_t)saturate(rounding_mul_shift((int64_t)a[i] - from_zp, m[c], (int32_t)s[c]) + to_zp, r);
-  }
+// qgru/runtime.py reverse_within_lengths on a time-major [T, N, ...] tensor: row (t, n) of the
+// result is row (L[n] - 1 - t, n) where t < L[n], else (t, n); a copy per row (an index and an
+// index_select took 0.5-0.75 ms of a bidirectional call at T=29 N=370 H=32, 1 thread).
+at::Tensor reverse_within(const at::Tensor& q_in, const at::Tensor& lengths) {
+  if (!lengths.defined()) return q_in.flip(0);
+  const at::Tensor q = q_in.resolve_neg().contiguous();
+  const int64_t T = q.size(0), N = q.size(1);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const int64_t row = q.numel() / std::max<int64_t>(T * N, 1) * (int64_t)q.element_size();
+  const int64_t* L = lengths.data_ptr<int64_t>();
+  const char* a = static_cast<const char*>(q.data_ptr());
+  char* d = static_cast<char*>(out.data_ptr());
+  rows_for(0, T, std::max<int64_t>(1, 65536 / std::max<int64_t>(N * row, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t n = 0; n < N; ++n) {
+        const int64_t src = t < L[n] ? L[n] - 1 - t : t;
+        std::memcpy(d + (t * N + n) * row, a + (src * N + n) * row, (size_t)row);
+      }
+  });
   return out;
 }
 
+// golden.requantize_input of each source direction's integer outputs src[e] [T, N, C_e] onto one
+// grid, concatenated on the last axis (what requantizing each and at::cat give, in one pass: the
+// same rounding_mul_shift and saturate per value), per tensor (m[e], s[e] of size 1) or per
+// channel (of size C_e). The arguments are checked as the two requantizations checked them
+// (cpu_backend's per-tensor one, this file's per-channel one).
+at::Tensor requantize_cat(const std::vector<at::Tensor>& src_in, const std::vector<int64_t>& from_zp,
+                          const std::vector<const std::vector<int64_t>*>& m,
+                          const std::vector<const std::vector<int64_t>*>& s, int64_t to_zp, int64_t to_bits) {
+  const size_t E = src_in.size();
+  std::vector<at::Tensor> src;
+  int64_t width = 0;
+  for (size_t e = 0; e < E; ++e) {
+    const std::vector<int64_t>& me = *m[e];
+    const std::vector<int64_t>& se = *s[e];
+    if (me.size() == 1) {
+      QGRU_CHECK(src_in[e].device().is_cpu(), "qgru cpu requantize: a CPU tensor expected");
+      check_requantize_args("qgru cpu requantize", from_zp[e], me[0], se[0], to_zp, to_bits);
+      QGRU_CHECK(!src_in[e].is_floating_point(), "qgru cpu requantize: an integer tensor expected");
+    } else {
+      for (size_t c = 0; c < me.size(); ++c)
+        check_requantize_args("qgru::integer_gru requantize", from_zp[e], me[c], se[c], to_zp, to_bits);
+    }
+    src.push_back(src_in[e].resolve_neg().to(at::kInt).contiguous());
+    QGRU_CHECK(me.size() == 1 || (int64_t)me.size() == src.back().size(-1),
+               "qgru::integer_gru requantize: ", me.size(), " factors for ", src.back().size(-1), " channels");
+    width += src.back().size(-1);
+  }
+  std::vector<int64_t> shape(src[0].sizes().begin(), src[0].sizes().end());
+  shape.back() = width;
+  at::Tensor out = at::empty(shape, src[0].options());
+  const int64_t rows = out.numel() / std::max<int64_t>(width, 1);
+  const Range r = signed_range((int32_t)to_bits);
+  int32_t* o = out.data_ptr<int32_t>();
+  std::vector<const int32_t*> base;
+  std::vector<int64_t> chans;
+  for (const at::Tensor& t : src) base.push_back(t.data_ptr<int32_t>()), chans.push_back(t.size(-1));
+  rows_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(width, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      int32_t* dst = o + i * width;
+      for (size_t e = 0; e < E; ++e) {
+        const int64_t C = chans[e];
+        const int32_t* a = base[e] + i * C;
+        const std::vector<int64_t>& me = *m[e];
+        const std::vector<int64_t>& se = *s[e];
+        const int64_t z = from_zp[e];
+        if (me.size() == 1) {
+          const int64_t mult = me[0];
+          const int32_t shift = (int32_t)se[0];
+          for (int64_t c = 0; c < C; ++c)
+            dst[c] = (int32_t)saturate(rounding_mul_shift((int64_t)a[c] - z, mult, shift) + to_zp, r);
+        } else {
+          for (int64_t c = 0; c < C; ++c)
+            dst[c] = (int32_t)saturate(rounding_mul_shift((int64_t)a[c] - z, me[c], (int32_t)se[c]) + to_zp, r);
+        }
+        dst += C;
+      }
+    }
+  });
+  return out;
+}
+
+// A PackedSequence's layout in its sorted order (packed_run): step t's rows are the block
+// [off_t, off_t + b[t]) of the packed data and the block [0, b[t]) of the padded batch's step t.
+struct Packing {
+  const int64_t* b = nullptr;  // batch_sizes [T], non-increasing, b[0] = N
+  int64_t T = 0, N = 0, rows = 0;
+  bool inference = false;  // the caller runs under inference mode
+};
+
+// The padded [T, N, rest...] tensor of the packed rows src [rows, rest...] (any dtype, contiguous),
+// each padding row a copy of pad [rest...] (pad's dtype and row size are src's).
+at::Tensor padded_rows(const at::Tensor& src, const Packing& pk, const at::Tensor& pad) {
+  std::vector<int64_t> shape{pk.T, pk.N};
+  for (int64_t i = 1; i < src.dim(); ++i) shape.push_back(src.size(i));
+  at::Tensor dst = at::empty(shape, src.options());
+  const int64_t row = src.numel() / std::max<int64_t>(pk.rows, 1) * (int64_t)src.element_size();
+  const char* a = static_cast<const char*>(src.data_ptr());
+  const char* z = static_cast<const char*>(pad.data_ptr());
+  char* d = static_cast<char*>(dst.data_ptr());
+  for (int64_t t = 0, off = 0; t < pk.T; off += pk.b[t], ++t) {
+    char* step = d + t * pk.N * row;
+    std::memcpy(step, a + off * row, (size_t)(pk.b[t] * row));
+    for (int64_t j = pk.b[t]; j < pk.N; ++j) std::memcpy(step + j * row, z, (size_t)row);
+  }
+  return dst;
+}
+
+// The packed rows [rows, rest...] of a padded [T, N, rest...] tensor (qgru/runtime.py packed_rows).
+at::Tensor packed_rows(const at::Tensor& padded_in, const Packing& pk) {
+  const at::Tensor src = padded_in.contiguous();
+  std::vector<int64_t> shape{pk.rows};
+  for (int64_t i = 2; i < src.dim(); ++i) shape.push_back(src.size(i));
+  at::Tensor dst = at::empty(shape, src.options());
+  const int64_t row = src.numel() / std::max<int64_t>(pk.T * pk.N, 1) * (int64_t)src.element_size();
+  const char* a = static_cast<const char*>(src.data_ptr());
+  char* d = static_cast<char*>(dst.data_ptr());
+  for (int64_t t = 0, off = 0; t < pk.T; off += pk.b[t], ++t)
+    std::memcpy(d + off * row, a + t * pk.N * row, (size_t)(pk.b[t] * row));
+  return dst;
+}
+
+// Every layer and direction's h_n dequantized, stacked [L D, N, H] in x's dtype.
+at::Tensor stack_h(const Spec& s, const std::vector<at::Tensor>& h_n, const at::Tensor& x) {
+  std::vector<at::Tensor> fh;
+  for (int64_t k = 0; k < s.L * s.D; ++k) {
+    const Unit& u = s.units[(size_t)k];
+    fh.push_back(cpu_api::dequantize(h_n[(size_t)k], u.sh, u.zh).to(x.scalar_type()));
+  }
+  return at::stack(fh);
+}
+
+// The integer GRU between its float boundaries on x [T, N, I] (or, with ``pk``, a PackedSequence's
+// data [rows, I] in its sorted order: its rows quantized as they are and then laid out padded, the
+// padding quantized from zeros, and the last layer's outputs packed before they are dequantized,
+// which gives the values of the padded call on the padded batch: quantize and dequantize are
+// elementwise, a token's level is its own).
 std::tuple<at::Tensor, at::Tensor> run(const Entry& e, const at::Tensor& x, const at::Tensor& hx,
-                                       const at::Tensor& lengths) {
+                                       const at::Tensor& lengths, const Packing* pk = nullptr) {
   const Spec& s = e.parsed;
   if (e.stack && !lengths.defined()) {  // the eager module's one-call form: the same integers
     at::Tensor out, h_n;
@@ -387,13 +503,26 @@ std::tuple<at::Tensor, at::Tensor> run(const Entry& e, const at::Tensor& x, cons
         } else {
           qx = cpu_api::quantize(x, u.sx, u.zx, u.bx, "input", isa);
         }
+        if (pk) {  // the padding: a zero token's quantized values (and level), as the padded batch's
+          const at::Tensor zero = at::zeros({1, s.I}, x.options());
+          at::Tensor zq, zl;
+          if (!u.lv_scale.empty()) {
+            std::tie(zq, zl) = cpu_api::quantize_levels(zero, u.lv_scale, u.lv_lo, u.lv_hi, u.zx, u.bx, "input", isa);
+            level = padded_rows(level.contiguous(), *pk, zl.contiguous());
+          } else {
+            zq = cpu_api::quantize(zero, u.sx, u.zx, u.bx, "input", isa);
+          }
+          qx = padded_rows(qx.contiguous(), *pk, zq.contiguous());
+        }
         // (a quantize output is a reused buffer, reused only once no tensor holds it)
       } else {
-        std::vector<at::Tensor> parts;
-        for (int64_t src = 0; src < D; ++src)
-          parts.push_back(requantize(prev[(size_t)src], s.units[(size_t)((l - 1) * D + src)].zh, u.in_mult[(size_t)src],
-                                     u.in_shift[(size_t)src], u.zx, u.bx));
-        qx = parts.size() == 1 ? parts[0] : at::cat(parts, -1);
+        std::vector<int64_t> zps;
+        std::vector<const std::vector<int64_t>*> mults, shifts;
+        for (int64_t src = 0; src < D; ++src) {
+          zps.push_back(s.units[(size_t)((l - 1) * D + src)].zh);
+          mults.push_back(&u.in_mult[(size_t)src]), shifts.push_back(&u.in_shift[(size_t)src]);
+        }
+        qx = requantize_cat(prev, zps, mults, shifts, u.zx, u.bx);
       }
       if (d == 1) {
         qx = reverse_within(qx, lengths);
@@ -409,16 +538,21 @@ std::tuple<at::Tensor, at::Tensor> run(const Entry& e, const at::Tensor& x, cons
     }
     prev = std::move(outs);
   }
-  std::vector<at::Tensor> fo, fh;
-  for (int64_t d = 0; d < D; ++d) {
-    const Unit& u = s.units[(size_t)((L - 1) * D + d)];
-    fo.push_back(cpu_api::dequantize(prev[(size_t)d], u.sh, u.zh).to(x.scalar_type()));
+  at::Tensor out;
+  {
+    // a PackedSequence's output data is made in the caller's mode (an inference tensor under
+    // torch.inference_mode, as the general path's packed_rows makes it)
+    c10::optional<c10::InferenceMode> caller;
+    if (pk && pk->inference) caller.emplace(true);
+    std::vector<at::Tensor> fo;
+    for (int64_t d = 0; d < D; ++d) {
+      const Unit& u = s.units[(size_t)((L - 1) * D + d)];
+      const at::Tensor q = pk ? packed_rows(prev[(size_t)d], *pk) : prev[(size_t)d];
+      fo.push_back(cpu_api::dequantize(q, u.sh, u.zh).to(x.scalar_type()));
+    }
+    out = fo.size() == 1 ? fo[0] : at::cat(fo, -1);
   }
-  for (int64_t k = 0; k < L * D; ++k) {
-    const Unit& u = s.units[(size_t)k];
-    fh.push_back(cpu_api::dequantize(h_n[(size_t)k], u.sh, u.zh).to(x.scalar_type()));
-  }
-  return {fo.size() == 1 ? fo[0] : at::cat(fo, -1), at::stack(fh)};
+  return {out, stack_h(s, h_n, x)};
 }
 
 // The operator's checks of x, hx and lengths against the spec, then run.
@@ -456,6 +590,89 @@ std::tuple<at::Tensor, at::Tensor> checked_run(const Entry& e, const at::Tensor&
   return run(e, x, hx, lengths);
 }
 
+// A PackedSequence's call (Model::forward_packed): its rows in the sorted order (longest first),
+// which makes each step's rows one block in both layouts: step t's rows are data[off_t, off_t +
+// batch_sizes[t]) and row 0 to batch_sizes[t] of the padded batch's step t, so laying them out
+// padded and packing them again are a copy per step (run with a Packing: of the quantized input,
+// and of the last layer's integer outputs before they are dequantized). The integer input (a zero
+// token's at the padding), lengths, h0 and h_n are those qgru/module.py's general path gives
+// (runtime.padded_from_packed in sorted order, hx.index_select(1, sorted_indices), the operator's
+// run, packed_rows, h_n.index_select(1, unsorted_indices)), so out and h_n are its values bit for
+// bit. nullopt where the PackedSequence is not well formed (the general path then raises its
+// error) or a tensor is not of the form taken here (data a 2-D float CPU tensor [rows, I], int64
+// CPU batch_sizes and indices, hx none or a float CPU tensor [L D, N, H]).
+c10::optional<std::tuple<at::Tensor, at::Tensor>> packed_run(const Entry& e, const at::Tensor& data_in,
+                                                             const at::Tensor& bs,
+                                                             const c10::optional<at::Tensor>& si_in,
+                                                             const c10::optional<at::Tensor>& ui_in,
+                                                             const c10::optional<at::Tensor>& hx_in) {
+  const Spec& s = e.parsed;
+  if (!data_in.defined() || data_in.dim() != 2 || !data_in.is_floating_point() || !data_in.device().is_cpu() ||
+      data_in.size(1) != s.I)
+    return c10::nullopt;
+  if (!bs.defined() || bs.dim() != 1 || bs.scalar_type() != at::kLong || !bs.device().is_cpu() || bs.numel() == 0)
+    return c10::nullopt;
+  const at::Tensor bsc = bs.resolve_neg().contiguous();
+  const int64_t T = bsc.numel();
+  const int64_t* b = bsc.data_ptr<int64_t>();
+  const int64_t N = b[0];
+  int64_t rows = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    if (b[t] < 1 || (t > 0 && b[t] > b[t - 1])) return c10::nullopt;
+    rows += b[t];
+  }
+  if (rows != data_in.size(0)) return c10::nullopt;
+  const bool has_si = si_in.has_value() && si_in->defined(), has_ui = ui_in.has_value() && ui_in->defined();
+  if (has_si != has_ui) return c10::nullopt;
+  at::Tensor si, ui;
+  if (has_si) {
+    for (const at::Tensor* v : {&*si_in, &*ui_in})
+      if (v->dim() != 1 || v->size(0) != N || v->scalar_type() != at::kLong || !v->device().is_cpu())
+        return c10::nullopt;
+    si = si_in->resolve_neg().contiguous(), ui = ui_in->resolve_neg().contiguous();
+    const int64_t* ps = si.data_ptr<int64_t>();
+    const int64_t* pu = ui.data_ptr<int64_t>();
+    std::vector<char> seen((size_t)N, 0);
+    for (int64_t k = 0; k < N; ++k) {
+      if (ps[k] < 0 || ps[k] >= N || seen[(size_t)ps[k]]) return c10::nullopt;
+      seen[(size_t)ps[k]] = 1;
+    }
+    for (int64_t k = 0; k < N; ++k)
+      if (pu[k] < 0 || pu[k] >= N || ps[pu[k]] != k) return c10::nullopt;
+  }
+  if (hx_in.has_value() && hx_in->defined()) {
+    const at::Tensor& h = *hx_in;
+    if (h.dim() != 3 || h.size(0) != s.L * s.D || h.size(1) != N || h.size(2) != s.H || !h.is_floating_point() ||
+        !h.device().is_cpu())
+      return c10::nullopt;
+  }
+  // lengths in the sorted order: row j's is the number of steps with more than j rows
+  at::Tensor lengths = at::empty({N}, bsc.options());
+  int64_t* len = lengths.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = t + 1 < T ? b[t + 1] : 0; j < b[t]; ++j) len[j] = t + 1;
+  const at::Tensor data = data_in.resolve_conj().resolve_neg().contiguous();
+  at::Tensor hx;
+  if (hx_in.has_value() && hx_in->defined()) {
+    hx = hx_in->resolve_conj().resolve_neg();
+    if (has_si) hx = hx.index_select(1, si);
+  } else {
+    hx = at::zeros({s.L * s.D, N, s.H}, data.options());  // (the general path: x.new_zeros)
+  }
+  Packing pk;
+  pk.b = b, pk.T = T, pk.N = N, pk.rows = rows, pk.inference = c10::InferenceMode::is_enabled();
+  at::Tensor packed, h_n;
+  if (c10::InferenceMode::is_enabled()) {
+    // the Layers' reused buffers must stay normal tensors (qgru/native/layer.py gru_direction)
+    c10::InferenceMode normal(false);
+    std::tie(packed, h_n) = run(e, data, hx, lengths, &pk);
+  } else {
+    std::tie(packed, h_n) = run(e, data, hx, lengths, &pk);
+  }
+  if (has_ui) h_n = h_n.index_select(1, ui);
+  return std::make_tuple(packed, h_n);
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> integer_gru_cpu(const at::Tensor& x, const at::Tensor& hx,
@@ -480,6 +697,12 @@ Model::Model(const std::vector<at::Tensor>& params, const std::string& spec, con
 std::tuple<at::Tensor, at::Tensor> Model::forward(const at::Tensor& x, const at::Tensor& hx,
                                                   const c10::optional<at::Tensor>& lengths) const {
   return op::checked_run(*impl->entry, x, hx, lengths);
+}
+
+c10::optional<std::tuple<at::Tensor, at::Tensor>> Model::forward_packed(
+    const at::Tensor& data, const at::Tensor& batch_sizes, const c10::optional<at::Tensor>& sorted_indices,
+    const c10::optional<at::Tensor>& unsorted_indices, const c10::optional<at::Tensor>& hx) const {
+  return op::packed_run(*impl->entry, data, batch_sizes, sorted_indices, unsorted_indices, hx);
 }
 
 c10::optional<std::tuple<at::Tensor, at::Tensor>> Model::call(const at::Tensor& x,
