@@ -41,6 +41,7 @@ ABI = 5  # csrc/c/qgru_rt.h QGRU_RT_ABI
 INT32_MAX = (1 << 31) - 1
 LAYOUTS = ("interleaved", "rows", "pairs")  # csrc/c/qgru_rt.h QGRU_RT_LAYOUT_*; rows: Helium, pairs: Cortex-M DSP
 _GATE_RESCALES = ("Wx_r", "Rh_r", "Wx_z", "Rh_z", "Wx_g", "rRh_g")
+_LEVEL_SMMLAR = True  # tests set False: a fast direction's x levels then take the 64-bit rescale
 
 
 def _pad4(n: int) -> int:
@@ -527,7 +528,7 @@ class _Writer:
         J, H = int(lv.exponent.numel()), p.hidden_size
         lo_x, hi_x = qrange(p.bits["x"])
         gemm = p.W.abs().sum(1) * max(-lo_x, hi_x)  # [3H]: |q_W| |q_x| per row
-        biases, ms, ss, c32 = [], [], [], []
+        biases, ms, ss, c32, mx, aa = [], [], [], [], [], []
         for j in range(1, J):
             m, s_ = lv.rescale.multiplier[j].expand(3 * H), lv.rescale.shift[j].expand(3 * H)
             if int(m.min()) < 0 or int(m.max()) > INT32_MAX or int(s_.min()) < 1 or int(s_.max()) > 62:
@@ -543,6 +544,14 @@ class _Writer:
             biases.append(v.tolist())
             ms += m.tolist()
             ss += s_.tolist()
+            if fast and mx is not None:  # the SMMLAR form (_fast's), an operand shift a per channel, if it holds
+                ml, sl, vb = m.tolist(), s_.tolist(), (gemm + v.abs()).tolist()
+                a = [max(0, 32 - sh - (31 - mm.bit_length())) for mm, sh in zip(ml, sl)]
+                if any(sh > 32 or (b_ << a_) > INT32_MAX for sh, b_, a_ in zip(sl, vb, a)) or not _LEVEL_SMMLAR:
+                    mx = None
+                else:
+                    mx += [mm << (32 - sh - a_) for mm, sh, a_ in zip(ml, sl, a)]
+                    aa += a
         f = [f".num = {J}"]
         for k in ("scale", "lo", "hi"):
             vals = ", ".join(_dlit(v) for v in getattr(lv, k).tolist())
@@ -564,8 +573,12 @@ class _Writer:
                 else:
                     f.append(f".bias64 = {self._arr('int64_t', f'{n}_xl_bias64', flat, 'x levels')}")
                 f.append(f".cell32 = {self._arr('uint8_t', f'{n}_xl_cell32', c32, 'x levels')}")
-            f.append(f".m = {self._arr('int32_t', f'{n}_xl_m', ms, 'x levels')}")
-            f.append(f".s = {self._arr('uint8_t', f'{n}_xl_s', ss, 'x levels')}")
+            if fast and mx is not None:
+                f.append(f".mx = {self._arr('int32_t', f'{n}_xl_mx', mx, 'x levels')}")
+                f.append(f".aa = {self._arr('uint8_t', f'{n}_xl_aa', aa, 'x levels')}")
+            else:
+                f.append(f".m = {self._arr('int32_t', f'{n}_xl_m', ms, 'x levels')}")
+                f.append(f".s = {self._arr('uint8_t', f'{n}_xl_s', ss, 'x levels')}")
         self.parts.append(f"static const qgru_rt_xlevels {n}_xlv = {{\n    " + ",\n    ".join(f) + "\n};\n")
         return f"{n}_xlv"
 

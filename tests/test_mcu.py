@@ -205,9 +205,11 @@ def test_fast_and_general_cells_are_both_exercised(folder):
     t = mb.TARGETS["host"]
     if mb.missing(t):
         pytest.skip(f"no host C compiler ({mb.missing(t)})")
-    d = exported("w8a8-fast-bidir2", "interleaved", folder)
-    b = mb.build(t, d / "gru.c", mb.BOARDS / "selftest_main.c", d / "st-host-general", defines=GOLDEN + ["QGRU_RT_NO_STD16"])
-    assert mb.mismatches(mb.run(t, b)) == 0
+    for case in ("w8a8-fast-bidir2", "w8a8-levels-bidir2"):  # (the latter: its x levels' float self-test too)
+        d = exported(case, "interleaved", folder)
+        b = mb.build(t, d / "gru.c", mb.BOARDS / "selftest_main.c", d / "st-host-general",
+                     defines=GOLDEN + ["QGRU_RT_NO_STD16"])
+        assert mb.mismatches(mb.run(t, b)) == 0, case
 
 
 def test_fast_only_build_runs_fast_models_and_refuses_others(folder):
@@ -405,13 +407,18 @@ def float_inputs(params, gen, T=13):
     return x
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "levels" in c] + ["w8a8-fast-bidir2"])
-def test_host_float_input_takes_x_levels_as_the_module(case, folder):
+@pytest.mark.parametrize("case,smmlar", [(c, True) for c in CASES if "levels" in c] + [("w8a8-fast-bidir2", True),
+                                                                                      ("w8a8-levels-bidir2", False)])
+def test_host_float_input_takes_x_levels_as_the_module(case, smmlar, folder, monkeypatch):
     """qgru_rt_run_float: each token quantized on its x level (golden.quantize_levels, W.x with
     the level's bias and rescale) in every cell the runtime has, in one call and in chunks, gives
     the golden integers, and dequantized, exactly the converted module's float outputs; a model
     without levels quantizes on the static grid; a NaN anywhere is refused (QGRU_RT_ENAN) with the
-    state untouched. Exported without levels, every token takes the static grid."""
+    state untouched. Exported without levels, every token takes the static grid. The fast cell's
+    levels rescale W.x by one SMMLAR where the export proves its form, else by a 64-bit product
+    (smmlar=False: that path forced)."""
+    import qgru.export_mcu as em
+    monkeypatch.setattr(em, "_LEVEL_SMMLAR", smmlar)
     from qgru.golden import quantize_levels
     from qgru.primitives import quantize
     t = mb.TARGETS["host"]
@@ -429,8 +436,10 @@ def test_host_float_input_takes_x_levels_as_the_module(case, folder):
         levels = quantize_levels(p0.x_levels, x, p0.zp["x"], p0.bits["x"])[1]
         assert lv > 1 and int(levels.max()) == lv - 1 and len(set(levels.tolist())) >= 3
     for with_levels in ((True, False) if "levels" in case else (True,)):
-        d = Path(folder) / f"{case}-float-{with_levels}"
+        d = Path(folder) / f"{case}-float-{with_levels}-{smmlar}"
         write_mcu(params, d / "gru", x_levels=with_levels)
+        if with_levels and case == "w8a8-levels-bidir2":  # layer 0 forward takes the fast cell
+            assert ("gru_l0f_xl_mx" in (d / "gru.c").read_text()) == smmlar
         (d / "harness.c").write_text(FLOAT_HARNESS)
         binary = mb.build(t, d / "gru.c", d / "harness.c", d / "harness")
         stdin = " ".join([str(T), *(float(v).hex() for v in x.reshape(-1).tolist()), *map(str, qh0.reshape(-1).tolist())])

@@ -309,21 +309,22 @@ QGRU_RT_INLINE vi32 v_look(vi32 t, const qgru_rt_ftable *T)
 
 #if defined(QGRU_RT_VEC) && !defined(QGRU_RT_NO_VEC)
 QGRU_RT_INLINE void fast_block16v(const qgru_rt_fast *F, int32_t j0, const int32_t *ax, const int32_t *ah,
-                                   const int16_t *h, int16_t *h_new, const int accsh)
+                                   const int16_t *h, int16_t *h_new, const int accsh, const int xq)
 {
     const int32_t *U = QGRU_RT_UNIT_PTR(F->units, j0); /* field f of the four units: U + 4 f */
     vi32 dx, dh, d_r, d_z, d_g, t;
     /* the accumulators' shifts (aa: fast_block16s's data) where accsh */
 #define FACC(a, m, z, k) (t = V_LD(z), V_SUB(V_SSAT16(V_MULHR(accsh ? V_SHL(V_LD(a), F->aa[k]) : V_LD(a), V_LD(m), t)), t))
-    dx = FACC(ax, U + 0, U + 4, 0);
+    /* xq: ax holds q_Wx - Z_Wx already (an x level's W.x, fast_block_level) */
+    dx = xq ? V_LD(ax) : FACC(ax, U + 0, U + 4, 0);
     dh = FACC(ah, U + 8, U + 12, 1);
     t = V_MULHR(V_SHL(dh, F->a[1]), V_LD(U + 52), V_MULHR(V_SHL(dx, F->a[0]), V_LD(U + 48), V_DUP(F->k_r)));
     d_r = v_look(t, &F->t[0]);
-    dx = FACC(ax + 4, U + 16, U + 20, 0);
+    dx = xq ? V_LD(ax + 4) : FACC(ax + 4, U + 16, U + 20, 0);
     dh = FACC(ah + 4, U + 24, U + 28, 1);
     t = V_MULHR(V_SHL(dh, F->a[3]), V_LD(U + 60), V_MULHR(V_SHL(dx, F->a[2]), V_LD(U + 56), V_DUP(F->k_z)));
     d_z = v_look(t, &F->t[1]);
-    dx = FACC(ax + 8, U + 32, U + 36, 0);
+    dx = xq ? V_LD(ax + 8) : FACC(ax + 8, U + 32, U + 36, 0);
     dh = FACC(ah + 8, U + 40, U + 44, 1);
 #undef FACC
     t = V_SHR(V_ADD(v_prod_hi(d_r, dh, V_LD(U + 68)), V_DUP(F->c_rg)), F->p_rg);
@@ -337,7 +338,14 @@ QGRU_RT_INLINE void fast_block16v(const qgru_rt_fast *F, int32_t j0, const int32
 static QGRU_RT_NOINLINE void fast_block16vs(const qgru_rt_fast *F, int32_t j0, const int32_t *ax, const int32_t *ah,
                                             const int16_t *h, int16_t *h_new)
 {
-    fast_block16v(F, j0, ax, ah, h, h_new, 1);
+    fast_block16v(F, j0, ax, ah, h, h_new, 1, 0);
+}
+
+/* the x-level variant (fast_block_level) */
+static QGRU_RT_NOINLINE void fast_block16vq(const qgru_rt_fast *F, int32_t j0, const int32_t *ax, const int32_t *ah,
+                                            const int16_t *h, int16_t *h_new)
+{
+    fast_block16v(F, j0, ax, ah, h, h_new, 1, 1);
 }
 #endif
 #endif
@@ -351,15 +359,18 @@ static QGRU_RT_NOINLINE void fast_block(const qgru_rt_fast *F, int32_t j0, int32
 }
 
 /* A token on x level j > 0 (qgru_rt_xlevels): its W.x sums (level j's biases included by the
- * kernels) requantized with level j's rescale onto the static Wx grid (golden input_gemm), then
- * the fast cell from q_Wx - Z_Wx on; the general variant, exact on all fast data. Reached only
- * through float_in (a build whose program never calls qgru_rt_run_float links none of it). */
+ * kernels) requantized with level j's rescale onto the static Wx grid (golden input_gemm): one
+ * SMMLAR with the level's constants (mx, aa: the static rescale's form) where the export proved
+ * it, else a 64-bit product and shift; then the fast cell from q_Wx - Z_Wx on (its 16-bit variant,
+ * in vector lanes where the target has them, where the data takes it). Reached only through
+ * float_in (a build whose program never calls qgru_rt_run_float links none of it). */
 typedef void (*level_block_fn)(const qgru_rt_dir *d, int32_t level, int32_t j0, int32_t n, int32_t *ax,
                                const int32_t *ah, const int16_t *h, int16_t *h_new);
 static QGRU_RT_NOINLINE void fast_block_level(const qgru_rt_dir *d, int32_t level, int32_t j0, int32_t n,
                                               int32_t *ax, const int32_t *ah, const int16_t *h, int16_t *h_new)
 {
     const qgru_rt_fast *F = d->fast;
+    const qgru_rt_xlevels *lv = d->xlv;
     const int32_t H = d->hidden_size;
     const size_t off = (size_t)(level - 1) * 3u * (size_t)H;
     int32_t u, g;
@@ -368,10 +379,28 @@ static QGRU_RT_NOINLINE void fast_block_level(const qgru_rt_dir *d, int32_t leve
         for (g = 0; g < 3; g++) {
             const size_t c = off + (size_t)(g * H + j0 + u);
             const int32_t z = QGRU_RT_UF(g, 1);
-            ax[4 * g + u] = (int32_t)qgru_rt_sat64(qgru_rt_mul_shift32(ax[4 * g + u], d->xlv->m[c], d->xlv->s[c]) + z, F->wx) - z;
+            int32_t *a = &ax[4 * g + u];
+            if (lv->mx)
+                *a = facc(qgru_rt_shl(*a, lv->aa[c]), lv->mx[c], z, F->wx, 0);
+            else
+                *a = (int32_t)qgru_rt_sat64(qgru_rt_mul_shift32(*a, lv->m[c], lv->s[c]) + z, F->wx) - z;
         }
-        h_new[j0 + u] = fast_unit(F, P, ax + u, ah + u, h[j0 + u], 0, 1, 1);
     }
+#ifndef QGRU_RT_NO_STD16
+#if defined(QGRU_RT_VEC) && !defined(QGRU_RT_NO_VEC)
+    if (F->std16 && n == 4) {
+        fast_block16vq(F, j0, ax, ah, h, h_new);
+        return;
+    }
+#endif
+    if (F->std16) {
+        for (u = 0; u < n; u++)
+            h_new[j0 + u] = fast_unit(F, QGRU_RT_UNIT_PTR(F->units, j0 + u), ax + u, ah + u, h[j0 + u], 1, 1, 1);
+        return;
+    }
+#endif
+    for (u = 0; u < n; u++)
+        h_new[j0 + u] = fast_unit(F, QGRU_RT_UNIT_PTR(F->units, j0 + u), ax + u, ah + u, h[j0 + u], 0, 1, 1);
 }
 
 /* R.h's operand requantized onto h_gemm's grid, the fast way (hg_mode 1: s >= 33, the high word
@@ -475,7 +504,7 @@ static QGRU_RT_NOINLINE void dir_fast(const qgru_rt_dir *d, act_buf xa, act_buf 
 #if defined(QGRU_RT_VEC) && !defined(QGRU_RT_NO_VEC)
         if (F->std16 && H - j0 >= 4) { /* four units a lane */
             if (!F->aa[0] && !F->aa[1])
-                fast_block16v(F, j0, &ax[0][0], &ah[0][0], h, h_new, 0);
+                fast_block16v(F, j0, &ax[0][0], &ah[0][0], h, h_new, 0, 0);
             else
                 fast_block16vs(F, j0, &ax[0][0], &ah[0][0], h, h_new);
         } else

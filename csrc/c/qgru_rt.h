@@ -113,6 +113,8 @@ typedef struct {
     const int64_t *bias64;         /* else int64 */
     const int32_t *m;              /* [J-1][3H] the W.x rescale: multiplier, shift */
     const uint8_t *s;
+    const int32_t *mx;             /* fast cell, where the export proved the form for every level, in place of m, s: */
+    const uint8_t *aa;             /* [J-1][3H] the rescale as one SMMLAR: m 2^b and operand shifts a, a + b + s = 32 */
     const uint8_t *cell32;         /* other cells: [J-1] 1 where unit32's bounds hold on that level */
 } qgru_rt_xlevels;
 
