@@ -11,7 +11,8 @@ and the deepest stack of qgru_rt_run's call tree from GCC's call graph (-fcallgr
 
     python scripts/bench_mcu.py [--targets m0,m4,m55,a53,a64-dotprod] [--shapes 16x64,33x96,40x128] [--float]
 
---float: the same model with x levels (config x.dynamic, the default's), each step one
+--fast-only: the runtime built with -DQGRU_RT_FAST_ONLY (only the fast cell's code, which every
+direction of these models takes). --float: the same model with x levels (config x.dynamic, the default's), each step one
 qgru_rt_run_float call: its tokens within calibration (level 0) and at 3x it (a level > 0).
 """
 from __future__ import annotations
@@ -53,11 +54,14 @@ def model(I: int, H: int, folder: Path, levels: bool = False):
     return out
 
 
+FAST_ONLY = False  # --fast-only
+
+
 def count(t, d: Path, steps: int, xf: float = 0.0) -> int:
     """instructions of `steps` steps; xf > 0: float input, x's integers times xf"""
     b = mb.build(t, d / "gru.c", mb.BOARDS / "bench_main.c", d / f"bench-{t.name}-{steps}",
                  defines=['QGRU_MODEL_HEADER="gru.h"', "QGRU_MODEL=gru", f"QGRU_BENCH_STEPS={steps}",
-                          *([f"QGRU_BENCH_FLOAT={xf!r}"] if xf else [])],
+                          *([f"QGRU_BENCH_FLOAT={xf!r}"] if xf else []), *(["QGRU_RT_FAST_ONLY"] if FAST_ONLY else [])],
                  extra=["-fstack-usage", "-fcallgraph-info=su"])
     log = d / f"exec-{t.name}-{steps}.log"
     out = mb.run(t, b, timeout=600, extra=["-singlestep", "-d", "exec,nochain", "-D", str(log)])
@@ -104,7 +108,10 @@ def main() -> int:
     ap.add_argument("--targets", default="m0,m4,m55,a53,a64-dotprod")
     ap.add_argument("--shapes", default="16x64,33x96,40x128")
     ap.add_argument("--float", action="store_true", help="also float input with x levels (qgru_rt_run_float)")
+    ap.add_argument("--fast-only", action="store_true", help="build the runtime with -DQGRU_RT_FAST_ONLY")
     a = ap.parse_args()
+    global FAST_ONLY
+    FAST_ONLY = a.fast_only
     targets = [mb.TARGETS[n] for n in a.targets.split(",")]
     print("| target | kernel | shape | instructions / step | per multiply-add | flash bytes | RAM: state + work + stack | anchor |")
     print("|---|---|---|---:|---:|---|---|---|")
@@ -122,7 +129,7 @@ def main() -> int:
                     f.unlink()
                 n = (count(t, d, 5) - count(t, d, 1)) / 4
                 kernel = {"m0": "v6m (MULS)", "m4": "dsp (SMLAD)", "m4f": "dsp (SMLAD), FPU", "m55": "mve", "a53": "neon", "a64-dotprod": "neon SDOT"}.get(t.name, "?")
-                work = 2 * (((max(I, H) + 15) & ~15) + ((H + 15) & ~15) + ((H + 7) & ~7))
+                work = 2 * (((max(I, H) + 15) & ~15) + ((H + 15) & ~15))  # qgru_rt_work_bytes, T = 1
                 ram = f"{2 * H} + {work} + {stack(d)}"
                 print(f"| {t.name} | {kernel} | {I} -> {H} | {n:,.0f} | {n / macs:.2f} | {flash(t, d)} | {ram} | "
                       f"{ANCHORS.get((t.name, shape), '')} |", flush=True)

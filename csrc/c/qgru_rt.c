@@ -569,8 +569,9 @@ static QGRU_RT_NOINLINE void dir_wide(const qgru_rt_dir *d, const wx_rq *q, act_
 
 /* One step of one direction (golden gru_step for one row): xa holds x on this layer's x grid
  * (on x level `level` of a layer-0 direction with levels), h the state; the new state goes to
- * h_new (not aliasing h). */
-static void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t *h, int16_t *h_new, int32_t level,
+ * h_new, which may be h itself: R.h reads its own copy of the state (ha), and each unit reads only
+ * its own h[j] before it writes h_new[j] (the vector cells: their own four). */
+QGRU_RT_INLINE void dir_step(const qgru_rt_dir *d, act_buf xa, act_buf ha, const int16_t *h, int16_t *h_new, int32_t level,
                      level_block_fn level_block)
 {
     const int32_t H = d->hidden_size;
@@ -718,8 +719,8 @@ static int32_t put_input_float(const qgru_rt_dir *d, act_buf xa, const float *x)
     return j;
 }
 
-/* work: [x operand: pad16(max K) int16][R.h operand: pad16(H) int16][new state: H int16]
- * [stacked bidirectional: one layer's outputs, T * D * H int16] */
+/* work: [x operand: pad16(max K) int16][R.h operand: pad16(H) int16]
+ * [stacked bidirectional: one layer's outputs, T * D * H int16]; the state is updated in place */
 static int32_t max_input(const qgru_rt_model *m)
 {
     const int32_t up = m->num_directions * m->hidden_size;
@@ -728,8 +729,7 @@ static int32_t max_input(const qgru_rt_model *m)
 
 static size_t fixed_bytes(const qgru_rt_model *m)
 {
-    return sizeof(int16_t) * (size_t)(qgru_rt_pad16(max_input(m)) + qgru_rt_pad16(m->hidden_size)
-                                      + ((m->hidden_size + 7) & ~7));
+    return sizeof(int16_t) * (size_t)(qgru_rt_pad16(max_input(m)) + qgru_rt_pad16(m->hidden_size));
 }
 
 size_t qgru_rt_work_bytes(const qgru_rt_model *m, int32_t T)
@@ -766,12 +766,12 @@ static int32_t put_first(const qgru_rt_model *m, const qgru_rt_dir *d, act_buf x
     return 0;
 }
 
-static int run(const qgru_rt_model *m, const int16_t *x_q, const float_in *x_f, int32_t T, int16_t *state,
+QGRU_RT_INLINE int run(const qgru_rt_model *m, const int16_t *x_q, const float_in *x_f, int32_t T, int16_t *state,
                int16_t *out, void *work, size_t work_bytes)
 {
     const level_block_fn level_block = x_f ? x_f->level_block : 0;
     const int32_t L = m ? m->num_layers : 0, D = m ? m->num_directions : 0, H = m ? m->hidden_size : 0;
-    int16_t *xw, *hw, *hn, *seq;
+    int16_t *xw, *hw, *seq;
     int32_t t, l, e, j;
     if (!m || !state || (T > 0 && !x_q && !x_f) || T < 0 || !work || L < 1 || (D != 1 && D != 2) || H < 1)
         return QGRU_RT_EARG;
@@ -791,8 +791,7 @@ static int run(const qgru_rt_model *m, const int16_t *x_q, const float_in *x_f, 
 #endif
     xw = (int16_t *)work;
     hw = xw + qgru_rt_pad16(max_input(m));
-    hn = hw + qgru_rt_pad16(H);
-    seq = hn + ((H + 7) & ~7);
+    seq = hw + qgru_rt_pad16(H);
     if (D == 1) {
         /* one step through every layer at a time: the layers above read the state just written */
         for (t = 0; t < T; t++) {
@@ -804,8 +803,7 @@ static int run(const qgru_rt_model *m, const int16_t *x_q, const float_in *x_f, 
                     level = put_first(m, d, xa, x_q, x_f, t);
                 else
                     put_requantized(d, xa, state + (size_t)(l - 1) * H, 1, H);
-                dir_step(d, xa, ha, state + (size_t)l * H, hn, level, level_block);
-                memcpy(state + (size_t)l * H, hn, sizeof(int16_t) * (size_t)H);
+                dir_step(d, xa, ha, state + (size_t)l * H, state + (size_t)l * H, level, level_block);
             }
             if (out)
                 memcpy(out + (size_t)t * H, state + (size_t)(L - 1) * H, sizeof(int16_t) * (size_t)H);
@@ -828,9 +826,8 @@ static int run(const qgru_rt_model *m, const int16_t *x_q, const float_in *x_f, 
                     level = put_first(m, d, xa, x_q, x_f, t);
                 else
                     put_requantized(d, xa, src + (size_t)t * 2 * H, 2, H);
-                dir_step(d, xa, ha, h, hn, level, level_block);
-                memcpy(h, hn, sizeof(int16_t) * (size_t)H);
-                memcpy(dst + ((size_t)t * 2 + e) * H, hn, sizeof(int16_t) * (size_t)H);
+                dir_step(d, xa, ha, h, h, level, level_block);
+                memcpy(dst + ((size_t)t * 2 + e) * H, h, sizeof(int16_t) * (size_t)H);
             }
         }
     }
