@@ -118,9 +118,12 @@ def _check_model(model: nn.Module) -> List[tuple]:
 
 
 def _flat_args(args) -> List[Any]:
+    """the leaves of args (tuples, lists, dicts opened; a PackedSequence, itself a tuple, kept whole)"""
     out = []
-    for a in args if isinstance(args, (tuple, list)) else (args,):
-        if isinstance(a, (tuple, list)):
+    for a in args if isinstance(args, (tuple, list)) and not isinstance(args, PackedSequence) else (args,):
+        if isinstance(a, PackedSequence):
+            out.append(a)
+        elif isinstance(a, (tuple, list)):
             out.extend(_flat_args(a))
         elif isinstance(a, dict):
             out.extend(_flat_args(list(a.values())))
