@@ -15,8 +15,9 @@ ships it). One table: test accuracy, agreement with the float model's prediction
 logits and of each GRU layer's output sequence against float, and each model's inference time over
 the test split in this run with its speed against float and dynamic quant; the header names the
 CPU and the cpu backend's path. Written to the output folder: the table (table.md), the
-exported integer models (``QuantParams.save``, one .qgru per config), layer 0 of the first config as
-C99 (``QuantParams.to_c``), the error per layer and time step (errors.csv and, with matplotlib,
+exported integer models (``QuantParams.save``, one .qgru per config), the first config as data for
+the C runtime (``qgru.export_mcu.write_mcu``: every layer and direction, its x levels, golden
+vectors), the error per layer and time step (errors.csv and, with matplotlib,
 error_per_layer.png).
 
 The same runs on your own model and data: ``run(model, calib_batches, test_batches, targets)``
@@ -580,8 +581,9 @@ def plot_errors(result: Result, path: Path) -> Optional[str]:
 
 
 def write_outputs(result: Result, out, c_layer: bool = True) -> None:
-    """Into folder ``out``: table.md, one .qgru file per qgru model (and per GRU in it), layer 0
-    of the first one as C99 (``c_layer``), errors.csv and error_per_layer.png (with matplotlib)."""
+    """Into folder ``out``: table.md, one .qgru file per qgru model (and per GRU in it), the first
+    one as data for the C runtime (``c_layer``: qgru.export_mcu.write_mcu, the whole model), errors.csv
+    and error_per_layer.png (with matplotlib)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     table = format_table(result)
@@ -599,7 +601,8 @@ def write_outputs(result: Result, out, c_layer: bool = True) -> None:
             params.save(f)
             result.files.append(f)
             if first and c_layer:
-                result.files.extend(Path(p) for p in params.to_c(out / "c" / stem / "gru", layer=0, direction=0))
+                from .export_mcu import write_mcu
+                result.files.extend(write_mcu(params, out / "c" / stem / "gru"))
                 first = False
     write_errors_csv(result, out / "errors.csv")
     result.files.append(out / "errors.csv")
