@@ -540,6 +540,55 @@ def test_packed_rows_run_longest_first_and_come_back_in_order(bidirectional):
             assert torch.equal(o1[:, 0], po[:L, n]) and torch.equal(h1[:, 0], ph[:, n]), n
 
 
+def _layer0_x_grids(q):
+    """Each layer-0 direction's x grid (scale, zero point, bits) and x levels, as the spec of the
+    operator (qgru/ops.py flatten_params) names them: "unit 0 d grid S_x Z_x bits_x ... levels ..."."""
+    spec = q._op_params[1].split()
+    grids = []
+    for i in range(len(spec) - 3):
+        if spec[i] == "unit" and spec[i + 1] == "0" and spec[i + 3] == "grid":
+            j = spec.index("levels", i)
+            grids.append((tuple(spec[i + 4:i + 7]), tuple(spec[j:j + 1 + 3 * int(spec[j + 1]) + 1])))
+    return grids
+
+
+@pytest.mark.parametrize("observer", ["mse", "ema_step"])
+def test_bidirectional_packed_call_on_shared_and_distinct_x_grids_equals_the_reference(observer):
+    """The bidirectional packed call quantizes x once where both layer-0 directions have the same
+    grid and levels (mse: both observers saw the same values), per direction where they differ
+    (ema_step: the backward direction sees the steps in the other order), lays the backward
+    direction's input out reversed within each length in the copy that pads it, keeps its outputs
+    in that order and reads them back reversed in the requantization into layer 1 and in the last
+    dequantize; at H = 32 the requantization runs four values at a time (AVX2 where the CPU has it).
+    out and h_n are the general path's and the reference backend's bit for bit."""
+    if qgru.backends()["cpu"]["why"]:
+        pytest.skip(f"cpu backend unavailable: {qgru.backends()['cpu']['why']}")
+    torch.manual_seed(8)
+    I, H, T, N = 12, 32, 17, 41
+    g = torch.nn.GRU(I, H, 2, bidirectional=True).eval()
+    cfg = qgru.QuantConfig.load("w8a8", overrides={"observer": {"kind": observer}})
+    calib = [torch.randn(T, 8, I) * torch.linspace(0.2, 3, T).view(T, 1, 1) for _ in range(2)]
+    q = qgru.quantize_model(g, calib, config=cfg, progress=False)
+    grids = _layer0_x_grids(q)
+    assert len(grids) == 2 and (grids[0] == grids[1]) == (observer == "mse"), grids
+    general = copy.deepcopy(q)
+    general._cpu_packed_call = lambda input, hx: None  # the general path only
+    lengths = torch.randint(1, T + 1, (N,), generator=torch.Generator().manual_seed(9))
+    lengths[3] = T
+    x = torch.randn(T, N, I) * 4  # beyond calibration: several x levels
+    p = pack_padded_sequence(x, lengths, enforce_sorted=False)
+    h0 = torch.randn(4, N, H)
+    for h in (None, h0):
+        with torch.inference_mode():
+            assert q._cpu_packed_call(p, h) is not None
+            out, h_n = q(p, h)
+            want, want_h = general(p, h)
+            with qgru.backend("reference"):
+                ref, ref_h = q(p, h)
+        assert torch.equal(out.data, want.data) and torch.equal(h_n, want_h)
+        assert torch.equal(out.data, ref.data) and torch.equal(h_n, ref_h)
+
+
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_packed_one_native_call_equals_the_general_path_and_the_reference(bidirectional):
     """A converted model's PackedSequence call on the cpu backend is one native call (unpacking and

@@ -38,6 +38,9 @@ at::Tensor token_levels(const at::Tensor& x, const std::vector<double>& scale, c
 at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp);
 at::Tensor requantize(const at::Tensor& q, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
                       int64_t to_bits);
+// A 1-D int32 CPU buffer of at least n values from qgru_cpu.cpp's BufferPool (reused from call to
+// call, its pages already faulted in), the caller's until it drops every view of it.
+at::Tensor pooled_int32(int64_t n);
 at::Tensor kernel_gemm(const std::string& isa, const at::Tensor& a, const at::Tensor& w, bool gates);
 
 // One layer and direction (qgru_cpu.cpp CpuLayer).
@@ -51,6 +54,12 @@ class Layer {
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx, const at::Tensor& qh0,
                                              const c10::optional<at::Tensor>& lengths,
                                              const c10::optional<at::Tensor>& level);
+  // forward where the caller made qx int32 with values in the signed qx_bits-bit range (its quantize
+  // or requantize saturated them there): qx is then not scanned where that is within the layer's
+  // x range (op_cpu.cpp, whose x grid's bits are the layer's)
+  std::tuple<at::Tensor, at::Tensor> forward_in_range(const at::Tensor& qx, int64_t qx_bits, const at::Tensor& qh0,
+                                                      const c10::optional<at::Tensor>& lengths,
+                                                      const c10::optional<at::Tensor>& level);
   int64_t x_levels() const;
   std::string cell_kind() const;  // "int32", "int32-wide", "int32-hybrid" or "int64"
   struct Impl;

@@ -32,6 +32,11 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define QGRU_OP_AVX2 1
+#endif
+
 #include "cpu_backend.h"
 #include "isa.h"
 #include "qgru_check.h"
@@ -268,6 +273,7 @@ struct Entry {
   // a unidirectional stack whose layers requantize per tensor: the Stack the eager module's
   // one-call form runs (qgru/native/stacks.py), for calls without lengths; else null
   std::shared_ptr<cpu_api::Stack> stack;
+  bool avx2 = false;  // requantize with AVX2 (requant_row_avx2): the CPU has it and the path is not portable
 };
 
 // The Stack of a unidirectional spec (qgru/native/stacks.py stack_values and stack_levels), or
@@ -301,6 +307,11 @@ std::shared_ptr<Entry> make_entry(const std::vector<at::Tensor>& params, const s
   c10::InferenceMode normal(false);
   for (const Unit& u : e->parsed.units) e->layers.push_back(make_layer(u, params, request));
   e->stack = make_stack(e->parsed, e->layers);
+#ifdef QGRU_OP_AVX2
+  const bool portable = !e->layers.empty() && e->layers[0]->gemm_path().rfind("portable", 0) == 0;
+  for (const cpu::IsaInfo& i : cpu::isa_table())
+    if (i.name == "avx2" && i.supported && !portable) e->avx2 = true;
+#endif
   return e;
 }
 
@@ -338,36 +349,113 @@ void rows_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (begin < end) f(begin, end);
 }
 
-// qgru/runtime.py reverse_within_lengths on a time-major [T, N, ...] tensor: row (t, n) of the
-// result is row (L[n] - 1 - t, n) where t < L[n], else (t, n); a copy per row (an index and an
-// index_select took 0.5-0.75 ms of a bidirectional call at T=29 N=370 H=32, 1 thread).
-at::Tensor reverse_within(const at::Tensor& q_in, const at::Tensor& lengths) {
-  if (!lengths.defined()) return q_in.flip(0);
-  const at::Tensor q = q_in.resolve_neg().contiguous();
-  const int64_t T = q.size(0), N = q.size(1);
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  const int64_t row = q.numel() / std::max<int64_t>(T * N, 1) * (int64_t)q.element_size();
-  const int64_t* L = lengths.data_ptr<int64_t>();
-  const char* a = static_cast<const char*>(q.data_ptr());
-  char* d = static_cast<char*>(out.data_ptr());
-  rows_for(0, T, std::max<int64_t>(1, 65536 / std::max<int64_t>(N * row, 1)), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t n = 0; n < N; ++n) {
-        const int64_t src = t < L[n] ? L[n] - 1 - t : t;
-        std::memcpy(d + (t * N + n) * row, a + (src * N + n) * row, (size_t)row);
-      }
-  });
-  return out;
+// A direction's time order on a time-major [T, N, ...] batch: row (t, n) of a backward direction
+// (rev) is row (Ln - 1 - t, n) where t < Ln = its length, else (t, n), what qgru/runtime.py
+// reverse_within_lengths gives (T for every row without lengths: a flip); a forward one's is (t, n).
+inline int64_t src_step(int64_t t, int64_t Ln, bool rev) { return rev && t < Ln ? Ln - 1 - t : t; }
+
+// An int32 [sizes] view of a BufferPool buffer (cpu_api::pooled_int32): reused from call to call,
+// so that the [T, N, ...] intermediates of a call fault in no fresh pages (at::empty of a few MB
+// does, every call).
+at::Tensor scratch_int32(at::IntArrayRef sizes) {
+  const int64_t n = c10::multiply_integers(sizes);
+  return cpu_api::pooled_int32(n).narrow(0, 0, n).view(sizes);
 }
+
+// A PackedSequence's layout in its sorted order (packed_run): step t's rows are the block
+// [off_t, off_t + b[t]) of the packed data and the block [0, b[t]) of the padded batch's step t.
+struct Packing {
+  const int64_t* b = nullptr;  // batch_sizes [T], non-increasing, b[0] = N
+  int64_t T = 0, N = 0, rows = 0;
+  bool inference = false;  // the caller runs under inference mode
+};
+
+// The layer-0 input of one direction, [T, N, C] int32 in its time order (rev: reversed within
+// each length), from src: the quantized rows, [T, N, C] (pk null: the padded batch; a row at or
+// past its length stays where it is) or [rows, C] (a PackedSequence's data in its sorted order,
+// off[t] its step t's first row; each padding row a copy of pad [C]). One copy per row: the
+// reversal and the padded layout in one pass.
+at::Tensor lay_out(const at::Tensor& src_in, const Packing* pk, const int64_t* off, const int64_t* len, int64_t T,
+                   int64_t N, bool rev, const int32_t* pad) {
+  const at::Tensor src = src_in.contiguous();
+  const int64_t C = src.numel() / std::max<int64_t>(pk ? pk->rows : T * N, 1);
+  at::Tensor dst = scratch_int32({T, N, C});
+  const int32_t* a = src.data_ptr<int32_t>();
+  int32_t* d = dst.data_ptr<int32_t>();
+  rows_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(N * C, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int32_t* step = d + t * N * C;
+      if (pk && !rev) {
+        std::memcpy(step, a + off[t] * C, (size_t)(pk->b[t] * C) * sizeof(int32_t));
+        for (int64_t n = pk->b[t]; n < N; ++n) std::copy_n(pad, C, step + n * C);
+        continue;
+      }
+      for (int64_t n = 0; n < N; ++n) {
+        const int32_t* row;
+        if (pk)
+          row = t < len[n] ? a + (off[rev ? len[n] - 1 - t : t] + n) * C : pad;
+        else
+          row = a + (src_step(t, len[n], rev) * N + n) * C;
+        std::copy_n(row, C, step + n * C);
+      }
+    }
+  });
+  return dst;
+}
+
+#ifdef QGRU_OP_AVX2
+// requantize_cat's values of one row, four at a time in 64-bit lanes: the integers of
+// saturate(rounding_mul_shift(a - z, m, s) + to_zp, r), per channel (m[c], s[c]) or per tensor
+// (m[0], s[0]), for C values (C a multiple of 4). a - z is taken in int32 and its product with m
+// (0 <= m < 2^31) by vpmuldq, exact; rounding_mul_shift's arithmetic shifts, which AVX2 lacks for
+// 64-bit lanes, are logical shifts of v + 2^62 (|v| < 2^62: 2^62 is a multiple of 2^(s-1) for
+// s <= 62, so the offset shifts out exactly and is subtracted after). False where some a - z is
+// outside int32 (|a| near 2^31, never a layer's output): the caller then takes the row as scalars.
+__attribute__((target("avx2"))) bool requant_row_avx2(const int32_t* a, int64_t C, int64_t z, const int64_t* m,
+                                                      const int64_t* s, bool per_channel, int64_t to_zp, Range r,
+                                                      int32_t* dst) {
+  // a - z fits int32 where a is in [INT32_MIN + max(z, 0), INT32_MAX + min(z, 0)] (|z| <= 2^16)
+  const __m128i a_lo = _mm_set1_epi32((int32_t)(INT32_MIN + std::max<int64_t>(z, 0)));
+  const __m128i a_hi = _mm_set1_epi32((int32_t)(INT32_MAX + std::min<int64_t>(z, 0)));
+  const __m128i z32 = _mm_set1_epi32((int32_t)z);
+  const __m256i off = _mm256_set1_epi64x(int64_t(1) << 62), one = _mm256_set1_epi64x(1);
+  const __m256i zp = _mm256_set1_epi64x(to_zp), lo = _mm256_set1_epi64x(r.lo), hi = _mm256_set1_epi64x(r.hi);
+  const __m256i pick = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+  __m256i mv = _mm256_set1_epi64x(m[0]), sv = _mm256_set1_epi64x(s[0]);
+  __m128i bad = _mm_setzero_si128();
+  for (int64_t c = 0; c < C; c += 4) {
+    if (per_channel) {
+      mv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + c));
+      sv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + c));
+    }
+    const __m128i av = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + c));
+    bad = _mm_or_si128(bad, _mm_or_si128(_mm_cmplt_epi32(av, a_lo), _mm_cmpgt_epi32(av, a_hi)));
+    const __m256i x = _mm256_cvtepi32_epi64(_mm_sub_epi32(av, z32));
+    const __m256i v = _mm256_mul_epi32(x, mv);  // the low 32 bits of each lane, signed: exact
+    const __m256i w = _mm256_srlv_epi64(_mm256_add_epi64(v, off), _mm256_sub_epi64(sv, one));
+    // ((w + 1) >> 1) - 2^(62 - s): rounding_mul_shift's value; then + to_zp and saturate
+    __m256i q = _mm256_sub_epi64(_mm256_srli_epi64(_mm256_add_epi64(w, one), 1), _mm256_srlv_epi64(off, sv));
+    q = _mm256_add_epi64(q, zp);
+    q = _mm256_blendv_epi8(q, lo, _mm256_cmpgt_epi64(lo, q));
+    q = _mm256_blendv_epi8(q, hi, _mm256_cmpgt_epi64(q, hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c),
+                     _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(q, pick)));
+  }
+  return _mm_testz_si128(bad, bad) != 0;
+}
+#endif
 
 // golden.requantize_input of each source direction's integer outputs src[e] [T, N, C_e] onto one
 // grid, concatenated on the last axis (what requantizing each and at::cat give, in one pass: the
 // same rounding_mul_shift and saturate per value), per tensor (m[e], s[e] of size 1) or per
-// channel (of size C_e). The arguments are checked as the two requantizations checked them
-// (cpu_backend's per-tensor one, this file's per-channel one).
-at::Tensor requantize_cat(const std::vector<at::Tensor>& src_in, const std::vector<int64_t>& from_zp,
-                          const std::vector<const std::vector<int64_t>*>& m,
-                          const std::vector<const std::vector<int64_t>*>& s, int64_t to_zp, int64_t to_bits) {
+// channel (of size C_e); source e's rows read in the time order rev[e] (src_step: a backward
+// direction's outputs are kept in its own order, and reversed where they are read). The arguments
+// are checked as the two requantizations checked them (cpu_backend's per-tensor one, this file's
+// per-channel one).
+at::Tensor requantize_cat(const std::vector<at::Tensor>& src_in, const std::vector<bool>& rev, const int64_t* len,
+                          const std::vector<int64_t>& from_zp, const std::vector<const std::vector<int64_t>*>& m,
+                          const std::vector<const std::vector<int64_t>*>& s, int64_t to_zp, int64_t to_bits,
+                          bool avx2) {
   const size_t E = src_in.size();
   std::vector<at::Tensor> src;
   int64_t width = 0;
@@ -385,26 +473,33 @@ at::Tensor requantize_cat(const std::vector<at::Tensor>& src_in, const std::vect
     src.push_back(src_in[e].resolve_neg().to(at::kInt).contiguous());
     QGRU_CHECK(me.size() == 1 || (int64_t)me.size() == src.back().size(-1),
                "qgru::integer_gru requantize: ", me.size(), " factors for ", src.back().size(-1), " channels");
+    QGRU_CHECK(src.back().dim() == 3 && src.back().size(0) == src[0].size(0) && src.back().size(1) == src[0].size(1),
+               "qgru::integer_gru requantize: the directions' outputs differ in shape");
     width += src.back().size(-1);
   }
-  std::vector<int64_t> shape(src[0].sizes().begin(), src[0].sizes().end());
-  shape.back() = width;
-  at::Tensor out = at::empty(shape, src[0].options());
-  const int64_t rows = out.numel() / std::max<int64_t>(width, 1);
+  const int64_t T = src[0].size(0), N = src[0].size(1);
+  at::Tensor out = scratch_int32({T, N, width});
   const Range r = signed_range((int32_t)to_bits);
   int32_t* o = out.data_ptr<int32_t>();
   std::vector<const int32_t*> base;
   std::vector<int64_t> chans;
   for (const at::Tensor& t : src) base.push_back(t.data_ptr<int32_t>()), chans.push_back(t.size(-1));
-  rows_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(width, 1)), [&](int64_t r0, int64_t r1) {
+  rows_for(0, T * N, std::max<int64_t>(1, 4096 / std::max<int64_t>(width, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
+      const int64_t t = i / N, n = i % N;
       int32_t* dst = o + i * width;
       for (size_t e = 0; e < E; ++e) {
         const int64_t C = chans[e];
-        const int32_t* a = base[e] + i * C;
+        const int32_t* a = base[e] + (src_step(t, len[n], rev[e]) * N + n) * C;
         const std::vector<int64_t>& me = *m[e];
         const std::vector<int64_t>& se = *s[e];
         const int64_t z = from_zp[e];
+#ifdef QGRU_OP_AVX2
+        if (avx2 && C % 4 == 0 && requant_row_avx2(a, C, z, me.data(), se.data(), me.size() != 1, to_zp, r, dst)) {
+          dst += C;
+          continue;
+        }
+#endif
         if (me.size() == 1) {
           const int64_t mult = me[0];
           const int32_t shift = (int32_t)se[0];
@@ -421,46 +516,6 @@ at::Tensor requantize_cat(const std::vector<at::Tensor>& src_in, const std::vect
   return out;
 }
 
-// A PackedSequence's layout in its sorted order (packed_run): step t's rows are the block
-// [off_t, off_t + b[t]) of the packed data and the block [0, b[t]) of the padded batch's step t.
-struct Packing {
-  const int64_t* b = nullptr;  // batch_sizes [T], non-increasing, b[0] = N
-  int64_t T = 0, N = 0, rows = 0;
-  bool inference = false;  // the caller runs under inference mode
-};
-
-// The padded [T, N, rest...] tensor of the packed rows src [rows, rest...] (any dtype, contiguous),
-// each padding row a copy of pad [rest...] (pad's dtype and row size are src's).
-at::Tensor padded_rows(const at::Tensor& src, const Packing& pk, const at::Tensor& pad) {
-  std::vector<int64_t> shape{pk.T, pk.N};
-  for (int64_t i = 1; i < src.dim(); ++i) shape.push_back(src.size(i));
-  at::Tensor dst = at::empty(shape, src.options());
-  const int64_t row = src.numel() / std::max<int64_t>(pk.rows, 1) * (int64_t)src.element_size();
-  const char* a = static_cast<const char*>(src.data_ptr());
-  const char* z = static_cast<const char*>(pad.data_ptr());
-  char* d = static_cast<char*>(dst.data_ptr());
-  for (int64_t t = 0, off = 0; t < pk.T; off += pk.b[t], ++t) {
-    char* step = d + t * pk.N * row;
-    std::memcpy(step, a + off * row, (size_t)(pk.b[t] * row));
-    for (int64_t j = pk.b[t]; j < pk.N; ++j) std::memcpy(step + j * row, z, (size_t)row);
-  }
-  return dst;
-}
-
-// The packed rows [rows, rest...] of a padded [T, N, rest...] tensor (qgru/runtime.py packed_rows).
-at::Tensor packed_rows(const at::Tensor& padded_in, const Packing& pk) {
-  const at::Tensor src = padded_in.contiguous();
-  std::vector<int64_t> shape{pk.rows};
-  for (int64_t i = 2; i < src.dim(); ++i) shape.push_back(src.size(i));
-  at::Tensor dst = at::empty(shape, src.options());
-  const int64_t row = src.numel() / std::max<int64_t>(pk.T * pk.N, 1) * (int64_t)src.element_size();
-  const char* a = static_cast<const char*>(src.data_ptr());
-  char* d = static_cast<char*>(dst.data_ptr());
-  for (int64_t t = 0, off = 0; t < pk.T; off += pk.b[t], ++t)
-    std::memcpy(d + off * row, a + t * pk.N * row, (size_t)(pk.b[t] * row));
-  return dst;
-}
-
 // Every layer and direction's h_n dequantized, stacked [L D, N, H] in x's dtype.
 at::Tensor stack_h(const Spec& s, const std::vector<at::Tensor>& h_n, const at::Tensor& x) {
   std::vector<at::Tensor> fh;
@@ -471,11 +526,21 @@ at::Tensor stack_h(const Spec& s, const std::vector<at::Tensor>& h_n, const at::
   return at::stack(fh);
 }
 
+// Whether two layer-0 directions quantize x alike (the same grid and x levels): x is then
+// quantized once for both.
+bool same_x_grid(const Unit& a, const Unit& b) {
+  return a.sx == b.sx && a.zx == b.zx && a.bx == b.bx && a.lv_scale == b.lv_scale && a.lv_lo == b.lv_lo &&
+         a.lv_hi == b.lv_hi;
+}
+
 // The integer GRU between its float boundaries on x [T, N, I] (or, with ``pk``, a PackedSequence's
 // data [rows, I] in its sorted order: its rows quantized as they are and then laid out padded, the
-// padding quantized from zeros, and the last layer's outputs packed before they are dequantized,
+// padding quantized from zeros, and the last layer's outputs packed as they are dequantized,
 // which gives the values of the padded call on the padded batch: quantize and dequantize are
-// elementwise, a token's level is its own).
+// elementwise, a token's level is its own). A backward direction runs on its input reversed within
+// each length (laid out so in the copy that makes layer 0's input, or in the requantization that
+// makes a later layer's) and its outputs are kept in that order: the requantization into the next
+// layer and the last dequantize read them reversed back, so no pass reverses them.
 std::tuple<at::Tensor, at::Tensor> run(const Entry& e, const at::Tensor& x, const at::Tensor& hx,
                                        const at::Tensor& lengths, const Packing* pk = nullptr) {
   const Spec& s = e.parsed;
@@ -485,54 +550,76 @@ std::tuple<at::Tensor, at::Tensor> run(const Entry& e, const at::Tensor& x, cons
     if (x.scalar_type() == at::kFloat) return {out, h_n};
     return {out.to(x.scalar_type()), h_n.to(x.scalar_type())};
   }
-  const int64_t L = s.L, D = s.D;
+  const int64_t L = s.L, D = s.D, H = s.H;
+  const int64_t T = pk ? pk->T : x.size(0), N = pk ? pk->N : x.size(1);
   const std::string& isa = e.request;
-  std::vector<at::Tensor> prev;  // the previous layer's integer outputs, per direction
+  // each row's length (T each without lengths) and, packed, each step's first row
+  std::vector<int64_t> len_all, off;
+  const int64_t* len = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
+  if (!len) len_all.assign((size_t)N, T), len = len_all.data();
+  if (pk) {
+    off.resize((size_t)T);
+    for (int64_t t = 0, o = 0; t < T; o += pk->b[t], ++t) off[(size_t)t] = o;
+  }
+  std::vector<at::Tensor> prev;  // the previous layer's integer outputs, per direction (in its time order)
   std::vector<at::Tensor> h_n;
-  const c10::optional<at::Tensor> len = lengths.defined() ? c10::optional<at::Tensor>(lengths) : c10::nullopt;
+  const c10::optional<at::Tensor> len_opt = lengths.defined() ? c10::optional<at::Tensor>(lengths) : c10::nullopt;
   for (int64_t l = 0; l < L; ++l) {
     std::vector<at::Tensor> outs;
+    at::Tensor q0, lv0;          // layer 0: x quantized on q0_unit's grid
+    const Unit* q0_unit = nullptr;
     for (int64_t d = 0; d < D; ++d) {
       const Unit& u = s.units[(size_t)(l * D + d)];
+      const bool rev = d == 1;
       at::Tensor qx, level;
       if (l == 0) {
         // x on this direction's own grid (golden integer_inputs): the two directions' observers
-        // calibrate apart, and their grids differ where they saw different ranges (ema_step)
-        if (!u.lv_scale.empty()) {
-          std::tie(qx, level) = cpu_api::quantize_levels(x, u.lv_scale, u.lv_lo, u.lv_hi, u.zx, u.bx, "input", isa);
-        } else {
-          qx = cpu_api::quantize(x, u.sx, u.zx, u.bx, "input", isa);
-        }
-        if (pk) {  // the padding: a zero token's quantized values (and level), as the padded batch's
-          const at::Tensor zero = at::zeros({1, s.I}, x.options());
-          at::Tensor zq, zl;
+        // calibrate apart, and their grids differ where they saw different ranges (ema_step);
+        // where they are the same, the other direction's quantized x is this one's
+        if (!q0_unit || !same_x_grid(*q0_unit, u)) {
+          q0 = at::Tensor(), lv0 = at::Tensor();  // (a quantize output is a reused buffer, reused only once no tensor holds it)
           if (!u.lv_scale.empty()) {
-            std::tie(zq, zl) = cpu_api::quantize_levels(zero, u.lv_scale, u.lv_lo, u.lv_hi, u.zx, u.bx, "input", isa);
-            level = padded_rows(level.contiguous(), *pk, zl.contiguous());
+            std::tie(q0, lv0) = cpu_api::quantize_levels(x, u.lv_scale, u.lv_lo, u.lv_hi, u.zx, u.bx, "input", isa);
           } else {
-            zq = cpu_api::quantize(zero, u.sx, u.zx, u.bx, "input", isa);
+            q0 = cpu_api::quantize(x, u.sx, u.zx, u.bx, "input", isa);
           }
-          qx = padded_rows(qx.contiguous(), *pk, zq.contiguous());
+          q0_unit = &u;
         }
-        // (a quantize output is a reused buffer, reused only once no tensor holds it)
+        if (!pk && !rev) {
+          qx = q0, level = lv0;
+        } else {
+          // packed, the padding: a zero token's quantized values (and level), as the padded batch's
+          at::Tensor zq, zl;
+          if (pk) {
+            const at::Tensor zero = at::zeros({1, s.I}, x.options());
+            if (!u.lv_scale.empty()) {
+              std::tie(zq, zl) = cpu_api::quantize_levels(zero, u.lv_scale, u.lv_lo, u.lv_hi, u.zx, u.bx, "input", isa);
+            } else {
+              zq = cpu_api::quantize(zero, u.sx, u.zx, u.bx, "input", isa);
+            }
+            zq = zq.contiguous(), zl = zl.defined() ? zl.contiguous() : zl;
+          }
+          qx = lay_out(q0, pk, off.data(), len, T, N, rev, pk ? zq.data_ptr<int32_t>() : nullptr);
+          if (lv0.defined())
+            level = lay_out(lv0, pk, off.data(), len, T, N, rev, pk ? zl.data_ptr<int32_t>() : nullptr).view({T, N});
+        }
       } else {
         std::vector<int64_t> zps;
+        std::vector<bool> revs;
         std::vector<const std::vector<int64_t>*> mults, shifts;
         for (int64_t src = 0; src < D; ++src) {
           zps.push_back(s.units[(size_t)((l - 1) * D + src)].zh);
+          revs.push_back((src == 1) != rev);  // source 1's outputs are in the backward order
           mults.push_back(&u.in_mult[(size_t)src]), shifts.push_back(&u.in_shift[(size_t)src]);
         }
-        qx = requantize_cat(prev, zps, mults, shifts, u.zx, u.bx);
-      }
-      if (d == 1) {
-        qx = reverse_within(qx, lengths);
-        if (level.defined()) level = reverse_within(level, lengths);
+        qx = requantize_cat(prev, revs, len, zps, mults, shifts, u.zx, u.bx, e.avx2);
       }
       at::Tensor qh0 = cpu_api::quantize(hx.select(0, l * D + d), u.sh, u.zh, u.bh, "h0", isa);
       const c10::optional<at::Tensor> lv = level.defined() ? c10::optional<at::Tensor>(level) : c10::nullopt;
       at::Tensor o, h;
-      std::tie(o, h) = e.layers[(size_t)(l * D + d)]->forward(qx, qh0, len, lv);
-      if (d == 1) o = reverse_within(o, lengths);
+      // qx: quantize's or requantize's, saturated to the u.bx-bit range
+      std::tie(o, h) = e.layers[(size_t)(l * D + d)]->forward_in_range(qx, u.bx, qh0, len_opt, lv);
+      qx = at::Tensor(), level = at::Tensor();
       outs.push_back(o);  // (the Layer reuses its output buffer only once the caller has let go of it)
       h_n.push_back(h);
     }
@@ -544,13 +631,35 @@ std::tuple<at::Tensor, at::Tensor> run(const Entry& e, const at::Tensor& x, cons
     // torch.inference_mode, as the general path's packed_rows makes it)
     c10::optional<c10::InferenceMode> caller;
     if (pk && pk->inference) caller.emplace(true);
-    std::vector<at::Tensor> fo;
+    // the last layer's outputs dequantized (primitives.dequantize: float32) straight into their
+    // place: packed, the valid rows only; each direction's H channels side by side (at::cat)
+    const int64_t W = D * H;
+    std::vector<at::Tensor> pc;
+    std::vector<const int32_t*> a;
+    std::vector<double> sc, zp;
     for (int64_t d = 0; d < D; ++d) {
       const Unit& u = s.units[(size_t)((L - 1) * D + d)];
-      const at::Tensor q = pk ? packed_rows(prev[(size_t)d], *pk) : prev[(size_t)d];
-      fo.push_back(cpu_api::dequantize(q, u.sh, u.zh).to(x.scalar_type()));
+      pc.push_back(prev[(size_t)d].resolve_neg().to(at::kInt).contiguous());
+      QGRU_CHECK(pc.back().numel() == T * N * H, "qgru::integer_gru: a layer's output is not [T, N, H]");
+      a.push_back(pc.back().data_ptr<int32_t>()), sc.push_back(u.sh), zp.push_back((double)u.zh);
     }
-    out = fo.size() == 1 ? fo[0] : at::cat(fo, -1);
+    const at::TensorOptions f32 = x.options().dtype(at::kFloat);
+    out = pk ? at::empty({pk->rows, W}, f32) : at::empty({T, N, W}, f32);
+    float* o = out.data_ptr<float>();
+    rows_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(N * W, 1)), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t nb = pk ? pk->b[t] : N;
+        float* step = o + (pk ? off[(size_t)t] : t * N) * W;
+        for (int64_t n = 0; n < nb; ++n)
+          for (int64_t d = 0; d < D; ++d) {
+            const int32_t* q = a[(size_t)d] + (src_step(t, len[n], d == 1) * N + n) * H;
+            float* dst = step + n * W + d * H;
+            const double scale = sc[(size_t)d], z = zp[(size_t)d];
+            for (int64_t c = 0; c < H; ++c) dst[c] = dequantize_value(q[c], scale, z);
+          }
+      }
+    });
+    if (x.scalar_type() != at::kFloat) out = out.to(x.scalar_type());
   }
   return {out, stack_h(s, h_n, x)};
 }

@@ -417,16 +417,20 @@ class CpuLayer {
     return one_row_ != nullptr;
   }
 
+  // qx_bits > 0: the caller made qx's values in the signed qx_bits-bit range (quantize or requantize
+  // saturated them there); where that range is within this layer's x range, qx is not scanned
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& qx_in, const at::Tensor& qh0_in,
                                              const c10::optional<at::Tensor>& lengths_in,
-                                             const c10::optional<at::Tensor>& level_in = c10::nullopt) {
+                                             const c10::optional<at::Tensor>& level_in = c10::nullopt,
+                                             int64_t qx_bits = 0) {
     QGRU_CHECK(qx_in.device().is_cpu() && qh0_in.device().is_cpu() &&
                     (!lengths_in.has_value() || lengths_in->device().is_cpu()),
                 "qgru cpu: qx, qh0 and lengths must be CPU tensors");
     QGRU_CHECK(qx_in.dim() == 3 && qx_in.size(2) == I_, "qgru cpu: qx must be [T, N, ", I_, "]");
     QGRU_CHECK(qh0_in.dim() == 2 && qh0_in.size(0) == qx_in.size(1) && qh0_in.size(1) == H_,
                 "qgru cpu: qh0 must be [N, ", H_, "]");
-    check_operand_values(qx_in, signed_range(x_bits_), "qx");
+    QGRU_CHECK(qx_in.scalar_type() == at::kInt || qx_bits == 0, "qgru cpu: an int32 qx expected");
+    if (qx_bits <= 0 || qx_bits > x_bits_) check_operand_values(qx_in, signed_range(x_bits_), "qx");
     check_operand_values(qh0_in, lt_.range("h"), "qh0");
     at::Tensor lengths;
     if (lengths_in.has_value()) {
@@ -1360,6 +1364,13 @@ std::tuple<at::Tensor, at::Tensor> Layer::forward(const at::Tensor& qx, const at
                                                   const c10::optional<at::Tensor>& level) {
   return impl->layer->forward(qx, qh0, lengths, level);
 }
+std::tuple<at::Tensor, at::Tensor> Layer::forward_in_range(const at::Tensor& qx, int64_t qx_bits, const at::Tensor& qh0,
+                                                           const c10::optional<at::Tensor>& lengths,
+                                                           const c10::optional<at::Tensor>& level) {
+  QGRU_CHECK(qx_bits >= 1 && qx_bits <= 31, "qgru cpu: qx_bits ", qx_bits, " outside [1, 31]");
+  return impl->layer->forward(qx, qh0, lengths, level, qx_bits);
+}
+at::Tensor pooled_int32(int64_t n) { return qgru::BufferPool::instance().take(n, /*exact=*/false); }
 int64_t Layer::x_levels() const { return impl->layer->x_levels(); }
 std::string Layer::cell_kind() const { return impl->layer->cell_kind(); }
 
