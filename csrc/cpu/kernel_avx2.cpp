@@ -152,6 +152,45 @@ void gemm(const GemmArgs& a) {
 
 void no_init() {}
 
+// op_cpu.cpp requantize_cat's values of one row, four at a time in 64-bit lanes: the integers of
+// saturate(rounding_mul_shift(a - z, m, s) + to_zp, r), per channel (m[c], s[c]) or per tensor
+// (m[0], s[0]), for C values (C a multiple of 4). a - z is taken in int32 and its product with m
+// (0 <= m < 2^31) by vpmuldq, exact; rounding_mul_shift's arithmetic shifts, which AVX2 lacks for
+// 64-bit lanes, are logical shifts of v + 2^62 (|v| < 2^62: 2^62 is a multiple of 2^(s-1) for
+// s <= 62, so the offset shifts out exactly and is subtracted after). False where some a - z is
+// outside int32 (|a| near 2^31, never a layer's output): the caller then takes the row as scalars.
+bool requant_row(const int32_t* a, int64_t C, int64_t z, const int64_t* m, const int64_t* s, bool per_channel,
+                 int64_t to_zp, int64_t r_lo, int64_t r_hi, int32_t* dst) {
+  // a - z fits int32 where a is in [INT32_MIN + max(z, 0), INT32_MAX + min(z, 0)] (|z| <= 2^16)
+  const __m128i a_lo = _mm_set1_epi32((int32_t)(INT32_MIN + (z > 0 ? z : 0)));
+  const __m128i a_hi = _mm_set1_epi32((int32_t)(INT32_MAX + (z < 0 ? z : 0)));
+  const __m128i z32 = _mm_set1_epi32((int32_t)z);
+  const __m256i off = _mm256_set1_epi64x(int64_t(1) << 62), one = _mm256_set1_epi64x(1);
+  const __m256i zp = _mm256_set1_epi64x(to_zp), lo = _mm256_set1_epi64x(r_lo), hi = _mm256_set1_epi64x(r_hi);
+  const __m256i pick = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+  __m256i mv = _mm256_set1_epi64x(m[0]), sv = _mm256_set1_epi64x(s[0]);
+  __m128i bad = _mm_setzero_si128();
+  for (int64_t c = 0; c < C; c += 4) {
+    if (per_channel) {
+      mv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + c));
+      sv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + c));
+    }
+    const __m128i av = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + c));
+    bad = _mm_or_si128(bad, _mm_or_si128(_mm_cmplt_epi32(av, a_lo), _mm_cmpgt_epi32(av, a_hi)));
+    const __m256i x = _mm256_cvtepi32_epi64(_mm_sub_epi32(av, z32));
+    const __m256i v = _mm256_mul_epi32(x, mv);  // the low 32 bits of each lane, signed: exact
+    const __m256i w = _mm256_srlv_epi64(_mm256_add_epi64(v, off), _mm256_sub_epi64(sv, one));
+    // ((w + 1) >> 1) - 2^(62 - s): rounding_mul_shift's value; then + to_zp and saturate
+    __m256i q = _mm256_sub_epi64(_mm256_srli_epi64(_mm256_add_epi64(w, one), 1), _mm256_srlv_epi64(off, sv));
+    q = _mm256_add_epi64(q, zp);
+    q = _mm256_blendv_epi8(q, lo, _mm256_cmpgt_epi64(lo, q));
+    q = _mm256_blendv_epi8(q, hi, _mm256_cmpgt_epi64(q, hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c),
+                     _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(q, pick)));
+  }
+  return _mm_testz_si128(bad, bad) != 0;
+}
+
 const Kernels kTable{"avx2", 2, kGroup, packed_bytes, pack, gemm,
                      CellLoops<int16_t>::rows, CellLoops<int16_t>::tile, CellLoops<int16_t>::requant,
                      CellLoops<int16_t>::act, no_init, quantize_f32, quantize_f64,
@@ -161,8 +200,10 @@ const Kernels kTable{"avx2", 2, kGroup, packed_bytes, pack, gemm,
 QGRU_ISA_END
 
 const Kernels* avx2_kernels() { return &kTable; }
+RequantRowFn avx2_requant_row() { return &requant_row; }
 #else
 const Kernels* avx2_kernels() { return nullptr; }
+RequantRowFn avx2_requant_row() { return nullptr; }
 #endif
 
 }  // namespace cpu

@@ -182,5 +182,14 @@ const Kernels* avxvnni_kernels();
 const Kernels* avx512vnni_kernels();
 const Kernels* amx_kernels();
 
+// One row of C values (C a multiple of 4) requantized onto another grid, 4 at a time (the AVX2
+// path's, kernel_avx2.cpp; op_cpu.cpp requantize_cat): dst[c] = saturate(rounding_mul_shift(a[c] -
+// z, m, s) + to_zp, [r_lo, r_hi]) with m, s per channel (m[c], s[c]) or per tensor (m[0], s[0]).
+// False where some a[c] - z leaves int32: the caller then takes the row as scalars. nullptr where
+// the path is not compiled; only for a CPU that runs the avx2 path.
+using RequantRowFn = bool (*)(const int32_t* a, int64_t C, int64_t z, const int64_t* m, const int64_t* s,
+                              bool per_channel, int64_t to_zp, int64_t r_lo, int64_t r_hi, int32_t* dst);
+RequantRowFn avx2_requant_row();
+
 }  // namespace cpu
 }  // namespace qgru

@@ -32,11 +32,6 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define QGRU_OP_AVX2 1
-#endif
-
 #include "cpu_backend.h"
 #include "isa.h"
 #include "qgru_check.h"
@@ -273,7 +268,7 @@ struct Entry {
   // a unidirectional stack whose layers requantize per tensor: the Stack the eager module's
   // one-call form runs (qgru/native/stacks.py), for calls without lengths; else null
   std::shared_ptr<cpu_api::Stack> stack;
-  bool avx2 = false;  // requantize with AVX2 (requant_row_avx2): the CPU has it and the path is not portable
+  cpu::RequantRowFn requant_row = nullptr;  // kernel_avx2.cpp's row requantization: the CPU has AVX2, the path is not portable
 };
 
 // The Stack of a unidirectional spec (qgru/native/stacks.py stack_values and stack_levels), or
@@ -307,11 +302,9 @@ std::shared_ptr<Entry> make_entry(const std::vector<at::Tensor>& params, const s
   c10::InferenceMode normal(false);
   for (const Unit& u : e->parsed.units) e->layers.push_back(make_layer(u, params, request));
   e->stack = make_stack(e->parsed, e->layers);
-#ifdef QGRU_OP_AVX2
   const bool portable = !e->layers.empty() && e->layers[0]->gemm_path().rfind("portable", 0) == 0;
   for (const cpu::IsaInfo& i : cpu::isa_table())
-    if (i.name == "avx2" && i.supported && !portable) e->avx2 = true;
-#endif
+    if (i.name == "avx2" && i.supported && !portable) e->requant_row = cpu::avx2_requant_row();
   return e;
 }
 
@@ -403,47 +396,6 @@ at::Tensor lay_out(const at::Tensor& src_in, const Packing* pk, const int64_t* o
   return dst;
 }
 
-#ifdef QGRU_OP_AVX2
-// requantize_cat's values of one row, four at a time in 64-bit lanes: the integers of
-// saturate(rounding_mul_shift(a - z, m, s) + to_zp, r), per channel (m[c], s[c]) or per tensor
-// (m[0], s[0]), for C values (C a multiple of 4). a - z is taken in int32 and its product with m
-// (0 <= m < 2^31) by vpmuldq, exact; rounding_mul_shift's arithmetic shifts, which AVX2 lacks for
-// 64-bit lanes, are logical shifts of v + 2^62 (|v| < 2^62: 2^62 is a multiple of 2^(s-1) for
-// s <= 62, so the offset shifts out exactly and is subtracted after). False where some a - z is
-// outside int32 (|a| near 2^31, never a layer's output): the caller then takes the row as scalars.
-__attribute__((target("avx2"))) bool requant_row_avx2(const int32_t* a, int64_t C, int64_t z, const int64_t* m,
-                                                      const int64_t* s, bool per_channel, int64_t to_zp, Range r,
-                                                      int32_t* dst) {
-  // a - z fits int32 where a is in [INT32_MIN + max(z, 0), INT32_MAX + min(z, 0)] (|z| <= 2^16)
-  const __m128i a_lo = _mm_set1_epi32((int32_t)(INT32_MIN + std::max<int64_t>(z, 0)));
-  const __m128i a_hi = _mm_set1_epi32((int32_t)(INT32_MAX + std::min<int64_t>(z, 0)));
-  const __m128i z32 = _mm_set1_epi32((int32_t)z);
-  const __m256i off = _mm256_set1_epi64x(int64_t(1) << 62), one = _mm256_set1_epi64x(1);
-  const __m256i zp = _mm256_set1_epi64x(to_zp), lo = _mm256_set1_epi64x(r.lo), hi = _mm256_set1_epi64x(r.hi);
-  const __m256i pick = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
-  __m256i mv = _mm256_set1_epi64x(m[0]), sv = _mm256_set1_epi64x(s[0]);
-  __m128i bad = _mm_setzero_si128();
-  for (int64_t c = 0; c < C; c += 4) {
-    if (per_channel) {
-      mv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + c));
-      sv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + c));
-    }
-    const __m128i av = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + c));
-    bad = _mm_or_si128(bad, _mm_or_si128(_mm_cmplt_epi32(av, a_lo), _mm_cmpgt_epi32(av, a_hi)));
-    const __m256i x = _mm256_cvtepi32_epi64(_mm_sub_epi32(av, z32));
-    const __m256i v = _mm256_mul_epi32(x, mv);  // the low 32 bits of each lane, signed: exact
-    const __m256i w = _mm256_srlv_epi64(_mm256_add_epi64(v, off), _mm256_sub_epi64(sv, one));
-    // ((w + 1) >> 1) - 2^(62 - s): rounding_mul_shift's value; then + to_zp and saturate
-    __m256i q = _mm256_sub_epi64(_mm256_srli_epi64(_mm256_add_epi64(w, one), 1), _mm256_srlv_epi64(off, sv));
-    q = _mm256_add_epi64(q, zp);
-    q = _mm256_blendv_epi8(q, lo, _mm256_cmpgt_epi64(lo, q));
-    q = _mm256_blendv_epi8(q, hi, _mm256_cmpgt_epi64(q, hi));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c),
-                     _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(q, pick)));
-  }
-  return _mm_testz_si128(bad, bad) != 0;
-}
-#endif
 
 // golden.requantize_input of each source direction's integer outputs src[e] [T, N, C_e] onto one
 // grid, concatenated on the last axis (what requantizing each and at::cat give, in one pass: the
@@ -455,7 +407,7 @@ __attribute__((target("avx2"))) bool requant_row_avx2(const int32_t* a, int64_t 
 at::Tensor requantize_cat(const std::vector<at::Tensor>& src_in, const std::vector<bool>& rev, const int64_t* len,
                           const std::vector<int64_t>& from_zp, const std::vector<const std::vector<int64_t>*>& m,
                           const std::vector<const std::vector<int64_t>*>& s, int64_t to_zp, int64_t to_bits,
-                          bool avx2) {
+                          cpu::RequantRowFn requant_row) {
   const size_t E = src_in.size();
   std::vector<at::Tensor> src;
   int64_t width = 0;
@@ -494,12 +446,10 @@ at::Tensor requantize_cat(const std::vector<at::Tensor>& src_in, const std::vect
         const std::vector<int64_t>& me = *m[e];
         const std::vector<int64_t>& se = *s[e];
         const int64_t z = from_zp[e];
-#ifdef QGRU_OP_AVX2
-        if (avx2 && C % 4 == 0 && requant_row_avx2(a, C, z, me.data(), se.data(), me.size() != 1, to_zp, r, dst)) {
+        if (requant_row && C % 4 == 0 && requant_row(a, C, z, me.data(), se.data(), me.size() != 1, to_zp, r.lo, r.hi, dst)) {
           dst += C;
           continue;
         }
-#endif
         if (me.size() == 1) {
           const int64_t mult = me[0];
           const int32_t shift = (int32_t)se[0];
@@ -612,7 +562,7 @@ std::tuple<at::Tensor, at::Tensor> run(const Entry& e, const at::Tensor& x, cons
           revs.push_back((src == 1) != rev);  // source 1's outputs are in the backward order
           mults.push_back(&u.in_mult[(size_t)src]), shifts.push_back(&u.in_shift[(size_t)src]);
         }
-        qx = requantize_cat(prev, revs, len, zps, mults, shifts, u.zx, u.bx, e.avx2);
+        qx = requantize_cat(prev, revs, len, zps, mults, shifts, u.zx, u.bx, e.requant_row);
       }
       at::Tensor qh0 = cpu_api::quantize(hx.select(0, l * D + d), u.sh, u.zh, u.bh, "h0", isa);
       const c10::optional<at::Tensor> lv = level.defined() ? c10::optional<at::Tensor>(level) : c10::nullopt;
