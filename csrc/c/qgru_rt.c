@@ -279,11 +279,10 @@ typedef int32x4_t vi32;
 #define V_SHR(v, p) vshlq_s32(v, vdupq_n_s32(-(int32_t)(p)))
 #define V_SSAT16(v) vshrq_n_s32(vqshlq_n_s32(v, 16), 16)
 #define V_USAT16(v) vreinterpretq_s32_u32(vshrq_n_u32(vqshluq_n_s32(v, 16), 16))
-QGRU_RT_INLINE vi32 V_MULHR(vi32 v, vi32 m, vi32 k)
-{
-    const int32x2_t lo = vrshrn_n_s64(vmull_s32(vget_low_s32(v), vget_low_s32(m)), 32);
-    return vaddq_s32(vrshrn_high_n_s64(lo, vmull_high_s32(v, m), 32), k);
-}
+/* k + floor((v m + 2^31) / 2^32) as SQDMULH, floor(2 v m / 2^32) = floor(v m / 2^31) (it saturates
+ * only at v = m = -2^31: m >= 0 here), then SRSRA #1: k + ((w + 1) >> 1) = k + floor((v m + 2^31) / 2^32)
+ * (the floor of a floor); the rounding shift is computed without overflow */
+QGRU_RT_INLINE vi32 V_MULHR(vi32 v, vi32 m, vi32 k) { return vrsraq_n_s32(k, vqdmulhq_s32(v, m), 1); }
 QGRU_RT_INLINE vi32 v_prod_hi(vi32 a, vi32 b, vi32 m)
 {
     const int64x2_t p0 = vmull_s32(vget_low_s32(a), vget_low_s32(b)), p1 = vmull_high_s32(a, b);
