@@ -22,7 +22,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // (no torch/extension.h: the CUDA library that holds the operator's CUDA kernel has no Python)
 
 #include <atomic>
 #include <cerrno>

@@ -3,7 +3,7 @@
 // private to that file), and the free functions the binding exposes.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // (no torch/extension.h: this side of the binding has no Python)
 
 #include <map>
 #include <memory>

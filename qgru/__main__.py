@@ -4,7 +4,9 @@
   (shipped with qgru) with every config and print the accuracy/SQNR table (qgru/demo.py).
 * ``python -m qgru build [--kind cpu|cuda|all]`` compiles the native backends ahead of time (into
   the cache folder qgru/native/build.py describes) and prints what ``qgru.backends()`` says;
-  ``--print-path``: only the path of the cpu library that defines the operator qgru::integer_gru."""
+  ``--print-path``: only the path of the library without Python of that kind (cpu: the one that
+  defines the operator qgru::integer_gru; cuda: its CUDA kernel; all, the default: the cpu one, then
+  the cuda one where that backend is available)."""
 from __future__ import annotations
 
 import argparse
@@ -15,12 +17,15 @@ def _build(args) -> int:
     from . import native
     from .backends import backends
     if args.print_path:
-        # the cpu library without Python (qgru::integer_gru): torch.ops.load_library or dlopen it
-        try:
-            print(native.library_path())
-        except RuntimeError as e:
-            print(f"cpu: unavailable: {e}", file=sys.stderr)
-            return 1
+        # the libraries without Python (qgru::integer_gru: the cpu one defines it, the cuda one adds
+        # its CUDA kernel): torch.ops.load_library or dlopen them, the cpu one first
+        kinds = [args.kind] if args.kind != "all" else ["cpu"] + (["cuda"] if not native.why_unavailable("cuda") else [])
+        for kind in kinds:
+            try:
+                print(native.library_path() if kind == "cpu" else native.cuda_library_path())
+            except RuntimeError as e:
+                print(f"{kind}: unavailable: {e}", file=sys.stderr)
+                return 1
         return 0
     kinds = ["cpu", "cuda"] if args.kind == "all" else [args.kind]
     failed = False
@@ -49,8 +54,10 @@ def main(argv=None) -> int:
     b = sub.add_parser("build", help="compile the C++/CUDA backends ahead of time")
     b.add_argument("--kind", choices=["cpu", "cuda", "all"], default="all")
     b.add_argument("--print-path", action="store_true",
-                   help="build the cpu backend if needed and print only the path of its library without Python "
-                        "(the operator qgru::integer_gru, for torch.ops.load_library or a C++ program's dlopen)")
+                   help="build if needed and print only the path of the library without Python: --kind cpu the "
+                        "one that defines the operator qgru::integer_gru, --kind cuda its CUDA kernel, all (the "
+                        "default) the cpu one and, where the cuda backend is available, the cuda one (for "
+                        "torch.ops.load_library or a C++ program's dlopen, in that order)")
     b.set_defaults(func=_build)
     d = sub.add_parser("demo", help="float vs torch dynamic-quant vs every qgru config on a real data set, one table",
                        description="Quantize every nn.GRU of a small model trained on the Japanese Vowels data "

@@ -9,11 +9,11 @@ The operator is defined and implemented for CPU tensors in C++ (csrc/cpu/op_cpu.
 backend's library without Python, qgru.native.library_path()): a saved torch.export program or an
 AOTInductor package runs in a process that only loaded that library (torch.ops.load_library, or
 dlopen from C++), without qgru's Python; the eager module runs its bidirectional calls and those
-with lengths through the same C++ (native.cpu_op_model). This module adds what must be Python: the
-fake kernel (shapes, for tracing), the sequence-length-0 error as eager mode raises it
-(QGRUInputError), the kernel for other devices (CUDA: runtime.integer_forward on
-the current backend) and, where the cpu backend cannot be built, the whole operator in Python (the
-same integers, slower).
+with lengths through the same C++ (native.cpu_op_model). Its CUDA kernel is C++ too
+(csrc/op_cuda.cpp, in the cuda backend's library without Python, native.cuda_library_path(),
+loaded with the cuda backend). This module adds what must be Python: the fake kernel (shapes, for
+tracing), the sequence-length-0 error as eager mode raises it (QGRUInputError) and, where a
+backend cannot be built, its kernel in Python (runtime.integer_forward: the same integers, slower).
 
 Arguments: x time-major float [T, N, I], h0 [L*D, N, H], lengths (PackedSequence input) or None;
 ``params`` and ``spec``, made once when a QuantGRU is converted (``flatten_params``). ``spec`` is
@@ -27,11 +27,15 @@ text (format 2), whitespace-separated words that the C++ reads without a JSON pa
     levels J scale_1..J lo_1..J hi_1..J     (layer 0's x levels, J = 0 without)
     paths W P                               (cpu.py _avx2_takes_whole, one_limb_pair(act16=False))
     variants V [variant A nt (key index)*nt nv (key value)*nv]*V
+    cuda U [variant 3 nt (key index)*nt nv (key value)*nv]*U    (U = L*D: the CUDA Layers')
     python {json}                            (ignored by the C++)
 
 A variant is prepare_layer's output (the native Layer's tensors and values) for CPU paths with
 int16 activations (A = 1) or without (A = 0), or for any (A = 2, V = 1: where both are the same);
 the kernel picks the one of the path it runs on (QGRU_CPU_ISA as qgru/native/cpu.py resolves it).
+The cuda section holds each unit's CUDA Layer arguments (prepare_layer with CUDA_GEMM_MIN), which
+the CUDA kernel (csrc/op_cuda.cpp) reads; a reader of the units alone (an older library) stops
+before it. Every variant shares a unit's tensors that are equal.
 After the NT prepared tensors come the QuantParams.to_dict() tensors (named in the JSON), which
 the Python kernel (other devices, or no cpu backend) rebuilds LayerParams from.
 """
@@ -60,8 +64,29 @@ def _hex(v) -> str:
     return float(v).hex()
 
 
-def _unit_words(p, layer: int, d: int, prev_dirs: int, index: List[int], tensors: List[torch.Tensor]) -> List[str]:
-    """One layer and direction's words of the spec (its prepared tensors appended to ``tensors``)."""
+def _variant_words(flag: int, t: Dict[str, torch.Tensor], v: Dict[str, int], index: List[int],
+                   tensors: List[torch.Tensor], mine: Dict[str, List[Tuple[torch.Tensor, int]]]) -> List[str]:
+    """One variant's words ("variant A nt (key index)*nt nv (key value)*nv"), its tensors appended to
+    ``tensors`` unless an equal one of the same unit (``mine``) is there already."""
+    w = ["variant", str(flag), str(len(t))]
+    for k in sorted(t):
+        x = t[k].contiguous()
+        same = [i for old, i in mine.get(k, []) if old.dtype == x.dtype and old.shape == x.shape and torch.equal(old, x)]
+        if same:
+            i = same[0]
+        else:
+            i = index[0]
+            index[0] += 1
+            tensors.append(x)
+            mine.setdefault(k, []).append((x, i))
+        w += [k, str(i)]
+    return w + [str(len(v))] + [f"{k} {int(v[k])}" for k in sorted(v)]
+
+
+def _unit_words(p, layer: int, d: int, prev_dirs: int, index: List[int], tensors: List[torch.Tensor],
+                mine: Dict[str, List[Tuple[torch.Tensor, int]]]) -> List[str]:
+    """One layer and direction's words of the spec (its prepared tensors appended to ``tensors``;
+    ``mine``: the unit's tensors so far, which its variants share where equal)."""
     from .native.cpu import _avx2_takes_whole
     from .native.prepare import one_limb_pair, prepare_layer
     w = ["unit", str(layer), str(d), "grid", _hex(p.scale["x"]), str(int(p.zp["x"])), str(int(p.bits["x"])),
@@ -82,22 +107,16 @@ def _unit_words(p, layer: int, d: int, prev_dirs: int, index: List[int], tensors
     same = wide[1]["x_direct16"] == 0 and wide[1]["h_direct16"] == 0  # act16 changes nothing else
     variants = [(2, plain)] if same else [(0, plain), (1, wide)]
     w += ["variants", str(len(variants))]
-    mine: Dict[str, Tuple[torch.Tensor, int]] = {}  # the variants share their equal tensors
     for flag, (t, v) in variants:
-        w += ["variant", str(flag), str(len(t))]
-        for k in sorted(t):
-            x = t[k].contiguous()
-            old = mine.get(k)
-            if old is not None and old[0].dtype == x.dtype and old[0].shape == x.shape and torch.equal(old[0], x):
-                i = old[1]
-            else:
-                i = index[0]
-                index[0] += 1
-                tensors.append(x)
-                mine[k] = (x, i)
-            w += [k, str(i)]
-        w += [str(len(v))] + [f"{k} {int(v[k])}" for k in sorted(v)]
+        w += _variant_words(flag, t, v, index, tensors, mine)
     return w
+
+
+def _cuda_words(p, index: List[int], tensors: List[torch.Tensor], mine: Dict[str, List[Tuple[torch.Tensor, int]]]) -> List[str]:
+    """A unit's CUDA variant (A = 3): the CUDA Layer's arguments (native/cuda.py cuda_layer's)."""
+    from .native.prepare import CUDA_GEMM_MIN, prepare_layer
+    t, v = prepare_layer(p.to("cpu"), gemm_min=CUDA_GEMM_MIN)
+    return _variant_words(3, t, v, index, tensors, mine)
 
 
 def flatten_params(flat: Dict[str, Any]) -> Tuple[List[torch.Tensor], str]:
@@ -109,9 +128,15 @@ def flatten_params(flat: Dict[str, Any]) -> Tuple[List[torch.Tensor], str]:
     tensors: List[torch.Tensor] = []
     index = [0]
     words: List[str] = []
+    mine: List[Dict[str, List[Tuple[torch.Tensor, int]]]] = []
     for layer, row in enumerate(layers):
         for d, p in enumerate(row):
-            words += _unit_words(p, layer, d, 0 if layer == 0 else D, index, tensors)
+            mine.append({})
+            words += _unit_words(p, layer, d, 0 if layer == 0 else D, index, tensors, mine[-1])
+    # the CUDA Layers' arguments, after the units (a reader of the units alone stops before them)
+    words += ["cuda", str(L * D)]
+    for k, p in enumerate(q for row in layers for q in row):
+        words += _cuda_words(p, index, tensors, mine[k])
     keys = sorted(k for k, v in flat.items() if isinstance(v, torch.Tensor))
     py = {"keys": keys, "values": {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}}
     head = ["qgru.integer_gru", str(SPEC_FORMAT), "layers", str(L), str(D), str(p0.hidden_size), str(p0.input_size),
@@ -200,6 +225,10 @@ def _has_schema() -> bool:
         return False
 
 
+def _has_cuda_kernel() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("qgru::integer_gru", "CUDA")
+
+
 def ensure_operator() -> str:
     """Register qgru::integer_gru in this process, once: the cpu backend's C++ operator (building
     the backend if needed) with this module's Python parts, else the whole operator in Python.
@@ -221,7 +250,13 @@ def ensure_operator() -> str:
             lib.impl("integer_gru", _python_kernel, "CPU")
             _state["libs"].append(lib)
         lib = torch.library.Library("qgru", "IMPL")
-        lib.impl("integer_gru", _python_kernel, "CUDA")
+        if torch.cuda.is_available() and not _has_cuda_kernel():
+            try:
+                native.load("cuda")  # its library holds the C++ CUDA kernel (csrc/op_cuda.cpp)
+            except RuntimeError:
+                pass
+        if not _has_cuda_kernel():  # no cuda backend here: the operator's CUDA kernel in Python
+            lib.impl("integer_gru", _python_kernel, "CUDA")
         # (over the C++ library's own Autograd kernel, whose error for a sequence of length 0 is a
         # ValueError: this one raises eager mode's QGRUInputError; it costs a call ~10 us of boxing
         # its ~100 tensors, and nothing in inference mode, which skips Autograd kernels)

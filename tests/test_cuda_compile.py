@@ -80,8 +80,8 @@ _SOLVER_STUBS = {
 
 
 def test_cuda_binding_type_checks_against_torch(tmp_path):
-    """The torch binding (bind_cuda.cpp, and qgru_cuda.cpp behind it) against torch's CUDA headers,
-    syntax and types only.
+    """The torch binding (bind_cuda.cpp, and qgru_cuda.cpp behind it) and the operator's CUDA kernel
+    (op_cuda.cpp) against torch's CUDA headers, syntax and types only.
 
     Runs where the CUDA runtime's and cuBLAS's headers are found (the toolkit beside nvcc, or the
     nvidia-cublas wheel's, which test_cuda_kernels_compile_with_nvcc fetches). A CPU-only torch
@@ -107,7 +107,7 @@ def test_cuda_binding_type_checks_against_torch(tmp_path):
            "-I", str(csrc_dir()), "-I", sysconfig.get_paths()["include"]]
     for d in include_paths() + [str(i) for i in incs] + [str(tmp_path / "stub")]:
         cmd += ["-isystem", d]
-    for src in ("qgru_cuda.cpp", "bind_cuda.cpp"):
+    for src in ("qgru_cuda.cpp", "bind_cuda.cpp", "op_cuda.cpp"):
         r = subprocess.run(cmd + [str(csrc_dir() / src)], capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, f"{' '.join(cmd)} {src}\n{r.stderr[-4000:]}"
 

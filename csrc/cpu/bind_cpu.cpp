@@ -71,6 +71,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("params"), pybind11::arg("spec"), pybind11::arg("isa") = "auto")
       .def("forward", &qgru::cpu_api::Model::forward, "the operator qgru::integer_gru's call on this model",
            pybind11::arg("x"), pybind11::arg("hx"), pybind11::arg("lengths") = pybind11::none(), release_gil())
+      .def("forward_generic", &qgru::cpu_api::Model::forward_generic,
+           "forward through the device-generic layer loop the CUDA operator runs (csrc/qgru_op_loop.h), on this "
+           "CPU's kernels", pybind11::arg("x"), pybind11::arg("hx"), pybind11::arg("lengths") = pybind11::none(),
+           release_gil())
+      .def("cuda_tensors", &qgru::cpu_api::Model::cuda_tensors, pybind11::arg("k"),
+           "unit k's CUDA Layer tensors as the spec's cuda section gives them")
+      .def("cuda_values", &qgru::cpu_api::Model::cuda_values, pybind11::arg("k"),
+           "unit k's CUDA Layer values as the spec's cuda section gives them")
       .def("forward_packed", &qgru::cpu_api::Model::forward_packed,
            "a PackedSequence's call, rows longest first: (packed output data, h_n in the caller's order), or None "
            "where the PackedSequence is not well formed or not of the form taken", pybind11::arg("data"),

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>  // (no torch/extension.h: this side of the binding has no Python)
 
+#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -90,6 +91,14 @@ class Model {
   Model(const std::vector<at::Tensor>& params, const std::string& spec, const std::string& request);
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& hx,
                                              const c10::optional<at::Tensor>& lengths) const;
+  // forward through the device-generic layer loop the CUDA operator runs (qgru_op_loop.h
+  // run_layers) on this CPU's kernels: the same integers (tests hold it to forward)
+  std::tuple<at::Tensor, at::Tensor> forward_generic(const at::Tensor& x, const at::Tensor& hx,
+                                                     const c10::optional<at::Tensor>& lengths) const;
+  // the spec's CUDA variant of unit k (its "cuda" section, as op_cuda.cpp reads it): the CUDA
+  // Layer's tensors (on the CPU) and values (tests compare them with prepare_layer's)
+  std::map<std::string, at::Tensor> cuda_tensors(int64_t k) const;
+  std::map<std::string, int64_t> cuda_values(int64_t k) const;
   // A PackedSequence's call (data, batch_sizes, sorted_indices, unsorted_indices as torch keeps
   // them; hx in the caller's order or none): (the output's packed data, h_n in the caller's order),
   // the rows run longest first, unpacked and packed in C++; nullopt where the PackedSequence is not

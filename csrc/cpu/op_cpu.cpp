@@ -36,139 +36,14 @@
 #include "isa.h"
 #include "qgru_check.h"
 #include "qgru_fixedpoint.h"
+#include "qgru_op_loop.h"
+#include "qgru_op_spec.h"
 
 namespace qgru {
 namespace op {
 namespace {
 
-constexpr int kSpecFormat = 2;
 constexpr size_t kCacheSize = 8;
-
-// One variant of a layer's native arguments: for act16 CPU paths (1), the others (0), or any (2).
-struct Variant {
-  int act16 = 2;
-  std::vector<std::pair<std::string, int64_t>> tensors;  // key, index into params
-  IntMap values;
-};
-
-// One layer and direction.
-struct Unit {
-  double sx = 0, sh = 0;
-  int64_t zx = 0, bx = 0, zh = 0, bh = 0;
-  std::vector<std::vector<int64_t>> in_mult, in_shift;  // per source direction e (layer > 0): [1] or [H]
-  std::vector<double> lv_scale, lv_lo, lv_hi;           // x levels (layer 0), or empty
-  bool takes_whole = false;  // qgru/native/cpu.py _avx2_takes_whole
-  bool one_pair8 = false;    // qgru/native/prepare.py one_limb_pair(p, act16=False)
-  std::vector<Variant> variants;
-};
-
-struct Spec {
-  int64_t L = 0, D = 0, H = 0, I = 0, n_tensors = 0;
-  std::vector<Unit> units;  // [l D + d]
-};
-
-class Reader {
- public:
-  explicit Reader(const std::string& s) : in_(s) {}
-  std::string word() {
-    std::string w;
-    QGRU_CHECK_VALUE(bool(in_ >> w), "qgru::integer_gru: the spec ends early (not one made by qgru.ops.flatten_params)");
-    return w;
-  }
-  void expect(const char* w) {
-    const std::string got = word();
-    QGRU_CHECK_VALUE(got == w, "qgru::integer_gru: the spec has '", got, "' where '", w, "' belongs");
-  }
-  int64_t integer(int64_t lo, int64_t hi) {
-    const std::string w = word();
-    char* end = nullptr;
-    const long long v = std::strtoll(w.c_str(), &end, 10);
-    QGRU_CHECK_VALUE(end != w.c_str() && *end == '\0' && v >= lo && v <= hi, "qgru::integer_gru: spec value '", w,
-                     "' is not an integer in [", lo, ", ", hi, "]");
-    return v;
-  }
-  double real() {  // float.hex() (exact), inf, -inf
-    const std::string w = word();
-    char* end = nullptr;
-    const double v = std::strtod(w.c_str(), &end);
-    QGRU_CHECK_VALUE(end != w.c_str() && *end == '\0' && !std::isnan(v), "qgru::integer_gru: spec value '", w,
-                     "' is not a number");
-    return v;
-  }
-
- private:
-  std::istringstream in_;
-};
-
-Spec parse_spec(const std::string& text, int64_t n_params) {
-  Reader r(text);
-  Spec s;
-  r.expect("qgru.integer_gru");
-  const int64_t format = r.integer(0, 1 << 20);
-  QGRU_CHECK_VALUE(format == kSpecFormat, "qgru::integer_gru: spec format ", format, ", this library reads format ",
-                   kSpecFormat, " (convert the model again with this qgru)");
-  r.expect("layers");
-  s.L = r.integer(1, 1 << 16);
-  s.D = r.integer(1, 2);
-  s.H = r.integer(1, 1 << 24);
-  s.I = r.integer(1, 1 << 24);
-  s.n_tensors = r.integer(0, n_params);
-  for (int64_t l = 0; l < s.L; ++l)
-    for (int64_t d = 0; d < s.D; ++d) {
-      Unit u;
-      r.expect("unit");
-      QGRU_CHECK_VALUE(r.integer(0, s.L - 1) == l && r.integer(0, s.D - 1) == d,
-                       "qgru::integer_gru: the spec's units are out of order");
-      r.expect("grid");
-      u.sx = r.real(), u.zx = r.integer(-(1 << 16), 1 << 16), u.bx = r.integer(2, 16);
-      u.sh = r.real(), u.zh = r.integer(-(1 << 16), 1 << 16), u.bh = r.integer(2, 16);
-      check_quantize_args("qgru::integer_gru (x grid)", u.sx, u.zx, u.bx);
-      check_quantize_args("qgru::integer_gru (h grid)", u.sh, u.zh, u.bh);
-      r.expect("in");
-      const int64_t E = r.integer(0, 2);
-      QGRU_CHECK_VALUE(E == (l == 0 ? 0 : s.D), "qgru::integer_gru: unit (", l, ", ", d, ") has ", E,
-                       " input requantizations");
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t n = r.integer(1, s.H);
-        QGRU_CHECK_VALUE(n == 1 || n == s.H, "qgru::integer_gru: a requantization of ", n, " factors (1 or H)");
-        std::vector<int64_t> m((size_t)n), sh((size_t)n);
-        for (auto& v : m) v = r.integer(0, (int64_t(1) << 31) - 1);
-        for (auto& v : sh) v = r.integer(1, 62);
-        u.in_mult.push_back(std::move(m));
-        u.in_shift.push_back(std::move(sh));
-      }
-      r.expect("levels");
-      const int64_t J = r.integer(0, 64);
-      QGRU_CHECK_VALUE(J == 0 || l == 0, "qgru::integer_gru: only the first layer has x levels");
-      for (auto* v : {&u.lv_scale, &u.lv_lo, &u.lv_hi})
-        for (int64_t j = 0; j < J; ++j) v->push_back(r.real());
-      r.expect("paths");
-      u.takes_whole = r.integer(0, 1) != 0;
-      u.one_pair8 = r.integer(0, 1) != 0;
-      r.expect("variants");
-      const int64_t V = r.integer(1, 2);
-      for (int64_t k = 0; k < V; ++k) {
-        Variant v;
-        r.expect("variant");
-        v.act16 = (int)r.integer(0, 2);
-        QGRU_CHECK_VALUE((V == 1) == (v.act16 == 2), "qgru::integer_gru: a unit has one variant for any path or two");
-        const int64_t nt = r.integer(1, 256);
-        for (int64_t i = 0; i < nt; ++i) {
-          std::string key = r.word();
-          const int64_t idx = r.integer(0, s.n_tensors - 1);
-          v.tensors.emplace_back(std::move(key), idx);
-        }
-        const int64_t nv = r.integer(1, 1024);
-        for (int64_t i = 0; i < nv; ++i) {
-          std::string key = r.word();
-          v.values[key] = r.integer(INT64_MIN + 1, INT64_MAX);
-        }
-        u.variants.push_back(std::move(v));
-      }
-      s.units.push_back(std::move(u));
-    }
-  return s;
-}
 
 std::string trim_lower(const char* v) {
   std::string s = v == nullptr ? "" : v;
@@ -221,13 +96,7 @@ const Variant& variant_for(const Unit& u, bool act16) {
 }
 
 std::pair<TensorMap, IntMap> layer_args(const Variant& v, const std::vector<at::Tensor>& params) {
-  TensorMap t;
-  for (const auto& kv : v.tensors) {
-    const at::Tensor& p = params[(size_t)kv.second];
-    QGRU_CHECK(p.device().is_cpu(), "qgru::integer_gru: parameter '", kv.first, "' is not on the CPU");
-    t[kv.first] = p.is_contiguous() ? p : p.contiguous();
-  }
-  return {t, v.values};
+  return variant_args(v, params, at::Device(at::kCPU), false);
 }
 
 std::shared_ptr<cpu_api::Layer> make_layer(const Unit& u, const std::vector<at::Tensor>& params,
@@ -614,9 +483,33 @@ std::tuple<at::Tensor, at::Tensor> run(const Entry& e, const at::Tensor& x, cons
   return {out, stack_h(s, h_n, x)};
 }
 
-// The operator's checks of x, hx and lengths against the spec, then run.
+// The backend run_layers (qgru_op_loop.h) calls: this CPU path's quantize and dequantize, the Layers.
+struct CpuOps {
+  const Entry& e;
+  at::Tensor quantize(const at::Tensor& v, double scale, int64_t zp, int64_t bits, const char* what) {
+    return cpu_api::quantize(v, scale, zp, bits, what, e.request);
+  }
+  std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x, const Unit& u) {
+    return cpu_api::quantize_levels(x, u.lv_scale, u.lv_lo, u.lv_hi, u.zx, u.bx, "input", e.request);
+  }
+  at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp) { return cpu_api::dequantize(q, scale, zp); }
+  std::tuple<at::Tensor, at::Tensor> layer(int64_t k, const at::Tensor& qx, const at::Tensor& qh0,
+                                           const c10::optional<at::Tensor>& lengths,
+                                           const c10::optional<at::Tensor>& level) {
+    return e.layers[(size_t)k]->forward(qx, qh0, lengths, level);
+  }
+};
+
+// The generic loop on this CPU's kernels (the one the CUDA operator runs; Model::forward_generic).
+std::tuple<at::Tensor, at::Tensor> run_generic(const Entry& e, const at::Tensor& x, const at::Tensor& hx,
+                                               const at::Tensor& lengths) {
+  CpuOps ops{e};
+  return run_layers(e.parsed, in_factors(e.parsed, at::Device(at::kCPU)), ops, x, hx, lengths);
+}
+
+// The operator's checks of x, hx and lengths against the spec, then run (``generic``: run_generic).
 std::tuple<at::Tensor, at::Tensor> checked_run(const Entry& e, const at::Tensor& x_in, const at::Tensor& hx_in,
-                                               const c10::optional<at::Tensor>& lengths_in) {
+                                               const c10::optional<at::Tensor>& lengths_in, bool generic = false) {
   const Spec& s = e.parsed;
   QGRU_CHECK_VALUE(x_in.dim() == 3 && x_in.is_floating_point() && x_in.device().is_cpu(),
                    "qgru::integer_gru: x must be a float CPU tensor [T, N, I], got ", x_in.scalar_type(), " ",
@@ -644,9 +537,9 @@ std::tuple<at::Tensor, at::Tensor> checked_run(const Entry& e, const at::Tensor&
   if (c10::InferenceMode::is_enabled()) {
     // the Layers' reused buffers must stay normal tensors (qgru/native/layer.py gru_direction)
     c10::InferenceMode normal(false);
-    return run(e, x, hx, lengths);
+    return generic ? run_generic(e, x, hx, lengths) : run(e, x, hx, lengths);
   }
-  return run(e, x, hx, lengths);
+  return generic ? run_generic(e, x, hx, lengths) : run(e, x, hx, lengths);
 }
 
 // A PackedSequence's call (Model::forward_packed): its rows in the sorted order (longest first),
@@ -756,6 +649,23 @@ Model::Model(const std::vector<at::Tensor>& params, const std::string& spec, con
 std::tuple<at::Tensor, at::Tensor> Model::forward(const at::Tensor& x, const at::Tensor& hx,
                                                   const c10::optional<at::Tensor>& lengths) const {
   return op::checked_run(*impl->entry, x, hx, lengths);
+}
+
+std::tuple<at::Tensor, at::Tensor> Model::forward_generic(const at::Tensor& x, const at::Tensor& hx,
+                                                          const c10::optional<at::Tensor>& lengths) const {
+  return op::checked_run(*impl->entry, x, hx, lengths, /*generic=*/true);
+}
+
+std::map<std::string, at::Tensor> Model::cuda_tensors(int64_t k) const {
+  const op::Spec& s = impl->entry->parsed;
+  QGRU_CHECK_VALUE(!s.cuda.empty() && k >= 0 && k < (int64_t)s.cuda.size(), "qgru Model: no CUDA variant ", k);
+  return op::variant_args(s.cuda[(size_t)k], impl->entry->params, at::Device(at::kCPU), true).first;
+}
+
+std::map<std::string, int64_t> Model::cuda_values(int64_t k) const {
+  const op::Spec& s = impl->entry->parsed;
+  QGRU_CHECK_VALUE(!s.cuda.empty() && k >= 0 && k < (int64_t)s.cuda.size(), "qgru Model: no CUDA variant ", k);
+  return s.cuda[(size_t)k].values;
 }
 
 c10::optional<std::tuple<at::Tensor, at::Tensor>> Model::forward_packed(

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 from .build import (_CPU_PATHS, _HEADERS, _KINDS, _SOURCES, _State, _after_fork_in_child, _compile,
                     _cuda_unavailable_reason, _find_binary, _load_built, _native_cache, _toolchain_has_avxvnni,
-                    build_dir, build_key, cpu_model_name, csrc_dir, find_cublas, library_path, load, why_unavailable)
+                    build_dir, build_key, cpu_model_name, csrc_dir, cuda_library_path, find_cublas, library_path, load,
+                    why_unavailable)
 from .cpu import (cpu_gemm_detail, cpu_isa_request, cpu_layer, cpu_paths, layer_act16, layer_path, one_row_path,
                   resolve_cpu_isa)
 from .cuda import cuda_layer, cuda_nan_seen

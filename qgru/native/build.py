@@ -35,7 +35,7 @@ _KINDS = ("cpu", "cuda")
 _CPU_PATHS = ("portable", "avx2", "avxvnni", "avx512vnni", "amx")
 _SOURCES = {
     "cpu": ["cpu/qgru_cpu.cpp", "cpu/bind_cpu.cpp", "cpu/isa.cpp", "cpu/op_cpu.cpp"] + [f"cpu/kernel_{p}.cpp" for p in _CPU_PATHS],
-    "cuda": ["qgru_cuda.cpp", "bind_cuda.cpp", "qgru_cuda_kernels.cu", "qgru_cuda_persistent.cu",
+    "cuda": ["qgru_cuda.cpp", "bind_cuda.cpp", "op_cuda.cpp", "qgru_cuda_kernels.cu", "qgru_cuda_persistent.cu",
              "qgru_cuda_fused.cu"],
 }
 # every header the sources include: the build's cache key hashes them, so an edit to any of them
@@ -43,7 +43,7 @@ _SOURCES = {
 _HEADERS = ["qgru_fixedpoint.h", "qgru_cell.h", "qgru_check.h", "qgru_layer.h", "qgru_cuda.h", "qgru_cuda_launch.h",
             "qgru_persistent.h", "qgru_fused_step.h", "qgru_cuda_backend.h", "cpu/kernels.h", "cpu/cell_loops.h", "cpu/isa.h",
             "cpu/quantize_block.h", "cpu/lanes_avx2.h", "cpu/lanes_avx512.h", "cpu/vnni_gemm.h", "cpu/cpu_backend.h",
-            "cpu/vnni16_gemm.h", "cpu/gemm_blocks.h"]
+            "cpu/vnni16_gemm.h", "cpu/gemm_blocks.h", "qgru_op_spec.h", "qgru_op_loop.h"]
 
 
 def csrc_dir() -> Path:
@@ -207,11 +207,29 @@ def library_path(build: bool = True) -> Path:
     process that also imports qgru, load this very file (not a copy): qgru's binding links it by
     this path, and a second copy would register the operator twice (an abort)."""
     load("cpu", build=build)
-    return _cpu_library_file(build_dir("cpu"))
+    return _library_file(build_dir("cpu"), "cpu")
 
 
 def _cpu_library_file(d: Path) -> Path:
-    return d / "lib" / f"{CPU_LIBRARY}.so"
+    return _library_file(d, "cpu")
+
+
+# The cuda backend likewise: a library without Python (the kernels, the Layer and Stack, and the
+# operator's CUDA kernel, csrc/op_cuda.cpp) and the binding (bind_cuda.cpp) linked against it.
+CUDA_LIBRARY = "qgru_cuda_ops"
+_CUDA_BINDING = "bind_cuda.cpp"
+
+
+def cuda_library_path(build: bool = True) -> Path:
+    """The cuda backend's library without Python (qgru::integer_gru's CUDA kernel), building it if
+    needed. A process that never imports qgru loads library_path() (which defines the operator)
+    and then this one; in a process that imports qgru, loading the cuda backend loaded it."""
+    load("cuda", build=build)
+    return _library_file(build_dir("cuda"), "cuda")
+
+
+def _library_file(d: Path, kind: str) -> Path:
+    return d / "lib" / f"{CPU_LIBRARY if kind == 'cpu' else CUDA_LIBRARY}.so"
 
 
 class _State:
@@ -355,19 +373,20 @@ def _compile(kind: str, verbose: bool):
     if kind == "cuda":
         kw["extra_cuda_cflags"] = ["-O3"] + define
         kw["extra_ldflags"] = ["-fopenmp"] + _cublas_link_flags()
-    with build_guard(d, _cpu_library_file(d).parent):  # (the library's own folder: cpu only)
+        kw["with_cuda"] = True  # (the binding alone has no .cu source)
+    lib = _library_file(d, kind)
+    with build_guard(d, lib.parent):  # (the library's own folder)
         print(f"qgru: compiling the {kind} backend into {d} (once; about a minute)...", file=sys.stderr, flush=True)
-        if kind == "cpu":
-            # first the library without Python (--as-needed drops the libtorch_python that
-            # cpp_extension links: nothing in it uses Python), loaded into this process as it is built
-            lib = _cpu_library_file(d)
-            lib.parent.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(**dict(kw, name=CPU_LIBRARY, sources=[str(src / s) for s in _SOURCES[kind] if s != _CPU_BINDING],
-                                      build_directory=str(lib.parent), is_python_module=False,
-                                      extra_ldflags=["-Wl,--as-needed", "-fopenmp"]))
-            # then the binding, linked by the library's full path (the same object once loaded)
-            kw["sources"] = [str(src / _CPU_BINDING)]
-            kw["extra_ldflags"] = ["-fopenmp", str(lib), f"-Wl,-rpath,{lib.parent}"]
+        # first the library without Python (--as-needed drops the libtorch_python that
+        # cpp_extension links: nothing in it uses Python), loaded into this process as it is built
+        binding = _CPU_BINDING if kind == "cpu" else _CUDA_BINDING
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(**dict(kw, name=lib.stem, sources=[str(src / s) for s in _SOURCES[kind] if s != binding],
+                                  build_directory=str(lib.parent), is_python_module=False,
+                                  extra_ldflags=["-Wl,--as-needed"] + kw["extra_ldflags"]))
+        # then the binding, linked by the library's full path (the same object once loaded)
+        kw["sources"] = [str(src / binding)]
+        kw["extra_ldflags"] = kw["extra_ldflags"] + [str(lib), f"-Wl,-rpath,{lib.parent}"]
         mod = cpp_extension.load(**kw)
     _mark_used(d)
     _prune_stale(kind, d)
