@@ -250,3 +250,49 @@ def test_cuda_fresh_process_runs_an_exported_cuda_model_with_the_libraries_only(
                         str(tmp_path)], capture_output=True, text=True, timeout=600, cwd="/")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert r.stdout.strip().splitlines()[-1] == "ok True", r.stdout
+
+
+_MAKE_CUDA_PACKAGE = r"""
+import sys, torch, qgru
+out = sys.argv[1]
+torch.manual_seed(2)
+m = qgru.QuantGRU(3, 16, num_layers=2, bidirectional=True)
+qgru.calibrate(m, [torch.randn(6, 4, 3) for _ in range(2)], progress=False)
+m.convert()
+xs = [torch.randn(5, 2, 3), torch.randn(7, 3, 3) * 4]  # the second beyond the calibrated range
+lines = []
+for c, x in enumerate(xs):
+    with torch.no_grad(), qgru.backend("reference"):  # the golden model
+        ys = m(x)
+    for name, t in [("x", x)] + [(f"y{i}", y) for i, y in enumerate(ys)]:
+        t.contiguous().numpy().tofile(f"{out}/{c}_{name}.bin")
+        lines.append(f"{c} {name} float32 {t.dim()} " + " ".join(map(str, t.shape)))
+open(out + "/manifest.txt", "w").write("\n".join(lines) + "\n")
+m = m.cuda()
+Dim = torch.export.Dim
+with torch.no_grad():
+    ep = torch.export.export(m, (xs[0].cuda(),), dynamic_shapes=({0: Dim("T", min=1, max=64), 1: Dim("B", min=1, max=16)},))
+torch._inductor.aoti_compile_and_package(ep, package_path=out + "/model.pt2",
+                                         inductor_configs={"aot_inductor.compile_wrapper_opt_level": "O0"})
+print("written")
+"""
+
+
+def test_cuda_cpp_program_runs_a_cuda_package_bit_exact(tmp_path):
+    """A libtorch-only C++ program (tests/cpp/aoti_runner.cpp) loads the cpu and cuda libraries and
+    an AOTInductor package of a two-layer bidirectional model on the GPU (dynamic length and
+    batch), and gets the golden model's outputs, bit for bit."""
+    _cuda_or_skip()
+    from test_cpp_operator import _compiler, _runner_command
+    if not sys.platform.startswith("linux") or not _compiler():
+        pytest.skip("the C++ runner is built on Linux with a C++ compiler")
+    runner = tmp_path / "aoti_runner"
+    build = subprocess.run(_runner_command(runner), capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-c", _MAKE_CUDA_PACKAGE, str(tmp_path)], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0 and r.stdout.strip().endswith("written"), r.stdout[-2000:] + r.stderr[-4000:]
+    libs = f"{native.library_path()}:{native.cuda_library_path()}"
+    r = subprocess.run([str(runner), libs, str(tmp_path / "model.pt2"), str(tmp_path), "cuda"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok 2", r.stdout + r.stderr[-3000:]

@@ -4,7 +4,10 @@
 // for bit. tests/test_cpp_operator.py builds it against the libtorch in the torch wheel, writes the
 // package and the vectors (manifest.txt: per line "case name dtype ndim dims..." for a raw
 // little-endian file <case>_<name>.bin; inputs are named x, outputs y0, y1, ...).
-//   usage: aoti_runner LIBRARY PACKAGE VECTORS_DIR     prints "ok N" (N cases) or what differs
+//   usage: aoti_runner LIBRARY[:LIBRARY...] PACKAGE VECTORS_DIR [cuda]
+// prints "ok N" (N cases) or what differs. Libraries are loaded in order (a CUDA package: the cpu
+// library, which defines the operator, then the cuda one, its CUDA kernel); with "cuda" the inputs
+// are moved to the GPU and the outputs back before they are compared.
 #include <dlfcn.h>
 
 #include <ATen/ATen.h>
@@ -26,14 +29,17 @@ static at::Tensor read_tensor(const std::string& path, at::ScalarType type, cons
 }
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::cerr << "usage: aoti_runner LIBRARY PACKAGE VECTORS_DIR\n";
+  if (argc != 4 && !(argc == 5 && std::string(argv[4]) == "cuda")) {
+    std::cerr << "usage: aoti_runner LIBRARY[:LIBRARY...] PACKAGE VECTORS_DIR [cuda]\n";
     return 2;
   }
-  if (dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL) == nullptr) {
-    std::cerr << "dlopen failed: " << dlerror() << "\n";
-    return 3;
-  }
+  const bool cuda = argc == 5;
+  std::stringstream libs(argv[1]);
+  for (std::string lib; std::getline(libs, lib, ':');)
+    if (dlopen(lib.c_str(), RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+      std::cerr << "dlopen failed: " << dlerror() << "\n";
+      return 3;
+    }
   const std::string dir = argv[3];
   std::map<int, std::map<std::string, at::Tensor>> cases;
   std::ifstream manifest(dir + "/manifest.txt");
@@ -55,7 +61,9 @@ int main(int argc, char** argv) {
   torch::inductor::AOTIModelPackageLoader loader(argv[2]);
   int bad = 0;
   for (auto& kv : cases) {
-    std::vector<at::Tensor> outs = loader.run({kv.second.at("x")});
+    const at::Tensor x = kv.second.at("x");
+    std::vector<at::Tensor> outs = loader.run({cuda ? x.to(at::Device(at::kCUDA, 0)) : x});
+    for (auto& o : outs) o = o.cpu();
     for (size_t i = 0; i < outs.size() || kv.second.count("y" + std::to_string(i)); ++i) {
       const std::string k = "y" + std::to_string(i);
       if (i >= outs.size() || !kv.second.count(k) || !outs[i].sizes().equals(kv.second[k].sizes()) ||
