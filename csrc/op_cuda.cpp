@@ -43,8 +43,7 @@ constexpr size_t kCudaCacheSize = 8;
 struct CudaEntry {
   std::string spec;
   at::Device device{at::kCUDA, 0};
-  std::vector<at::Tensor> params;  // held: no storage is freed and reused while cached
-  std::vector<int64_t> versions;
+  HeldParams held;
   Spec parsed;
   InFactors factors;
   std::vector<std::shared_ptr<cuda_api::Layer>> layers;  // [l D + d]
@@ -55,28 +54,16 @@ struct CudaEntry {
 // levels), or null where it does not apply (bidirectional, a per-channel requantization).
 std::shared_ptr<cuda_api::Stack> make_cuda_stack(const Spec& s,
                                                  const std::vector<std::shared_ptr<cuda_api::Layer>>& layers) {
-  if (s.D != 1) return nullptr;
-  std::vector<std::vector<double>> rows;
-  for (int64_t l = 0; l < s.L; ++l) {
-    const Unit& u = s.units[(size_t)l];
-    double m = 1, sh = 1;
-    if (l > 0) {
-      if (u.in_mult[0].size() != 1) return nullptr;
-      m = (double)u.in_mult[0][0], sh = (double)u.in_shift[0][0];
-    }
-    rows.push_back({u.sx, (double)u.zx, (double)u.bx, u.sh, (double)u.zh, (double)u.bh, m, sh});
-  }
-  std::vector<std::vector<double>> levels;
-  const Unit& u0 = s.units[0];
-  if (!u0.lv_scale.empty()) levels = {u0.lv_scale, u0.lv_lo, u0.lv_hi};
+  std::vector<std::vector<double>> rows, levels;
+  if (!stack_args(s, rows, levels)) return nullptr;
   return std::make_shared<cuda_api::Stack>(layers, std::move(rows), levels);
 }
 
 std::shared_ptr<CudaEntry> make_cuda_entry(const std::vector<at::Tensor>& params, const std::string& spec,
                                            const at::Device& device) {
   auto e = std::make_shared<CudaEntry>();
-  e->spec = spec, e->device = device, e->params = params;
-  for (const auto& p : params) e->versions.push_back(p._version());
+  e->spec = spec, e->device = device;
+  e->held.hold(params);
   e->parsed = parse_spec(spec, (int64_t)params.size());
   QGRU_CHECK_VALUE(e->parsed.cuda.size() == e->parsed.units.size(),
                    "qgru::integer_gru: this spec has no CUDA parameters (a model converted by an older qgru, "
@@ -96,18 +83,11 @@ std::shared_ptr<CudaEntry> make_cuda_entry(const std::vector<at::Tensor>& params
 std::mutex g_cuda_mu;
 std::list<std::shared_ptr<CudaEntry>> g_cuda_cache;  // most recently used first
 
-bool same_cuda_params(const CudaEntry& e, const std::vector<at::Tensor>& params) {
-  if (e.params.size() != params.size()) return false;
-  for (size_t i = 0; i < params.size(); ++i)
-    if (!e.params[i].is_same(params[i]) || e.versions[i] != params[i]._version()) return false;
-  return true;
-}
-
 std::shared_ptr<CudaEntry> cuda_entry_for(const std::vector<at::Tensor>& params, const std::string& spec,
                                           const at::Device& device) {
   std::lock_guard<std::mutex> lock(g_cuda_mu);
   for (auto it = g_cuda_cache.begin(); it != g_cuda_cache.end(); ++it)
-    if ((*it)->device == device && (*it)->spec == spec && same_cuda_params(**it, params)) {
+    if ((*it)->device == device && (*it)->spec == spec && (*it)->held.same(params)) {
       auto e = *it;
       g_cuda_cache.erase(it);
       g_cuda_cache.push_front(e);

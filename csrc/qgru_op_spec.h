@@ -192,5 +192,44 @@ inline std::pair<TensorMap, IntMap> variant_args(const Variant& v, const std::ve
   return {t, v.values};
 }
 
+// The values and x levels of a unidirectional spec's Stack, the CPU's or the CUDA's (qgru/native/
+// stacks.py stack_values and stack_levels: per layer S_x, Z_x, bits_x, S_h, Z_h, bits_h and the
+// multiplier and shift of its input requantization; layer 0's levels as [scale, lo, hi] or none);
+// false where no Stack applies (bidirectional, or a per-channel requantization between layers).
+inline bool stack_args(const Spec& s, std::vector<std::vector<double>>& rows,
+                       std::vector<std::vector<double>>& levels) {
+  rows.clear(), levels.clear();
+  if (s.D != 1) return false;
+  for (int64_t l = 0; l < s.L; ++l) {
+    const Unit& u = s.units[(size_t)l];
+    double m = 1, sh = 1;
+    if (l > 0) {
+      if (u.in_mult[0].size() != 1) return false;
+      m = (double)u.in_mult[0][0], sh = (double)u.in_shift[0][0];
+    }
+    rows.push_back({u.sx, (double)u.zx, (double)u.bx, u.sh, (double)u.zh, (double)u.bh, m, sh});
+  }
+  const Unit& u0 = s.units[0];
+  if (!u0.lv_scale.empty()) levels = {u0.lv_scale, u0.lv_lo, u0.lv_hi};
+  return true;
+}
+
+// The parameter tensors a cached kernel entry was made from, held (no storage is freed and reused
+// while cached), and their versions then: same() is whether a call's params are those, unchanged.
+struct HeldParams {
+  std::vector<at::Tensor> params;
+  std::vector<int64_t> versions;
+  void hold(const std::vector<at::Tensor>& p) {
+    params = p, versions.clear();
+    for (const auto& t : p) versions.push_back(t._version());
+  }
+  bool same(const std::vector<at::Tensor>& p) const {
+    if (params.size() != p.size()) return false;
+    for (size_t i = 0; i < p.size(); ++i)
+      if (!params[i].is_same(p[i]) || versions[i] != p[i]._version()) return false;
+    return true;
+  }
+};
+
 }  // namespace op
 }  // namespace qgru

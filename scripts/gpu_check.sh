@@ -34,8 +34,10 @@ if [ -z "${QGRU_BUILD_DIR:-}" ]; then
   rm -rf "$QGRU_BUILD_DIR"
 fi
 # stage limits (measured on the H200, 2026-11-28: build 67-72 s, tests 119-124 s, bench 43-49 s, weight-only
-# table 43 s warm; the plan check not yet run on a GPU, limited to 80 s): at most 600 s in all
-T_BUILD="${QGRU_GPU_BUILD_S:-120}" T_TESTS="${QGRU_GPU_TESTS_S:-170}" T_BENCH="${QGRU_GPU_BENCH_S:-90}"
+# table 43 s warm; the plan check not yet run on a GPU, limited to 80 s): at most 600 s in all. The
+# build has two links since 2026-12-03 (the library without Python, with the operator's CUDA
+# kernel csrc/op_cuda.cpp, then the binding linked to it): 150 s, not yet measured on a GPU
+T_BUILD="${QGRU_GPU_BUILD_S:-150}" T_TESTS="${QGRU_GPU_TESTS_S:-170}" T_BENCH="${QGRU_GPU_BENCH_S:-90}"
 start=$(date +%s)
 stage() { echo "== $1 ($(($(date +%s) - start)) s)"; }
 

@@ -17,6 +17,7 @@ libraries runs a saved program of a CUDA model.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -281,8 +282,11 @@ print("written")
 def test_cuda_cpp_program_runs_a_cuda_package_bit_exact(tmp_path):
     """A libtorch-only C++ program (tests/cpp/aoti_runner.cpp) loads the cpu and cuda libraries and
     an AOTInductor package of a two-layer bidirectional model on the GPU (dynamic length and
-    batch), and gets the golden model's outputs, bit for bit."""
+    batch), and gets the golden model's outputs, bit for bit. Opt-in (QGRU_TEST_CUDA_AOTI=1): the
+    AOTInductor compile takes minutes, beyond scripts/gpu_check.sh's test stage."""
     _cuda_or_skip()
+    if os.environ.get("QGRU_TEST_CUDA_AOTI") != "1":
+        pytest.skip("an AOTInductor compile of minutes: QGRU_TEST_CUDA_AOTI=1 runs it")
     from test_cpp_operator import _compiler, _runner_command
     if not sys.platform.startswith("linux") or not _compiler():
         pytest.skip("the C++ runner is built on Linux with a C++ compiler")

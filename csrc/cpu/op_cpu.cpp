@@ -126,12 +126,10 @@ std::shared_ptr<cpu_api::Layer> make_layer(const Unit& u, const std::vector<at::
   return layer;
 }
 
-// A spec and its Layers, for one set of parameter tensors (held: no storage is freed and reused
-// while cached) at their versions, on one path request.
+// A spec and its Layers, for one set of parameter tensors at their versions, on one path request.
 struct Entry {
   std::string spec, request;
-  std::vector<at::Tensor> params;
-  std::vector<int64_t> versions;
+  HeldParams held;
   Spec parsed;
   std::vector<std::shared_ptr<cpu_api::Layer>> layers;
   // a unidirectional stack whose layers requantize per tensor: the Stack the eager module's
@@ -143,20 +141,8 @@ struct Entry {
 // The Stack of a unidirectional spec (qgru/native/stacks.py stack_values and stack_levels), or
 // null where a layer's requantization of its input is per channel.
 std::shared_ptr<cpu_api::Stack> make_stack(const Spec& s, const std::vector<std::shared_ptr<cpu_api::Layer>>& layers) {
-  if (s.D != 1) return nullptr;
-  std::vector<std::vector<double>> rows;
-  for (int64_t l = 0; l < s.L; ++l) {
-    const Unit& u = s.units[(size_t)l];
-    double m = 1, sh = 1;
-    if (l > 0) {
-      if (u.in_mult[0].size() != 1) return nullptr;
-      m = (double)u.in_mult[0][0], sh = (double)u.in_shift[0][0];
-    }
-    rows.push_back({u.sx, (double)u.zx, (double)u.bx, u.sh, (double)u.zh, (double)u.bh, m, sh});
-  }
-  std::vector<std::vector<double>> levels;
-  const Unit& u0 = s.units[0];
-  if (!u0.lv_scale.empty()) levels = {u0.lv_scale, u0.lv_lo, u0.lv_hi};
+  std::vector<std::vector<double>> rows, levels;
+  if (!stack_args(s, rows, levels)) return nullptr;
   return std::make_shared<cpu_api::Stack>(layers, std::move(rows), levels);
 }
 
@@ -164,8 +150,8 @@ std::shared_ptr<cpu_api::Stack> make_stack(const Spec& s, const std::vector<std:
 std::shared_ptr<Entry> make_entry(const std::vector<at::Tensor>& params, const std::string& spec,
                                   const std::string& request) {
   auto e = std::make_shared<Entry>();
-  e->spec = spec, e->request = request, e->params = params;
-  for (const auto& p : params) e->versions.push_back(p._version());
+  e->spec = spec, e->request = request;
+  e->held.hold(params);
   e->parsed = parse_spec(spec, (int64_t)params.size());
   // the Layers keep tensors (workspaces): made as normal tensors (qgru/native/layer.py says why)
   c10::InferenceMode normal(false);
@@ -180,18 +166,11 @@ std::shared_ptr<Entry> make_entry(const std::vector<at::Tensor>& params, const s
 std::mutex g_mu;
 std::list<std::shared_ptr<Entry>> g_cache;  // most recently used first
 
-bool same_params(const Entry& e, const std::vector<at::Tensor>& params) {
-  if (e.params.size() != params.size()) return false;
-  for (size_t i = 0; i < params.size(); ++i)
-    if (!e.params[i].is_same(params[i]) || e.versions[i] != params[i]._version()) return false;
-  return true;
-}
-
 std::shared_ptr<Entry> entry_for(const std::vector<at::Tensor>& params, const std::string& spec) {
   const std::string request = trim_lower(std::getenv("QGRU_CPU_ISA"));
   std::lock_guard<std::mutex> lock(g_mu);
   for (auto it = g_cache.begin(); it != g_cache.end(); ++it)
-    if ((*it)->request == request && (*it)->spec == spec && same_params(**it, params)) {
+    if ((*it)->request == request && (*it)->spec == spec && (*it)->held.same(params)) {
       auto e = *it;
       g_cache.erase(it);
       g_cache.push_front(e);
@@ -659,7 +638,7 @@ std::tuple<at::Tensor, at::Tensor> Model::forward_generic(const at::Tensor& x, c
 std::map<std::string, at::Tensor> Model::cuda_tensors(int64_t k) const {
   const op::Spec& s = impl->entry->parsed;
   QGRU_CHECK_VALUE(!s.cuda.empty() && k >= 0 && k < (int64_t)s.cuda.size(), "qgru Model: no CUDA variant ", k);
-  return op::variant_args(s.cuda[(size_t)k], impl->entry->params, at::Device(at::kCPU), true).first;
+  return op::variant_args(s.cuda[(size_t)k], impl->entry->held.params, at::Device(at::kCPU), true).first;
 }
 
 std::map<std::string, int64_t> Model::cuda_values(int64_t k) const {
