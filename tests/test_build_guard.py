@@ -128,3 +128,31 @@ def test_other_builds_are_pruned_only_when_unused(tmp_path):
     os.utime(other_kind, (week_ago, week_ago))
     native_build._prune_stale("cpu", current)
     assert current.is_dir() and recent.is_dir() and other_kind.is_dir() and not old.exists()
+
+
+def test_the_cuda_build_is_a_library_without_python_then_the_binding(tmp_path, monkeypatch):
+    """The cuda backend builds as the cpu one: first the library without Python (every source but
+    bind_cuda.cpp, the operator's CUDA kernel op_cuda.cpp among them, linked with cuBLAS) into
+    lib/qgru_cuda_ops.so, then the binding alone, linked to that library by its path. (The
+    compilers are not run: cpp_extension.load is recorded; on a GPU scripts/gpu_check.sh builds it.)"""
+    monkeypatch.setenv("QGRU_BUILD_DIR", str(tmp_path))
+    calls = []
+
+    def fake_load(**kw):
+        calls.append(kw)
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(native_build, "_cublas_link_flags", lambda: ["/fake/libcublas.so.13"])
+    assert native_build._compile("cuda", verbose=False) == "module"
+    d = native_build.build_dir("cuda")
+    lib, binding = calls
+    assert lib["name"] == "qgru_cuda_ops" and lib["is_python_module"] is False and lib["with_cuda"] is True
+    assert lib["build_directory"] == str(d / "lib")
+    names = sorted(Path(s).name for s in lib["sources"])
+    assert names == sorted(s for s in native_build._SOURCES["cuda"] if s != "bind_cuda.cpp") and "op_cuda.cpp" in names
+    assert "-Wl,--as-needed" in lib["extra_ldflags"] and "/fake/libcublas.so.13" in lib["extra_ldflags"]
+    assert binding["name"] == "qgru_cuda_ext" and binding.get("is_python_module", True) is True
+    assert [Path(s).name for s in binding["sources"]] == ["bind_cuda.cpp"] and binding["with_cuda"] is True
+    assert str(d / "lib" / "qgru_cuda_ops.so") in binding["extra_ldflags"]
+    assert f"-Wl,-rpath,{d / 'lib'}" in binding["extra_ldflags"]
