@@ -346,6 +346,137 @@ static QGRU_RT_NOINLINE void fast_block16vq(const qgru_rt_fast *F, int32_t j0, c
 {
     fast_block16v(F, j0, ax, ah, h, h_new, 1, 1);
 }
+
+#if QGRU_RT_KERNEL == QGRU_RT_KERNEL_NEON && defined(__ARM_FEATURE_DOTPROD)
+/* AArch64 with +dotprod, the std16 vector cell without accumulator shifts on int8 x and h_gemm
+ * (w8a8): one loop over the blocks of four units, each block's 12 SDOT rows and its cell in
+ * registers (no kernel call, no accumulators through memory), the direction's constants loaded
+ * once a step. The same integers as fast_block16v lane by lane (docs/mcu.md "Four units a lane"). */
+typedef struct {
+    vi32 k_r, k_z, c_rg, c_zh, c_zg, m_zh, m_zg, zp_h, one_z, f63, a0, a1, a2, a3, a4, np_rg, np_zh, np_zg;
+} ncell_k;
+
+/* floor(a b m / 2^32) + c (qgru_rt_prod_hi, + c; m >= 0, |a|, |b| < 2^31, the result fits int32):
+ * a b = hi 2^32 + lo with hi = floor((a b + 2^31) / 2^32) (SQDMULH, then a rounding shift by 1:
+ * the floor of a floor) and lo = a b - hi 2^32 in [-2^31, 2^31), the low word (MUL) read signed;
+ * floor(a b m / 2^32) = hi m + floor(lo m / 2^32), the second SQDMULH(lo, m) >> 1 (SSRA), hi m
+ * and the sum modulo 2^32 (MLA), exact because the result fits int32 */
+QGRU_RT_INLINE vi32 n_prod_hi_c(vi32 a, vi32 b, vi32 m, vi32 c)
+{
+    const vi32 hi = vrshrq_n_s32(vqdmulhq_s32(a, b), 1), lo = vmulq_s32(a, b);
+    return vsraq_n_s32(vmlaq_s32(c, hi, m), vqdmulhq_s32(lo, m), 1);
+}
+
+/* v_look on table tab: u = USAT #16 (SQSHLU #16 gives u 2^16), the byte offset 4 (u >> 6) and f = u & 63 */
+QGRU_RT_INLINE vi32 n_look(vi32 t, const int32_t *tab, vi32 f63)
+{
+    const uint32x4_t s = vqshluq_n_s32(t, 16);
+    const uint32x4_t off = vbicq_u32(vshrq_n_u32(s, 20), vdupq_n_u32(3));
+    const vi32 f = vandq_s32(vreinterpretq_s32_u32(vshrq_n_u32(s, 16)), f63);
+    const char *b = (const char *)tab;
+    const vi32 p01 = vcombine_s32(vld1_s32((const int32_t *)(const void *)(b + vgetq_lane_u32(off, 0))),
+                                  vld1_s32((const int32_t *)(const void *)(b + vgetq_lane_u32(off, 1))));
+    const vi32 p23 = vcombine_s32(vld1_s32((const int32_t *)(const void *)(b + vgetq_lane_u32(off, 2))),
+                                  vld1_s32((const int32_t *)(const void *)(b + vgetq_lane_u32(off, 3))));
+    const vi32 lo = vuzp1q_s32(p01, p23), hi = vuzp2q_s32(p01, p23);
+    return vshrq_n_s32(vmlaq_s32(lo, vshrq_n_s32(vsubq_s32(hi, lo), 6), f), 10);
+}
+
+/* saturate(rescale(acc) + Z) - Z: SMMLAR as SQDMULH + SRSRA (V_MULHR), SSAT #16 */
+QGRU_RT_INLINE vi32 n_facc(vi32 acc, vi32 m, vi32 z) { return vsubq_s32(V_SSAT16(V_MULHR(acc, m, z)), z); }
+
+/* one block of four units (fast_block16v, xq = 0) from its accumulators in registers; accsh: their shifts */
+QGRU_RT_INLINE void n_cell(const int32_t *const tab[3], const int32_t *U, const ncell_k *K, vi32 ax0, vi32 ax1,
+                           vi32 ax2, vi32 ah0, vi32 ah1, vi32 ah2, const int16_t *h, int16_t *h_new, const int accsh, vi32 aax, vi32 aah)
+{
+    const int32x4x4_t ur = vld1q_s32_x4(U), uz = vld1q_s32_x4(U + 16), ug = vld1q_s32_x4(U + 32);
+    const int32x4x4_t mg = vld1q_s32_x4(U + 48);
+    const int32x4x2_t mg2 = vld1q_s32_x2(U + 64);
+    vi32 dx, dh, d_r, d_z, d_g, t, hz;
+    if (accsh) {
+        ax0 = vshlq_s32(ax0, aax), ax1 = vshlq_s32(ax1, aax), ax2 = vshlq_s32(ax2, aax);
+        ah0 = vshlq_s32(ah0, aah), ah1 = vshlq_s32(ah1, aah), ah2 = vshlq_s32(ah2, aah);
+    }
+    dx = n_facc(ax0, ur.val[0], ur.val[1]);
+    dh = n_facc(ah0, ur.val[2], ur.val[3]);
+    t = V_MULHR(vshlq_s32(dh, K->a1), mg.val[1], V_MULHR(vshlq_s32(dx, K->a0), mg.val[0], K->k_r));
+    d_r = n_look(t, tab[0], K->f63);
+    dx = n_facc(ax1, uz.val[0], uz.val[1]);
+    dh = n_facc(ah1, uz.val[2], uz.val[3]);
+    t = V_MULHR(vshlq_s32(dh, K->a3), mg.val[3], V_MULHR(vshlq_s32(dx, K->a2), mg.val[2], K->k_z));
+    d_z = n_look(t, tab[1], K->f63);
+    dx = n_facc(ax2, ug.val[0], ug.val[1]);
+    dh = n_facc(ah2, ug.val[2], ug.val[3]);
+    t = vshlq_s32(n_prod_hi_c(d_r, dh, mg2.val[1], K->c_rg), K->np_rg);
+    d_g = n_look(V_MULHR(vshlq_s32(dx, K->a4), mg2.val[0], t), tab[2], K->f63);
+    hz = vsubq_s32(vmovl_s16(vld1_s16(h)), K->zp_h);
+    t = vaddq_s32(vshlq_s32(n_prod_hi_c(d_z, hz, K->m_zh, K->c_zh), K->np_zh),
+                  vshlq_s32(n_prod_hi_c(vsubq_s32(K->one_z, d_z), d_g, K->m_zg, K->c_zg), K->np_zg));
+    vst1_s16(h_new, vqmovn_s32(t)); /* SSAT #16 and the narrowing in one SQXTN */
+}
+
+/* dir_fast for such a direction, its whole blocks (returns the first unit not done: H & ~3) */
+QGRU_RT_INLINE int32_t dir_fast_sdot(const qgru_rt_dir *d, const int8_t *xa, const int8_t *ha, const int16_t *h,
+                                     int16_t *h_new, const int accsh)
+{
+    const qgru_rt_fast *F = d->fast;
+    const int32_t H = d->hidden_size, G = d->rows_per_gate, kx = d->k_pad_x, kh = d->k_pad_h;
+    const int32_t *ix = F->init_x, *ih = F->init_h;
+    const int8_t *wx = d->w8, *wh = d->r8;
+    const int32_t *U = F->units; /* (locals: the stores to h_new could alias F's bytes) */
+    const int32_t *const tab[3] = {F->t[0].tab, F->t[1].tab, F->t[2].tab};
+    const size_t gx = (size_t)G * (size_t)kx, gh = (size_t)G * (size_t)kh;
+    const vi32 aax = V_DUP(accsh ? F->aa[0] : 0), aah = V_DUP(accsh ? F->aa[1] : 0);
+    ncell_k K;
+    int32_t j0;
+    K.k_r = V_DUP(F->k_r), K.k_z = V_DUP(F->k_z), K.c_rg = V_DUP(F->c_rg), K.c_zh = V_DUP(F->c_zh);
+    K.c_zg = V_DUP(F->c_zg), K.m_zh = V_DUP(F->m_zh), K.m_zg = V_DUP(F->m_zg), K.zp_h = V_DUP(F->zp_h);
+    K.one_z = V_DUP(F->one_z), K.f63 = V_DUP(63);
+    K.a0 = V_DUP(F->a[0]), K.a1 = V_DUP(F->a[1]), K.a2 = V_DUP(F->a[2]), K.a3 = V_DUP(F->a[3]), K.a4 = V_DUP(F->a[4]);
+    K.np_rg = V_DUP(-(int32_t)F->p_rg), K.np_zh = V_DUP(-(int32_t)F->p_zh), K.np_zg = V_DUP(-(int32_t)F->p_zg);
+    for (j0 = 0; j0 + 4 <= H; j0 += 4, wx += 4 * kx, wh += 4 * kh, U += 4 * QGRU_RT_UNIT_FIELDS) {
+        vi32 x0 = vld1q_s32(ix + j0), x1 = vld1q_s32(ix + G + j0), x2 = vld1q_s32(ix + 2 * G + j0);
+        vi32 h0 = vld1q_s32(ih + j0), h1 = vld1q_s32(ih + G + j0), h2 = vld1q_s32(ih + 2 * G + j0);
+        const int8_t *w0 = wx, *w1 = wx + gx, *w2 = wx + 2 * gx, *a, *e;
+        /* each 16 activations against the three gates' 64 weight bytes (qgru_rt_dot12_a8) */
+#define QGRU_RT_SDOT4(s, w)                                                                                          \
+    do {                                                                                                              \
+        const int8x16x4_t q = vld1q_s8_x4(w);                                                                          \
+        s = vdotq_laneq_s32(s, q.val[0], v, 0), s = vdotq_laneq_s32(s, q.val[1], v, 1);                                \
+        s = vdotq_laneq_s32(s, q.val[2], v, 2), s = vdotq_laneq_s32(s, q.val[3], v, 3);                                \
+    } while (0)
+#define QGRU_RT_SDOT12(s0, s1, s2)                                                                                   \
+    do {                                                                                                              \
+        const int8x16_t v = vld1q_s8(a);                                                                               \
+        QGRU_RT_SDOT4(s0, w0);                                                                                         \
+        QGRU_RT_SDOT4(s1, w1);                                                                                         \
+        QGRU_RT_SDOT4(s2, w2);                                                                                         \
+    } while (0)
+        for (a = xa, e = xa + kx; a < e; a += 16, w0 += 64, w1 += 64, w2 += 64)
+            QGRU_RT_SDOT12(x0, x1, x2);
+        w0 = wh, w1 = wh + gh, w2 = wh + 2 * gh;
+        for (a = ha, e = ha + kh; a < e; a += 16, w0 += 64, w1 += 64, w2 += 64)
+            QGRU_RT_SDOT12(h0, h1, h2);
+#undef QGRU_RT_SDOT12
+#undef QGRU_RT_SDOT4
+        n_cell(tab, U, &K, x0, x1, x2, h0, h1, h2, h + j0, h_new + j0, accsh, aax, aah);
+    }
+    return j0;
+}
+
+static QGRU_RT_NOINLINE int32_t dir_fast_sdot0(const qgru_rt_dir *d, const int8_t *xa, const int8_t *ha, const int16_t *h,
+                                               int16_t *h_new)
+{
+    return dir_fast_sdot(d, xa, ha, h, h_new, 0);
+}
+
+/* with the accumulators' shifts (aa) */
+static QGRU_RT_NOINLINE int32_t dir_fast_sdots(const qgru_rt_dir *d, const int8_t *xa, const int8_t *ha, const int16_t *h,
+                                               int16_t *h_new)
+{
+    return dir_fast_sdot(d, xa, ha, h, h_new, 1);
+}
+#endif
 #endif
 #endif
 
@@ -469,7 +600,13 @@ static QGRU_RT_NOINLINE void dir_fast(const qgru_rt_dir *d, act_buf xa, act_buf 
     const qgru_rt_fast *F = d->fast;
     const int32_t kx = d->k_pad_x, kh = d->k_pad_h;
     const int32_t *init_x = level ? d->xlv->init + (size_t)(level - 1) * 3u * (size_t)G : F->init_x;
-    for (j0 = 0; j0 < H; j0 += 4) {
+    j0 = 0;
+#if QGRU_RT_KERNEL == QGRU_RT_KERNEL_NEON && defined(__ARM_FEATURE_DOTPROD) && !defined(QGRU_RT_NO_VEC) \
+    && !defined(QGRU_RT_NO_STD16)
+    if (!level && xa.a8 && ha.a8 && F->std16) /* the whole blocks; a partial last one below */
+        j0 = !F->aa[0] && !F->aa[1] ? dir_fast_sdot0(d, xa.a8, ha.a8, h, h_new) : dir_fast_sdots(d, xa.a8, ha.a8, h, h_new);
+#endif
+    for (; j0 < H; j0 += 4) {
         int32_t ax[3][4], ah[3][4];
 #if QGRU_RT_HAS_DOT12
         if (xa.a8)
