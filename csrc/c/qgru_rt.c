@@ -7,6 +7,9 @@
 #include "qgru_rt.h"
 #include "qgru_rt_fixed.h"
 #include "qgru_rt_kernel.h"
+#if QGRU_RT_KERNEL == QGRU_RT_KERNEL_NEON
+#include <arm_neon.h>
+#endif
 
 /* activations of one GEMM operand: int8 when its grid has <= 8 bits and the kernel takes int8 */
 typedef struct {
@@ -16,12 +19,17 @@ typedef struct {
 
 static int use_a8(int bits) { return QGRU_RT_HAS_A8 && bits <= 8; }
 
+/* zeros past n up to qgru_rt_pad16(n) (what the kernels read beyond the operand); every caller
+ * writes all n values itself */
 static void act_clear(act_buf b, int32_t n)
 {
+    const size_t z = (size_t)(qgru_rt_pad16(n) - n);
+    if (!z)
+        return;
     if (b.a8)
-        memset(b.a8, 0, (size_t)qgru_rt_pad16(n));
+        memset(b.a8 + n, 0, z);
     else
-        memset(b.a16, 0, sizeof(int16_t) * (size_t)qgru_rt_pad16(n));
+        memset(b.a16 + n, 0, sizeof(int16_t) * z);
 }
 
 static void act_put(act_buf b, int32_t k, int32_t v)
@@ -265,7 +273,7 @@ QGRU_RT_INLINE vi32 v_look(vi32 t, const qgru_rt_ftable *T)
     return vshrq_n_s32(vaddq_s32(a, vmulq_s32(vshrq_n_s32(vsubq_s32(b, a), 6), f)), 10);
 }
 #define V_LDH(p) vldrhq_s32(p)
-#define V_STH(p, v) vstrhq_s32(p, v)
+#define V_STH_SSAT16(p, v) vstrhq_s32(p, V_SSAT16(v))
 #elif QGRU_RT_KERNEL == QGRU_RT_KERNEL_NEON
 #include <arm_neon.h>
 #define QGRU_RT_VEC 1
@@ -283,14 +291,14 @@ typedef int32x4_t vi32;
  * only at v = m = -2^31: m >= 0 here), then SRSRA #1: k + ((w + 1) >> 1) = k + floor((v m + 2^31) / 2^32)
  * (the floor of a floor); the rounding shift is computed without overflow */
 QGRU_RT_INLINE vi32 V_MULHR(vi32 v, vi32 m, vi32 k) { return vrsraq_n_s32(k, vqdmulhq_s32(v, m), 1); }
+/* floor(a b m / 2^32) (m >= 0): a b = hi 2^32 + lo, hi = floor((a b + 2^31) / 2^32) (SQDMULH, a
+ * rounding shift by 1: the floor of a floor), lo = a b - hi 2^32 in [-2^31, 2^31) (MUL, read
+ * signed); hi m + floor(lo m / 2^32) (SQDMULH(lo, m) >> 1, SSRA) modulo 2^32, exact because the
+ * result fits int32 */
 QGRU_RT_INLINE vi32 v_prod_hi(vi32 a, vi32 b, vi32 m)
 {
-    const int64x2_t p0 = vmull_s32(vget_low_s32(a), vget_low_s32(b)), p1 = vmull_high_s32(a, b);
-    const uint32x4_t lo = vreinterpretq_u32_s32(vmulq_s32(a, b)), um = vreinterpretq_u32_s32(m);
-    const vi32 hi = vuzp2q_s32(vreinterpretq_s32_s64(p0), vreinterpretq_s32_s64(p1));
-    const uint32x4_t lm = vuzp2q_u32(vreinterpretq_u32_u64(vmull_u32(vget_low_u32(lo), vget_low_u32(um))),
-                                     vreinterpretq_u32_u64(vmull_high_u32(lo, um)));
-    return vaddq_s32(vmulq_s32(hi, m), vreinterpretq_s32_u32(lm));
+    const vi32 hi = vrshrq_n_s32(vqdmulhq_s32(a, b), 1), lo = vmulq_s32(a, b);
+    return vsraq_n_s32(vmulq_s32(hi, m), vqdmulhq_s32(lo, m), 1);
 }
 QGRU_RT_INLINE vi32 v_look(vi32 t, const qgru_rt_ftable *T)
 {
@@ -303,7 +311,7 @@ QGRU_RT_INLINE vi32 v_look(vi32 t, const qgru_rt_ftable *T)
     return vshrq_n_s32(vmlaq_s32(a, vshrq_n_s32(vsubq_s32(b, a), 6), f), 10);
 }
 #define V_LDH(p) vmovl_s16(vld1_s16(p))
-#define V_STH(p, v) vst1_s16(p, vmovn_s32(v))
+#define V_STH_SSAT16(p, v) vst1_s16(p, vqmovn_s32(v)) /* SSAT #16 and the narrowing: SQXTN */
 #endif
 
 #if defined(QGRU_RT_VEC) && !defined(QGRU_RT_NO_VEC)
@@ -330,7 +338,7 @@ QGRU_RT_INLINE void fast_block16v(const qgru_rt_fast *F, int32_t j0, const int32
     d_g = v_look(V_MULHR(V_SHL(dx, F->a[4]), V_LD(U + 64), t), &F->t[2]);
     t = V_ADD(V_SHR(V_ADD(v_prod_hi(d_z, V_SUB(V_LDH(h + j0), V_DUP(F->zp_h)), V_DUP(F->m_zh)), V_DUP(F->c_zh)), F->p_zh),
               V_SHR(V_ADD(v_prod_hi(V_SUB(V_DUP(F->one_z), d_z), d_g, V_DUP(F->m_zg)), V_DUP(F->c_zg)), F->p_zg));
-    V_STH(h_new + j0, V_SSAT16(t));
+    V_STH_SSAT16(h_new + j0, t);
 }
 
 /* the accumulator-shift variant out of line (dir_step inlines only the common one) */
@@ -561,18 +569,29 @@ static QGRU_RT_NOINLINE void fast_hg8v(const qgru_rt_fast *F, const int16_t *h, 
 {
     const vi32 zp = V_DUP(F->zp_h), m = V_DUP(F->m_hg), c = V_DUP(F->c_hg);
     const int p = F->p_hg;
-    int32_t j;
-    for (j = 0; j < H; j += 4) {
-        const vi32 v = V_SUB(V_LDH(h + j), zp);
+    int32_t j = 0;
 #if QGRU_RT_KERNEL == QGRU_RT_KERNEL_MVE
+    for (; j < H; j += 4) {
+        const vi32 v = V_SUB(V_LDH(h + j), zp);
         vstrbq_s32(a + j, vshrq_n_s32(vqshlq_n_s32(V_SHR(V_ADD(vmulhq_s32(v, m), c), p), 24), 24));
-#else
-        const vi32 hi = vuzp2q_s32(vreinterpretq_s32_s64(vmull_s32(vget_low_s32(v), vget_low_s32(m))),
-                                   vreinterpretq_s32_s64(vmull_high_s32(v, m)));
-        const int16x4_t n16 = vqmovn_s32(V_SHR(V_ADD(hi, c), p));
-        vst1_lane_s32((int32_t *)(void *)(a + j), vreinterpret_s32_s8(vqmovn_s16(vcombine_s16(n16, n16))), 0);
-#endif
     }
+#else
+    /* eight units a pass: hi + c as SSRA of SQDMULH (floor(v m / 2^31) >> 1 = floor(v m / 2^32), the
+     * floor of a floor; m >= 0), >> p, SQXTN to 16 then 8 bits (SSAT #8) */
+    const vi32 np = V_DUP(-p);
+    for (; j + 8 <= H; j += 8) {
+        const int16x8_t x = vld1q_s16(h + j);
+        const vi32 v0 = V_SUB(vmovl_s16(vget_low_s16(x)), zp), v1 = V_SUB(vmovl_high_s16(x), zp);
+        const vi32 t0 = vshlq_s32(vsraq_n_s32(c, vqdmulhq_s32(v0, m), 1), np);
+        const vi32 t1 = vshlq_s32(vsraq_n_s32(c, vqdmulhq_s32(v1, m), 1), np);
+        vst1_s8(a + j, vqmovn_s16(vqmovn_high_s32(vqmovn_s32(t0), t1)));
+    }
+    for (; j < H; j += 4) {
+        const vi32 v = V_SUB(V_LDH(h + j), zp);
+        const int16x4_t n16 = vqmovn_s32(vshlq_s32(vsraq_n_s32(c, vqdmulhq_s32(v, m), 1), np));
+        vst1_lane_s32((int32_t *)(void *)(a + j), vreinterpret_s32_s8(vqmovn_s16(vcombine_s16(n16, n16))), 0);
+    }
+#endif
 }
 #endif
 
@@ -773,9 +792,16 @@ static void put_requantized(const qgru_rt_dir *d, act_buf xa, const int16_t *pre
 
 static void put_input(const qgru_rt_dir *d, act_buf xa, const int16_t *x)
 {
-    int32_t k;
+    int32_t k = 0;
     act_clear(xa, d->input_size);
-    for (k = 0; k < d->input_size; k++)
+#if QGRU_RT_KERNEL == QGRU_RT_KERNEL_NEON
+    if (xa.a8) { /* an 8-bit grid: its range fits int16; eight values a pass, clamped (SMAX, SMIN), narrowed */
+        const int16x8_t lo = vdupq_n_s16((int16_t)d->r_x.lo), hi = vdupq_n_s16((int16_t)d->r_x.hi);
+        for (; k + 8 <= d->input_size; k += 8)
+            vst1_s8(xa.a8 + k, vmovn_s16(vminq_s16(vmaxq_s16(vld1q_s16(x + k), lo), hi)));
+    }
+#endif
+    for (; k < d->input_size; k++)
         act_put(xa, k, qgru_rt_sat32(x[k], d->r_x));
 }
 
