@@ -460,11 +460,16 @@ QGRU_RT_INLINE int32_t dir_fast_sdot(const qgru_rt_dir *d, const int8_t *xa, con
         QGRU_RT_SDOT4(s1, w1);                                                                                         \
         QGRU_RT_SDOT4(s2, w2);                                                                                         \
     } while (0)
-        for (a = xa, e = xa + kx; a < e; a += 16, w0 += 64, w1 += 64, w2 += 64)
+        a = xa, e = xa + kx; /* k_pad >= 4: at least one pass */
+        do {
             QGRU_RT_SDOT12(x0, x1, x2);
-        w0 = wh, w1 = wh + gh, w2 = wh + 2 * gh;
-        for (a = ha, e = ha + kh; a < e; a += 16, w0 += 64, w1 += 64, w2 += 64)
+            a += 16, w0 += 64, w1 += 64, w2 += 64;
+        } while (a < e);
+        a = ha, e = ha + kh, w0 = wh, w1 = wh + gh, w2 = wh + 2 * gh;
+        do {
             QGRU_RT_SDOT12(h0, h1, h2);
+            a += 16, w0 += 64, w1 += 64, w2 += 64;
+        } while (a < e);
 #undef QGRU_RT_SDOT12
 #undef QGRU_RT_SDOT4
         n_cell(tab, U, &K, x0, x1, x2, h0, h1, h2, h + j0, h_new + j0, accsh, aax, aah);
