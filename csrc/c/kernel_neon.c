@@ -117,10 +117,34 @@ void qgru_rt_dot12_a8(const int8_t *w, int32_t gstride, const int8_t *a, int32_t
     vst1q_s32(out[1], s1);
     vst1q_s32(out[2], s2);
     return;
+#else
+    /* the three gates' blocks in one loop, 16 activations a pass (each four replicated by DUP of
+     * a lane, for the three gates), each gate's 64 bytes one LD1 of four registers: SMULL / SMULL2
+     * of each group and its four activations (exact int16 products), SADALP into int32 lanes as in
+     * dot4_a8; past k_pad the loads read the next block (or the padding) against zero activations */
+    const int8_t *w0 = w, *w1 = w + gstride, *w2 = w + 2 * gstride;
+    int32x4_t s0 = vdupq_n_s32(0), t0 = s0, s1 = s0, t1 = s0, s2 = s0, t2 = s0;
+    int32_t k, i;
+    (void)corr;
+    for (k = 0; k < k_pad; k += 16, w0 += 64, w1 += 64, w2 += 64) {
+        const int32x4_t x = vreinterpretq_s32_s8(vld1q_s8(a + k));
+        const int8x16x4_t v0 = vld1q_s8_x4(w0), v1 = vld1q_s8_x4(w1), v2 = vld1q_s8_x4(w2);
+        int8x16_t xi[4];
+        xi[0] = vreinterpretq_s8_s32(vdupq_laneq_s32(x, 0)), xi[1] = vreinterpretq_s8_s32(vdupq_laneq_s32(x, 1));
+        xi[2] = vreinterpretq_s8_s32(vdupq_laneq_s32(x, 2)), xi[3] = vreinterpretq_s8_s32(vdupq_laneq_s32(x, 3));
+        for (i = 0; i < 4; i++) {
+            s0 = vpadalq_s16(s0, vmull_s8(vget_low_s8(v0.val[i]), vget_low_s8(xi[i])));
+            t0 = vpadalq_s16(t0, vmull_high_s8(v0.val[i], xi[i]));
+            s1 = vpadalq_s16(s1, vmull_s8(vget_low_s8(v1.val[i]), vget_low_s8(xi[i])));
+            t1 = vpadalq_s16(t1, vmull_high_s8(v1.val[i], xi[i]));
+            s2 = vpadalq_s16(s2, vmull_s8(vget_low_s8(v2.val[i]), vget_low_s8(xi[i])));
+            t2 = vpadalq_s16(t2, vmull_high_s8(v2.val[i], xi[i]));
+        }
+    }
+    vst1q_s32(out[0], vaddq_s32(vld1q_s32(init), vpaddq_s32(s0, t0)));
+    vst1q_s32(out[1], vaddq_s32(vld1q_s32(init + istride), vpaddq_s32(s1, t1)));
+    vst1q_s32(out[2], vaddq_s32(vld1q_s32(init + 2 * istride), vpaddq_s32(s2, t2)));
 #endif
-    dot4_a8(w, k_pad, a, k_pad, init, corr, out[0]);
-    dot4_a8(w + gstride, k_pad, a, k_pad, init + istride, corr, out[1]);
-    dot4_a8(w + 2 * gstride, k_pad, a, k_pad, init + 2 * istride, corr, out[2]);
 }
 
 void qgru_rt_dot12_a16(const int8_t *w, int32_t gstride, const int16_t *a, int32_t k_pad, const int32_t *init,
