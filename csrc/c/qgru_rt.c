@@ -300,16 +300,23 @@ QGRU_RT_INLINE vi32 v_prod_hi(vi32 a, vi32 b, vi32 m)
     const vi32 hi = vrshrq_n_s32(vqdmulhq_s32(a, b), 1), lo = vmulq_s32(a, b);
     return vsraq_n_s32(vmulq_s32(hi, m), vqdmulhq_s32(lo, m), 1);
 }
-QGRU_RT_INLINE vi32 v_look(vi32 t, const qgru_rt_ftable *T)
+/* u = USAT #16 (SQSHLU #16 gives u 2^16), the byte offset 4 (u >> 6) (USHR, BIC: the loads take it
+ * as a UXTW register offset) and f = u & 63; lane n: the pair tab[i_n], tab[i_n + 1] in one 64-bit
+ * load, UZP1 / UZP2 split them */
+QGRU_RT_INLINE vi32 n_look(vi32 t, const int32_t *tab, vi32 f63)
 {
-    const vi32 u = V_USAT16(t);
-    const vi32 i = vshrq_n_s32(u, 6), f = vandq_s32(u, vdupq_n_s32(63));
-    /* lane n: the pair tab[i_n], tab[i_n + 1] in one 64-bit load; UZP1 / UZP2 split them */
-    const vi32 p01 = vcombine_s32(vld1_s32(T->tab + vgetq_lane_s32(i, 0)), vld1_s32(T->tab + vgetq_lane_s32(i, 1)));
-    const vi32 p23 = vcombine_s32(vld1_s32(T->tab + vgetq_lane_s32(i, 2)), vld1_s32(T->tab + vgetq_lane_s32(i, 3)));
-    const vi32 a = vuzp1q_s32(p01, p23), b = vuzp2q_s32(p01, p23);
-    return vshrq_n_s32(vmlaq_s32(a, vshrq_n_s32(vsubq_s32(b, a), 6), f), 10);
+    const uint32x4_t s = vqshluq_n_s32(t, 16);
+    const uint32x4_t off = vbicq_u32(vshrq_n_u32(s, 20), vdupq_n_u32(3));
+    const vi32 f = vandq_s32(vreinterpretq_s32_u32(vshrq_n_u32(s, 16)), f63);
+    const char *b = (const char *)tab;
+    const vi32 p01 = vcombine_s32(vld1_s32((const int32_t *)(const void *)(b + vgetq_lane_u32(off, 0))),
+                                  vld1_s32((const int32_t *)(const void *)(b + vgetq_lane_u32(off, 1))));
+    const vi32 p23 = vcombine_s32(vld1_s32((const int32_t *)(const void *)(b + vgetq_lane_u32(off, 2))),
+                                  vld1_s32((const int32_t *)(const void *)(b + vgetq_lane_u32(off, 3))));
+    const vi32 lo = vuzp1q_s32(p01, p23), hi = vuzp2q_s32(p01, p23);
+    return vshrq_n_s32(vmlaq_s32(lo, vshrq_n_s32(vsubq_s32(hi, lo), 6), f), 10);
 }
+QGRU_RT_INLINE vi32 v_look(vi32 t, const qgru_rt_ftable *T) { return n_look(t, T->tab, vdupq_n_s32(63)); }
 #define V_LDH(p) vmovl_s16(vld1_s16(p))
 #define V_STH_SSAT16(p, v) vst1_s16(p, vqmovn_s32(v)) /* SSAT #16 and the narrowing: SQXTN */
 #endif
@@ -373,21 +380,6 @@ QGRU_RT_INLINE vi32 n_prod_hi_c(vi32 a, vi32 b, vi32 m, vi32 c)
 {
     const vi32 hi = vrshrq_n_s32(vqdmulhq_s32(a, b), 1), lo = vmulq_s32(a, b);
     return vsraq_n_s32(vmlaq_s32(c, hi, m), vqdmulhq_s32(lo, m), 1);
-}
-
-/* v_look on table tab: u = USAT #16 (SQSHLU #16 gives u 2^16), the byte offset 4 (u >> 6) and f = u & 63 */
-QGRU_RT_INLINE vi32 n_look(vi32 t, const int32_t *tab, vi32 f63)
-{
-    const uint32x4_t s = vqshluq_n_s32(t, 16);
-    const uint32x4_t off = vbicq_u32(vshrq_n_u32(s, 20), vdupq_n_u32(3));
-    const vi32 f = vandq_s32(vreinterpretq_s32_u32(vshrq_n_u32(s, 16)), f63);
-    const char *b = (const char *)tab;
-    const vi32 p01 = vcombine_s32(vld1_s32((const int32_t *)(const void *)(b + vgetq_lane_u32(off, 0))),
-                                  vld1_s32((const int32_t *)(const void *)(b + vgetq_lane_u32(off, 1))));
-    const vi32 p23 = vcombine_s32(vld1_s32((const int32_t *)(const void *)(b + vgetq_lane_u32(off, 2))),
-                                  vld1_s32((const int32_t *)(const void *)(b + vgetq_lane_u32(off, 3))));
-    const vi32 lo = vuzp1q_s32(p01, p23), hi = vuzp2q_s32(p01, p23);
-    return vshrq_n_s32(vmlaq_s32(lo, vshrq_n_s32(vsubq_s32(hi, lo), 6), f), 10);
 }
 
 /* saturate(rescale(acc) + Z) - Z: SMMLAR as SQDMULH + SRSRA (V_MULHR), SSAT #16 */
