@@ -60,8 +60,19 @@ HARNESS = r"""
 #include <stdlib.h>
 #include "gru.h"
 
-/* stdin: T, x_q [T][I], h0 [STATE]. stdout: out [T][D H], h_n of one call; then the same from two
- * calls (the first T/2 steps, then the rest) for a unidirectional model. */
+/* stdin: T, x [T][I] (HARNESS_FLOAT: floats as %a for qgru_rt_run_float, else x_q integers for
+ * qgru_rt_run), h0 [STATE]. stdout: (HARNESS_FLOAT: the return code,) out [T][D H] and h_n of one
+ * call; then the same from two calls (the first T/2 steps, then the rest) for a unidirectional
+ * model; HARNESS_FLOAT: then the return code of a call whose x holds a NaN and whether it left the
+ * state as it was. */
+#ifdef HARNESS_FLOAT
+typedef float x_type;
+#define RUN qgru_rt_run_float
+#else
+typedef int16_t x_type;
+#define RUN qgru_rt_run
+#endif
+
 static long next(void)
 {
     long v;
@@ -73,27 +84,48 @@ int main(void)
 {
     const int32_t T = (int32_t)next(), D = GRU_NUM_DIRECTIONS, H = GRU_HIDDEN_SIZE, S = GRU_STATE_SIZE;
     const size_t nw = qgru_rt_work_bytes(&gru_model, T);
-    int16_t *x = malloc(sizeof(int16_t) * (size_t)(T * GRU_INPUT_SIZE + 1));
+    x_type *x = malloc(sizeof(x_type) * (size_t)(T * GRU_INPUT_SIZE + 1));
     int16_t *out = malloc(sizeof(int16_t) * (size_t)(T * D * H + 1));
     int16_t h0[GRU_STATE_SIZE], h[GRU_STATE_SIZE];
     void *work = malloc(nw);
     int32_t i, c, rc;
-    for (i = 0; i < T * GRU_INPUT_SIZE; i++) x[i] = (int16_t)next();
+    for (i = 0; i < T * GRU_INPUT_SIZE; i++) {
+#ifdef HARNESS_FLOAT
+        if (scanf("%a", &x[i]) != 1) return 2;
+#else
+        x[i] = (int16_t)next();
+#endif
+    }
     for (i = 0; i < S; i++) h0[i] = (int16_t)next();
     for (c = 0; c < (D == 1 ? 2 : 1); c++) {
         const int32_t first = c ? T / 2 : T;
         for (i = 0; i < S; i++) h[i] = h0[i];
-        rc = qgru_rt_run(&gru_model, x, first, h, out, work, nw);
+        rc = RUN(&gru_model, x, first, h, out, work, nw);
         if (!rc && first < T)
-            rc = qgru_rt_run(&gru_model, x + first * GRU_INPUT_SIZE, T - first, h, out + first * D * H, work, nw);
+            rc = RUN(&gru_model, x + first * GRU_INPUT_SIZE, T - first, h, out + first * D * H, work, nw);
+#ifdef HARNESS_FLOAT
+        printf("%d\n", (int)rc);
+#else
         if (rc) return 3;
+#endif
         for (i = 0; i < T * D * H; i++) printf("%d\n", out[i]);
         for (i = 0; i < S; i++) printf("%d\n", h[i]);
     }
+#ifdef HARNESS_FLOAT
+    {
+        int32_t same = 1;
+        for (i = 0; i < S; i++) h[i] = h0[i];
+        x[T * GRU_INPUT_SIZE - 1] = 0.0f / 0.0f;
+        rc = RUN(&gru_model, x, T, h, out, work, nw);
+        for (i = 0; i < S; i++) same &= h[i] == h0[i];
+        printf("%d\n%d\n", (int)rc, (int)same);
+    }
+#endif
     free(x), free(out), free(work);
     return 0;
 }
 """
+FLOAT_HARNESS = "#define HARNESS_FLOAT 1\n" + HARNESS
 
 
 @functools.lru_cache(maxsize=None)
@@ -335,52 +367,7 @@ def test_float_boundary_matches_quantize_and_dequantize(folder, case, float64):
     assert torch.equal(y, dequantize(q, last.scale["h"], last.zp["h"]))
 
 
-FLOAT_HARNESS = r"""
-#include <stdio.h>
-#include <stdlib.h>
-#include "gru.h"
 
-/* stdin: T, x [T][I] floats (%a), h0 [STATE]. stdout: the return code, out [T][D H] and h_n of
- * qgru_rt_run_float in one call, then (unidirectional) the same in two calls (T/2, the rest); then
- * the return code of a call whose x holds a NaN and whether it left the state as it was. */
-static long next(void)
-{
-    long v;
-    if (scanf("%ld", &v) != 1) exit(2);
-    return v;
-}
-
-int main(void)
-{
-    const int32_t T = (int32_t)next(), D = GRU_NUM_DIRECTIONS, H = GRU_HIDDEN_SIZE, S = GRU_STATE_SIZE;
-    const size_t nw = qgru_rt_work_bytes(&gru_model, T);
-    float *x = malloc(sizeof(float) * (size_t)(T * GRU_INPUT_SIZE + 1));
-    int16_t *out = malloc(sizeof(int16_t) * (size_t)(T * D * H + 1));
-    int16_t h0[GRU_STATE_SIZE], h[GRU_STATE_SIZE];
-    void *work = malloc(nw);
-    int32_t i, c, rc, same = 1;
-    for (i = 0; i < T * GRU_INPUT_SIZE; i++)
-        if (scanf("%a", &x[i]) != 1) return 2;
-    for (i = 0; i < S; i++) h0[i] = (int16_t)next();
-    for (c = 0; c < (D == 1 ? 2 : 1); c++) {
-        const int32_t first = c ? T / 2 : T;
-        for (i = 0; i < S; i++) h[i] = h0[i];
-        rc = qgru_rt_run_float(&gru_model, x, first, h, out, work, nw);
-        if (!rc && first < T)
-            rc = qgru_rt_run_float(&gru_model, x + first * GRU_INPUT_SIZE, T - first, h, out + first * D * H, work, nw);
-        printf("%d\n", (int)rc);
-        for (i = 0; i < T * D * H; i++) printf("%d\n", out[i]);
-        for (i = 0; i < S; i++) printf("%d\n", h[i]);
-    }
-    for (i = 0; i < S; i++) h[i] = h0[i];
-    x[T * GRU_INPUT_SIZE - 1] = 0.0f / 0.0f;
-    rc = qgru_rt_run_float(&gru_model, x, T, h, out, work, nw);
-    for (i = 0; i < S; i++) same &= h[i] == h0[i];
-    printf("%d\n%d\n", (int)rc, (int)same);
-    free(x), free(out), free(work);
-    return 0;
-}
-"""
 
 
 def float_inputs(params, gen, T=13):
