@@ -7,8 +7,8 @@
 // It runs what qgru/runtime.py _integer_forward runs on the cuda backend, with the same C++: a
 // unidirectional stack without lengths whose layers requantize per tensor is the CUDA Stack
 // (native.cuda_stack_forward's), every other call the layer loop of qgru_op_loop.h (run_layers:
-// the reference's reversal and requantization in ATen calls on the device) around this backend's
-// quantize, quantize_levels, dequantize and Layers. The Layers are made once per set of parameter
+// the reference's reversal within lengths in ATen calls on the device) around this backend's
+// quantize, quantize_levels, requantize, dequantize and Layers. The Layers are made once per set of parameter
 // tensors and device from the spec's "cuda" section (prepare_layer with CUDA_GEMM_MIN, as
 // native/cuda.py cuda_layer makes them), the parameters copied to the device then.
 //
@@ -45,7 +45,6 @@ struct CudaEntry {
   at::Device device{at::kCUDA, 0};
   HeldParams held;
   Spec parsed;
-  InFactors factors;
   std::vector<std::shared_ptr<cuda_api::Layer>> layers;  // [l D + d]
   std::shared_ptr<cuda_api::Stack> stack;                 // unidirectional, per-tensor requantization; else null
 };
@@ -71,7 +70,6 @@ std::shared_ptr<CudaEntry> make_cuda_entry(const std::vector<at::Tensor>& params
   // the Layers keep tensors across calls (workspaces, plans): made as normal tensors
   c10::InferenceMode normal(false);
   c10::cuda::CUDAGuard guard(device);
-  e->factors = in_factors(e->parsed, device);
   for (const Variant& v : e->parsed.cuda) {
     auto args = variant_args(v, params, device, /*move=*/true);
     e->layers.push_back(std::make_shared<cuda_api::Layer>(std::move(args.first), std::move(args.second)));
@@ -99,8 +97,8 @@ std::shared_ptr<CudaEntry> cuda_entry_for(const std::vector<at::Tensor>& params,
   return e;
 }
 
-// The backend run_layers calls: the CUDA backend's quantize and dequantize (one kernel pass each)
-// and the entry's Layers.
+// The backend run_layers calls: the CUDA backend's quantize, requantize and dequantize (one kernel
+// pass each, on qgru_fixedpoint.h) and the entry's Layers.
 struct CudaOps {
   const CudaEntry& e;
   at::Tensor quantize(const at::Tensor& v, double scale, int64_t zp, int64_t bits, const char* what) {
@@ -108,6 +106,10 @@ struct CudaOps {
   }
   std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x, const Unit& u) {
     return cuda_api::quantize_levels(x, u.lv_scale, u.lv_lo, u.lv_hi, u.zx, u.bx, "input");
+  }
+  at::Tensor requantize(const at::Tensor& q, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
+                        int64_t to_bits) {
+    return cuda_api::requantize(q, from_zp, mult, shift, to_zp, to_bits);
   }
   at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp) { return cuda_api::dequantize(q, scale, zp); }
   std::tuple<at::Tensor, at::Tensor> layer(int64_t k, const at::Tensor& qx, const at::Tensor& qh0,
@@ -126,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor> run_cuda(const CudaEntry& e, const at::Tensor
     return {out.to(x.scalar_type()), h_n.to(x.scalar_type())};
   }
   CudaOps ops{e};
-  return run_layers(e.parsed, e.factors, ops, x, hx, lengths);
+  return run_layers(e.parsed, ops, x, hx, lengths);
 }
 
 }  // namespace

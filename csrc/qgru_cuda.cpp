@@ -985,6 +985,17 @@ std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x, const st
   return qgru::quantize_levels(x, level_grid(scale, lo, hi, "qgru cuda quantize_levels"), zp, bits, what);
 }
 at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp) { return qgru::dequantize(q, scale, zp); }
+at::Tensor requantize(const at::Tensor& q_in, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
+                      int64_t to_bits) {
+  QGRU_CHECK(q_in.is_cuda() && !q_in.is_floating_point(), "qgru cuda requantize: an integer CUDA tensor expected");
+  check_requantize_args("qgru cuda requantize", from_zp, mult, shift, to_zp, to_bits);  // qgru_layer.h
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = q_in.resolve_neg().to(at::kShort).contiguous();  // a Layer's outputs: at most 16 bits
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  cuda::requantize(q.data_ptr<int16_t>(), out.data_ptr<int16_t>(), q.numel(), from_zp, mult, (int32_t)shift, to_zp,
+                   (int32_t)to_bits, at::cuda::getCurrentCUDAStream().stream());
+  return out;
+}
 int64_t nan_flags(int64_t device, bool clear) { return qgru::nan_flags(device, clear); }
 void check_cublas_version() { qgru::check_cublas_version(); }
 

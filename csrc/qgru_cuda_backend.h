@@ -22,6 +22,11 @@ std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x, const st
                                                    const std::vector<double>& lo, const std::vector<double>& hi,
                                                    int64_t zp, int64_t bits, const std::string& what);
 at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp);
+// golden.requantize_input, per tensor, of a layer's integer outputs (values of at most 16 bits, as
+// every Layer's are): int16 [q.sizes()] on the target grid, one kernel pass (cuda::requantize, the
+// CUDA Stack's).
+at::Tensor requantize(const at::Tensor& q, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
+                      int64_t to_bits);
 int64_t nan_flags(int64_t device, bool clear);
 void check_cublas_version();
 

@@ -6,9 +6,9 @@
 //     levels), a backward direction's input reversed within each length (runtime.py
 //     reverse_within_lengths: quantizing is elementwise and a level is its token's, so reversing
 //     the quantized rows gives the quantized reversed rows) and its output reversed back;
-//   - layer l > 0: each source direction's outputs moved onto this direction's x grid
-//     (golden.requantize_input: saturate(rounding_mul_shift(q - Z_h, m, s) + Z_x), int64, per
-//     tensor or per channel) and concatenated on the channel axis;
+//   - layer l > 0: each source direction's outputs moved onto this direction's x grid by the
+//     backend's requantize (golden.requantize_input, per tensor: every QuantParams' in_ factors
+//     are, qgru/export.py) and concatenated on the channel axis;
 //   - every h0 quantized on its unit's h grid, the last layer's outputs and every h_n dequantized.
 // The CPU operator (cpu/op_cpu.cpp) runs its own loop on raw pointers; the CPU backend runs this one
 // too (cpu_api::Model::forward_generic), and tests/test_op_cuda_host.py holds the two equal on CPU
@@ -27,32 +27,6 @@
 namespace qgru {
 namespace op {
 
-// Each unit's input requantization factors as tensors on one device, [l D + d][source e]: the
-// multiplier, its rounding constant 2^(shift - 1) and the shift, int64 of shape [1] or [H]
-// (broadcast over the channel axis). Layer 0's units have none.
-struct InFactors {
-  std::vector<std::vector<at::Tensor>> mult, round, shift;
-};
-
-inline InFactors in_factors(const Spec& s, const at::Device& device) {
-  InFactors f;
-  const at::TensorOptions i64 = at::TensorOptions().dtype(at::kLong);
-  for (const Unit& u : s.units) {
-    std::vector<at::Tensor> m, r, sh;
-    for (size_t e = 0; e < u.in_mult.size(); ++e) {
-      const std::vector<int64_t>& mv = u.in_mult[e];
-      const std::vector<int64_t>& sv = u.in_shift[e];
-      std::vector<int64_t> rv(sv.size());
-      for (size_t c = 0; c < sv.size(); ++c) rv[c] = int64_t(1) << (sv[c] - 1);  // shift in [1, 62] (parse_spec)
-      m.push_back(at::tensor(at::ArrayRef<int64_t>(mv), i64.device(device)));
-      r.push_back(at::tensor(at::ArrayRef<int64_t>(rv), i64.device(device)));
-      sh.push_back(at::tensor(at::ArrayRef<int64_t>(sv), i64.device(device)));
-    }
-    f.mult.push_back(std::move(m)), f.round.push_back(std::move(r)), f.shift.push_back(std::move(sh));
-  }
-  return f;
-}
-
 // runtime.py reverse_within_lengths: each row of a time-major [T, N, ...] tensor reversed within its
 // length (lengths int64 [N] on x's device; undefined: every row's length is T, a flip); padding
 // steps stay where they are. One row gather, made on x's device.
@@ -67,25 +41,24 @@ inline at::Tensor reverse_within(const at::Tensor& x, const at::Tensor& lengths)
   return x.reshape({T * N, -1}).index_select(0, flat).reshape(x.sizes());
 }
 
-// golden.requantize_input of a layer's integer outputs q onto the next layer's x grid, as int32.
-inline at::Tensor requantize_input(const at::Tensor& q, int64_t from_zp, const at::Tensor& mult,
-                                   const at::Tensor& round, const at::Tensor& shift, int64_t to_zp, int64_t to_bits) {
-  const int64_t hi = (int64_t(1) << (to_bits - 1)) - 1, lo = -hi - 1;
-  const at::Tensor v = q.to(at::kLong) - from_zp;
-  return (at::bitwise_right_shift(v * mult + round, shift) + to_zp).clamp(lo, hi).to(at::kInt);
-}
-
 // The layers and directions of spec s on x [T, N, I] and hx [L D, N, H] (floating point, on the
 // backend's device; lengths: int64 [N] there, each in [1, T], or undefined) -> (out [T, N, D H], h_n
 // [L D, N, H]) in x's dtype. Ops (the backend):
 //   at::Tensor quantize(const at::Tensor& v, double scale, int64_t zp, int64_t bits, const char* what)
 //   std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x, const Unit& u)  (q, level [T, N])
+//   at::Tensor requantize(const at::Tensor& q, int64_t from_zp, int64_t mult, int64_t shift,
+//                         int64_t to_zp, int64_t to_bits)                                 (integer)
 //   at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp)                     (float32)
 //   std::tuple<at::Tensor, at::Tensor> layer(int64_t k, qx, qh0, lengths, level)             (out, h_n)
-// (lengths and level: c10::optional). f: in_factors(s) on the device.
+// (lengths and level: c10::optional). A spec whose layers requantize per channel (which no
+// QuantParams holds) is refused.
 template <class Ops>
-std::tuple<at::Tensor, at::Tensor> run_layers(const Spec& s, const InFactors& f, Ops& ops, const at::Tensor& x,
-                                              const at::Tensor& hx, const at::Tensor& lengths) {
+std::tuple<at::Tensor, at::Tensor> run_layers(const Spec& s, Ops& ops, const at::Tensor& x, const at::Tensor& hx,
+                                              const at::Tensor& lengths) {
+  for (const Unit& u : s.units)
+    for (const auto& m : u.in_mult)
+      QGRU_CHECK_VALUE(m.size() == 1, "qgru::integer_gru: the spec requantizes a layer's input per channel, which no "
+                       "QuantParams holds (its in_ factors are per tensor): not a spec qgru.ops.flatten_params made");
   const int64_t L = s.L, D = s.D;
   const c10::optional<at::Tensor> len = lengths.defined() ? c10::optional<at::Tensor>(lengths) : c10::nullopt;
   std::vector<at::Tensor> prev, h_n;  // the previous layer's integer outputs per direction (time order)
@@ -102,9 +75,8 @@ std::tuple<at::Tensor, at::Tensor> run_layers(const Spec& s, const InFactors& f,
       } else {
         std::vector<at::Tensor> parts;
         for (int64_t e = 0; e < D; ++e)
-          parts.push_back(requantize_input(prev[(size_t)e], s.units[(size_t)((l - 1) * D + e)].zh,
-                                           f.mult[(size_t)k][(size_t)e], f.round[(size_t)k][(size_t)e],
-                                           f.shift[(size_t)k][(size_t)e], u.zx, u.bx));
+          parts.push_back(ops.requantize(prev[(size_t)e], s.units[(size_t)((l - 1) * D + e)].zh, u.in_mult[(size_t)e][0],
+                                         u.in_shift[(size_t)e][0], u.zx, u.bx));
         qx = parts.size() == 1 ? parts[0] : at::cat(parts, -1);
       }
       if (d == 1) {

@@ -2,9 +2,9 @@
 without a GPU can check, and on a GPU where one is present.
 
 Without a GPU: the kernel runs its calls through the device-generic layer loop of
-csrc/qgru_op_loop.h (run_layers: layer-0 quantization per direction, the reversal within lengths,
-golden.requantize_input between layers in ATen calls, dequantization) around the backend's
-quantize, dequantize and Layers. The cpu backend runs the same loop on its own kernels
+csrc/qgru_op_loop.h (run_layers: layer-0 quantization per direction, the reversal within lengths
+in ATen calls, the requantization between layers, dequantization) around the backend's quantize,
+requantize, dequantize and Layers. The cpu backend runs the same loop on its own kernels
 (Model.forward_generic), which must give the CPU operator's integers (itself held to the golden
 model by tests/test_cpp_operator.py); and the spec's "cuda" section, from which the kernel makes
 its Layers, must hold exactly what native/cuda.py cuda_layer gives the CUDA Layer (prepare_layer
@@ -77,6 +77,27 @@ def test_generic_layer_loop_gives_the_cpu_operators_integers(cfg, mode, static, 
         want = ops._python_kernel(x, h0, torch.tensor([2, 6, 5]), params, spec)
     got = model.forward_generic(x, h0, torch.tensor([2, 6, 5]))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_generic_loop_refuses_a_per_channel_requantization():
+    """Every QuantParams requantizes between layers per tensor (qgru/export.py); the generic loop
+    takes only that (its backends' requantize is per tensor) and refuses a spec that says otherwise,
+    where the CPU kernel's own loop runs it."""
+    _cpu_or_skip()
+    m = _converted("w8a8", "multiplier", False, 2, False, seed=6)
+    params, spec = m._op_params
+    w = spec.split(" ")
+    i = [j for j in range(len(w)) if w[j] == "in" and w[j + 1] == "1"][0]  # layer 1's: "in 1 1 m s"
+    assert w[i + 2] == "1"
+    w[i + 2:i + 5] = ["16"] + [w[i + 3]] * 16 + [w[i + 4]] * 16  # the same factor for each of H = 16 channels
+    wide = " ".join(w)
+    model = native.load("cpu").Model(params, wide, "auto")
+    x, h0 = torch.randn(5, 2, 5), torch.randn(2, 2, 16)
+    want = native.load("cpu").Model(params, spec, "auto").forward(x, h0, torch.tensor([5, 3]))
+    got = model.forward(x, h0, torch.tensor([5, 3]))  # the CPU kernel's loop: the same integers
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="per channel"):
+        model.forward_generic(x, h0, torch.tensor([5, 3]))
 
 
 def test_generic_loop_refuses_bad_calls_as_the_operator_does():

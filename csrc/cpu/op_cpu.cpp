@@ -462,7 +462,8 @@ std::tuple<at::Tensor, at::Tensor> run(const Entry& e, const at::Tensor& x, cons
   return {out, stack_h(s, h_n, x)};
 }
 
-// The backend run_layers (qgru_op_loop.h) calls: this CPU path's quantize and dequantize, the Layers.
+// The backend run_layers (qgru_op_loop.h) calls: this CPU path's quantize, requantize and
+// dequantize, the Layers.
 struct CpuOps {
   const Entry& e;
   at::Tensor quantize(const at::Tensor& v, double scale, int64_t zp, int64_t bits, const char* what) {
@@ -470,6 +471,10 @@ struct CpuOps {
   }
   std::tuple<at::Tensor, at::Tensor> quantize_levels(const at::Tensor& x, const Unit& u) {
     return cpu_api::quantize_levels(x, u.lv_scale, u.lv_lo, u.lv_hi, u.zx, u.bx, "input", e.request);
+  }
+  at::Tensor requantize(const at::Tensor& q, int64_t from_zp, int64_t mult, int64_t shift, int64_t to_zp,
+                        int64_t to_bits) {
+    return cpu_api::requantize(q, from_zp, mult, shift, to_zp, to_bits);
   }
   at::Tensor dequantize(const at::Tensor& q, double scale, int64_t zp) { return cpu_api::dequantize(q, scale, zp); }
   std::tuple<at::Tensor, at::Tensor> layer(int64_t k, const at::Tensor& qx, const at::Tensor& qh0,
@@ -483,7 +488,7 @@ struct CpuOps {
 std::tuple<at::Tensor, at::Tensor> run_generic(const Entry& e, const at::Tensor& x, const at::Tensor& hx,
                                                const at::Tensor& lengths) {
   CpuOps ops{e};
-  return run_layers(e.parsed, in_factors(e.parsed, at::Device(at::kCPU)), ops, x, hx, lengths);
+  return run_layers(e.parsed, ops, x, hx, lengths);
 }
 
 // The operator's checks of x, hx and lengths against the spec, then run (``generic``: run_generic).
