@@ -37,8 +37,9 @@ from .golden import LayerParams, gru_direction, quantize_levels, requantize_inpu
 from .primitives import dequantize, qrange, quantize, saturate
 from .tables import table_geometry
 
-ABI = 5  # csrc/c/qgru_rt.h QGRU_RT_ABI
+ABI = 6  # csrc/c/qgru_rt.h QGRU_RT_ABI
 INT32_MAX = (1 << 31) - 1
+_SHARED_ONCE = True  # the fast cell's shared constants once a direction where uniform (tests: False stores them per unit)
 LAYOUTS = ("interleaved", "rows", "pairs")  # csrc/c/qgru_rt.h QGRU_RT_LAYOUT_*; rows: Helium, pairs: Cortex-M DSP
 _GATE_RESCALES = ("Wx_r", "Rh_r", "Wx_z", "Rh_z", "Wx_g", "rRh_g")
 _LEVEL_SMMLAR = True  # tests set False: a fast direction's x levels then take the 64-bit rescale
@@ -476,26 +477,43 @@ class _Writer:
                 c = (1 << (pp - 1)) + (int(zp["h_gemm"]) << pp)
                 if dmax("h", int(zp["h"])) * m // (1 << 32) + 1 + abs(c) <= INT32_MAX:
                     hg = [_lit(m), _lit(c), str(pp), "1"]
-        # the per-unit constants (qgru_rt.h QGRU_RT_UNIT_FIELDS): 18 fields a unit, unit by unit for
-        # the pairs layout (the M4's scalar cell), else blocks of four units lane by lane (vector loads)
+        # the per-unit constants (qgru_rt.h QGRU_RT_UNIT_FIELDS, 6 a unit: the accumulators' rescales) and
+        # the shared ones (QGRU_RT_SHARED_FIELDS, 12: zero points, gate rescales), these stored once where
+        # every unit's are equal (per-tensor and per-gate grids); unit by unit for the pairs layout (the
+        # M4's scalar cell), else blocks of four units lane by lane (vector loads; a shared block's lanes equal)
         def ufields(j):
-            return [acc[t][i][g * H + j] for g in range(3) for t, i in (("Wx", 0), ("Wx", 1), ("Rh", 0), ("Rh", 1))] \
-                + [M[j] for M in mg] + [m_rg[j]]
+            return [acc[t][0][g * H + j] for g in range(3) for t in ("Wx", "Rh")]
+
+        def sfields(j):
+            return [acc[t][1][g * H + j] for g in range(3) for t in ("Wx", "Rh")] + [M[j] for M in mg] + [m_rg[j]]
+        shared1 = _SHARED_ONCE and all(sfields(j) == sfields(0) for j in range(1, H))
+
+        def blocks(fn, nf, count):
+            out = []
+            for q in range(count):
+                fs = [fn(j) if j < H else [0] * nf for j in range(4 * q, 4 * q + 4)]
+                out.append(", ".join(_lit(fs[lane][f]) for f in range(nf) for lane in range(4)))
+            return out
+        nb = (H + 3) // 4
         if self.layout == "pairs":
             units = [", ".join(_lit(v) for v in ufields(j)) for j in range(H)]
+            shared = [", ".join(_lit(v) for v in sfields(j)) for j in range(1 if shared1 else H)]
+            sstride = 0 if shared1 else 12
         else:
-            units = []
-            for q in range((H + 3) // 4):
-                fs = [ufields(j) if j < H else [0] * 18 for j in range(4 * q, 4 * q + 4)]
-                units.append(", ".join(_lit(fs[lane][f]) for f in range(18) for lane in range(4)))
-        nu = 18 * (H if self.layout == "pairs" else 4 * ((H + 3) // 4))
-        self.sizes["cell"] = self.sizes.get("cell", 0) + 4 * nu
+            units = blocks(ufields, 6, nb)
+            shared = blocks(sfields if not shared1 else (lambda j: sfields(0)), 12, 1 if shared1 else nb)
+            sstride = 0 if shared1 else 48
+        nu = 6 * (H if self.layout == "pairs" else 4 * nb)
+        ns = 12 * (1 if shared1 else H) if self.layout == "pairs" else 48 * (1 if shared1 else nb)
+        self.sizes["cell"] = self.sizes.get("cell", 0) + 4 * (nu + ns)
         self.parts.append(f"static const int32_t {n}_units[{nu}] = {{\n    " + ",\n    ".join(units) + "\n};\n")
+        self.parts.append(f"static const int32_t {n}_shared[{ns}] = {{\n    " + ",\n    ".join(shared) + "\n};\n")
 
         def r2(t):
             lo, hi = rng(t)
             return f"{{{_lit(lo)}, {_lit(hi)}}}"
-        fields = [f".units = {n}_units", f".init_x = {inits[0]}", f".init_h = {inits[1]}",
+        fields = [f".units = {n}_units", f".shared = {n}_shared", f".shared_stride = {sstride}",
+                  f".init_x = {inits[0]}", f".init_h = {inits[1]}",
                   ".t = {" + ", ".join(tabs) + "}", f".k_r = {_lit(k_r)}", f".k_z = {_lit(k_z)}",
                   f".c_rg = {_lit(rg[1])}", f".m_zh = {_lit(int(rs['zh'].multiplier))}", f".c_zh = {_lit(zh[1])}",
                   f".m_zg = {_lit(int(rs['zg'].multiplier))}", f".c_zg = {_lit(zg[1])}", f".zp_h = {_lit(int(zp['h']))}",

@@ -258,6 +258,25 @@ def test_fast_only_build_runs_fast_models_and_refuses_others(folder):
         assert mb.mismatches(mb.run(t, b, check=False)) == want, case
 
 
+@pytest.mark.parametrize("target", ["host", "a53", "a64-dotprod", "m0", "m4", "m55"])
+def test_fast_cell_shared_constants_stored_per_unit(target, tmp_path, monkeypatch):
+    """The fast cell's shared constants (zero points, gate rescales: qgru_rt.h QGRU_RT_SHARED_FIELDS)
+    are stored once where every unit's are equal, as in every model above that takes the fast cell;
+    the per-unit form (shared_stride 12 / 48, for data whose units differ) is exercised here by
+    exporting with the single copy off: the same integers (the scalar cell, the vector blocks and a
+    partial last block at H = 30)."""
+    import qgru.export_mcu as em
+    t = mb.TARGETS[target]
+    if mb.missing(t):
+        pytest.skip(f"{target}: {mb.missing(t)} is not installed")
+    monkeypatch.setattr(em, "_SHARED_ONCE", False)
+    d = tmp_path / "per-unit"
+    write_mcu(converted("w8a8-fast-h30"), d / "gru", layout=t.layout)
+    assert f".shared_stride = {12 if t.layout == 'pairs' else 48}" in (d / "gru.c").read_text()
+    b = mb.build(t, d / "gru.c", mb.BOARDS / "selftest_main.c", d / f"st-{target}", defines=GOLDEN)
+    assert mb.mismatches(mb.run(t, b, timeout=60)) == 0
+
+
 def test_runtime_refuses_data_of_another_layout(folder):
     t = mb.TARGETS["host"]
     if mb.missing(t):

@@ -190,17 +190,21 @@ QGRU_RT_INLINE int32_t facc(int32_t acc, int32_t m, int32_t z, qgru_rt_range r, 
     return fsat(qgru_rt_mulhr(acc, m, z), r, std16) - z;
 }
 
-/* P: unit j's constants (qgru_rt.h QGRU_RT_UNIT_FIELDS), field f at P[QGRU_RT_UNIT_LANES f] */
+/* P: unit j's constants (qgru_rt.h QGRU_RT_UNIT_FIELDS), field f at P[QGRU_RT_UNIT_LANES f]; Q: its
+ * shared constants (QGRU_RT_SHARED_FIELDS), field f at Q[QGRU_RT_UNIT_LANES f] */
 #if QGRU_RT_LAYOUT == QGRU_RT_LAYOUT_PAIRS
 #define QGRU_RT_UNIT_LANES 1
-#define QGRU_RT_UNIT_PTR(units, j) ((units) + QGRU_RT_UNIT_FIELDS * (j))
+#define QGRU_RT_UNIT_PTR(F, j) ((F)->units + QGRU_RT_UNIT_FIELDS * (j))
+#define QGRU_RT_SHARED_PTR(F, j) ((F)->shared + (F)->shared_stride * (j))
 #else
 #define QGRU_RT_UNIT_LANES 4
-#define QGRU_RT_UNIT_PTR(units, j) ((units) + 4 * QGRU_RT_UNIT_FIELDS * ((j) >> 2) + ((j) & 3))
+#define QGRU_RT_UNIT_PTR(F, j) ((F)->units + 4 * QGRU_RT_UNIT_FIELDS * ((j) >> 2) + ((j) & 3))
+#define QGRU_RT_SHARED_PTR(F, j) ((F)->shared + (F)->shared_stride * ((j) >> 2) + ((j) & 3))
 #endif
-#define QGRU_RT_UF(g, o) P[QGRU_RT_UNIT_LANES * (4 * (g) + (o))] /* gate g: o = 0 mx, 1 zx, 2 mh, 3 zh */
-#define QGRU_RT_UG(k) P[QGRU_RT_UNIT_LANES * (12 + (k))]        /* mg[k]; k = 5: m_rg */
-QGRU_RT_INLINE int16_t fast_unit(const qgru_rt_fast *F, const int32_t *P, const int32_t *ax, const int32_t *ah,
+/* gate g: o = 0 mx, 1 zx, 2 mh, 3 zh */
+#define QGRU_RT_UF(g, o) ((o) & 1 ? Q : P)[QGRU_RT_UNIT_LANES * (2 * (g) + ((o) >> 1))]
+#define QGRU_RT_UG(k) Q[QGRU_RT_UNIT_LANES * (6 + (k))] /* mg[k]; k = 5: m_rg */
+QGRU_RT_INLINE int16_t fast_unit(const qgru_rt_fast *F, const int32_t *P, const int32_t *Q, const int32_t *ax, const int32_t *ah,
                                  int32_t h, const int std16, const int accsh, const int xq)
 {
     int32_t dx, dh, d_r, d_z, d_g, t;
@@ -222,22 +226,36 @@ QGRU_RT_INLINE int16_t fast_unit(const qgru_rt_fast *F, const int32_t *P, const 
     return (int16_t)fsat(t, F->h, std16);
 }
 
+/* units j0 .. j0 + n - 1 of a block (j0 % 4 == 0), their constants' pointers stepped unit by unit */
+#if QGRU_RT_LAYOUT == QGRU_RT_LAYOUT_PAIRS
+#define QGRU_RT_UNIT_STEP QGRU_RT_UNIT_FIELDS
+#define QGRU_RT_SHARED_STEP(F) ((F)->shared_stride)
+#else
+#define QGRU_RT_UNIT_STEP 1
+#define QGRU_RT_SHARED_STEP(F) 1
+#endif
+QGRU_RT_INLINE void fast_units(const qgru_rt_fast *F, int32_t j0, int32_t n, const int32_t *ax, const int32_t *ah,
+                               const int16_t *h, int16_t *h_new, const int std16, const int accsh, const int xq)
+{
+    const int32_t *P = QGRU_RT_UNIT_PTR(F, j0), *Q = QGRU_RT_SHARED_PTR(F, j0);
+    const int32_t qs = QGRU_RT_SHARED_STEP(F);
+    int32_t u;
+    for (u = 0; u < n; u++, P += QGRU_RT_UNIT_STEP, Q += qs)
+        h_new[j0 + u] = fast_unit(F, P, Q, ax + u, ah + u, h[j0 + u], std16, accsh, xq);
+}
+
 #ifndef QGRU_RT_NO_STD16
 static QGRU_RT_NOINLINE void fast_block16(const qgru_rt_fast *F, int32_t j0, int32_t n, const int32_t *ax,
                                           const int32_t *ah, const int16_t *h, int16_t *h_new)
 {
-    int32_t u;
-    for (u = 0; u < n; u++)
-        h_new[j0 + u] = fast_unit(F, QGRU_RT_UNIT_PTR(F->units, j0 + u), ax + u, ah + u, h[j0 + u], 1, 0, 0);
+    fast_units(F, j0, n, ax, ah, h, h_new, 1, 0, 0);
 }
 
 /* the same where the accumulators need their shifts (aa) */
 static QGRU_RT_NOINLINE void fast_block16s(const qgru_rt_fast *F, int32_t j0, int32_t n, const int32_t *ax,
                                            const int32_t *ah, const int16_t *h, int16_t *h_new)
 {
-    int32_t u;
-    for (u = 0; u < n; u++)
-        h_new[j0 + u] = fast_unit(F, QGRU_RT_UNIT_PTR(F->units, j0 + u), ax + u, ah + u, h[j0 + u], 1, 1, 0);
+    fast_units(F, j0, n, ax, ah, h, h_new, 1, 1, 0);
 }
 
 /* fast_block16 / fast_block16s four units at a time in vector lanes (MVE, NEON): the same integers lane by lane.
@@ -325,24 +343,24 @@ QGRU_RT_INLINE vi32 v_look(vi32 t, const qgru_rt_ftable *T) { return n_look(t, T
 QGRU_RT_INLINE void fast_block16v(const qgru_rt_fast *F, int32_t j0, const int32_t *ax, const int32_t *ah,
                                    const int16_t *h, int16_t *h_new, const int accsh, const int xq)
 {
-    const int32_t *U = QGRU_RT_UNIT_PTR(F->units, j0); /* field f of the four units: U + 4 f */
+    const int32_t *U = QGRU_RT_UNIT_PTR(F, j0), *S = QGRU_RT_SHARED_PTR(F, j0); /* field f: U + 4 f, S + 4 f */
     vi32 dx, dh, d_r, d_z, d_g, t;
     /* the accumulators' shifts (aa: fast_block16s's data) where accsh */
 #define FACC(a, m, z, k) (t = V_LD(z), V_SUB(V_SSAT16(V_MULHR(accsh ? V_SHL(V_LD(a), F->aa[k]) : V_LD(a), V_LD(m), t)), t))
     /* xq: ax holds q_Wx - Z_Wx already (an x level's W.x, fast_block_level) */
-    dx = xq ? V_LD(ax) : FACC(ax, U + 0, U + 4, 0);
-    dh = FACC(ah, U + 8, U + 12, 1);
-    t = V_MULHR(V_SHL(dh, F->a[1]), V_LD(U + 52), V_MULHR(V_SHL(dx, F->a[0]), V_LD(U + 48), V_DUP(F->k_r)));
+    dx = xq ? V_LD(ax) : FACC(ax, U + 0, S + 0, 0);
+    dh = FACC(ah, U + 4, S + 4, 1);
+    t = V_MULHR(V_SHL(dh, F->a[1]), V_LD(S + 28), V_MULHR(V_SHL(dx, F->a[0]), V_LD(S + 24), V_DUP(F->k_r)));
     d_r = v_look(t, &F->t[0]);
-    dx = xq ? V_LD(ax + 4) : FACC(ax + 4, U + 16, U + 20, 0);
-    dh = FACC(ah + 4, U + 24, U + 28, 1);
-    t = V_MULHR(V_SHL(dh, F->a[3]), V_LD(U + 60), V_MULHR(V_SHL(dx, F->a[2]), V_LD(U + 56), V_DUP(F->k_z)));
+    dx = xq ? V_LD(ax + 4) : FACC(ax + 4, U + 8, S + 8, 0);
+    dh = FACC(ah + 4, U + 12, S + 12, 1);
+    t = V_MULHR(V_SHL(dh, F->a[3]), V_LD(S + 36), V_MULHR(V_SHL(dx, F->a[2]), V_LD(S + 32), V_DUP(F->k_z)));
     d_z = v_look(t, &F->t[1]);
-    dx = xq ? V_LD(ax + 8) : FACC(ax + 8, U + 32, U + 36, 0);
-    dh = FACC(ah + 8, U + 40, U + 44, 1);
+    dx = xq ? V_LD(ax + 8) : FACC(ax + 8, U + 16, S + 16, 0);
+    dh = FACC(ah + 8, U + 20, S + 20, 1);
 #undef FACC
-    t = V_SHR(V_ADD(v_prod_hi(d_r, dh, V_LD(U + 68)), V_DUP(F->c_rg)), F->p_rg);
-    d_g = v_look(V_MULHR(V_SHL(dx, F->a[4]), V_LD(U + 64), t), &F->t[2]);
+    t = V_SHR(V_ADD(v_prod_hi(d_r, dh, V_LD(S + 44)), V_DUP(F->c_rg)), F->p_rg);
+    d_g = v_look(V_MULHR(V_SHL(dx, F->a[4]), V_LD(S + 40), t), &F->t[2]);
     t = V_ADD(V_SHR(V_ADD(v_prod_hi(d_z, V_SUB(V_LDH(h + j0), V_DUP(F->zp_h)), V_DUP(F->m_zh)), V_DUP(F->c_zh)), F->p_zh),
               V_SHR(V_ADD(v_prod_hi(V_SUB(V_DUP(F->one_z), d_z), d_g, V_DUP(F->m_zg)), V_DUP(F->c_zg)), F->p_zg));
     V_STH_SSAT16(h_new + j0, t);
@@ -386,29 +404,29 @@ QGRU_RT_INLINE vi32 n_prod_hi_c(vi32 a, vi32 b, vi32 m, vi32 c)
 QGRU_RT_INLINE vi32 n_facc(vi32 acc, vi32 m, vi32 z) { return vsubq_s32(V_SSAT16(V_MULHR(acc, m, z)), z); }
 
 /* one block of four units (fast_block16v, xq = 0) from its accumulators in registers; accsh: their shifts */
-QGRU_RT_INLINE void n_cell(const int32_t *const tab[3], const int32_t *U, const ncell_k *K, vi32 ax0, vi32 ax1,
+QGRU_RT_INLINE void n_cell(const int32_t *const tab[3], const int32_t *U, const int32_t *S, const ncell_k *K, vi32 ax0, vi32 ax1,
                            vi32 ax2, vi32 ah0, vi32 ah1, vi32 ah2, const int16_t *h, int16_t *h_new, const int accsh, vi32 aax, vi32 aah)
 {
-    const int32x4x4_t ur = vld1q_s32_x4(U), uz = vld1q_s32_x4(U + 16), ug = vld1q_s32_x4(U + 32);
-    const int32x4x4_t mg = vld1q_s32_x4(U + 48);
-    const int32x4x2_t mg2 = vld1q_s32_x2(U + 64);
+    /* U: mx, mh of r, z (um), of g (ug); S: zx, zh of r, z (sz), zx_g, zh_g, mg[0], mg[1] (sg), mg[2..4], m_rg (sm) */
+    const int32x4x4_t um = vld1q_s32_x4(U), sz = vld1q_s32_x4(S), sg = vld1q_s32_x4(S + 16), sm = vld1q_s32_x4(S + 32);
+    const int32x4x2_t ug = vld1q_s32_x2(U + 16);
     vi32 dx, dh, d_r, d_z, d_g, t, hz;
     if (accsh) {
         ax0 = vshlq_s32(ax0, aax), ax1 = vshlq_s32(ax1, aax), ax2 = vshlq_s32(ax2, aax);
         ah0 = vshlq_s32(ah0, aah), ah1 = vshlq_s32(ah1, aah), ah2 = vshlq_s32(ah2, aah);
     }
-    dx = n_facc(ax0, ur.val[0], ur.val[1]);
-    dh = n_facc(ah0, ur.val[2], ur.val[3]);
-    t = V_MULHR(vshlq_s32(dh, K->a1), mg.val[1], V_MULHR(vshlq_s32(dx, K->a0), mg.val[0], K->k_r));
+    dx = n_facc(ax0, um.val[0], sz.val[0]);
+    dh = n_facc(ah0, um.val[1], sz.val[1]);
+    t = V_MULHR(vshlq_s32(dh, K->a1), sg.val[3], V_MULHR(vshlq_s32(dx, K->a0), sg.val[2], K->k_r));
     d_r = n_look(t, tab[0], K->f63);
-    dx = n_facc(ax1, uz.val[0], uz.val[1]);
-    dh = n_facc(ah1, uz.val[2], uz.val[3]);
-    t = V_MULHR(vshlq_s32(dh, K->a3), mg.val[3], V_MULHR(vshlq_s32(dx, K->a2), mg.val[2], K->k_z));
+    dx = n_facc(ax1, um.val[2], sz.val[2]);
+    dh = n_facc(ah1, um.val[3], sz.val[3]);
+    t = V_MULHR(vshlq_s32(dh, K->a3), sm.val[1], V_MULHR(vshlq_s32(dx, K->a2), sm.val[0], K->k_z));
     d_z = n_look(t, tab[1], K->f63);
-    dx = n_facc(ax2, ug.val[0], ug.val[1]);
-    dh = n_facc(ah2, ug.val[2], ug.val[3]);
-    t = vshlq_s32(n_prod_hi_c(d_r, dh, mg2.val[1], K->c_rg), K->np_rg);
-    d_g = n_look(V_MULHR(vshlq_s32(dx, K->a4), mg2.val[0], t), tab[2], K->f63);
+    dx = n_facc(ax2, ug.val[0], sg.val[0]);
+    dh = n_facc(ah2, ug.val[1], sg.val[1]);
+    t = vshlq_s32(n_prod_hi_c(d_r, dh, sm.val[3], K->c_rg), K->np_rg);
+    d_g = n_look(V_MULHR(vshlq_s32(dx, K->a4), sm.val[2], t), tab[2], K->f63);
     hz = vsubq_s32(vmovl_s16(vld1_s16(h)), K->zp_h);
     t = vaddq_s32(vshlq_s32(n_prod_hi_c(d_z, hz, K->m_zh, K->c_zh), K->np_zh),
                   vshlq_s32(n_prod_hi_c(vsubq_s32(K->one_z, d_z), d_g, K->m_zg, K->c_zg), K->np_zg));
@@ -423,7 +441,8 @@ QGRU_RT_INLINE int32_t dir_fast_sdot(const qgru_rt_dir *d, const int8_t *xa, con
     const int32_t H = d->hidden_size, G = d->rows_per_gate, kx = d->k_pad_x, kh = d->k_pad_h;
     const int32_t *ix = F->init_x, *ih = F->init_h;
     const int8_t *wx = d->w8, *wh = d->r8;
-    const int32_t *U = F->units; /* (locals: the stores to h_new could alias F's bytes) */
+    const int32_t *U = F->units, *S = F->shared; /* (locals: the stores to h_new could alias F's bytes) */
+    const int32_t ss = F->shared_stride;
     const int32_t *const tab[3] = {F->t[0].tab, F->t[1].tab, F->t[2].tab};
     const size_t gx = (size_t)G * (size_t)kx, gh = (size_t)G * (size_t)kh;
     const vi32 aax = V_DUP(accsh ? F->aa[0] : 0), aah = V_DUP(accsh ? F->aa[1] : 0);
@@ -434,7 +453,7 @@ QGRU_RT_INLINE int32_t dir_fast_sdot(const qgru_rt_dir *d, const int8_t *xa, con
     K.one_z = V_DUP(F->one_z), K.f63 = V_DUP(63);
     K.a0 = V_DUP(F->a[0]), K.a1 = V_DUP(F->a[1]), K.a2 = V_DUP(F->a[2]), K.a3 = V_DUP(F->a[3]), K.a4 = V_DUP(F->a[4]);
     K.np_rg = V_DUP(-(int32_t)F->p_rg), K.np_zh = V_DUP(-(int32_t)F->p_zh), K.np_zg = V_DUP(-(int32_t)F->p_zg);
-    for (j0 = 0; j0 + 4 <= H; j0 += 4, wx += 4 * kx, wh += 4 * kh, U += 4 * QGRU_RT_UNIT_FIELDS) {
+    for (j0 = 0; j0 + 4 <= H; j0 += 4, wx += 4 * kx, wh += 4 * kh, U += 4 * QGRU_RT_UNIT_FIELDS, S += ss) {
         vi32 x0 = vld1q_s32(ix + j0), x1 = vld1q_s32(ix + G + j0), x2 = vld1q_s32(ix + 2 * G + j0);
         vi32 h0 = vld1q_s32(ih + j0), h1 = vld1q_s32(ih + G + j0), h2 = vld1q_s32(ih + 2 * G + j0);
         const int8_t *w0 = wx, *w1 = wx + gx, *w2 = wx + 2 * gx, *a, *e;
@@ -464,7 +483,7 @@ QGRU_RT_INLINE int32_t dir_fast_sdot(const qgru_rt_dir *d, const int8_t *xa, con
         } while (a < e);
 #undef QGRU_RT_SDOT12
 #undef QGRU_RT_SDOT4
-        n_cell(tab, U, &K, x0, x1, x2, h0, h1, h2, h + j0, h_new + j0, accsh, aax, aah);
+        n_cell(tab, U, S, &K, x0, x1, x2, h0, h1, h2, h + j0, h_new + j0, accsh, aax, aah);
     }
     return j0;
 }
@@ -488,9 +507,7 @@ static QGRU_RT_NOINLINE int32_t dir_fast_sdots(const qgru_rt_dir *d, const int8_
 static QGRU_RT_NOINLINE void fast_block(const qgru_rt_fast *F, int32_t j0, int32_t n, const int32_t *ax,
                                         const int32_t *ah, const int16_t *h, int16_t *h_new)
 {
-    int32_t u;
-    for (u = 0; u < n; u++)
-        h_new[j0 + u] = fast_unit(F, QGRU_RT_UNIT_PTR(F->units, j0 + u), ax + u, ah + u, h[j0 + u], 0, 1, 0);
+    fast_units(F, j0, n, ax, ah, h, h_new, 0, 1, 0);
 }
 
 /* A token on x level j > 0 (qgru_rt_xlevels): its W.x sums (level j's biases included by the
@@ -510,10 +527,10 @@ static QGRU_RT_NOINLINE void fast_block_level(const qgru_rt_dir *d, int32_t leve
     const size_t off = (size_t)(level - 1) * 3u * (size_t)H;
     int32_t u, g;
     for (u = 0; u < n; u++) {
-        const int32_t *P = QGRU_RT_UNIT_PTR(F->units, j0 + u);
+        const int32_t *Q = QGRU_RT_SHARED_PTR(F, j0 + u);
         for (g = 0; g < 3; g++) {
             const size_t c = off + (size_t)(g * H + j0 + u);
-            const int32_t z = QGRU_RT_UF(g, 1);
+            const int32_t z = Q[QGRU_RT_UNIT_LANES * 2 * g]; /* QGRU_RT_UF(g, 1): Wx_g's zero point */
             int32_t *a = &ax[4 * g + u];
             if (lv->mx)
                 *a = facc(qgru_rt_shl(*a, lv->aa[c]), lv->mx[c], z, F->wx, 0);
@@ -529,13 +546,11 @@ static QGRU_RT_NOINLINE void fast_block_level(const qgru_rt_dir *d, int32_t leve
     }
 #endif
     if (F->std16) {
-        for (u = 0; u < n; u++)
-            h_new[j0 + u] = fast_unit(F, QGRU_RT_UNIT_PTR(F->units, j0 + u), ax + u, ah + u, h[j0 + u], 1, 1, 1);
+        fast_units(F, j0, n, ax, ah, h, h_new, 1, 1, 1);
         return;
     }
 #endif
-    for (u = 0; u < n; u++)
-        h_new[j0 + u] = fast_unit(F, QGRU_RT_UNIT_PTR(F->units, j0 + u), ax + u, ah + u, h[j0 + u], 0, 1, 1);
+    fast_units(F, j0, n, ax, ah, h, h_new, 0, 1, 1);
 }
 
 /* R.h's operand requantized onto h_gemm's grid, the fast way (hg_mode 1: s >= 33, the high word

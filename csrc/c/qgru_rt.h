@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define QGRU_RT_ABI 5 /* the layout of the structs below; the exported data checks it */
+#define QGRU_RT_ABI 6 /* the layout of the structs below; the exported data checks it */
 
 #if defined(__GNUC__) || defined(__clang__)
 #define QGRU_RT_ALIGN16 __attribute__((aligned(16))) /* weight arrays: whole-word loads */
@@ -63,12 +63,17 @@ typedef struct {
  * at export, every bound it relies on checked there. A rescale round_half_up(v m / 2^s) with
  * s <= 32 is one SMMLAR: K + floor((v 2^a  m 2^b + 2^31) / 2^32), a + b = 32 - s; one with
  * s >= 33 the high word of the 64-bit product plus 2^(p-1) (and K 2^p) shifted by p = s - 32. */
-/* The per-unit constants, 18 int32 a unit: field 4 g + o (g < 3) gate g's o = 0: Wx rescale (m 2^b),
- * 1: its zero point, 2: Rh rescale, 3: its zero point; 12 + k: mg[k] (Wx_r, Rh_r, Wx_z, Rh_z, Wx_g:
- * m 2^b); 17: rRh_g's multiplier (its shift the direction's p_rg). Stored unit by unit (units[18 j
- * + f]) for the pairs layout (the M4's scalar cell: adjacent fields, LDRD), else in blocks of four
- * units lane by lane (units[72 (j / 4) + 4 f + j % 4], zeros past H: one vector load a field). */
-#define QGRU_RT_UNIT_FIELDS 18
+/* The per-unit constants, 6 int32 a unit: field 2 g (g < 3: r, z, g) gate g's Wx rescale (m 2^b), 2 g + 1
+ * its Rh rescale. The shared constants, 12 int32: field 2 g gate g's Wx zero point, 2 g + 1 its Rh zero
+ * point, 6 + k: mg[k] (Wx_r, Rh_r, Wx_z, Rh_z, Wx_g: m 2^b), 11: rRh_g's multiplier (its shift the
+ * direction's p_rg); stored once for the direction where every unit's are equal (shared_stride 0:
+ * per-tensor and per-gate grids, which the export sees), else for every unit like the others
+ * (shared_stride 12 or 48). Unit j's fields are stored unit by unit (units[6 j + f], shared[shared_stride
+ * j + f]) for the pairs layout (the M4's scalar cell: adjacent fields, LDRD), else in blocks of four
+ * units lane by lane (units[24 (j / 4) + 4 f + j % 4], shared[shared_stride (j / 4) + 4 f + j % 4],
+ * zeros past H; a shared block of 48 with its four lanes equal: one vector load a field). ABI 7. */
+#define QGRU_RT_UNIT_FIELDS 6
+#define QGRU_RT_SHARED_FIELDS 12
 
 /* a table as tab[i] = T[i] 2^k + 2^(s-1) (s = k + frac; no rounding term when 0; one entry past the
  * last repeated): T[i+1] - T[i] = (tab[i+1] - tab[i]) / 2^k exactly, the lookup
@@ -82,6 +87,8 @@ typedef struct {
 
 typedef struct {
     const int32_t *units;           /* the per-unit constants (QGRU_RT_UNIT_FIELDS) */
+    const int32_t *shared;          /* the shared constants (QGRU_RT_SHARED_FIELDS) */
+    int32_t shared_stride;          /* 0: one set for every unit; else 12 a unit (pairs) or 48 a block */
     const int32_t *init_x, *init_h; /* [3 rows_per_gate]: the kernels' accumulators start here (biases) */
     qgru_rt_ftable t[3];            /* r, z, g */
     int32_t k_r, k_z;               /* zp_pre - in_lo of r and z (u = pre - in_lo, saturated to [0, span]) */
