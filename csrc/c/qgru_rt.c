@@ -525,9 +525,10 @@ static QGRU_RT_NOINLINE void fast_block_level(const qgru_rt_dir *d, int32_t leve
     const qgru_rt_xlevels *lv = d->xlv;
     const int32_t H = d->hidden_size;
     const size_t off = (size_t)(level - 1) * 3u * (size_t)H;
+    const int32_t *Q = QGRU_RT_SHARED_PTR(F, j0);
+    const int32_t qs = QGRU_RT_SHARED_STEP(F);
     int32_t u, g;
-    for (u = 0; u < n; u++) {
-        const int32_t *Q = QGRU_RT_SHARED_PTR(F, j0 + u);
+    for (u = 0; u < n; u++, Q += qs) {
         for (g = 0; g < 3; g++) {
             const size_t c = off + (size_t)(g * H + j0 + u);
             const int32_t z = Q[QGRU_RT_UNIT_LANES * 2 * g]; /* QGRU_RT_UF(g, 1): Wx_g's zero point */
