@@ -539,9 +539,20 @@ def test_export_under_a_meta_default_device_writes_the_same_files(tmp_path):
 
 
 _V6M_HIGH = r"""
-#include <stdio.h>
 #include <stdint.h>
+#ifdef V6M_BOARD /* on the Cortex-M0 under QEMU: the inline assembly of qgru_rt_fixed.h */
+#include "board.h"
+#define REPORT(bad, n) (qgru_board_put_int("bad ", bad), qgru_board_put_int("prod ", n))
+#define NOTE(...) ((void)0)
+#else
+#include <stdio.h>
+#define REPORT(bad, n) printf("bad %ld prod %ld\n", bad, n)
+#define NOTE(...) printf(__VA_ARGS__)
+#endif
 #include "qgru_rt_fixed.h"
+#ifndef V6M_N
+#define V6M_N 3000
+#endif
 #ifndef QGRU_RT_V6M_MULH
 #error "the ARMv6-M branch of qgru_rt_fixed.h was not taken"
 #endif
@@ -555,17 +566,18 @@ static int32_t pick(int i) {  /* edges, then every bit width */
 }
 int main(void) {
     long bad = 0, n = 0, i, j;
-    for (i = 0; i < 3000; i++)
+    for (i = 0; i < V6M_N; i++)
         for (j = 0; j < 300; j++) {
-            const int32_t v = pick((int)i), m = pick((int)j), k = (int32_t)(rnd() % 2001) - 1000;
+            const int32_t v = pick((int)i), m0 = pick((int)j), m = m0 < 0 ? ~m0 : m0, k = (int32_t)(rnd() % 2001) - 1000;
             const int64_t p = (int64_t)v * m;
             const int64_t want_r = (int64_t)k + ((p + 2147483648LL) >> 32), want_h = p >> 32;
             if ((int64_t)qgru_rt_mulhr(v, m, k) != want_r || (int64_t)qgru_rt_mulhi(v, m) != want_h) {
-                if (bad++ < 5) printf("v %d m %d\n", (int)v, (int)m);
+                if (bad++ < 5) NOTE("v %d m %d\n", (int)v, (int)m);
             }
+#ifdef __SIZEOF_INT128__
             /* prod_hi: a b m with m >= 0, |a b m| < 2^63, the result in int32 */
             {
-                const int32_t a = (int32_t)(v >> (rnd() % 17)), b = (int32_t)(m >> (rnd() % 17));
+                const int32_t a = (int32_t)(v >> (rnd() % 17)), b = (int32_t)(m0 >> (rnd() % 17));
                 const int64_t ab = (int64_t)a * b;
                 const int32_t mm = (int32_t)(rnd() & 0x7fffffff) >> (rnd() % 31);
                 const __int128 x = (__int128)ab * mm;
@@ -573,11 +585,14 @@ int main(void) {
                 if (w >= -2147483648LL && w <= 2147483647LL) {
                     n++;
                     if ((int64_t)qgru_rt_prod_hi(a, b, mm) != (int64_t)w && bad++ < 5)
-                        printf("a %d b %d m %d\n", (int)a, (int)b, (int)mm);
+                        NOTE("a %d b %d m %d\n", (int)a, (int)b, (int)mm);
                 }
             }
+#else
+            n++;
+#endif
         }
-    printf("bad %ld prod %ld\n", bad, n);
+    REPORT(bad, n);
     return bad != 0;
 }
 """
@@ -602,3 +617,19 @@ def test_v6m_high_products_exact_for_every_int32(tmp_path):
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("bad 0"), out.stdout
     assert int(out.stdout.split()[-1]) > 100000, out.stdout
+
+
+def test_v6m_high_products_on_cortex_m0(tmp_path):
+    """The same check of qgru_rt_mulhr / qgru_rt_mulhi built for the Cortex-M0 (their Thumb-1
+    inline assembly, qgru_rt_v6m_mulh) and run under QEMU: edge values and 90,000 random operands."""
+    t = mb.TARGETS["m0"]
+    tool = mb.missing(t)
+    if tool:
+        pytest.skip(f"m0: {tool} is not installed")
+    src = tmp_path / "v6m.c"
+    src.write_text(_V6M_HIGH)
+    empty = tmp_path / "none.c"
+    empty.write_text("typedef int qgru_none;\n")
+    b = mb.build(t, empty, src, tmp_path / "v6m-m0", defines=["V6M_BOARD", "V6M_N=300"])
+    out = mb.run(t, b, timeout=120)
+    assert "bad 0\n" in out, out

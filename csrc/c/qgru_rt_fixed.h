@@ -100,21 +100,58 @@ QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
 #define QGRU_RT_USAT16(v) ((int32_t)__usat((v), 16))
 #elif defined(__ARM_ARCH_6M__) && (defined(__GNUC__) || defined(__clang__))
 /* ARMv6-M (Cortex-M0, M0+, M1): MULS is 32 x 32 -> 32 only; a 64-bit product is a libgcc call.
- * v m from 16-bit halves, v = vh 2^16 + vl, m = mh 2^16 + ml (vl, ml in [0, 2^16), vh, mh signed):
- * vl ml is exact in uint32, vh ml and vl mh in int32, so (v m + c) / 2^32 is vh mh + the two middle
- * products' high halves + the carry of their low halves, vl ml's high half and c / 2^16 (< 2^18).
- * Exact for every int32 v, m (c = 2^31: the rounding of mulhr; c = 0: mulhi). */
+ * v m from 16-bit halves, v = vh 2^16 + vl, m = mh 2^16 + ml (vl, ml, mh in [0, 2^16), vh signed;
+ * m >= 0, as every multiplier of the runtime): vl ml is exact in uint32, a = vh ml in int32 and
+ * b = vl mh in [0, 2^31), so (v m + c) / 2^32 = vh mh + (a >> 16) + the high half of
+ * t = (vl ml >> 16) + b + (a & 0xffff) + c / 2^16, which is below 2^31 + 2^18: exact in uint32 for
+ * every int32 v and m >= 0 (c = 2^31: the rounding of mulhr; c = 0: mulhi). qgru_rt_v6m_mulh is that
+ * formula in 19 Thumb-1 instructions (cell_v6m.c's cell takes it); the C form below is the same
+ * integers (tests/test_mcu.py compiles it for the host). */
 #define QGRU_RT_V6M_MULH(v, m, c)                                                                  \
-    const uint32_t vl_ = (uint32_t)(v) & 0xffffu, ml_ = (uint32_t)(m) & 0xffffu;                    \
-    const int32_t vh_ = (v) >> 16, mh_ = (m) >> 16;                                                \
-    const int32_t a_ = vh_ * (int32_t)ml_, b_ = (int32_t)vl_ * mh_;                                \
-    const uint32_t t_ = ((vl_ * ml_) >> 16) + (c) + ((uint32_t)a_ & 0xffffu) + ((uint32_t)b_ & 0xffffu); \
-    const int32_t r_ = vh_ * mh_ + (a_ >> 16) + (b_ >> 16) + (int32_t)(t_ >> 16)
+    const uint32_t vl_ = (uint32_t)(v) & 0xffffu, ml_ = (uint32_t)(m) & 0xffffu, mh_ = (uint32_t)(m) >> 16; \
+    const int32_t vh_ = (v) >> 16;                                                                 \
+    const int32_t a_ = vh_ * (int32_t)ml_;                                                         \
+    const uint32_t t_ = ((vl_ * ml_) >> 16) + vl_ * mh_ + ((uint32_t)a_ & 0xffffu) + ((c) >> 16);   \
+    const int32_t r_ = (int32_t)((uint32_t)(vh_ * (int32_t)mh_) + (uint32_t)(a_ >> 16) + (t_ >> 16))
+#if defined(__thumb__) && !defined(__thumb2__)
+/* k + floor((v m + c) / 2^32), c16 = c / 2^16 (0x8000 or 0), m >= 0: the formula above */
+QGRU_RT_INLINE int32_t qgru_rt_v6m_mulh(int32_t v, int32_t m, int32_t k, uint32_t c16)
+{
+    uint32_t vl, ml, t;
+    __asm__(".syntax unified\n\t"
+            "uxth %[vl], %[v]\n\t"
+            "asrs %[v], %[v], #16\n\t"   /* vh */
+            "uxth %[ml], %[m]\n\t"
+            "lsrs %[m], %[m], #16\n\t"   /* mh */
+            "movs %[t], %[ml]\n\t"
+            "muls %[t], %[v]\n\t"        /* a = vh ml */
+            "muls %[ml], %[vl]\n\t"      /* vl ml */
+            "muls %[vl], %[m]\n\t"       /* b = vl mh */
+            "muls %[m], %[v]\n\t"        /* vh mh */
+            "lsrs %[ml], %[ml], #16\n\t"
+            "adds %[ml], %[ml], %[vl]\n\t"
+            "adds %[ml], %[ml], %[c]\n\t"
+            "uxth %[vl], %[t]\n\t"
+            "adds %[ml], %[ml], %[vl]\n\t"
+            "lsrs %[ml], %[ml], #16\n\t"  /* t >> 16 */
+            "asrs %[t], %[t], #16\n\t"
+            "adds %[m], %[m], %[t]\n\t"
+            "adds %[m], %[m], %[ml]\n\t"
+            "adds %[m], %[m], %[k]\n\t"
+            ".syntax divided\n\t"
+            : [v] "+l"(v), [m] "+l"(m), [vl] "=&l"(vl), [ml] "=&l"(ml), [t] "=&l"(t)
+            : [k] "l"(k), [c] "l"(c16)
+            : "cc");
+    return m;
+}
+QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k) { return qgru_rt_v6m_mulh(v, m, k, 0x8000u); }
+#else
 QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
 {
-    QGRU_RT_V6M_MULH(v, m, 0x8000u);
+    QGRU_RT_V6M_MULH(v, m, 0x80000000u);
     return k + r_;
 }
+#endif
 #define QGRU_RT_SSAT16(v) ((v) < -32768 ? -32768 : (v) > 32767 ? 32767 : (v))
 #define QGRU_RT_SSAT8(v) ((v) < -128 ? -128 : (v) > 127 ? 127 : (v))
 #define QGRU_RT_USAT16(v) ((v) < 0 ? 0 : (v) > 65535 ? 65535 : (v))
@@ -128,10 +165,12 @@ QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
 #define QGRU_RT_USAT16(v) ((v) < 0 ? 0 : (v) > 65535 ? 65535 : (v))
 #endif
 
-/* floor(v m / 2^32) of int32 v, m */
+/* floor(v m / 2^32) of int32 v, m >= 0 */
 QGRU_RT_INLINE int32_t qgru_rt_mulhi(int32_t v, int32_t m)
 {
-#if defined(QGRU_RT_V6M_MULH)
+#if defined(QGRU_RT_V6M_MULH) && defined(__thumb__) && !defined(__thumb2__)
+    return qgru_rt_v6m_mulh(v, m, 0, 0);
+#elif defined(QGRU_RT_V6M_MULH)
     QGRU_RT_V6M_MULH(v, m, 0u);
     return r_;
 #else
