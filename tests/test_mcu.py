@@ -228,7 +228,7 @@ def test_fast_and_general_cells_are_both_exercised(folder):
     """w8a8 at 8 -> 32 takes the fast cell (16-bit variant) in every direction; the custom case
     (a Wx shift above 32) keeps unit32. The fast cell's general variant (any saturation width,
     any table geometry) runs on the same data when the 16-bit one is compiled out."""
-    for layout in ("interleaved", "pairs", "rows"):
+    for layout in ("interleaved", "pairs", "rows", "offset"):
         hdr = (exported("w8a8-fast-bidir2", layout, folder) / "gru.h").read_text()
         assert "every direction takes the fast cell" in hdr
         assert "every direction takes the fast cell" in (exported("w8a8-fast-h30", layout, folder) / "gru.h").read_text()

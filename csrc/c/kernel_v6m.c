@@ -1,32 +1,25 @@
 /* kernel_v6m.c: ARMv6-M (Cortex-M0, M0+, M1; Thumb-1, MULS 32 x 32 -> 32 only, no DSP).
- * Interleaved weights (as kernel_ref.c): each 16 bytes hold four columns of the block's four rows,
- * row r's four int8 columns one word. A group of four columns: one LDM of the four int16
- * activations (two words, split by SXTH / ASRS #16), then per row one word load and its four signed
- * bytes (SXTB; LSLS #16, ASRS #24; LSLS #8, ASRS #24; ASRS #24), each a MULS and an ADD into the
- * row's accumulator (r8-r11): 68 instructions per 16 multiply-adds, against ~94 of the plain C
- * kernel as gcc compiles it for v6-M (LDRSB has no immediate form). Sums modulo 2^32 (MULS, ADD
- * wrap), exact because the export proved every true sum fits int32. */
+ * Offset weights (qgru_rt.h QGRU_RT_LAYOUT_OFFSET): the interleaved order (each 16 bytes four
+ * columns of the block's four rows), each byte u = W + 128 in [0, 255]. A group of four columns:
+ * one LDM of the four int16 activations (two words, split by SXTH / ASRS #16), then per weight one
+ * LDRB (immediate offset), a MULS and an ADD into the row's accumulator (r8-r11): 56 instructions
+ * per 16 multiply-adds (the signed bytes of one word load took 68: SXTB / LSLS + ASRS to split
+ * them; LDRSB has no immediate form). Each row sums S + 128 sum(a); corr = -128 sum(a)
+ * (QGRU_RT_NEEDS_ASUM, the runtime's act_corr) starts every accumulator. Sums modulo 2^32 (MULS,
+ * ADD wrap), exact because every true result fits int32 (the export's bound). */
 #include "qgru_rt_kernel.h"
 
 #if QGRU_RT_KERNEL == QGRU_RT_KERNEL_V6M
 const char qgru_rt_kernel_name[] = "v6m";
 
-#define QGRU_RT_V6M_ROW(off, acc)                                                                  \
-    "ldr r6, [r0, #" #off "]\n\t"                                                                  \
-    "sxtb r7, r6\n\t"                                                                              \
-    "muls r7, r3\n\t"                                                                              \
-    "add " #acc ", r7\n\t"                                                                         \
-    "lsls r7, r6, #16\n\t"                                                                         \
-    "asrs r7, r7, #24\n\t"                                                                         \
-    "muls r7, r4\n\t"                                                                              \
-    "add " #acc ", r7\n\t"                                                                         \
-    "lsls r7, r6, #8\n\t"                                                                          \
-    "asrs r7, r7, #24\n\t"                                                                         \
-    "muls r7, r1\n\t"                                                                              \
-    "add " #acc ", r7\n\t"                                                                         \
-    "asrs r6, r6, #24\n\t"                                                                         \
-    "muls r6, r5\n\t"                                                                              \
+/* one row's four columns: its offset bytes u = W + 128 (LDRB takes immediate offsets; LDRSB only
+ * register ones), each a MULS and an ADD into the row's accumulator */
+#define QGRU_RT_V6M_MAC(off, x, acc)                                                               \
+    "ldrb r6, [r0, #" #off "]\n\t"                                                                 \
+    "muls r6, " #x "\n\t"                                                                          \
     "add " #acc ", r6\n\t"
+#define QGRU_RT_V6M_ROW(o0, o1, o2, o3, acc)                                                       \
+    QGRU_RT_V6M_MAC(o0, r3, acc) QGRU_RT_V6M_MAC(o1, r4, acc) QGRU_RT_V6M_MAC(o2, r1, acc) QGRU_RT_V6M_MAC(o3, r5, acc)
 
 /* r0 w, r1 stride (unused), r2 a, r3 k_pad (a multiple of 4), stack: init, corr, out (AAPCS) */
 #define U_ __attribute__((unused)) /* a naked function names its arguments only in the asm */
@@ -68,7 +61,8 @@ __attribute__((naked)) void qgru_rt_dot4_a16(U_ const int8_t *w, U_ int32_t stri
             "sxth r3, r3\n\t"       /* x0 */
             "sxth r1, r5\n\t"       /* x2 */
             "asrs r5, r5, #16\n\t"  /* x3 */
-            QGRU_RT_V6M_ROW(0, r8) QGRU_RT_V6M_ROW(4, r9) QGRU_RT_V6M_ROW(8, r10) QGRU_RT_V6M_ROW(12, r11)
+            QGRU_RT_V6M_ROW(0, 1, 2, 3, r8) QGRU_RT_V6M_ROW(4, 5, 6, 7, r9)
+            QGRU_RT_V6M_ROW(8, 9, 10, 11, r10) QGRU_RT_V6M_ROW(12, 13, 14, 15, r11)
             "adds r0, #16\n\t"
             "cmp r2, r12\n\t"
             "bne 2b\n\t"
