@@ -184,19 +184,19 @@ QGRU_RT_INLINE int32_t qgru_rt_mulhi(int32_t v, int32_t m)
 QGRU_RT_INLINE int32_t qgru_rt_prod_hi(int32_t a, int32_t b, int32_t m)
 {
 #if defined(QGRU_RT_V6M_MULH)
-    /* a b = hi 2^32 + lo (lo unsigned) from halves as in QGRU_RT_V6M_MULH, then floor(lo m / 2^32)
-     * (unsigned halves) + hi m modulo 2^32, exact because the true result fits int32 */
+    /* a b = hi 2^32 + lo (lo = uh 2^16 + ul unsigned) from halves as in QGRU_RT_V6M_MULH, then
+     * floor(lo m / 2^32) from the halves of lo and m (ul nh < 2^31 as m < 2^31: u < 2^31 + 2^17,
+     * exact in uint32) + hi m modulo 2^32, exact because the true result fits int32 */
     const uint32_t al = (uint32_t)a & 0xffffu, bl = (uint32_t)b & 0xffffu;
     const int32_t ah = a >> 16, bh = b >> 16;
     const int32_t x = ah * (int32_t)bl, y = (int32_t)al * bh;
     const uint32_t ll = al * bl;
     const uint32_t t = (ll >> 16) + ((uint32_t)x & 0xffffu) + ((uint32_t)y & 0xffffu);
     const uint32_t hi = (uint32_t)(ah * bh + (x >> 16) + (y >> 16)) + (t >> 16);
-    const uint32_t lo = (t << 16) | (ll & 0xffffu);
-    const uint32_t ul = lo & 0xffffu, uh = lo >> 16, nl = (uint32_t)m & 0xffffu, nh = (uint32_t)m >> 16;
-    const uint32_t p = ul * nh, q = uh * nl;
-    const uint32_t u = ((ul * nl) >> 16) + (p & 0xffffu) + (q & 0xffffu);
-    return (int32_t)(uh * nh + (p >> 16) + (q >> 16) + (u >> 16) + hi * (uint32_t)m);
+    const uint32_t ul = ll & 0xffffu, uh = t & 0xffffu, nl = (uint32_t)m & 0xffffu, nh = (uint32_t)m >> 16;
+    const uint32_t q = uh * nl;
+    const uint32_t u = ((ul * nl) >> 16) + ul * nh + (q & 0xffffu);
+    return (int32_t)(uh * nh + (q >> 16) + (u >> 16) + hi * (uint32_t)m);
 #elif UINTPTR_MAX > 0xffffffffu
     return (int32_t)qgru_rt_shr64((int64_t)a * b * m, 32);
 #else
