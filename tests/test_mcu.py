@@ -571,6 +571,11 @@ int main(void) {
             const int32_t v = pick((int)i), m0 = pick((int)j), m = m0 < 0 ? ~m0 : m0, k = (int32_t)(rnd() % 2001) - 1000;
             const int64_t p = (int64_t)v * m;
             const int64_t want_r = (int64_t)k + ((p + 2147483648LL) >> 32), want_h = p >> 32;
+            const int32_t vs = v >> (rnd() % 20); /* the clamps (Thumb-1 assembly on the M0) */
+            const int32_t want_s = vs < -32768 ? -32768 : vs > 32767 ? 32767 : vs, want_u = vs < 0 ? 0 : vs > 65535 ? 65535 : vs;
+            if (QGRU_RT_SSAT16(vs) != want_s || QGRU_RT_USAT16(vs) != want_u) {
+                if (bad++ < 5) NOTE("sat %d\n", (int)vs);
+            }
             if ((int64_t)qgru_rt_mulhr(v, m, k) != want_r || (int64_t)qgru_rt_mulhi(v, m) != want_h) {
                 if (bad++ < 5) NOTE("v %d m %d\n", (int)v, (int)m);
             }
@@ -620,8 +625,9 @@ def test_v6m_high_products_exact_for_every_int32(tmp_path):
 
 
 def test_v6m_high_products_on_cortex_m0(tmp_path):
-    """The same check of qgru_rt_mulhr / qgru_rt_mulhi built for the Cortex-M0 (their Thumb-1
-    inline assembly, qgru_rt_v6m_mulh) and run under QEMU: edge values and 90,000 random operands."""
+    """The same check of qgru_rt_mulhr / qgru_rt_mulhi and the 16-bit clamps built for the Cortex-M0
+    (their Thumb-1 inline assembly: qgru_rt_v6m_mulh, _ssat16, _usat16) and run under QEMU: edge
+    values and 90,000 random operands."""
     t = mb.TARGETS["m0"]
     tool = mb.missing(t)
     if tool:

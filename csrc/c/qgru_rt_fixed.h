@@ -145,6 +145,43 @@ QGRU_RT_INLINE int32_t qgru_rt_v6m_mulh(int32_t v, int32_t m, int32_t k, uint32_
     return m;
 }
 QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k) { return qgru_rt_v6m_mulh(v, m, k, 0x8000u); }
+/* the clamps with the in-range case first, one taken branch: v >> 15 in {-1, 0} (v + 2^15 >> 15 in
+ * {0, 1}, unsigned) for int16; v >> 16 == 0 for [0, 65535]; out of range the bound from the sign,
+ * 32767 ^ (v >> 31) and ~(v >> 31) >> 16 */
+QGRU_RT_INLINE int32_t qgru_rt_v6m_ssat16(int32_t v)
+{
+    int32_t t;
+    __asm__(".syntax unified\n\t"
+            "asrs %[t], %[v], #15\n\t"
+            "adds %[t], %[t], #1\n\t"
+            "cmp %[t], #1\n\t"
+            "bls 1f\n\t"
+            "asrs %[v], %[v], #31\n\t"
+            "movs %[t], #128\n\t"
+            "lsls %[t], %[t], #8\n\t"
+            "subs %[t], %[t], #1\n\t"
+            "eors %[v], %[t]\n\t"
+            "1:\n\t"
+            ".syntax divided\n\t"
+            : [v] "+l"(v), [t] "=&l"(t) : : "cc");
+    return v;
+}
+QGRU_RT_INLINE int32_t qgru_rt_v6m_usat16(int32_t v)
+{
+    int32_t t;
+    __asm__(".syntax unified\n\t"
+            "lsrs %[t], %[v], #16\n\t"
+            "beq 1f\n\t"
+            "asrs %[v], %[v], #31\n\t"
+            "mvns %[v], %[v]\n\t"
+            "lsrs %[v], %[v], #16\n\t"
+            "1:\n\t"
+            ".syntax divided\n\t"
+            : [v] "+l"(v), [t] "=&l"(t) : : "cc");
+    return v;
+}
+#define QGRU_RT_SSAT16(v) qgru_rt_v6m_ssat16(v)
+#define QGRU_RT_USAT16(v) qgru_rt_v6m_usat16(v)
 #else
 QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
 {
@@ -152,9 +189,11 @@ QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
     return k + r_;
 }
 #endif
+#ifndef QGRU_RT_SSAT16
 #define QGRU_RT_SSAT16(v) ((v) < -32768 ? -32768 : (v) > 32767 ? 32767 : (v))
-#define QGRU_RT_SSAT8(v) ((v) < -128 ? -128 : (v) > 127 ? 127 : (v))
 #define QGRU_RT_USAT16(v) ((v) < 0 ? 0 : (v) > 65535 ? 65535 : (v))
+#endif
+#define QGRU_RT_SSAT8(v) ((v) < -128 ? -128 : (v) > 127 ? 127 : (v))
 #else
 QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
 {
