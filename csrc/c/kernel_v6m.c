@@ -85,6 +85,94 @@ __attribute__((naked)) void qgru_rt_dot4_a16(U_ const int8_t *w, U_ int32_t stri
             ".syntax divided\n\t");
 }
 
+/* the three gates' blocks in one call (qgru_rt_kernel.h): the same loop per gate, gate g's weights
+ * at w + g gstride, its accumulators from init + g istride (+ corr), out[g]; locals on the stack */
+__attribute__((naked)) void qgru_rt_dot12_a16(U_ const int8_t *w, U_ int32_t gstride, U_ const int16_t *a, U_ int32_t k_pad,
+                                              U_ const int32_t *init, U_ int32_t istride, U_ int32_t corr, U_ int32_t out[3][4])
+{
+    __asm__(".syntax unified\n\t"
+            "push {r4, r5, r6, r7, lr}\n\t"
+            "mov r4, r8\n\t"
+            "mov r5, r9\n\t"
+            "mov r6, r10\n\t"
+            "mov r7, r11\n\t"
+            "push {r4, r5, r6, r7}\n\t"
+            "sub sp, #16\n\t" /* [sp] w of this gate, [sp + 4] gstride, [sp + 8] a, [sp + 12] gates left */
+            "str r0, [sp, #0]\n\t"
+            "str r1, [sp, #4]\n\t"
+            "str r2, [sp, #8]\n\t"
+            "lsls r3, r3, #1\n\t"
+            "adds r3, r2, r3\n\t"
+            "mov r12, r3\n\t" /* a + k_pad: the end (k_pad >= 4, a multiple of 4) */
+            "movs r3, #3\n\t"
+            "str r3, [sp, #12]\n\t"
+            "4:\n\t"
+            "ldr r4, [sp, #52]\n\t" /* init (this gate's) */
+            "ldr r5, [sp, #60]\n\t" /* corr */
+            "ldr r6, [r4, #0]\n\t"
+            "adds r6, r6, r5\n\t"
+            "mov r8, r6\n\t"
+            "ldr r6, [r4, #4]\n\t"
+            "adds r6, r6, r5\n\t"
+            "mov r9, r6\n\t"
+            "ldr r6, [r4, #8]\n\t"
+            "adds r6, r6, r5\n\t"
+            "mov r10, r6\n\t"
+            "ldr r6, [r4, #12]\n\t"
+            "adds r6, r6, r5\n\t"
+            "mov r11, r6\n\t"
+            "ldr r6, [sp, #56]\n\t" /* istride */
+            "lsls r6, r6, #2\n\t"
+            "adds r4, r4, r6\n\t"
+            "str r4, [sp, #52]\n\t"
+            "ldr r0, [sp, #0]\n\t"
+            "ldr r2, [sp, #8]\n\t"
+            "2:\n\t"
+            "ldm r2!, {r3, r5}\n\t"
+            "asrs r4, r3, #16\n\t"
+            "sxth r3, r3\n\t"
+            "sxth r1, r5\n\t"
+            "asrs r5, r5, #16\n\t"
+            QGRU_RT_V6M_ROW(0, 1, 2, 3, r8) QGRU_RT_V6M_ROW(4, 5, 6, 7, r9)
+            QGRU_RT_V6M_ROW(8, 9, 10, 11, r10) QGRU_RT_V6M_ROW(12, 13, 14, 15, r11)
+            "adds r0, #16\n\t"
+            "cmp r2, r12\n\t"
+            "bne 2b\n\t"
+            "ldr r4, [sp, #64]\n\t" /* out[g] */
+            "mov r6, r8\n\t"
+            "str r6, [r4, #0]\n\t"
+            "mov r6, r9\n\t"
+            "str r6, [r4, #4]\n\t"
+            "mov r6, r10\n\t"
+            "str r6, [r4, #8]\n\t"
+            "mov r6, r11\n\t"
+            "str r6, [r4, #12]\n\t"
+            "adds r4, #16\n\t"
+            "str r4, [sp, #64]\n\t"
+            "ldr r0, [sp, #0]\n\t"
+            "ldr r1, [sp, #4]\n\t"
+            "adds r0, r0, r1\n\t"
+            "str r0, [sp, #0]\n\t"
+            "ldr r3, [sp, #12]\n\t"
+            "subs r3, #1\n\t"
+            "str r3, [sp, #12]\n\t"
+            "bne 4b\n\t"
+            "add sp, #16\n\t"
+            "pop {r4, r5, r6, r7}\n\t"
+            "mov r8, r4\n\t"
+            "mov r9, r5\n\t"
+            "mov r10, r6\n\t"
+            "mov r11, r7\n\t"
+            "pop {r4, r5, r6, r7, pc}\n\t"
+            ".syntax divided\n\t");
+}
+
+void qgru_rt_dot12_a8(const int8_t *w, int32_t gstride, const int8_t *a, int32_t k_pad, const int32_t *init,
+                      int32_t istride, int32_t corr, int32_t out[3][4])
+{
+    (void)w, (void)gstride, (void)a, (void)k_pad, (void)init, (void)istride, (void)corr, (void)out; /* QGRU_RT_HAS_A8 is 0 */
+}
+
 void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, const int32_t *init,
                      int32_t corr, int32_t out[4])
 {

@@ -73,9 +73,9 @@ void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t
 void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, const int32_t *init,
                      int32_t corr, int32_t out[4]);
 
-/* DSP, MVE, NEON: the three gates' blocks in one call (gate g's weights at w + g gstride, its
+/* DSP, MVE, NEON, v6m: the three gates' blocks in one call (gate g's weights at w + g gstride, its
  * accumulators start at init + g istride, out[g][r]; the stride of rows is k_pad); init never 0 */
-#if QGRU_RT_KERNEL != QGRU_RT_KERNEL_REF && QGRU_RT_KERNEL != QGRU_RT_KERNEL_V6M
+#if QGRU_RT_KERNEL != QGRU_RT_KERNEL_REF
 #define QGRU_RT_HAS_DOT12 1
 void qgru_rt_dot12_a16(const int8_t *w, int32_t gstride, const int16_t *a, int32_t k_pad, const int32_t *init,
                        int32_t istride, int32_t corr, int32_t out[3][4]);
