@@ -222,7 +222,57 @@ QGRU_RT_INLINE int32_t qgru_rt_mulhi(int32_t v, int32_t m)
  * 2^32, exact because the true result fits int32. */
 QGRU_RT_INLINE int32_t qgru_rt_prod_hi(int32_t a, int32_t b, int32_t m)
 {
-#if defined(QGRU_RT_V6M_MULH)
+#if defined(QGRU_RT_V6M_MULH) && defined(__thumb__) && !defined(__thumb2__)
+    /* the C form below in 41 Thumb-1 instructions (7 low registers, 9 MULS) */
+    uint32_t al, bl, x, y;
+    __asm__(".syntax unified\n\t"
+            "uxth %[al], %[a]\n\t"
+            "asrs %[a], %[a], #16\n\t"     /* ah */
+            "uxth %[bl], %[b]\n\t"
+            "asrs %[b], %[b], #16\n\t"     /* bh */
+            "movs %[x], %[bl]\n\t"
+            "muls %[x], %[a]\n\t"          /* x = ah bl */
+            "movs %[y], %[al]\n\t"
+            "muls %[y], %[b]\n\t"          /* y = al bh */
+            "muls %[b], %[a]\n\t"          /* ah bh */
+            "muls %[al], %[bl]\n\t"        /* ll = al bl */
+            "lsrs %[a], %[al], #16\n\t"
+            "uxth %[bl], %[x]\n\t"
+            "adds %[a], %[a], %[bl]\n\t"
+            "uxth %[bl], %[y]\n\t"
+            "adds %[a], %[a], %[bl]\n\t"   /* t */
+            "asrs %[x], %[x], #16\n\t"
+            "adds %[b], %[b], %[x]\n\t"
+            "asrs %[y], %[y], #16\n\t"
+            "adds %[b], %[b], %[y]\n\t"
+            "lsrs %[x], %[a], #16\n\t"
+            "adds %[b], %[b], %[x]\n\t"    /* hi */
+            "uxth %[al], %[al]\n\t"        /* ul */
+            "uxth %[a], %[a]\n\t"          /* uh */
+            "muls %[b], %[m]\n\t"          /* hi m */
+            "uxth %[x], %[m]\n\t"          /* nl */
+            "lsrs %[m], %[m], #16\n\t"     /* nh */
+            "movs %[y], %[a]\n\t"
+            "muls %[y], %[x]\n\t"          /* q = uh nl */
+            "movs %[bl], %[al]\n\t"
+            "muls %[bl], %[x]\n\t"         /* ul nl */
+            "lsrs %[bl], %[bl], #16\n\t"
+            "muls %[al], %[m]\n\t"         /* ul nh */
+            "adds %[bl], %[bl], %[al]\n\t"
+            "uxth %[x], %[y]\n\t"
+            "adds %[bl], %[bl], %[x]\n\t"  /* u */
+            "lsrs %[bl], %[bl], #16\n\t"
+            "muls %[a], %[m]\n\t"          /* uh nh */
+            "lsrs %[y], %[y], #16\n\t"
+            "adds %[a], %[a], %[y]\n\t"
+            "adds %[a], %[a], %[bl]\n\t"
+            "adds %[a], %[a], %[b]\n\t"
+            ".syntax divided\n\t"
+            : [a] "+l"(a), [b] "+l"(b), [m] "+l"(m), [al] "=&l"(al), [bl] "=&l"(bl), [x] "=&l"(x), [y] "=&l"(y)
+            :
+            : "cc");
+    return a;
+#elif defined(QGRU_RT_V6M_MULH)
     /* a b = hi 2^32 + lo (lo = uh 2^16 + ul unsigned) from halves as in QGRU_RT_V6M_MULH, then
      * floor(lo m / 2^32) from the halves of lo and m (ul nh < 2^31 as m < 2^31: u < 2^31 + 2^17,
      * exact in uint32) + hi m modulo 2^32, exact because the true result fits int32 */
