@@ -573,7 +573,8 @@ int main(void) {
             const int64_t want_r = (int64_t)k + ((p + 2147483648LL) >> 32), want_h = p >> 32;
             const int32_t vs = v >> (rnd() % 20); /* the clamps (Thumb-1 assembly on the M0) */
             const int32_t want_s = vs < -32768 ? -32768 : vs > 32767 ? 32767 : vs, want_u = vs < 0 ? 0 : vs > 65535 ? 65535 : vs;
-            if (QGRU_RT_SSAT16(vs) != want_s || QGRU_RT_USAT16(vs) != want_u) {
+            const int32_t want_8 = vs < -128 ? -128 : vs > 127 ? 127 : vs;
+            if (QGRU_RT_SSAT16(vs) != want_s || QGRU_RT_USAT16(vs) != want_u || QGRU_RT_SSAT8(vs) != want_8) {
                 if (bad++ < 5) NOTE("sat %d\n", (int)vs);
             }
             if ((int64_t)qgru_rt_mulhr(v, m, k) != want_r || (int64_t)qgru_rt_mulhi(v, m) != want_h) {

@@ -180,6 +180,23 @@ QGRU_RT_INLINE int32_t qgru_rt_v6m_usat16(int32_t v)
             : [v] "+l"(v), [t] "=&l"(t) : : "cc");
     return v;
 }
+QGRU_RT_INLINE int32_t qgru_rt_v6m_ssat8(int32_t v)
+{
+    int32_t t;
+    __asm__(".syntax unified\n\t"
+            "asrs %[t], %[v], #7\n\t"
+            "adds %[t], %[t], #1\n\t"
+            "cmp %[t], #1\n\t"
+            "bls 1f\n\t"
+            "asrs %[v], %[v], #31\n\t"
+            "movs %[t], #127\n\t"
+            "eors %[v], %[t]\n\t"
+            "1:\n\t"
+            ".syntax divided\n\t"
+            : [v] "+l"(v), [t] "=&l"(t) : : "cc");
+    return v;
+}
+#define QGRU_RT_SSAT8(v) qgru_rt_v6m_ssat8(v)
 #define QGRU_RT_SSAT16(v) qgru_rt_v6m_ssat16(v)
 #define QGRU_RT_USAT16(v) qgru_rt_v6m_usat16(v)
 #else
@@ -193,7 +210,9 @@ QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
 #define QGRU_RT_SSAT16(v) ((v) < -32768 ? -32768 : (v) > 32767 ? 32767 : (v))
 #define QGRU_RT_USAT16(v) ((v) < 0 ? 0 : (v) > 65535 ? 65535 : (v))
 #endif
+#ifndef QGRU_RT_SSAT8
 #define QGRU_RT_SSAT8(v) ((v) < -128 ? -128 : (v) > 127 ? 127 : (v))
+#endif
 #else
 QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
 {
@@ -208,7 +227,31 @@ QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
 QGRU_RT_INLINE int32_t qgru_rt_mulhi(int32_t v, int32_t m)
 {
 #if defined(QGRU_RT_V6M_MULH) && defined(__thumb__) && !defined(__thumb2__)
-    return qgru_rt_v6m_mulh(v, m, 0, 0);
+    /* qgru_rt_v6m_mulh without c and k: 17 instructions */
+    uint32_t vl, ml, t;
+    __asm__(".syntax unified\n\t"
+            "uxth %[vl], %[v]\n\t"
+            "asrs %[v], %[v], #16\n\t"
+            "uxth %[ml], %[m]\n\t"
+            "lsrs %[m], %[m], #16\n\t"
+            "movs %[t], %[ml]\n\t"
+            "muls %[t], %[v]\n\t"
+            "muls %[ml], %[vl]\n\t"
+            "muls %[vl], %[m]\n\t"
+            "muls %[m], %[v]\n\t"
+            "lsrs %[ml], %[ml], #16\n\t"
+            "adds %[ml], %[ml], %[vl]\n\t"
+            "uxth %[vl], %[t]\n\t"
+            "adds %[ml], %[ml], %[vl]\n\t"
+            "lsrs %[ml], %[ml], #16\n\t"
+            "asrs %[t], %[t], #16\n\t"
+            "adds %[m], %[m], %[t]\n\t"
+            "adds %[m], %[m], %[ml]\n\t"
+            ".syntax divided\n\t"
+            : [v] "+l"(v), [m] "+l"(m), [vl] "=&l"(vl), [ml] "=&l"(ml), [t] "=&l"(t)
+            :
+            : "cc");
+    return m;
 #elif defined(QGRU_RT_V6M_MULH)
     QGRU_RT_V6M_MULH(v, m, 0u);
     return r_;
