@@ -40,7 +40,7 @@ from .tables import table_geometry
 ABI = 6  # csrc/c/qgru_rt.h QGRU_RT_ABI
 INT32_MAX = (1 << 31) - 1
 _SHARED_ONCE = True  # the fast cell's shared constants once a direction where uniform (tests: False stores them per unit)
-LAYOUTS = ("interleaved", "rows", "pairs")  # csrc/c/qgru_rt.h QGRU_RT_LAYOUT_*; rows: Helium, pairs: Cortex-M DSP
+LAYOUTS = ("interleaved", "rows", "pairs", "offset")  # csrc/c/qgru_rt.h QGRU_RT_LAYOUT_*; rows: Helium, pairs: Cortex-M DSP, offset: Cortex-M0
 _GATE_RESCALES = ("Wx_r", "Rh_r", "Wx_z", "Rh_z", "Wx_g", "rRh_g")
 _LEVEL_SMMLAR = True  # tests set False: a fast direction's x levels then take the 64-bit rescale
 
@@ -148,7 +148,7 @@ def write_mcu(params: QuantParams, path: Union[str, Path], prefix: Optional[str]
     """Write ``<stem>.h`` and ``<stem>.c`` (the whole model for csrc/c/); returns their paths.
 
     ``layout``: the weight order of the target's kernel: "interleaved" (plain C, NEON), "pairs"
-    (Cortex-M DSP, SMLAD) or "rows" (Helium MVE); the runtime refuses data of another (QGRU_RT_ELAYOUT).
+    (Cortex-M DSP, SMLAD), "rows" (Helium MVE) or "offset" (Cortex-M0: interleaved, bytes + 128); the runtime refuses data of another (QGRU_RT_ELAYOUT).
     ``x_levels``: export layer 0's x levels where it has them (qgru_rt_run_float takes each token's
     level); False: leave them out (less flash; float tokens on the static grid, beyond it saturated)."""
     if not isinstance(x_levels, bool):
@@ -243,8 +243,8 @@ class _Writer:
     def _weights(self, name: str, q: torch.Tensor, bits: int, H: int, wide: int) -> Tuple[str, str, int]:
         """rows of each gate padded to a multiple of 4 (zero rows), each row to k_pad, in the kernel's
         layout (interleaved: each block of 4 rows as groups of 4 columns; pairs: the same groups, each
-        word two rows' two columns, the even row's bytes + 128; a wide GEMM's pairs data is
-        interleaved, the int64 loop's order), 64 zero bytes after"""
+        word two rows' two columns, the even row's bytes + 128; offset: interleaved, every byte + 128;
+        a wide GEMM's pairs or offset data is interleaved, the int64 loop's order), 64 zero bytes after"""
         K = q.shape[1]
         kp, G = _pad4(K), _pad4(H)
         w = torch.zeros(3, G, kp, dtype=torch.int64, device=q.device)
@@ -254,8 +254,11 @@ class _Writer:
             w = w.reshape(3, G // 4, 2, 2, kp // 4, 2, 2).permute(0, 1, 4, 5, 2, 6, 3).clone()
             w[..., 0] += 128
             w = torch.where(w > 127, w - 256, w)
-        elif self.layout in ("interleaved", "pairs"):  # [gate][block][row 4][group][col 4] -> [gate][block][group][row][col]
+        elif self.layout in ("interleaved", "pairs", "offset"):  # [gate][block][row 4][group][col 4] -> [gate][block][group][row][col]
             w = w.reshape(3, G // 4, 4, kp // 4, 4).permute(0, 1, 3, 2, 4)
+            if self.layout == "offset" and not wide:  # bytes W + 128 (LDRB), as int8 values
+                w = w + 128
+                w = torch.where(w > 127, w - 256, w)
         flat = w.reshape(-1).tolist() + [0] * 64
         if bits <= 8:
             return self._arr("int8_t", name, flat, "weights", 32, align=True), "0", kp

@@ -47,7 +47,7 @@ def model(I: int, H: int, folder: Path, levels: bool = False):
     qgru.calibrate(m, [torch.randn(20, 4, I) for _ in range(2)], progress=False)
     p = m.convert().export()
     out = {}
-    for layout in ("interleaved", "rows", "pairs"):
+    for layout in ("interleaved", "rows", "pairs", "offset"):
         d = folder / f"{I}x{H}-{layout}{'-levels' if levels else ''}"
         write_mcu(p, d / "gru", layout=layout)
         out[layout] = d

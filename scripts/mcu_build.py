@@ -28,7 +28,7 @@ class Target:
     flags: Sequence[str]
     run: Sequence[str]          # command prefix; the binary is appended (-kernel for qemu-system-arm)
     bare: bool                  # bare metal (boards/cortex_m.c + .ld, semihosting) or hosted
-    layout: str = "interleaved"  # the weight layout its kernel reads (pairs: DSP, rows: MVE) (export_mcu.write_mcu's layout)
+    layout: str = "interleaved"  # the weight layout its kernel reads (pairs: DSP, rows: MVE, offset: v6m) (export_mcu.write_mcu's layout)
     tools: Sequence[str] = field(default_factory=tuple)
 
 
@@ -46,7 +46,7 @@ TARGETS = {
     "a64-dotprod": Target("a64-dotprod", "aarch64-linux-gnu-gcc", ["-march=armv8.2-a+dotprod", "-mtune=cortex-a76"],
                           ["qemu-aarch64", "-cpu", "max", "-L", A64_SYSROOT], False, tools=("qemu-aarch64",)),
     "m0": Target("m0", "arm-none-eabi-gcc", ["-mcpu=cortex-m0", "-mthumb"], _qsys("microbit"), True,
-                 tools=("qemu-system-arm",)),
+                 layout="offset", tools=("qemu-system-arm",)),
     "m4": Target("m4", "arm-none-eabi-gcc", ["-mcpu=cortex-m4", "-mthumb"], _qsys("mps2-an386"), True,
                  layout="pairs", tools=("qemu-system-arm",)),
     "m4f": Target("m4f", "arm-none-eabi-gcc", ["-mcpu=cortex-m4", "-mthumb", "-mfloat-abi=hard", "-mfpu=fpv4-sp-d16"],

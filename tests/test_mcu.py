@@ -228,7 +228,7 @@ def test_fast_and_general_cells_are_both_exercised(folder):
     """w8a8 at 8 -> 32 takes the fast cell (16-bit variant) in every direction; the custom case
     (a Wx shift above 32) keeps unit32. The fast cell's general variant (any saturation width,
     any table geometry) runs on the same data when the 16-bit one is compiled out."""
-    for layout in ("interleaved", "pairs", "rows"):
+    for layout in ("interleaved", "pairs", "rows", "offset"):
         hdr = (exported("w8a8-fast-bidir2", layout, folder) / "gru.h").read_text()
         assert "every direction takes the fast cell" in hdr
         assert "every direction takes the fast cell" in (exported("w8a8-fast-h30", layout, folder) / "gru.h").read_text()
@@ -558,9 +558,20 @@ def test_export_under_a_meta_default_device_writes_the_same_files(tmp_path):
 
 
 _V6M_HIGH = r"""
-#include <stdio.h>
 #include <stdint.h>
+#ifdef V6M_BOARD /* on the Cortex-M0 under QEMU: the inline assembly of qgru_rt_fixed.h */
+#include "board.h"
+#define REPORT(bad, n) (qgru_board_put_int("bad ", bad), qgru_board_put_int("prod ", n))
+#define NOTE(...) ((void)0)
+#else
+#include <stdio.h>
+#define REPORT(bad, n) printf("bad %ld prod %ld\n", bad, n)
+#define NOTE(...) printf(__VA_ARGS__)
+#endif
 #include "qgru_rt_fixed.h"
+#ifndef V6M_N
+#define V6M_N 3000
+#endif
 #ifndef QGRU_RT_V6M_MULH
 #error "the ARMv6-M branch of qgru_rt_fixed.h was not taken"
 #endif
@@ -574,17 +585,24 @@ static int32_t pick(int i) {  /* edges, then every bit width */
 }
 int main(void) {
     long bad = 0, n = 0, i, j;
-    for (i = 0; i < 3000; i++)
+    for (i = 0; i < V6M_N; i++)
         for (j = 0; j < 300; j++) {
-            const int32_t v = pick((int)i), m = pick((int)j), k = (int32_t)(rnd() % 2001) - 1000;
+            const int32_t v = pick((int)i), m0 = pick((int)j), m = m0 < 0 ? ~m0 : m0, k = (int32_t)(rnd() % 2001) - 1000;
             const int64_t p = (int64_t)v * m;
             const int64_t want_r = (int64_t)k + ((p + 2147483648LL) >> 32), want_h = p >> 32;
-            if ((int64_t)qgru_rt_mulhr(v, m, k) != want_r || (int64_t)qgru_rt_mulhi(v, m) != want_h) {
-                if (bad++ < 5) printf("v %d m %d\n", (int)v, (int)m);
+            const int32_t vs = v >> (rnd() % 20); /* the clamps (Thumb-1 assembly on the M0) */
+            const int32_t want_s = vs < -32768 ? -32768 : vs > 32767 ? 32767 : vs, want_u = vs < 0 ? 0 : vs > 65535 ? 65535 : vs;
+            const int32_t want_8 = vs < -128 ? -128 : vs > 127 ? 127 : vs;
+            if (QGRU_RT_SSAT16(vs) != want_s || QGRU_RT_USAT16(vs) != want_u || QGRU_RT_SSAT8(vs) != want_8) {
+                if (bad++ < 5) NOTE("sat %d\n", (int)vs);
             }
+            if ((int64_t)qgru_rt_mulhr(v, m, k) != want_r || (int64_t)qgru_rt_mulhi(v, m) != want_h) {
+                if (bad++ < 5) NOTE("v %d m %d\n", (int)v, (int)m);
+            }
+#ifdef __SIZEOF_INT128__
             /* prod_hi: a b m with m >= 0, |a b m| < 2^63, the result in int32 */
             {
-                const int32_t a = (int32_t)(v >> (rnd() % 17)), b = (int32_t)(m >> (rnd() % 17));
+                const int32_t a = (int32_t)(v >> (rnd() % 17)), b = (int32_t)(m0 >> (rnd() % 17));
                 const int64_t ab = (int64_t)a * b;
                 const int32_t mm = (int32_t)(rnd() & 0x7fffffff) >> (rnd() % 31);
                 const __int128 x = (__int128)ab * mm;
@@ -592,11 +610,27 @@ int main(void) {
                 if (w >= -2147483648LL && w <= 2147483647LL) {
                     n++;
                     if ((int64_t)qgru_rt_prod_hi(a, b, mm) != (int64_t)w && bad++ < 5)
-                        printf("a %d b %d m %d\n", (int)a, (int)b, (int)mm);
+                        NOTE("a %d b %d m %d\n", (int)a, (int)b, (int)mm);
                 }
             }
+#else
+            /* without int128: a b = ph 2^32 + pl (pl unsigned), floor(a b m / 2^32) = ph m + floor(pl m / 2^32) */
+            {
+                const int32_t a = (int32_t)(v >> (rnd() % 17)), b = (int32_t)(m0 >> (rnd() % 17));
+                const int64_t ab = (int64_t)a * b;
+                const int32_t mm = (int32_t)(rnd() & 0x7fffffff) >> (rnd() % 31);
+                const int64_t ph = ab >> 32;
+                const uint64_t pl = (uint64_t)ab & 0xffffffffu;
+                const int64_t w = ph * mm + (int64_t)((pl * (uint32_t)mm) >> 32);
+                if (ph >= -(1LL << 31) && ph < (1LL << 31) && w >= -2147483648LL && w <= 2147483647LL) {
+                    n++;
+                    if ((int64_t)qgru_rt_prod_hi(a, b, mm) != w && bad++ < 5)
+                        NOTE("a %d b %d m %d\n", (int)a, (int)b, (int)mm);
+                }
+            }
+#endif
         }
-    printf("bad %ld prod %ld\n", bad, n);
+    REPORT(bad, n);
     return bad != 0;
 }
 """
@@ -621,3 +655,21 @@ def test_v6m_high_products_exact_for_every_int32(tmp_path):
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("bad 0"), out.stdout
     assert int(out.stdout.split()[-1]) > 100000, out.stdout
+
+
+def test_v6m_high_products_on_cortex_m0(tmp_path):
+    """The same check of qgru_rt_mulhr / qgru_rt_mulhi, qgru_rt_prod_hi and the 16-bit clamps built
+    for the Cortex-M0 (their Thumb-1 inline assembly) and run under QEMU: edge values and 90,000
+    random operands (prod_hi against int64 words in place of int128)."""
+    t = mb.TARGETS["m0"]
+    tool = mb.missing(t)
+    if tool:
+        pytest.skip(f"m0: {tool} is not installed")
+    src = tmp_path / "v6m.c"
+    src.write_text(_V6M_HIGH)
+    empty = tmp_path / "none.c"
+    empty.write_text("typedef int qgru_none;\n")
+    b = mb.build(t, empty, src, tmp_path / "v6m-m0", defines=["V6M_BOARD", "V6M_N=300"])
+    out = mb.run(t, b, timeout=120)
+    assert "bad 0\n" in out, out
+    assert int(out.split("prod ")[1].split()[0]) > 10000, out

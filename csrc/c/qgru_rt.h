@@ -58,6 +58,9 @@ typedef struct {
  * W[r+1][k+1]) (r even): read as two halfwords that is W[r] + 128 + 256 W[r+1] per column, so one
  * SMLAD adds four products (docs/mcu.md). GEMMs on the int64 loop (wide) stay interleaved. */
 #define QGRU_RT_LAYOUT_PAIRS 2
+/* offset (ARMv6-M, kernel_v6m.c): the interleaved order, each byte W + 128 (unsigned: LDRB's
+ * immediate offsets); a kernel's sum gets -128 sum(a) (corr). Wide GEMMs stay interleaved. */
+#define QGRU_RT_LAYOUT_OFFSET 3
 
 /* The fast cell (qgru_rt.c fast_unit, docs/mcu.md "The fast cell"): every constant precomputed
  * at export, every bound it relies on checked there. A rescale round_half_up(v m / 2^s) with

@@ -100,24 +100,119 @@ QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
 #define QGRU_RT_USAT16(v) ((int32_t)__usat((v), 16))
 #elif defined(__ARM_ARCH_6M__) && (defined(__GNUC__) || defined(__clang__))
 /* ARMv6-M (Cortex-M0, M0+, M1): MULS is 32 x 32 -> 32 only; a 64-bit product is a libgcc call.
- * v m from 16-bit halves, v = vh 2^16 + vl, m = mh 2^16 + ml (vl, ml in [0, 2^16), vh, mh signed):
- * vl ml is exact in uint32, vh ml and vl mh in int32, so (v m + c) / 2^32 is vh mh + the two middle
- * products' high halves + the carry of their low halves, vl ml's high half and c / 2^16 (< 2^18).
- * Exact for every int32 v, m (c = 2^31: the rounding of mulhr; c = 0: mulhi). */
+ * v m from 16-bit halves, v = vh 2^16 + vl, m = mh 2^16 + ml (vl, ml, mh in [0, 2^16), vh signed;
+ * m >= 0, as every multiplier of the runtime): vl ml is exact in uint32, a = vh ml in int32 and
+ * b = vl mh in [0, 2^31), so (v m + c) / 2^32 = vh mh + (a >> 16) + the high half of
+ * t = (vl ml >> 16) + b + (a & 0xffff) + c / 2^16, which is below 2^31 + 2^18: exact in uint32 for
+ * every int32 v and m >= 0 (c = 2^31: the rounding of mulhr; c = 0: mulhi). qgru_rt_v6m_mulh is that
+ * formula in 19 Thumb-1 instructions (cell_v6m.c's cell takes it); the C form below is the same
+ * integers (tests/test_mcu.py compiles it for the host). */
 #define QGRU_RT_V6M_MULH(v, m, c)                                                                  \
-    const uint32_t vl_ = (uint32_t)(v) & 0xffffu, ml_ = (uint32_t)(m) & 0xffffu;                    \
-    const int32_t vh_ = (v) >> 16, mh_ = (m) >> 16;                                                \
-    const int32_t a_ = vh_ * (int32_t)ml_, b_ = (int32_t)vl_ * mh_;                                \
-    const uint32_t t_ = ((vl_ * ml_) >> 16) + (c) + ((uint32_t)a_ & 0xffffu) + ((uint32_t)b_ & 0xffffu); \
-    const int32_t r_ = vh_ * mh_ + (a_ >> 16) + (b_ >> 16) + (int32_t)(t_ >> 16)
+    const uint32_t vl_ = (uint32_t)(v) & 0xffffu, ml_ = (uint32_t)(m) & 0xffffu, mh_ = (uint32_t)(m) >> 16; \
+    const int32_t vh_ = (v) >> 16;                                                                 \
+    const int32_t a_ = vh_ * (int32_t)ml_;                                                         \
+    const uint32_t t_ = ((vl_ * ml_) >> 16) + vl_ * mh_ + ((uint32_t)a_ & 0xffffu) + ((c) >> 16);   \
+    const int32_t r_ = (int32_t)((uint32_t)(vh_ * (int32_t)mh_) + (uint32_t)(a_ >> 16) + (t_ >> 16))
+#if defined(__thumb__) && !defined(__thumb2__)
+/* k + floor((v m + c) / 2^32), c16 = c / 2^16 (0x8000 or 0), m >= 0: the formula above */
+QGRU_RT_INLINE int32_t qgru_rt_v6m_mulh(int32_t v, int32_t m, int32_t k, uint32_t c16)
+{
+    uint32_t vl, ml, t;
+    __asm__(".syntax unified\n\t"
+            "uxth %[vl], %[v]\n\t"
+            "asrs %[v], %[v], #16\n\t"   /* vh */
+            "uxth %[ml], %[m]\n\t"
+            "lsrs %[m], %[m], #16\n\t"   /* mh */
+            "movs %[t], %[ml]\n\t"
+            "muls %[t], %[v]\n\t"        /* a = vh ml */
+            "muls %[ml], %[vl]\n\t"      /* vl ml */
+            "muls %[vl], %[m]\n\t"       /* b = vl mh */
+            "muls %[m], %[v]\n\t"        /* vh mh */
+            "lsrs %[ml], %[ml], #16\n\t"
+            "adds %[ml], %[ml], %[vl]\n\t"
+            "adds %[ml], %[ml], %[c]\n\t"
+            "uxth %[vl], %[t]\n\t"
+            "adds %[ml], %[ml], %[vl]\n\t"
+            "lsrs %[ml], %[ml], #16\n\t"  /* t >> 16 */
+            "asrs %[t], %[t], #16\n\t"
+            "adds %[m], %[m], %[t]\n\t"
+            "adds %[m], %[m], %[ml]\n\t"
+            "adds %[m], %[m], %[k]\n\t"
+            ".syntax divided\n\t"
+            : [v] "+l"(v), [m] "+l"(m), [vl] "=&l"(vl), [ml] "=&l"(ml), [t] "=&l"(t)
+            : [k] "l"(k), [c] "l"(c16)
+            : "cc");
+    return m;
+}
+QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k) { return qgru_rt_v6m_mulh(v, m, k, 0x8000u); }
+/* the clamps with the in-range case first, one taken branch: v >> 15 in {-1, 0} (v + 2^15 >> 15 in
+ * {0, 1}, unsigned) for int16; v >> 16 == 0 for [0, 65535]; out of range the bound from the sign,
+ * 32767 ^ (v >> 31) and ~(v >> 31) >> 16 */
+QGRU_RT_INLINE int32_t qgru_rt_v6m_ssat16(int32_t v)
+{
+    int32_t t;
+    __asm__(".syntax unified\n\t"
+            "asrs %[t], %[v], #15\n\t"
+            "adds %[t], %[t], #1\n\t"
+            "cmp %[t], #1\n\t"
+            "bls 1f\n\t"
+            "asrs %[v], %[v], #31\n\t"
+            "movs %[t], #128\n\t"
+            "lsls %[t], %[t], #8\n\t"
+            "subs %[t], %[t], #1\n\t"
+            "eors %[v], %[t]\n\t"
+            "1:\n\t"
+            ".syntax divided\n\t"
+            : [v] "+l"(v), [t] "=&l"(t) : : "cc");
+    return v;
+}
+QGRU_RT_INLINE int32_t qgru_rt_v6m_usat16(int32_t v)
+{
+    int32_t t;
+    __asm__(".syntax unified\n\t"
+            "lsrs %[t], %[v], #16\n\t"
+            "beq 1f\n\t"
+            "asrs %[v], %[v], #31\n\t"
+            "mvns %[v], %[v]\n\t"
+            "lsrs %[v], %[v], #16\n\t"
+            "1:\n\t"
+            ".syntax divided\n\t"
+            : [v] "+l"(v), [t] "=&l"(t) : : "cc");
+    return v;
+}
+QGRU_RT_INLINE int32_t qgru_rt_v6m_ssat8(int32_t v)
+{
+    int32_t t;
+    __asm__(".syntax unified\n\t"
+            "asrs %[t], %[v], #7\n\t"
+            "adds %[t], %[t], #1\n\t"
+            "cmp %[t], #1\n\t"
+            "bls 1f\n\t"
+            "asrs %[v], %[v], #31\n\t"
+            "movs %[t], #127\n\t"
+            "eors %[v], %[t]\n\t"
+            "1:\n\t"
+            ".syntax divided\n\t"
+            : [v] "+l"(v), [t] "=&l"(t) : : "cc");
+    return v;
+}
+#define QGRU_RT_SSAT8(v) qgru_rt_v6m_ssat8(v)
+#define QGRU_RT_SSAT16(v) qgru_rt_v6m_ssat16(v)
+#define QGRU_RT_USAT16(v) qgru_rt_v6m_usat16(v)
+#else
 QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
 {
-    QGRU_RT_V6M_MULH(v, m, 0x8000u);
+    QGRU_RT_V6M_MULH(v, m, 0x80000000u);
     return k + r_;
 }
+#endif
+#ifndef QGRU_RT_SSAT16
 #define QGRU_RT_SSAT16(v) ((v) < -32768 ? -32768 : (v) > 32767 ? 32767 : (v))
-#define QGRU_RT_SSAT8(v) ((v) < -128 ? -128 : (v) > 127 ? 127 : (v))
 #define QGRU_RT_USAT16(v) ((v) < 0 ? 0 : (v) > 65535 ? 65535 : (v))
+#endif
+#ifndef QGRU_RT_SSAT8
+#define QGRU_RT_SSAT8(v) ((v) < -128 ? -128 : (v) > 127 ? 127 : (v))
+#endif
 #else
 QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
 {
@@ -128,10 +223,36 @@ QGRU_RT_INLINE int32_t qgru_rt_mulhr(int32_t v, int32_t m, int32_t k)
 #define QGRU_RT_USAT16(v) ((v) < 0 ? 0 : (v) > 65535 ? 65535 : (v))
 #endif
 
-/* floor(v m / 2^32) of int32 v, m */
+/* floor(v m / 2^32) of int32 v, m >= 0 */
 QGRU_RT_INLINE int32_t qgru_rt_mulhi(int32_t v, int32_t m)
 {
-#if defined(QGRU_RT_V6M_MULH)
+#if defined(QGRU_RT_V6M_MULH) && defined(__thumb__) && !defined(__thumb2__)
+    /* qgru_rt_v6m_mulh without c and k: 17 instructions */
+    uint32_t vl, ml, t;
+    __asm__(".syntax unified\n\t"
+            "uxth %[vl], %[v]\n\t"
+            "asrs %[v], %[v], #16\n\t"
+            "uxth %[ml], %[m]\n\t"
+            "lsrs %[m], %[m], #16\n\t"
+            "movs %[t], %[ml]\n\t"
+            "muls %[t], %[v]\n\t"
+            "muls %[ml], %[vl]\n\t"
+            "muls %[vl], %[m]\n\t"
+            "muls %[m], %[v]\n\t"
+            "lsrs %[ml], %[ml], #16\n\t"
+            "adds %[ml], %[ml], %[vl]\n\t"
+            "uxth %[vl], %[t]\n\t"
+            "adds %[ml], %[ml], %[vl]\n\t"
+            "lsrs %[ml], %[ml], #16\n\t"
+            "asrs %[t], %[t], #16\n\t"
+            "adds %[m], %[m], %[t]\n\t"
+            "adds %[m], %[m], %[ml]\n\t"
+            ".syntax divided\n\t"
+            : [v] "+l"(v), [m] "+l"(m), [vl] "=&l"(vl), [ml] "=&l"(ml), [t] "=&l"(t)
+            :
+            : "cc");
+    return m;
+#elif defined(QGRU_RT_V6M_MULH)
     QGRU_RT_V6M_MULH(v, m, 0u);
     return r_;
 #else
@@ -144,20 +265,70 @@ QGRU_RT_INLINE int32_t qgru_rt_mulhi(int32_t v, int32_t m)
  * 2^32, exact because the true result fits int32. */
 QGRU_RT_INLINE int32_t qgru_rt_prod_hi(int32_t a, int32_t b, int32_t m)
 {
-#if defined(QGRU_RT_V6M_MULH)
-    /* a b = hi 2^32 + lo (lo unsigned) from halves as in QGRU_RT_V6M_MULH, then floor(lo m / 2^32)
-     * (unsigned halves) + hi m modulo 2^32, exact because the true result fits int32 */
+#if defined(QGRU_RT_V6M_MULH) && defined(__thumb__) && !defined(__thumb2__)
+    /* the C form below in 41 Thumb-1 instructions (7 low registers, 9 MULS) */
+    uint32_t al, bl, x, y;
+    __asm__(".syntax unified\n\t"
+            "uxth %[al], %[a]\n\t"
+            "asrs %[a], %[a], #16\n\t"     /* ah */
+            "uxth %[bl], %[b]\n\t"
+            "asrs %[b], %[b], #16\n\t"     /* bh */
+            "movs %[x], %[bl]\n\t"
+            "muls %[x], %[a]\n\t"          /* x = ah bl */
+            "movs %[y], %[al]\n\t"
+            "muls %[y], %[b]\n\t"          /* y = al bh */
+            "muls %[b], %[a]\n\t"          /* ah bh */
+            "muls %[al], %[bl]\n\t"        /* ll = al bl */
+            "lsrs %[a], %[al], #16\n\t"
+            "uxth %[bl], %[x]\n\t"
+            "adds %[a], %[a], %[bl]\n\t"
+            "uxth %[bl], %[y]\n\t"
+            "adds %[a], %[a], %[bl]\n\t"   /* t */
+            "asrs %[x], %[x], #16\n\t"
+            "adds %[b], %[b], %[x]\n\t"
+            "asrs %[y], %[y], #16\n\t"
+            "adds %[b], %[b], %[y]\n\t"
+            "lsrs %[x], %[a], #16\n\t"
+            "adds %[b], %[b], %[x]\n\t"    /* hi */
+            "uxth %[al], %[al]\n\t"        /* ul */
+            "uxth %[a], %[a]\n\t"          /* uh */
+            "muls %[b], %[m]\n\t"          /* hi m */
+            "uxth %[x], %[m]\n\t"          /* nl */
+            "lsrs %[m], %[m], #16\n\t"     /* nh */
+            "movs %[y], %[a]\n\t"
+            "muls %[y], %[x]\n\t"          /* q = uh nl */
+            "movs %[bl], %[al]\n\t"
+            "muls %[bl], %[x]\n\t"         /* ul nl */
+            "lsrs %[bl], %[bl], #16\n\t"
+            "muls %[al], %[m]\n\t"         /* ul nh */
+            "adds %[bl], %[bl], %[al]\n\t"
+            "uxth %[x], %[y]\n\t"
+            "adds %[bl], %[bl], %[x]\n\t"  /* u */
+            "lsrs %[bl], %[bl], #16\n\t"
+            "muls %[a], %[m]\n\t"          /* uh nh */
+            "lsrs %[y], %[y], #16\n\t"
+            "adds %[a], %[a], %[y]\n\t"
+            "adds %[a], %[a], %[bl]\n\t"
+            "adds %[a], %[a], %[b]\n\t"
+            ".syntax divided\n\t"
+            : [a] "+l"(a), [b] "+l"(b), [m] "+l"(m), [al] "=&l"(al), [bl] "=&l"(bl), [x] "=&l"(x), [y] "=&l"(y)
+            :
+            : "cc");
+    return a;
+#elif defined(QGRU_RT_V6M_MULH)
+    /* a b = hi 2^32 + lo (lo = uh 2^16 + ul unsigned) from halves as in QGRU_RT_V6M_MULH, then
+     * floor(lo m / 2^32) from the halves of lo and m (ul nh < 2^31 as m < 2^31: u < 2^31 + 2^17,
+     * exact in uint32) + hi m modulo 2^32, exact because the true result fits int32 */
     const uint32_t al = (uint32_t)a & 0xffffu, bl = (uint32_t)b & 0xffffu;
     const int32_t ah = a >> 16, bh = b >> 16;
     const int32_t x = ah * (int32_t)bl, y = (int32_t)al * bh;
     const uint32_t ll = al * bl;
     const uint32_t t = (ll >> 16) + ((uint32_t)x & 0xffffu) + ((uint32_t)y & 0xffffu);
     const uint32_t hi = (uint32_t)(ah * bh + (x >> 16) + (y >> 16)) + (t >> 16);
-    const uint32_t lo = (t << 16) | (ll & 0xffffu);
-    const uint32_t ul = lo & 0xffffu, uh = lo >> 16, nl = (uint32_t)m & 0xffffu, nh = (uint32_t)m >> 16;
-    const uint32_t p = ul * nh, q = uh * nl;
-    const uint32_t u = ((ul * nl) >> 16) + (p & 0xffffu) + (q & 0xffffu);
-    return (int32_t)(uh * nh + (p >> 16) + (q >> 16) + (u >> 16) + hi * (uint32_t)m);
+    const uint32_t ul = ll & 0xffffu, uh = t & 0xffffu, nl = (uint32_t)m & 0xffffu, nh = (uint32_t)m >> 16;
+    const uint32_t q = uh * nl;
+    const uint32_t u = ((ul * nl) >> 16) + ul * nh + (q & 0xffffu);
+    return (int32_t)(uh * nh + (q >> 16) + (u >> 16) + hi * (uint32_t)m);
 #elif UINTPTR_MAX > 0xffffffffu
     return (int32_t)qgru_rt_shr64((int64_t)a * b * m, 32);
 #else

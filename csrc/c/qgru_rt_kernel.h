@@ -42,9 +42,9 @@
 
 /* Where activation k is stored in the buffer the kernel reads (every kernel: in order) */
 #define QGRU_RT_ACT_POS(k) (k)
-#if QGRU_RT_KERNEL == QGRU_RT_KERNEL_DSP
-#define QGRU_RT_HAS_A8 0 /* int8 activations are widened to int16 (SMLAD's halfword pairs) */
-#define QGRU_RT_NEEDS_ASUM 1 /* the pairs layout needs -128 sum(a) (qgru_rt.h QGRU_RT_LAYOUT_PAIRS) */
+#if QGRU_RT_KERNEL == QGRU_RT_KERNEL_DSP || QGRU_RT_KERNEL == QGRU_RT_KERNEL_V6M
+#define QGRU_RT_HAS_A8 0 /* int8 activations are widened to int16 (SMLAD's halfword pairs; v6m: LDM + SXTH) */
+#define QGRU_RT_NEEDS_ASUM 1 /* the pairs and offset layouts need -128 sum(a) (qgru_rt.h QGRU_RT_LAYOUT_PAIRS, _OFFSET) */
 #else
 #define QGRU_RT_HAS_A8 (QGRU_RT_KERNEL != QGRU_RT_KERNEL_REF && QGRU_RT_KERNEL != QGRU_RT_KERNEL_V6M)
 #define QGRU_RT_NEEDS_ASUM 0
@@ -55,6 +55,8 @@
 #define QGRU_RT_LAYOUT QGRU_RT_LAYOUT_ROWS
 #elif QGRU_RT_KERNEL == QGRU_RT_KERNEL_DSP
 #define QGRU_RT_LAYOUT QGRU_RT_LAYOUT_PAIRS
+#elif QGRU_RT_KERNEL == QGRU_RT_KERNEL_V6M
+#define QGRU_RT_LAYOUT QGRU_RT_LAYOUT_OFFSET
 #else
 #define QGRU_RT_LAYOUT QGRU_RT_LAYOUT_INTERLEAVED
 #endif
@@ -63,16 +65,17 @@
 
 /* int16 activations (every kernel) and int8 activations (kernels with QGRU_RT_HAS_A8).
  * init: the four accumulators' start (0: zeros), in the layout's form (pairs: row 2i starts at
- * b[2i] + 256 b[2i+1], the export writes it); corr: -128 sum(a) where QGRU_RT_NEEDS_ASUM, else 0.
+ * b[2i] + 256 b[2i+1], the export writes it); corr: -128 sum(a) where QGRU_RT_NEEDS_ASUM (pairs,
+ * offset), else 0.
  * out[r] = init_r + sum_k w[r][k] a[k]. */
 void qgru_rt_dot4_a16(const int8_t *w, int32_t stride, const int16_t *a, int32_t k_pad, const int32_t *init,
                       int32_t corr, int32_t out[4]);
 void qgru_rt_dot4_a8(const int8_t *w, int32_t stride, const int8_t *a, int32_t k_pad, const int32_t *init,
                      int32_t corr, int32_t out[4]);
 
-/* DSP, MVE, NEON: the three gates' blocks in one call (gate g's weights at w + g gstride, its
+/* DSP, MVE, NEON, v6m: the three gates' blocks in one call (gate g's weights at w + g gstride, its
  * accumulators start at init + g istride, out[g][r]; the stride of rows is k_pad); init never 0 */
-#if QGRU_RT_KERNEL != QGRU_RT_KERNEL_REF && QGRU_RT_KERNEL != QGRU_RT_KERNEL_V6M
+#if QGRU_RT_KERNEL != QGRU_RT_KERNEL_REF
 #define QGRU_RT_HAS_DOT12 1
 void qgru_rt_dot12_a16(const int8_t *w, int32_t gstride, const int16_t *a, int32_t k_pad, const int32_t *init,
                        int32_t istride, int32_t corr, int32_t out[3][4]);
