@@ -5,7 +5,8 @@
 integers in the widths they need (int8 weights, rows padded to 4 for the SIMD loops; int16 tables
 where the entries fit, else int32; 32-bit multipliers, 8-bit shifts; biases with the zero-point
 term folded in, int32 where they fit), and golden vectors (qgru.golden on an integer sequence) with
-``int <prefix>_selftest(void *work, size_t bytes)``, compiled only with ``-D<PREFIX>_GOLDEN``.
+``int <prefix>_selftest(void *work, size_t bytes)`` (0: bit-exact; it passes the runtime exactly
+qgru_rt_work_bytes and checks 16 guard bytes after them), compiled only with ``-D<PREFIX>_GOLDEN``.
 
 At export each GEMM is checked against the int32 bound the kernels need (docs/mcu.md): every
 partial sum of |q_W| |q_x| fits int32. Where it does not (or the weights have more than 8 bits)
@@ -712,17 +713,26 @@ static int32_t {pre}_golden_pass(const float *xf, int step, void *work, size_t w
 
 /* Runs the golden sequences, integer and float input, each in one call (and, unidirectional, one
  * step per call too): the number of integers (outputs and h_n) that differ from qgru.golden's,
- * 0 = bit-exact; < 0: an error. */
+ * 0 = bit-exact; < 0: an error (-100: the runtime wrote past the qgru_rt_work_bytes it asked for,
+ * checked on 16 guard bytes where work_bytes leaves room for them). */
 int {pre}_selftest(void *work, size_t work_bytes)
 {{
-    int32_t f, step, rc, bad = 0;
+    const size_t need = qgru_rt_work_bytes(&{pre}_model, {qx.shape[0]});
+    unsigned char *guard = (unsigned char *)work + need;
+    const int32_t ng = work_bytes >= need + 16 ? 16 : 0;
+    int32_t f, step, rc, i, bad = 0;
+    for (i = 0; i < ng; i++)
+        guard[i] = 0x5a;
     for (f = 0; f < 2; f++)
         for (step = 0; step < ({D} == 1 ? 2 : 1); step++) {{
-            rc = {pre}_golden_pass(f ? {pre}_golden_xf : 0, step, work, work_bytes);
+            rc = {pre}_golden_pass(f ? {pre}_golden_xf : 0, step, work, ng ? need : work_bytes);
             if (rc < 0)
                 return rc;
             bad += rc;
         }}
+    for (i = 0; i < ng; i++)
+        if (guard[i] != 0x5a)
+            return -100;
     return bad;
 }}
 #endif /* {P}_GOLDEN */

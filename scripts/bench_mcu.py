@@ -55,6 +55,7 @@ def model(I: int, H: int, folder: Path, levels: bool = False):
 
 
 FAST_ONLY = False  # --fast-only
+WORK = {}  # model folder -> the work bytes of a streaming step, as the last build there printed them
 
 
 def count(t, d: Path, steps: int, xf: float = 0.0) -> int:
@@ -66,6 +67,7 @@ def count(t, d: Path, steps: int, xf: float = 0.0) -> int:
     log = d / f"exec-{t.name}-{steps}.log"
     out = mb.run(t, b, timeout=600, extra=["-singlestep", "-d", "exec,nochain", "-D", str(log)])
     assert "rc 0" in out, out
+    WORK[d] = int(re.search(r"work (\d+)", out).group(1))  # qgru_rt_work_bytes(m, 1), printed by the build
     n = sum(1 for line in log.open(errors="replace") if line.startswith("Trace"))
     log.unlink()
     return n
@@ -129,8 +131,7 @@ def main() -> int:
                     f.unlink()
                 n = (count(t, d, 5) - count(t, d, 1)) / 4
                 kernel = {"m0": "v6m (MULS)", "m4": "dsp (SMLAD)", "m4f": "dsp (SMLAD), FPU", "m55": "mve", "a53": "neon", "a64-dotprod": "neon SDOT"}.get(t.name, "?")
-                work = 2 * (((max(I, H) + 15) & ~15) + ((H + 15) & ~15))  # qgru_rt_work_bytes, T = 1
-                ram = f"{2 * H} + {work} + {stack(d)}"
+                ram = f"{2 * H} + {WORK[d]} + {stack(d)}"
                 print(f"| {t.name} | {kernel} | {I} -> {H} | {n:,.0f} | {n / macs:.2f} | {flash(t, d)} | {ram} | "
                       f"{ANCHORS.get((t.name, shape), '')} |", flush=True)
             if not a.float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -58,13 +59,14 @@ GOLDEN = ["GRU_GOLDEN", 'QGRU_MODEL_HEADER="gru.h"', "QGRU_MODEL=gru"]
 HARNESS = r"""
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include "gru.h"
 
 /* stdin: T, x [T][I] (HARNESS_FLOAT: floats as %a for qgru_rt_run_float, else x_q integers for
  * qgru_rt_run), h0 [STATE]. stdout: (HARNESS_FLOAT: the return code,) out [T][D H] and h_n of one
  * call; then the same from two calls (the first T/2 steps, then the rest) for a unidirectional
  * model; HARNESS_FLOAT: then the return code of a call whose x holds a NaN and whether it left the
- * state as it was. */
+ * state as it was. Exit 4: the runtime wrote into the 64 guard bytes past qgru_rt_work_bytes. */
 #ifdef HARNESS_FLOAT
 typedef float x_type;
 #define RUN qgru_rt_run_float
@@ -87,8 +89,9 @@ int main(void)
     x_type *x = malloc(sizeof(x_type) * (size_t)(T * GRU_INPUT_SIZE + 1));
     int16_t *out = malloc(sizeof(int16_t) * (size_t)(T * D * H + 1));
     int16_t h0[GRU_STATE_SIZE], h[GRU_STATE_SIZE];
-    void *work = malloc(nw);
+    unsigned char *work = malloc(nw + 64); /* 64 guard bytes past qgru_rt_work_bytes: never written */
     int32_t i, c, rc;
+    memset(work + nw, 0x5a, 64);
     for (i = 0; i < T * GRU_INPUT_SIZE; i++) {
 #ifdef HARNESS_FLOAT
         if (scanf("%a", &x[i]) != 1) return 2;
@@ -121,6 +124,8 @@ int main(void)
         printf("%d\n%d\n", (int)rc, (int)same);
     }
 #endif
+    for (i = 0; i < 64; i++)
+        if (work[nw + i] != 0x5a) return 4;
     free(x), free(out), free(work);
     return 0;
 }
@@ -310,6 +315,50 @@ def test_cross_targets_self_test_bit_exact(case, target, folder):
     kernel = {"a53": "neon", "a64-dotprod": "neon-dotprod", "m0": "v6m", "m4": "dsp", "m55": "mve"}[target]
     assert f"kernel {kernel}\n" in out, out
     assert mb.mismatches(out) == 0, out
+
+
+WORK_MAIN = r"""
+#include <stdio.h>
+#include "gru.h"
+int main(void) { printf("work %lu\n", (unsigned long)qgru_rt_work_bytes(&gru_model, 1)); return 0; }
+"""
+
+
+@pytest.mark.parametrize("target", ["host", "a53"])
+def test_work_buffer_holds_operands_in_their_width_and_the_self_test_guards_it(target, folder, tmp_path, monkeypatch):
+    """qgru_rt_work_bytes: the x and R.h operands as int8 (1 byte a value) where every direction's
+    are int8 and the kernel takes int8 (NEON, MVE), else int16; a streaming step of a unidirectional
+    model needs nothing more. The self-test hands the runtime exactly that many bytes and fails
+    (-100) when it writes into the 16 guard bytes after them: a runtime whose work size is 16 bytes
+    short (a copy of csrc/c edited here) is caught."""
+    t = mb.TARGETS[target]
+    if mb.missing(t):
+        pytest.skip(f"{target}: {mb.missing(t)} is not installed (.ci/run installs the cross toolchains and QEMU)")
+    a8 = target != "host"  # (the host build's portable kernel widens int8 to int16)
+    for case, width in (("w8a8-fast-h30", 1 if a8 else 2), ("w8a16-pow2-stack", 2)):
+        d = exported(case, t.layout, folder)
+        (d / "work.c").write_text(WORK_MAIN)
+        out = mb.run(t, mb.build(t, d / "gru.c", d / "work.c", d / f"work-{target}"))
+        p = converted(case).layers[0][0]
+        want = width * (mb_pad16(max(p.input_size, p.hidden_size)) + mb_pad16(p.hidden_size))
+        assert out == f"work {want}\n", (case, out)
+    rt = tmp_path / "rt"
+    shutil.copytree(mb.RT, rt, ignore=shutil.ignore_patterns("boards"))
+    src = (rt / "qgru_rt.c").read_text()
+    fixed = "return act_size(m) * (size_t)(qgru_rt_pad16(max_input(m)) + qgru_rt_pad16(m->hidden_size));"
+    assert src.count(fixed) == 1
+    (rt / "qgru_rt.c").write_text(src.replace(fixed, fixed[:-1] + " - 16;"))
+    d = exported("w8a8-fast-h30", t.layout, folder)
+    good = mb.run(t, mb.build(t, d / "gru.c", mb.BOARDS / "selftest_main.c", d / f"guard-ok-{target}", defines=GOLDEN))
+    assert mb.mismatches(good) == 0, good
+    monkeypatch.setattr(mb, "RT", rt)
+    bad = mb.run(t, mb.build(t, d / "gru.c", mb.BOARDS / "selftest_main.c", d / f"guard-short-{target}", defines=GOLDEN),
+                 check=False)
+    assert mb.mismatches(bad) == -100, bad
+
+
+def mb_pad16(n: int) -> int:
+    return (n + 15) & ~15
 
 
 QUANTIZE = r"""

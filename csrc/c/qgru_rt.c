@@ -95,10 +95,10 @@ static int32_t requant_acc(int64_t acc, int32_t m, int s, int32_t zp, qgru_rt_ra
 #endif
 
 #ifndef QGRU_RT_FAST_ONLY /* the general cells (qgru_rt.h QGRU_RT_FAST_ONLY: a build without them) */
-/* Unit j of the cell (golden gru_step): its three W x and R h sums -> the new h[j]. A function of
+/* Unit j of the cell (golden gru_step): its three W x and R h sums (ax[4 g], ah[4 g]: gate g of dir_wide's blocks) -> the new h[j]. A function of
  * its own (not inlined into the block loop), so a 32-bit core keeps its values in registers. */
-static QGRU_RT_NOINLINE int16_t unit(const qgru_rt_dir *d, const wx_rq *q, int32_t j, const int64_t ax[3],
-                                     const int64_t ah[3], int32_t h)
+static QGRU_RT_NOINLINE int16_t unit(const qgru_rt_dir *d, const wx_rq *q, int32_t j, const int64_t *ax,
+                                     const int64_t *ah, int32_t h)
 {
     const int32_t H = d->hidden_size;
     int32_t dwx[3], drh[3], d_r, d_z, d_g, pre, g;
@@ -107,8 +107,8 @@ static QGRU_RT_NOINLINE int16_t unit(const qgru_rt_dir *d, const wx_rq *q, int32
         const int32_t c = g * H + j;
         const int64_t bx = q->bias ? q->bias[c] : q->bias64[c];
         const int64_t bh = d->bias_h ? d->bias_h[c] : d->bias_h64[c];
-        dwx[g] = requant_acc(ax[g] + bx, q->m[c], q->s[c], d->zp_wx[c], d->r_wx);
-        drh[g] = requant_acc(ah[g] + bh, d->m_rh[c], d->s_rh[c], d->zp_rh[c], d->r_rh);
+        dwx[g] = requant_acc(ax[4 * g] + bx, q->m[c], q->s[c], d->zp_wx[c], d->r_wx);
+        drh[g] = requant_acc(ah[4 * g] + bh, d->m_rh[c], d->s_rh[c], d->zp_rh[c], d->r_rh);
     }
     pre = (int32_t)qgru_rt_sat64(qgru_rt_mul_shift32(dwx[0], d->m_gate[0][j], d->s_gate[0][j])
                                  + qgru_rt_mul_shift32(drh[0], d->m_gate[1][j], d->s_gate[1][j])
@@ -725,12 +725,8 @@ static QGRU_RT_NOINLINE void dir_wide(const qgru_rt_dir *d, const wx_rq *q, act_
             dot4(d, 0, g * G + j0, xa, cx, ax[g]);
             dot4(d, 1, g * G + j0, ha, ch, ah[g]);
         }
-        for (u = 0; u < 4 && j0 + u < H; u++) {
-            {
-                const int64_t x3[3] = {ax[0][u], ax[1][u], ax[2][u]}, h3[3] = {ah[0][u], ah[1][u], ah[2][u]};
-                h_new[j0 + u] = unit(d, q, j0 + u, x3, h3, h[j0 + u]);
-            }
-        }
+        for (u = 0; u < 4 && j0 + u < H; u++)
+            h_new[j0 + u] = unit(d, q, j0 + u, &ax[0][u], &ah[0][u], h[j0 + u]);
     }
 }
 #endif
@@ -894,7 +890,7 @@ static int32_t put_input_float(const qgru_rt_dir *d, act_buf xa, const float *x)
     return j;
 }
 
-/* work: [x operand: pad16(max K) int16][R.h operand: pad16(H) int16]
+/* work: [x operand: pad16(max K) values][R.h operand: pad16(H) values] (values of act_size bytes)
  * [stacked bidirectional: one layer's outputs, T * D * H int16]; the state is updated in place */
 static int32_t max_input(const qgru_rt_model *m)
 {
@@ -902,9 +898,20 @@ static int32_t max_input(const qgru_rt_model *m)
     return m->input_size > up ? m->input_size : up;
 }
 
+/* bytes of an operand value: 1 where every direction's x and R.h operands are int8 (a kernel with
+ * QGRU_RT_HAS_A8), else 2 (int16: buf_for's a16) */
+static size_t act_size(const qgru_rt_model *m)
+{
+    int32_t l;
+    for (l = 0; l < m->num_layers * m->num_directions; l++)
+        if (!use_a8(m->dirs[l].x_bits) || !use_a8(m->dirs[l].op_bits))
+            return sizeof(int16_t);
+    return 1;
+}
+
 static size_t fixed_bytes(const qgru_rt_model *m)
 {
-    return sizeof(int16_t) * (size_t)(qgru_rt_pad16(max_input(m)) + qgru_rt_pad16(m->hidden_size));
+    return act_size(m) * (size_t)(qgru_rt_pad16(max_input(m)) + qgru_rt_pad16(m->hidden_size));
 }
 
 size_t qgru_rt_work_bytes(const qgru_rt_model *m, int32_t T)
@@ -946,7 +953,8 @@ QGRU_RT_INLINE int run(const qgru_rt_model *m, const int16_t *x_q, const float_i
 {
     const level_block_fn level_block = x_f ? x_f->level_block : 0;
     const int32_t L = m ? m->num_layers : 0, D = m ? m->num_directions : 0, H = m ? m->hidden_size : 0;
-    int16_t *xw, *hw, *seq;
+    void *xw, *hw;
+    int16_t *seq;
     int32_t t, l, e, j;
     if (!m || !state || (T > 0 && !x_q && !x_f) || T < 0 || !work || L < 1 || (D != 1 && D != 2) || H < 1)
         return QGRU_RT_EARG;
@@ -964,9 +972,9 @@ QGRU_RT_INLINE int run(const qgru_rt_model *m, const int16_t *x_q, const float_i
         if (!m->dirs[l].fast)
             return QGRU_RT_ECELL;
 #endif
-    xw = (int16_t *)work;
-    hw = xw + qgru_rt_pad16(max_input(m));
-    seq = hw + qgru_rt_pad16(H);
+    xw = work; /* (a multiple of 16 bytes each: seq stays aligned) */
+    hw = (char *)work + act_size(m) * (size_t)qgru_rt_pad16(max_input(m));
+    seq = (int16_t *)(void *)((char *)work + fixed_bytes(m));
     if (D == 1) {
         /* one step through every layer at a time: the layers above read the state just written */
         for (t = 0; t < T; t++) {

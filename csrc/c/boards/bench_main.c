@@ -42,5 +42,6 @@ int main(void)
     qgru_board_put_int("rc ", rc);
     qgru_board_put_int("ticks ", (long)ticks);
     qgru_board_put_int("checksum ", sum);
+    qgru_board_put_int("work ", (long)qgru_rt_work_bytes(m, 1));
     return rc != 0;
 }
